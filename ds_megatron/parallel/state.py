@@ -1,0 +1,133 @@
+"""The process groups of one job, built from a ``ParallelLayout``.
+
+One ``ParallelState`` object holds every group (dense and expert) this rank
+belongs to.  Modules receive it (or single groups from it) explicitly; there
+are no module globals.  Building is collective: every rank calls
+``torch.distributed.new_group`` for every group of every kind in the same
+order, as torch requires.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from .layout import ALL_GROUPS, ParallelLayout
+
+
+@dataclass(frozen=True)
+class ParallelGroup:
+    """This rank's group of one kind: its global ranks, the torch group, and our index in it."""
+
+    kind: str
+    ranks: Tuple[int, ...]
+    group: Optional[dist.ProcessGroup]
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(dist.get_rank())
+
+    @property
+    def src_rank(self) -> int:
+        """Global rank of the first member (for broadcasts within the group)."""
+        return self.ranks[0]
+
+
+class ParallelState:
+    """All groups of a job for this rank.  Build with ``ParallelState.build(layout)``."""
+
+    def __init__(self, layout: ParallelLayout, groups: Dict[str, ParallelGroup], all_ranks: Dict[str, List[List[int]]],
+                 owned: List[dist.ProcessGroup]):
+        self.layout = layout
+        self.groups = groups
+        self.all_ranks = all_ranks
+        self._owned = owned
+
+    @classmethod
+    def build(cls, layout: ParallelLayout) -> "ParallelState":
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialized; call deepspeed.init_distributed() "
+                               "or ds_megatron.initialize() first")
+        world = dist.get_world_size()
+        if world != layout.world_size:
+            raise ValueError(f"layout is for world size {layout.world_size} but this job has {world} ranks")
+        me = dist.get_rank()
+        all_ranks = layout.group_ranks()
+        # Identical rank lists share one torch group (e.g. model-parallel and tp-pp);
+        # the world is the default group.  Deterministic on every rank.
+        by_ranks: Dict[Tuple[int, ...], dist.ProcessGroup] = {tuple(range(world)): dist.group.WORLD}
+        owned: List[dist.ProcessGroup] = []
+        groups: Dict[str, ParallelGroup] = {}
+        for kind in ALL_GROUPS:
+            for ranks in all_ranks[kind]:
+                key = tuple(ranks)
+                if key not in by_ranks:
+                    pg = dist.new_group(list(key))
+                    by_ranks[key] = pg
+                    owned.append(pg)
+                if me in key:
+                    groups[kind] = ParallelGroup(kind, key, by_ranks[key])
+        return cls(layout, groups, all_ranks, owned)
+
+    def destroy(self) -> None:
+        """Tear the groups down (collective); the object is unusable afterwards."""
+        for pg in self._owned:
+            if pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(pg)
+        self._owned = []
+        self.groups = {}
+
+    def __getitem__(self, kind: str) -> ParallelGroup:
+        try:
+            return self.groups[kind]
+        except KeyError:
+            raise KeyError(f"no group of kind {kind!r}; kinds are {', '.join(ALL_GROUPS)}") from None
+
+    # Short names for the groups model code uses most.
+    @property
+    def tp(self) -> ParallelGroup:
+        return self["tp"]
+
+    @property
+    def cp(self) -> ParallelGroup:
+        return self["cp"]
+
+    @property
+    def dp(self) -> ParallelGroup:
+        return self["dp"]
+
+    @property
+    def dp_cp(self) -> ParallelGroup:
+        return self["dp-cp"]
+
+    @property
+    def pp(self) -> ParallelGroup:
+        return self["pp"]
+
+    @property
+    def mp(self) -> ParallelGroup:
+        return self["model-parallel"]
+
+    @property
+    def etp(self) -> ParallelGroup:
+        return self["etp"]
+
+    @property
+    def ep(self) -> ParallelGroup:
+        return self["ep"]
+
+    @property
+    def edp(self) -> ParallelGroup:
+        return self["edp"]
+
+    @property
+    def expert_mp(self) -> ParallelGroup:
+        return self["expert-model-parallel"]
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={self.groups[k].rank}/{self.groups[k].size}" for k in ("tp", "cp", "dp", "pp", "etp", "ep", "edp"))

@@ -1,0 +1,155 @@
+"""Run a test body on N real gloo ranks, with a hard timeout.
+
+``run_on_ranks(world_size, fn, *args)`` calls ``fn(*args)`` on every rank of a
+gloo job and returns the list of per-rank results.  Workers are started once
+per world size through a ``forkserver`` that has torch and DeepSpeed imported
+already, and are reused by later tests (each keeps its process group), which
+saves most of the start-up cost on a 2-core machine.  If any rank raises, the
+others are killed at once and the test fails with that rank's traceback; if
+the ranks do not all answer within ``timeout`` seconds, the workers are killed
+and the test fails: nothing hangs.
+
+``fn`` must be importable (a module-level function in a test module).
+"""
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import traceback
+from typing import Any, Callable, Dict, List
+
+_CTX = None
+_POOLS: Dict[int, "_Pool"] = {}
+DEFAULT_TIMEOUT = float(os.environ.get("DS_MEGATRON_TEST_TIMEOUT", "180"))
+
+
+class RankFailure(AssertionError):
+    """A rank raised, or the job timed out."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(rank: int, world_size: int, port: int) -> Dict[str, str]:
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+    }
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "deepspeed", "ds_megatron"])
+    return _CTX
+
+
+def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: List[str]) -> None:
+    sys.path[:] = sys_path
+    os.environ.update(worker_env(rank, world_size, port))
+    import torch
+    import torch.distributed as dist
+    from ds_megatron.utils.runtime_env import prepare_cpu_runtime
+
+    torch.set_num_threads(1)
+    prepare_cpu_runtime()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
+            results.put((rank, False, traceback.format_exc()))
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # skips interpreter teardown, which sometimes aborts under gloo
+
+
+class _Pool:
+    def __init__(self, world_size: int):
+        ctx = _context()
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_worker_main, daemon=True,
+                                  args=(r, world_size, port, self.tasks[r], self.results, list(sys.path)))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, args, kwargs, timeout: float) -> List[Any]:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        out: List[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        import time
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            dead = [r for r in pending if not self.procs[r].is_alive()]
+            if dead:
+                self.kill()
+                raise RankFailure(f"rank(s) {dead} of {self.world_size} died (exit codes "
+                                  f"{[self.procs[r].exitcode for r in dead]}) while running {fn.__name__}")
+            if left <= 0:
+                self.kill()
+                raise RankFailure(f"{fn.__name__} on {self.world_size} ranks timed out after {timeout:.0f}s; "
+                                  f"ranks {sorted(pending)} never answered")
+            try:
+                rank, ok, value = self.results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if not ok:
+                self.kill()
+                raise RankFailure(f"rank {rank} of {self.world_size} failed in {fn.__name__}:\n{value}")
+            out[rank] = value
+            pending.discard(rank)
+        return out
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+        _POOLS.pop(self.world_size, None)
+
+
+def run_on_ranks(world_size: int, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> List[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = _Pool(world_size)
+    return pool.run(fn, args, kwargs, timeout)
+
+
+def shutdown_pools() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
+
+
+atexit.register(shutdown_pools)
