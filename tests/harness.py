@@ -62,7 +62,8 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
 
     torch.set_num_threads(1)
     prepare_cpu_runtime()
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
     while True:
         task = tasks.get()
         if task is None:

@@ -1,0 +1,159 @@
+"""The ``"megatron"`` section of a DeepSpeed JSON config, parsed and validated.
+
+Everything here is pure Python (no torch, no DeepSpeed) so that a bad config
+fails in well under a second, before any process group is created.  Each
+section is a dataclass; ``parse_section`` checks unknown keys and types and
+names the offending field (``megatron.tensor_model_parallel_size``) in one
+sentence with the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from .parallel.rank_generator import DEFAULT_ORDER
+
+SECTION = "megatron"
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field and the fix."""
+
+
+@dataclass
+class MegatronConfig:
+    """Parallel layout and Megatron switches.  Sizes use Megatron-LM's argument names."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    # None means "same as tensor_model_parallel_size", as in Megatron-LM.
+    expert_tensor_parallel_size: Optional[int] = None
+    order: str = DEFAULT_ORDER
+    sequence_parallel: bool = False
+    make_vocab_size_divisible_by: int = 128
+    # Free-form sections read by the training entry point (``ds-megatron train``);
+    # validated there against their own dataclasses.
+    model: Dict[str, Any] = field(default_factory=dict)
+    train: Dict[str, Any] = field(default_factory=dict)
+    data: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size", "make_vocab_size_divisible_by"):
+            _check_positive(f"{SECTION}.{name}", getattr(self, name))
+        if self.expert_tensor_parallel_size is not None:
+            _check_positive(f"{SECTION}.expert_tensor_parallel_size", self.expert_tensor_parallel_size)
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError(f"{SECTION}.sequence_parallel is true but tensor_model_parallel_size is 1; "
+                              "sequence parallelism shards along TP ranks: set tensor_model_parallel_size > 1 "
+                              "or sequence_parallel to false")
+
+    def layout(self, world_size: int):
+        """The validated ``ParallelLayout`` for ``world_size`` ranks (ConfigError if it does not fit)."""
+        from .parallel.layout import ParallelLayout
+        try:
+            return ParallelLayout(world_size=world_size, tp=self.tensor_model_parallel_size,
+                                  pp=self.pipeline_model_parallel_size, cp=self.context_parallel_size,
+                                  ep=self.expert_model_parallel_size, etp=self.expert_tensor_parallel_size,
+                                  order=self.order)
+        except ValueError as e:
+            raise ConfigError(f"{SECTION}: {e}") from None
+
+    @property
+    def is_trivial(self) -> bool:
+        """True when every parallel size is 1: ``initialize`` then behaves like ``deepspeed.initialize``."""
+        return (self.tensor_model_parallel_size == self.pipeline_model_parallel_size == self.context_parallel_size
+                == self.expert_model_parallel_size == 1 and self.expert_tensor_parallel_size in (None, 1))
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(where: str, value, tp):
+    """Check ``value`` against the annotation ``tp``; return it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(where, value, args[0])
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a JSON object, got {type(value).__name__}")
+        return parse_section(tp, value, where)
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a JSON object, got {type(value).__name__}")
+        return dict(value)
+    if origin in (list, List, tuple, Tuple):
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a JSON list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)[:1] or (Any,)
+        return [_coerce(f"{where}[{i}]", v, item) for i, v in enumerate(value)]
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{where} must be of type {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def parse_section(cls, data: Dict[str, Any], where: str):
+    """Build dataclass ``cls`` from ``data``: unknown keys and wrong types are ConfigErrors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"unknown key {where}.{key}; known keys are: {', '.join(known)}")
+    kwargs = {k: _coerce(f"{where}.{k}", v, hints[k]) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_ds_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Dict[str, Any]:
+    """The DeepSpeed config as a dict, from a path or a dict (copied, never mutated)."""
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))
+    path = os.fspath(config)
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist; pass the path of a DeepSpeed JSON config")
+    with open(path) as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid JSON: {e}") from None
+
+
+def split_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Tuple[Dict[str, Any], MegatronConfig]:
+    """(the DeepSpeed config without our section, our parsed section)."""
+    ds_config = load_ds_config(config)
+    section = ds_config.pop(SECTION, {})
+    return ds_config, parse_section(MegatronConfig, section, SECTION)
+
+
+def world_size_from_env() -> Optional[int]:
+    """The job's world size as the launcher announced it, before torch.distributed starts."""
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None

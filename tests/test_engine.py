@@ -1,0 +1,134 @@
+"""ds_megatron.initialize under the real DeepSpeed engine on 4 and 8 gloo ranks."""
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_on_ranks
+
+import ds_megatron
+from ds_megatron.config import ConfigError
+
+
+def _ds_config(tp, extra=None):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1000,
+        "megatron": {"tensor_model_parallel_size": tp},
+    }
+    cfg.update(extra or {})
+    return cfg
+
+
+class TinyTPModel(torch.nn.Module):
+    """A model whose first weight is a TP shard (different per TP rank) and whose second is replicated."""
+
+    def __init__(self, tp_rank):
+        super().__init__()
+        g = torch.Generator().manual_seed(10 + tp_rank)
+        self.shard = torch.nn.Parameter(torch.randn(3, 4, generator=g))
+        self.shard.tensor_model_parallel = True
+        g = torch.Generator().manual_seed(99)
+        self.replicated = torch.nn.Parameter(torch.randn(4, generator=g))
+
+    def forward(self, x):
+        return ((x @ self.shard) * self.replicated).pow(2).mean()
+
+
+def _local_grads(model, x):
+    ref = TinyTPModel(0)
+    ref.load_state_dict(model.state_dict())
+    ref(x).backward()
+    return torch.cat([ref.shard.grad.flatten(), ref.replicated.grad.flatten()])
+
+
+def _dp_averaging_uses_our_groups(tp):
+    world = dist.get_world_size()
+    state = ds_megatron.initialize_model_parallel(_ds_config(tp))
+    model = TinyTPModel(state.tp.rank)
+    engine, _, _, _ = ds_megatron.initialize(model=model, model_parameters=model.parameters(),
+                                             config=_ds_config(tp), parallel_state=state)
+    assert engine.mpu is engine.megatron.mpu
+    assert engine.seq_data_parallel_group is state.dp_cp.group
+    # Each rank feeds data of its own global rank, so its local gradient is unique.
+    g = torch.Generator().manual_seed(1000 + dist.get_rank())
+    x = torch.randn(2, 3, generator=g)
+    local = _local_grads(model, x)
+    loss = engine(x)
+    engine.backward(loss)
+    reduced = torch.cat([model.shard.grad.flatten(), model.replicated.grad.flatten()])
+    everyone = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(everyone, local)
+    expected = torch.stack([everyone[r] for r in state.dp.ranks]).mean(0)
+    wrong = torch.stack(everyone).mean(0)  # what averaging over the whole world would give
+    engine.step()
+    out = dict(dp_ranks=list(state.dp.ranks), ok=torch.allclose(reduced, expected, atol=1e-6),
+               differs_from_world=not torch.allclose(expected, wrong, atol=1e-4),
+               dp_size=engine.dp_world_size, mp_size=engine.mp_world_size)
+    state.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world,tp", [(4, 2), (8, 2), (8, 4)])
+def test_deepspeed_averages_gradients_over_our_dp_groups_only(world, tp):
+    res = run_on_ranks(world, _dp_averaging_uses_our_groups, tp)
+    for r, out in enumerate(res):
+        assert out["ok"], (r, out)
+        assert out["differs_from_world"], "test data cannot tell DP from world averaging"
+        assert out["dp_size"] == world // tp and out["mp_size"] == tp
+
+
+def _checkpoint_named_by_mp_rank(tmpdir):
+    state = ds_megatron.initialize_model_parallel(_ds_config(2))
+    model = TinyTPModel(state.tp.rank)
+    engine, _, _, _ = ds_megatron.initialize(model=model, model_parameters=model.parameters(),
+                                             config=_ds_config(2), parallel_state=state)
+    before = model.shard.detach().clone()
+    engine.save_checkpoint(tmpdir, tag="step1")
+    dist.barrier()
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(tmpdir, "step1", "*model_states.pt")))
+    saved = torch.load(os.path.join(tmpdir, "step1", f"mp_rank_{state.tp.rank:02d}_model_states.pt"),
+                       map_location="cpu", weights_only=False)["module"]["shard"]
+    with torch.no_grad():
+        model.shard.zero_()
+    engine.load_checkpoint(tmpdir, tag="step1")
+    restored = torch.equal(model.shard, before)
+    state.destroy()
+    return files, torch.equal(saved, before), restored
+
+
+def test_checkpoint_files_are_named_by_our_model_parallel_rank(tmp_path):
+    res = run_on_ranks(4, _checkpoint_named_by_mp_rank, str(tmp_path))
+    for files, saved_ok, restored in res:
+        assert files == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]
+        assert saved_ok and restored
+
+
+def _plain_initialize_without_section():
+    model = TinyTPModel(0)
+    cfg = _ds_config(1)
+    del cfg["megatron"]
+    engine, _, _, _ = ds_megatron.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    out = (engine.dp_world_size, engine.mp_world_size)
+    engine.megatron.state.destroy()
+    return out
+
+
+def test_without_megatron_section_all_ranks_are_data_parallel():
+    assert run_on_ranks(4, _plain_initialize_without_section) == [(4, 1)] * 4
+
+
+def test_bad_config_is_refused_before_any_group():
+    with pytest.raises(ConfigError, match="megatron.tensor_model_parallel_size"):
+        ds_megatron.validate_config({"megatron": {"tensor_model_parallel_size": "two"}}, world_size=4)
+    with pytest.raises(ConfigError, match="not divisible by tp\\*cp\\*pp"):
+        ds_megatron.validate_config({"megatron": {"tensor_model_parallel_size": 3}}, world_size=4)
+    with pytest.raises(ConfigError, match="etp\\*ep\\*pp"):
+        ds_megatron.validate_config({"megatron": {"expert_model_parallel_size": 3}}, world_size=4)
+    with pytest.raises(ConfigError, match="unknown key megatron.tp"):
+        ds_megatron.validate_config({"megatron": {"tp": 2}}, world_size=4)
