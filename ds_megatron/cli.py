@@ -123,7 +123,7 @@ def _run_delegated(name: str, argv: List[str]) -> int:
     except ModuleNotFoundError as e:
         # Only a missing module of our own means "not written/installed yet";
         # a missing third-party import inside it is a real error and propagates.
-        if e.name is None or not module_name.startswith(e.name):
+        if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
             raise
         print(f"{PROG} {name}: error: not available: module {module_name} is not part of this installation "
               f"({e}); update ds_megatron or use another subcommand", file=sys.stderr)
