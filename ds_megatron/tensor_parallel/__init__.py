@@ -1,0 +1,43 @@
+"""Tensor (and sequence) parallelism from section 3 of the Megatron-LM paper.
+
+| module | concept |
+| --- | --- |
+| ``mappings`` | the conjugate communication operators (f/g, split/gather, sequence-parallel reduce-scatter/gather) |
+| ``layers`` | ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding`` |
+| ``cross_entropy`` | ``vocab_parallel_cross_entropy``: loss on vocab-split logits without gathering them |
+| ``random`` | ``RNGStatesTracker``: per-TP-rank dropout streams, checkpointable |
+| ``init`` | TP-size-independent weight initialization |
+| ``params`` | parameter attributes (``tensor_model_parallel``, ``sequence_parallel``) and the grad sync they imply |
+| ``utils`` | ``divide``, vocab ranges, vocab padding |
+
+Every function and layer takes its TP process group explicitly (``group`` /
+``tp_group``); ``None`` means no tensor parallelism.
+"""
+from .cross_entropy import vocab_parallel_cross_entropy
+from .init import init_method_normal, initialize_affine_weight_cpu, scaled_init_method_normal
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                       gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+                       scatter_to_tensor_model_parallel_region)
+from .params import (allreduce_sequence_parallel_grads, mark_sequence_parallel,
+                     param_is_not_tensor_parallel_duplicate,
+                     set_defaults_if_not_set_tensor_model_parallel_attributes,
+                     set_tensor_model_parallel_attributes)
+from .random import RNGStatesTracker, get_cuda_rng_tracker, get_rng_tracker, model_parallel_seed
+from .utils import (divide, pad_vocab_size, vocab_range_from_global_vocab_size,
+                    vocab_range_from_per_partition_vocab_size)
+
+__all__ = [
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+    "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "RNGStatesTracker", "get_rng_tracker", "get_cuda_rng_tracker", "model_parallel_seed",
+    "init_method_normal", "scaled_init_method_normal", "initialize_affine_weight_cpu",
+    "allreduce_sequence_parallel_grads", "mark_sequence_parallel", "param_is_not_tensor_parallel_duplicate",
+    "set_tensor_model_parallel_attributes", "set_defaults_if_not_set_tensor_model_parallel_attributes",
+    "divide", "pad_vocab_size", "vocab_range_from_global_vocab_size", "vocab_range_from_per_partition_vocab_size",
+]

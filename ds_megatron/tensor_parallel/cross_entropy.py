@@ -1,0 +1,138 @@
+"""Cross entropy over vocab-parallel logits, without ever gathering the logits.
+
+Each TP rank holds logits ``[..., V/tp]`` for its vocab slice (the output of
+a ColumnParallelLinear / tied embedding with ``gather_output=False``).  The
+loss needs only per-token scalars from each rank, so instead of all-gathering
+``b*s*V`` logits we communicate ``b*s`` numbers twice (the paper's fused
+cross entropy, section 3):
+
+1. all-reduce MAX of the row maxima (numerical stability);
+2. one all-reduce SUM of three per-token scalars: the target's logit (only
+   the owning rank contributes it), the sum of exp, and the sum of logits
+   (the last only when label smoothing needs it).
+
+Backward is local: ``softmax - (1 - ls) * one_hot(target) - ls / K`` on the
+real vocab columns, times the incoming per-token gradient.
+
+Label smoothing follows torch's convention (``F.cross_entropy(...,
+label_smoothing=ls)``): the ``ls`` mass is spread uniformly over all ``K``
+classes *including* the target, i.e. ``loss = (1 - ls) * nll + ls * mean_k(-log
+p_k)``.  (Megatron spreads it over the ``K - 1`` other classes instead; the
+two differ by a rescaling of ``ls``.)
+
+Vocab padding: pass ``vocab_size`` (the true vocab size) and the padded
+columns ``>= vocab_size`` are treated as ``-inf`` logits: they get zero
+probability and zero gradient, and ``K = vocab_size`` in the smoothing term.
+Without it every column is a real class.
+
+There is no ``ignore_index``: mask the per-token loss with a loss mask, as
+Megatron does; targets must lie in ``[0, vocab_size)``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .mappings import group_rank, group_size
+from .utils import vocab_range_from_per_partition_vocab_size
+
+
+def _all_reduce_(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, group, label_smoothing, vocab_size):
+        input_dtype = vocab_parallel_logits.dtype
+        # Reduced-precision logits are handled in fp32 (softmax of a large vocab in bf16 is too coarse).
+        compute_dtype = torch.promote_types(input_dtype, torch.float32)
+        partition_vocab = vocab_parallel_logits.size(-1)
+        world, rank = group_size(group), group_rank(group)
+        start, end = vocab_range_from_per_partition_vocab_size(partition_vocab, rank, world)
+        global_vocab = partition_vocab * world
+        num_classes = global_vocab if vocab_size is None else vocab_size
+        if not 0 < num_classes <= global_vocab:
+            raise ValueError(f"vocab_size={vocab_size} must be in (0, {global_vocab}] (the padded vocab "
+                             f"size: {partition_vocab} logits per rank x {world} ranks)")
+
+        logits = vocab_parallel_logits.to(compute_dtype, copy=True)
+        valid = None
+        if num_classes < global_vocab:
+            # Columns of this slice that are real vocab entries (the rest is padding).
+            valid = torch.arange(start, end, device=logits.device) < num_classes
+            logits.masked_fill_(~valid, float("-inf"))
+
+        # A rank holding only padding has -inf maxima; the MAX over ranks is still finite.
+        logits_max = logits.max(dim=-1)[0]
+        _all_reduce_(logits_max, group, op=dist.ReduceOp.MAX)
+        logits.sub_(logits_max.unsqueeze(-1))
+
+        target_outside = (target < start) | (target >= end)
+        local_target = (target - start).masked_fill(target_outside, 0)
+        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(target_outside, 0.0)
+
+        stats = [target_logit]
+        if label_smoothing > 0.0:
+            stats.append(logits.sum(dim=-1) if valid is None else logits.masked_fill(~valid, 0.0).sum(dim=-1))
+        exp_logits = logits.exp_()  # reuse the buffer: only the softmax is needed from here on
+        stats.append(exp_logits.sum(dim=-1))
+        stats = _all_reduce_(torch.stack(stats), group)
+        target_logit, sum_exp = stats[0], stats[-1]
+
+        log_sum_exp = torch.log(sum_exp)
+        loss = log_sum_exp - target_logit
+        if label_smoothing > 0.0:
+            # mean_k(-log p_k) = log_sum_exp - mean_k(shifted logit_k)
+            smooth = log_sum_exp - stats[1] / num_classes
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth
+
+        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, target_outside, local_target, valid if valid is not None else torch.empty(0))
+        ctx.has_valid = valid is not None
+        ctx.label_smoothing = label_smoothing
+        ctx.num_classes = num_classes
+        ctx.input_dtype = input_dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, target_outside, local_target, valid = ctx.saved_tensors
+        ls = ctx.label_smoothing
+        grad = softmax.clone()
+        owned = (~target_outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(1.0 - ls) * owned.unsqueeze(-1))
+        if ls > 0.0:
+            uniform = ls / ctx.num_classes
+            if ctx.has_valid:
+                grad.sub_(uniform * valid.to(grad.dtype))
+            else:
+                grad.sub_(uniform)
+        grad.mul_(grad_loss.unsqueeze(-1).to(grad.dtype))
+        return grad.to(ctx.input_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                 tp_group: Optional[dist.ProcessGroup], label_smoothing: float = 0.0,
+                                 vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Per-token cross entropy of vocab-parallel logits; returns a tensor shaped like ``target``.
+
+    ``vocab_parallel_logits``: ``[..., V_padded / tp]``, this rank's vocab
+    slice (contiguous ranges, rank order).  ``target``: ``[...]`` global ids.
+    ``vocab_size``: the true vocab size when the vocab was padded (padding
+    columns are excluded); None means every column is real.  The loss is in
+    fp32 for fp16/bf16 logits (float64 stays float64); the logits' gradient
+    has their dtype.
+    """
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+    if tuple(vocab_parallel_logits.shape[:-1]) != tuple(target.shape):
+        raise ValueError(f"target shape {tuple(target.shape)} must equal the logits' leading shape "
+                         f"{tuple(vocab_parallel_logits.shape[:-1])}")
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, float(label_smoothing),
+                                            vocab_size)

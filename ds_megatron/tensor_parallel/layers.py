@@ -1,0 +1,218 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+``Y = X A + b`` with ``A`` stored torch-style as ``weight [out, in]``:
+
+* ColumnParallelLinear splits the output features: ``weight [out/tp, in]``,
+  bias split too.  Its input enters through the paper's *f* (identity forward,
+  all-reduce of the input gradient backward); with sequence parallelism the
+  input is ``[s/tp, b, h]`` and is all-gathered along the sequence instead
+  (its gradient reduce-scattered).
+* RowParallelLinear splits the input features: ``weight [out, in/tp]``.  Its
+  partial products leave through the paper's *g* (all-reduce forward); with
+  sequence parallelism they are reduce-scattered along the sequence instead.
+  Its bias is full-size and replicated and is added once, after that
+  reduction.
+
+Column followed by Row (MLP, attention) needs no communication in between.
+Both ``forward`` return ``(output, output_bias)``: ``output_bias`` is the bias
+when ``skip_bias_add`` (the caller fuses the add, e.g. bias-GeLU or
+bias-dropout-add), else None.
+
+Weights are initialized independently of the TP size (see ``init.py``); biases
+start at zero.  The TP group is always passed in (``tp_group``); ``None``
+means no tensor parallelism.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .init import InitMethod, init_method_normal, initialize_affine_weight_cpu
+from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                       gather_from_tensor_model_parallel_region, group_rank, group_size,
+                       reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
+                       scatter_to_tensor_model_parallel_region)
+from .params import set_tensor_model_parallel_attributes
+from .utils import divide, vocab_range_from_global_vocab_size
+
+# Megatron's default init_method_std.
+DEFAULT_INIT_STD = 0.02
+
+
+def _default_init(init_method: Optional[InitMethod]) -> InitMethod:
+    return init_method if init_method is not None else init_method_normal(DEFAULT_INIT_STD)
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """Linear layer with the output features split over the TP group.
+
+    ``gather_output=True`` all-gathers the output so every rank gets all
+    ``output_size`` features; otherwise each rank returns its
+    ``output_size / tp`` slice (the usual case, feeding a RowParallelLinear).
+    With ``sequence_parallel`` the input is this rank's ``[s/tp, b, in]``
+    slice of the sequence.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: Optional[dist.ProcessGroup],
+                 bias: bool = True, gather_output: bool = False, init_method: Optional[InitMethod] = None,
+                 skip_bias_add: bool = False, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
+        super().__init__()
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
+                             "sequence_parallel=True; gather the output yourself or turn one of them off")
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_group = tp_group
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        world, rank = group_size(tp_group), group_rank(tp_group)
+        self.output_size_per_partition = divide(output_size, world)
+
+        self.weight = torch.nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
+                                                     dtype=params_dtype, device=device))
+        initialize_affine_weight_cpu(self.weight, (output_size, input_size), 0, rank, world,
+                                     _default_init(init_method))
+        set_tensor_model_parallel_attributes(self.weight, True, 0)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=params_dtype,
+                                                       device=device))
+            set_tensor_model_parallel_attributes(self.bias, True, 0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+        bias = None if self.skip_bias_add else self.bias
+        output = F.linear(x, self.weight, bias)
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(output, self.tp_group)
+        return output, (self.bias if self.skip_bias_add else None)
+
+    def extra_repr(self) -> str:
+        return (f"input_size={self.input_size}, output_size={self.output_size}, "
+                f"output_size_per_partition={self.output_size_per_partition}, bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Linear layer with the input features split over the TP group.
+
+    ``input_is_parallel=True`` takes this rank's ``in / tp`` slice of the
+    input (the output of a ColumnParallelLinear); otherwise the full input is
+    split here.  The output is the full ``output_size`` on every rank, or,
+    with ``sequence_parallel``, this rank's ``[s/tp, b, out]`` slice.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: Optional[dist.ProcessGroup],
+                 bias: bool = True, input_is_parallel: bool = False, init_method: Optional[InitMethod] = None,
+                 skip_bias_add: bool = False, sequence_parallel: bool = False,
+                 params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True "
+                             "(its input must come from a ColumnParallelLinear)")
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_group = tp_group
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
+        world, rank = group_size(tp_group), group_rank(tp_group)
+        self.input_size_per_partition = divide(input_size, world)
+
+        self.weight = torch.nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
+                                                     dtype=params_dtype, device=device))
+        initialize_affine_weight_cpu(self.weight, (output_size, input_size), 1, rank, world,
+                                     _default_init(init_method))
+        set_tensor_model_parallel_attributes(self.weight, True, 1)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, False, -1)
+            # Added after the reduce-scatter, the bias sees only this rank's tokens:
+            # its gradient is partial and is summed over TP (allreduce_sequence_parallel_grads).
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        else:
+            output = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+        if self.skip_bias_add or self.bias is None:
+            return output, (self.bias if self.skip_bias_add else None)
+        return output + self.bias, None
+
+    def extra_repr(self) -> str:
+        return (f"input_size={self.input_size}, output_size={self.output_size}, "
+                f"input_size_per_partition={self.input_size_per_partition}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding table split by vocab rows: rank r owns ids ``[start_r, end_r)``.
+
+    Each rank looks up the ids it owns (others give zero rows) and the partial
+    results are summed over the TP group (the paper's *g*).  Output layout:
+
+    * default: ``input_ids.shape + (embedding_dim,)``, full on every rank;
+    * ``reduce_scatter_embeddings=True`` (sequence parallelism, Megatron's
+      semantics): ``input_ids`` is ``[batch, seq]``; the output is transposed
+      to ``[seq, batch, h]`` and reduce-scattered along seq, so each rank gets
+      its ``[seq/tp, batch, h]`` slice, with no separate scatter needed.
+
+    ``num_embeddings`` must be divisible by the TP size: pad it with
+    ``pad_vocab_size`` first.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Optional[dist.ProcessGroup],
+                 init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32,
+                 reduce_scatter_embeddings: bool = False, device: Optional[torch.device] = None):
+        super().__init__()
+        world, rank = group_size(tp_group), group_rank(tp_group)
+        if num_embeddings % world != 0:
+            raise ValueError(f"VocabParallelEmbedding: num_embeddings={num_embeddings} is not divisible by the "
+                             f"tensor-parallel size {world}; pad it with pad_vocab_size(..., "
+                             f"tensor_model_parallel_size={world})")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_group = tp_group
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.vocab_start_index, self.vocab_end_index = vocab_range_from_global_vocab_size(num_embeddings, rank, world)
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+
+        self.weight = torch.nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
+                                                     dtype=params_dtype, device=device))
+        initialize_affine_weight_cpu(self.weight, (num_embeddings, embedding_dim), 0, rank, world,
+                                     _default_init(init_method))
+        set_tensor_model_parallel_attributes(self.weight, True, 0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if group_size(self.tp_group) > 1:
+            outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+            local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+            partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            partial = F.embedding(input_ids, self.weight)
+        if self.reduce_scatter_embeddings:
+            if input_ids.dim() != 2:
+                raise ValueError(f"VocabParallelEmbedding with reduce_scatter_embeddings expects input_ids of "
+                                 f"shape [batch, seq], got {tuple(input_ids.shape)}")
+            partial = partial.transpose(0, 1).contiguous()
+            return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+                f"vocab_range=[{self.vocab_start_index}, {self.vocab_end_index})")

@@ -1,0 +1,143 @@
+"""Model-parallel random-number streams (Megatron's RNG tracker), on CPU and CUDA.
+
+Two streams matter under tensor parallelism (paper, appendix B.2):
+
+* the default generator, seeded identically on every TP rank of a pipeline
+  stage, so dropout *outside* TP regions (on replicated activations) draws
+  the same mask everywhere and the replicas stay identical;
+* a named "model-parallel-rng" stream, seeded differently per TP rank, used
+  *inside* TP regions (e.g. dropout on this rank's attention heads) through
+  ``with tracker.fork(): ...``, so different heads get independent masks.
+
+``RNGStatesTracker`` keeps named generator states and swaps one in for the
+duration of ``fork()``.  It drives the CPU generator (``torch.get_rng_state``)
+or the current CUDA device's generator, chosen at construction (CUDA when
+available).  Its method names (``add``, ``fork``, ``get_states``,
+``set_states``, ``reset``) are those of Megatron's ``CudaRNGStatesTracker``,
+which DeepSpeed's activation checkpointing calls to replay the same dropout
+masks in the recomputed forward.
+
+No global state is required: create a tracker and pass it around.  For code
+that expects Megatron's ``get_cuda_rng_tracker()``, ``get_rng_tracker()``
+(alias ``get_cuda_rng_tracker``) returns one process-wide default instance.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, Optional
+
+import torch
+
+_MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
+_EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
+# Megatron's offsets: any positive constants work, these keep seeds compatible with Megatron runs.
+_TP_SEED_OFFSET = 2718
+_EP_SEED_OFFSET = 1024
+_PP_SEED_STRIDE = 100
+
+
+class RNGStatesTracker:
+    """Named RNG states for one device kind; ``fork(name)`` runs a block on that state."""
+
+    def __init__(self, device: Optional[str] = None):
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"RNGStatesTracker device={device!r} must be 'cpu' or 'cuda'")
+        self.device = device
+        self.states_: Dict[str, torch.Tensor] = {}
+        self.seeds_ = set()
+
+    # The generator this tracker swaps.
+    def _get_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state() if self.device == "cuda" else torch.get_rng_state()
+
+    def _set_state(self, state: torch.Tensor) -> None:
+        if self.device == "cuda":
+            torch.cuda.set_rng_state(state)
+        else:
+            torch.set_rng_state(state)
+
+    def _manual_seed(self, seed: int) -> None:
+        if self.device == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.random.default_generator.manual_seed(seed)
+
+    def reset(self) -> None:
+        """Forget every tracked state and seed."""
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self) -> Dict[str, torch.Tensor]:
+        """A copy of the name -> state map (for checkpoints and activation recomputation)."""
+        return {name: state.clone() for name, state in self.states_.items()}
+
+    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        """Replace every tracked state with ``states`` (as returned by ``get_states``)."""
+        self.states_ = {name: state.clone() for name, state in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        """Track a new stream ``name`` seeded with ``seed``; the current generator state is untouched."""
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} is already tracked; give stream {name!r} a different seed")
+        if name in self.states_:
+            raise ValueError(f"RNG stream {name!r} is already tracked; call reset() first to re-seed it")
+        orig = self._get_state()
+        try:
+            self._manual_seed(seed)
+            self.states_[name] = self._get_state()
+        finally:
+            self._set_state(orig)
+        self.seeds_.add(seed)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+        """Run the block on stream ``name``; afterwards the stream has advanced and the
+        default generator is exactly where it was before the block."""
+        if name not in self.states_:
+            raise KeyError(f"RNG stream {name!r} is not tracked; call model_parallel_seed(...) or "
+                           f"tracker.add({name!r}, seed) first")
+        orig = self._get_state()
+        self._set_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = self._get_state()
+            self._set_state(orig)
+
+
+_DEFAULT_TRACKER: Optional[RNGStatesTracker] = None
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """The process-wide default tracker (created on first use), for code that cannot be handed one."""
+    global _DEFAULT_TRACKER
+    if _DEFAULT_TRACKER is None:
+        _DEFAULT_TRACKER = RNGStatesTracker()
+    return _DEFAULT_TRACKER
+
+
+# Megatron's name for the same accessor.
+get_cuda_rng_tracker = get_rng_tracker
+
+
+def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0,
+                        tracker: Optional[RNGStatesTracker] = None) -> RNGStatesTracker:
+    """Seed the default generators and the tracker's streams the way Megatron does.
+
+    * default CPU (and CUDA) generators: ``seed + 100 * pp_rank``, the same on
+      every TP rank of a stage, different across stages;
+    * "model-parallel-rng": ``that + 2718 + tp_rank``, different per TP rank;
+    * "expert-parallel-rng": ``that + 1024 + 100 * ep_rank + etp_rank``, for
+      expert layers.
+
+    The tracker is reset first.  Returns it (the default tracker when none is
+    given).
+    """
+    tracker = tracker if tracker is not None else get_rng_tracker()
+    stage_seed = seed + _PP_SEED_STRIDE * pp_rank
+    torch.manual_seed(stage_seed)  # seeds the CPU and every CUDA generator
+    tracker.reset()
+    tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, stage_seed + _TP_SEED_OFFSET + tp_rank)
+    tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, stage_seed + _EP_SEED_OFFSET + _PP_SEED_STRIDE * ep_rank + etp_rank)
+    return tracker
