@@ -1,0 +1,181 @@
+"""Megatron's GPT: vocab-parallel embedding + learned positions, N pre-LN layers, final LN, tied output.
+
+Tensors flow as [sequence, batch, hidden] inside the model, as in Megatron.
+The output layer reuses the word-embedding shard, so the logits come out
+vocab-parallel ([s, b, V/tp]) and go straight into the vocab-parallel cross
+entropy: the full logits are never gathered.  The padded vocab rows are
+zero and their logits are excluded from the softmax, so padding never wins
+and the loss does not depend on the TP size.
+
+Construction draws every full (master) weight from the default torch RNG in
+the same order whatever the TP size, so TP=1, 2, 4 built after the same seed
+hold the same full model.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError
+from ..tensor_parallel import (RNGStatesTracker, VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
+                               gather_from_sequence_parallel_region, init_method_normal, mark_sequence_parallel,
+                               pad_vocab_size, scaled_init_method_normal, scatter_to_sequence_parallel_region,
+                               vocab_parallel_cross_entropy)
+from ..transformer import ParallelTransformerLayer
+
+
+@dataclass
+class GPTConfig:
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size
+    seq_length: int = 128
+    vocab_size: int = 257
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    make_vocab_size_divisible_by: int = 128
+    sequence_parallel: bool = False
+    label_smoothing: float = 0.0
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                     "vocab_size", "make_vocab_size_divisible_by"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"model.{name} must be a positive integer, got {v!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                              f"model.num_attention_heads={self.num_attention_heads}; pick sizes that divide")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)!r}")
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        for name in ("num_attention_heads", "ffn_hidden_size"):
+            if getattr(self, name) % tp:
+                raise ConfigError(f"model.{name}={getattr(self, name)} is not divisible by "
+                                  f"tensor_model_parallel_size={tp}; choose a TP size that divides it")
+        if self.sequence_parallel and self.seq_length % tp:
+            raise ConfigError(f"model.seq_length={self.seq_length} is not divisible by tensor_model_parallel_size={tp}, "
+                              "which sequence parallelism needs")
+
+
+def _register_sequence_parallel_grad_sum(module: torch.nn.Module, tp_group) -> None:
+    """Sum over TP, inside backward, the gradients of params that saw only this rank's sequence slice.
+
+    A tensor hook reduces each micro-batch's gradient before it is accumulated
+    into ``.grad``, so gradient accumulation and any loop (DeepSpeed's or a
+    plain one) see the full gradient.  Every TP rank runs the same backward
+    graph, so the hooks' all-reduces are issued in the same order.
+    """
+    import torch.distributed as dist
+
+    def hook(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=tp_group)
+        return grad
+
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False):
+            p.register_hook(hook)
+
+
+class _NoTensorParallel:
+    group = None
+    size = 1
+    rank = 0
+
+
+class GPTModel(torch.nn.Module):
+    """``forward(tokens, labels=None, loss_mask=None)`` (or a dict batch with those keys).
+
+    With labels: the mean loss over the masked tokens (a scalar).  Without:
+    this rank's vocab-parallel logits, [b, s, V_padded / tp].
+    """
+
+    def __init__(self, config: GPTConfig, parallel_state=None, rng_tracker: Optional[RNGStatesTracker] = None):
+        """``parallel_state``: the job's ``ParallelState``; None builds the plain single-rank model."""
+        super().__init__()
+        if parallel_state is not None and (parallel_state.cp.size > 1 or parallel_state.pp.size > 1):
+            raise ConfigError("GPTModel supports tensor, sequence and data parallelism; "
+                              "context_parallel_size and pipeline_model_parallel_size must be 1 for it")
+        tp = parallel_state.tp if parallel_state is not None else _NoTensorParallel()
+        config.check_tensor_parallel(tp.size)
+        self.config = config
+        self.tp_group = tp.group
+        self.tp_size = tp.size
+        self.rng_tracker = rng_tracker
+        self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp.size)
+        init = init_method_normal(config.init_method_std)
+        out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
+
+        def embedding_init(weight):
+            # Only the real rows are drawn, so the RNG stream (and every later
+            # weight) does not depend on how much padding this TP size needs.
+            init(weight[:config.vocab_size])
+            with torch.no_grad():
+                weight[config.vocab_size:].zero_()
+
+        self.word_embeddings = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, tp_group=tp.group,
+                                                      init_method=embedding_init)
+        self.position_embeddings = torch.nn.Embedding(config.seq_length, config.hidden_size)
+        init(self.position_embeddings.weight)
+        self.layers = torch.nn.ModuleList(
+            ParallelTransformerLayer(config, tp_group=tp.group, tp_size=tp.size, init_method=init,
+                                     output_init_method=out_init, rng_tracker=rng_tracker)
+            for _ in range(config.num_layers))
+        self.final_layernorm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        if config.sequence_parallel:
+            mark_sequence_parallel(self.final_layernorm)
+            _register_sequence_parallel_grad_sum(self, tp.group)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.size(1)
+        if s > self.config.seq_length:
+            raise ValueError(f"input has {s} tokens but model.seq_length is {self.config.seq_length}")
+        positions = torch.arange(s, device=tokens.device)
+        hidden = self.word_embeddings(tokens) + self.position_embeddings(positions)
+        hidden = hidden.transpose(0, 1).contiguous()  # [s, b, h]
+        if self.config.sequence_parallel:
+            hidden = scatter_to_sequence_parallel_region(hidden, self.tp_group)
+        if self.training and self.config.hidden_dropout > 0:
+            # Outside the TP region every TP rank holds the same values and must drop the same
+            # entries (default RNG); a sequence-parallel slice is rank-specific (tracker RNG).
+            fork = self.rng_tracker.fork() if (self.config.sequence_parallel and self.rng_tracker) \
+                else contextlib.nullcontext()
+            with fork:
+                hidden = F.dropout(hidden, p=self.config.hidden_dropout)
+        return hidden
+
+    def forward(self, tokens, labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):
+        if isinstance(tokens, dict):
+            batch = tokens
+            tokens, labels, loss_mask = batch["tokens"], batch.get("labels"), batch.get("loss_mask")
+        hidden = self._embed(tokens)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        hidden = self.final_layernorm(hidden)
+        if self.config.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group, tensor_parallel_output_grad=True)
+        else:
+            hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)
+        # Tied output layer: this rank's vocab rows of the embedding.
+        logits = F.linear(hidden, self.word_embeddings.weight)  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1)
+        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
+                                              label_smoothing=self.config.label_smoothing,
+                                              vocab_size=self.config.vocab_size).transpose(0, 1)
+        if loss_mask is None:
+            return losses.mean()
+        loss_mask = loss_mask.to(losses.dtype)
+        return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)

@@ -1,0 +1,50 @@
+"""One pre-LayerNorm transformer layer: x + attn(ln(x)), then x + mlp(ln(x)).
+
+Under sequence parallelism the LayerNorms, dropouts and residual adds run on
+this rank's slice of the sequence ([s/tp, b, h]); their dropout therefore
+uses the model-parallel RNG (different slices, different masks), and the
+LayerNorm parameters are marked ``sequence_parallel`` because each rank sees
+only part of the sequence when computing their gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from ..tensor_parallel import mark_sequence_parallel
+from .attention import ParallelAttention
+from .mlp import ParallelMLP
+
+
+class ParallelTransformerLayer(torch.nn.Module):
+    def __init__(self, config, *, tp_group, tp_size: int, init_method, output_init_method, rng_tracker=None):
+        super().__init__()
+        h = config.hidden_size
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel
+        self.rng_tracker = rng_tracker
+        self.input_layernorm = torch.nn.LayerNorm(h, eps=config.layernorm_epsilon)
+        self.self_attention = ParallelAttention(h, config.num_attention_heads, tp_group=tp_group, tp_size=tp_size,
+                                                init_method=init_method, output_init_method=output_init_method,
+                                                attention_dropout=config.attention_dropout,
+                                                sequence_parallel=config.sequence_parallel, rng_tracker=rng_tracker)
+        self.post_attention_layernorm = torch.nn.LayerNorm(h, eps=config.layernorm_epsilon)
+        self.mlp = ParallelMLP(h, config.ffn_hidden_size, tp_group=tp_group, init_method=init_method,
+                               output_init_method=output_init_method, sequence_parallel=config.sequence_parallel)
+        if config.sequence_parallel:
+            mark_sequence_parallel(self.input_layernorm)
+            mark_sequence_parallel(self.post_attention_layernorm)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0:
+            return x
+        fork = self.rng_tracker.fork() if (self.sequence_parallel and self.rng_tracker is not None) \
+            else contextlib.nullcontext()
+        with fork:
+            return F.dropout(x, p=self.hidden_dropout, training=True)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self._dropout(self.self_attention(self.input_layernorm(hidden)))
+        return hidden + self._dropout(self.mlp(self.post_attention_layernorm(hidden)))

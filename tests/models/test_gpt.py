@@ -1,0 +1,92 @@
+"""GPTModel with TP=2 and 4 (with and without sequence parallelism) against the same model on one rank."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_on_ranks
+from ds_megatron.config import ConfigError
+from ds_megatron.models import GPTConfig, GPTModel
+from ds_megatron.parallel.layout import ParallelLayout
+from ds_megatron.parallel.state import ParallelState
+
+CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
+           vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, CFG["vocab_size"], (3, CFG["seq_length"]), generator=g)
+    labels = torch.randint(0, CFG["vocab_size"], (3, CFG["seq_length"]), generator=g)
+    mask = (torch.rand(3, CFG["seq_length"], generator=g) > 0.2).double()
+    return tokens, labels, mask
+
+
+def _full(param, group, world):
+    """The full tensor of a TP-split parameter (gathered along its partition dim)."""
+    if not getattr(param, "tensor_model_parallel", False) or world == 1:
+        return param.detach()
+    parts = [torch.empty_like(param) for _ in range(world)]
+    dist.all_gather(parts, param.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def _loss_and_full_grads(model, group, world):
+    tokens, labels, mask = _batch()
+    loss = model(tokens, labels, mask)
+    loss.backward()
+    grads, weights = {}, {}
+    for name, p in model.named_parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad
+        gp = torch.nn.Parameter(g.clone())
+        for a in ("tensor_model_parallel", "partition_dim"):
+            if hasattr(p, a):
+                setattr(gp, a, getattr(p, a))
+        grads[name] = _full(gp, group, world)
+        weights[name] = _full(p, group, world)
+        if name == "word_embeddings.weight":  # compare real vocab rows only
+            grads[name] = grads[name][:CFG["vocab_size"]]
+            weights[name] = weights[name][:CFG["vocab_size"]]
+    return loss.detach(), weights, grads
+
+
+def _compare_tp_with_single_rank(tp, sequence_parallel):
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp))
+    torch.manual_seed(1234)
+    model = GPTModel(GPTConfig(**CFG, sequence_parallel=sequence_parallel), state).double()
+    loss, weights, grads = _loss_and_full_grads(model, state.tp.group, tp)
+    torch.manual_seed(1234)
+    ref = GPTModel(GPTConfig(**CFG)).double()
+    ref_loss, ref_weights, ref_grads = _loss_and_full_grads(ref, None, 1)
+    state.destroy()
+    assert set(weights) == set(ref_weights)
+    for name in weights:
+        assert torch.equal(weights[name], ref_weights[name]), f"init of {name} depends on TP size"
+        assert torch.allclose(grads[name], ref_grads[name], rtol=1e-9, atol=1e-11), name
+    assert torch.allclose(loss, ref_loss, rtol=1e-12), (loss, ref_loss)
+    return float(loss)
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
+def test_loss_and_full_gradients_match_single_rank(tp, sp):
+    losses = run_on_ranks(4, _compare_tp_with_single_rank, tp, sp)
+    assert len(set(losses)) == 1
+
+
+def test_heads_and_ffn_must_divide_by_tp():
+    with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible by tensor_model_parallel_size=3"):
+        GPTConfig(**CFG).check_tensor_parallel(3)
+    with pytest.raises(ConfigError, match="ffn_hidden_size=66 is not divisible by tensor_model_parallel_size=4"):
+        GPTConfig(**{**CFG, "ffn_hidden_size": 66}).check_tensor_parallel(4)
+
+
+def test_padding_logits_never_win():
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**CFG)).eval()
+    assert model.padded_vocab_size == 304
+    tokens, _, _ = _batch()
+    logits = model(tokens)
+    assert logits.shape[-1] == 304
+    probs = torch.softmax(logits.masked_fill(torch.arange(304) >= 300, float("-inf")), -1)
+    # The padded rows are zero, so their logits are exactly 0; the loss path masks them out.
+    assert torch.all(logits[..., 300:] == 0)
+    assert torch.all(probs[..., 300:] == 0)
