@@ -1,0 +1,127 @@
+"""Start torch.distributed from whatever launcher started this process.
+
+``deepspeed``, ``torchrun`` and our test harness export torch's variables
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).  ``mpiexec`` does
+not: MPICH/Hydra exports PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS
+and Open MPI exports OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}.
+DeepSpeed's own MPI discovery would take MASTER_ADDR from ``hostname -I``
+(not loopback), so we map those variables ourselves:
+
+* MASTER_ADDR defaults to 127.0.0.1 when every rank is on this node; a job
+  that spans nodes needs MASTER_ADDR exported (or mpi4py, which broadcasts
+  rank 0's host name).
+* MASTER_PORT defaults to ``DEFAULT_MASTER_PORT`` (29500, torch's and
+  DeepSpeed's default).  With mpi4py importable, rank 0 instead picks a free
+  port and broadcasts it, so concurrent mpiexec jobs on one box don't collide.
+* A process started by no launcher at all is a one-rank job.
+
+LOCAL_SIZE is always set: DeepSpeed's CPU accelerator reports it as the
+device count.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Dict, Mapping, Optional
+
+from .runtime_env import cuda_available, prepare_cpu_runtime
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+
+# (rank, size, local rank, local size) variables of each MPI flavour.
+MPI_FLAVOURS = {
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"),
+}
+
+
+def mpi_flavour(environ: Mapping[str, str]) -> Optional[str]:
+    """Which MPI launcher started us, judged by its rank variable, or None."""
+    for name, (rank_var, size_var, _, _) in MPI_FLAVOURS.items():
+        if rank_var in environ and size_var in environ:
+            return name
+    return None
+
+
+def torch_env_from_launcher(environ: Mapping[str, str]) -> Dict[str, str]:
+    """The torch variables to add to ``environ`` (pure: reads, never writes); variables already set win.
+
+    MASTER_ADDR/MASTER_PORT get the single-node defaults; ``init_distributed_from_env``
+    puts values broadcast through mpi4py into ``environ`` first, when it has them.
+    """
+    env: Dict[str, str] = {}
+    if "RANK" not in environ:
+        flavour = mpi_flavour(environ)
+        if flavour is None:
+            rank, size, local_rank, local_size = "0", "1", "0", "1"
+        else:
+            rank_var, size_var, local_rank_var, local_size_var = MPI_FLAVOURS[flavour]
+            rank, size = environ[rank_var], environ[size_var]
+            # Without the local variables assume one node, as mpiexec on one box gives.
+            local_rank = environ.get(local_rank_var, rank)
+            local_size = environ.get(local_size_var, size)
+            if "MASTER_ADDR" not in environ and int(local_size) < int(size):
+                raise ValueError(f"MASTER_ADDR is not set and this {flavour} job spans several nodes "
+                                 f"({local_size} of {size} ranks on this one); export MASTER_ADDR=<rank 0's "
+                                 "host> or install mpi4py (pip install 'ds-megatron[mpi]')")
+        env.update(RANK=rank, WORLD_SIZE=size, LOCAL_RANK=local_rank, LOCAL_SIZE=local_size)
+    else:
+        # torchrun calls it LOCAL_WORLD_SIZE; the deepspeed launcher sets LOCAL_SIZE itself.
+        env["LOCAL_SIZE"] = environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1"))
+        env["LOCAL_RANK"] = environ["RANK"]  # a launcher that gave no LOCAL_RANK: one node
+    env["MASTER_ADDR"] = DEFAULT_MASTER_ADDR
+    env["MASTER_PORT"] = str(DEFAULT_MASTER_PORT)
+    return {k: v for k, v in env.items() if k not in environ}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _rendezvous_from_mpi4py(environ: Mapping[str, str]) -> Optional[Dict[str, str]]:
+    """Rank 0's free port (and host, for multi-node jobs), broadcast over MPI; None without mpi4py."""
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError, OSError):  # mpi4py absent, or no MPI library it can load
+        return None
+    comm = MPI.COMM_WORLD
+    on_this_node = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()  # collective: every rank calls it
+    mine = None
+    if comm.Get_rank() == 0:
+        multi_node = on_this_node < comm.Get_size()
+        mine = {"MASTER_PORT": str(_free_port()),
+                "MASTER_ADDR": socket.gethostbyname(socket.gethostname()) if multi_node else DEFAULT_MASTER_ADDR}
+    got = comm.bcast(mine, root=0)
+    return {k: v for k, v in got.items() if k not in environ}
+
+
+def init_distributed_from_env(backend: Optional[str] = None,
+                              timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
+    """Map launcher variables to torch's, prepare the CPU runtime, and init DeepSpeed's comm.
+
+    ``backend`` defaults to nccl with CUDA and gloo without.  Does nothing if
+    torch.distributed is already initialized.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    broadcast = None
+    if "RANK" not in os.environ and mpi_flavour(os.environ) and "MASTER_PORT" not in os.environ:
+        broadcast = _rendezvous_from_mpi4py(os.environ)
+    os.environ.update(broadcast or {})
+    os.environ.update(torch_env_from_launcher(os.environ))
+    prepare_cpu_runtime()
+    cuda = cuda_available()
+    if cuda:
+        # One GPU per local rank, as Megatron does; NCCL needs it set before the first collective.
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    import deepspeed
+    deepspeed.init_distributed(dist_backend=backend or ("nccl" if cuda else "gloo"), auto_mpi_discovery=False,
+                               timeout=timeout, dist_init_required=True)

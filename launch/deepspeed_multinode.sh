@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Several nodes through the deepspeed launcher and a hostfile (see launch/hostfile.example).
+#
+#   bash launch/deepspeed_multinode.sh HOSTFILE [python-entry args...]
+#
+# The rank count is the sum of the hostfile's slots.  Run it on the first host;
+# MASTER_ADDR defaults to that host's name, MASTER_PORT to a free port here.
+# A hostfile with a single "localhost slots=N" line runs locally (no ssh).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+usage="deepspeed_multinode.sh HOSTFILE [python-entry args...]"
+hostfile="${1:?usage: $usage}"; shift
+if [[ ! -f "$hostfile" ]]; then echo "error: hostfile '$hostfile' not found; see launch/hostfile.example" >&2; exit 2; fi
+slots="$(awk '!/^[[:space:]]*(#|$)/ { for (i = 2; i <= NF; i++) if ($i ~ /^slots=/) { sub("slots=", "", $i); n += $i } } END { print n + 0 }' "$hostfile")"
+first_host="$(awk '!/^[[:space:]]*(#|$)/ { print $1; exit }' "$hostfile")"
+if [[ "$slots" -lt 1 ]]; then echo "error: hostfile '$hostfile' gives no slots; write lines like 'node1 slots=4'" >&2; exit 2; fi
+dsm_parse_args "$usage" "$slots" "$@"
+dsm_deepspeed_entry
+if [[ "$first_host" == localhost ]]; then addr=127.0.0.1; else addr="${MASTER_ADDR:-$first_host}"; fi
+port="${MASTER_PORT:-$(dsm_free_port)}"
+extra=()
+nhosts="$(awk '!/^[[:space:]]*(#|$)/ { n++ } END { print n + 0 }' "$hostfile")"
+# One host runs locally; DeepSpeed would still insist on ssh to it otherwise.
+[[ "$nhosts" == 1 ]] && extra+=(--no_ssh_check)
+set -x
+exec deepspeed --hostfile "$hostfile" --master_addr "$addr" --master_port "$port" --no_local_rank "${extra[@]}" \
+  "${DSM_DS_ENTRY[@]}"

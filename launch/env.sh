@@ -1,0 +1,44 @@
+# Shared by the launch scripts (sourced, not run): where the repo is, the CPU
+# settings a job needs on a machine without a GPU, and how the rank count and
+# the python entry are read from the command line.
+# shellcheck shell=bash
+
+DSM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The ranks import this checkout even when it is not pip-installed.
+export PYTHONPATH="$DSM_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PYTHON="${PYTHON:-python}"
+
+if ! nvidia-smi >/dev/null 2>&1; then
+  # CPU box: DeepSpeed's CPU accelerator (gloo), all traffic on loopback.
+  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
+fi
+
+# The main job; launch/main.sh runs it on 4 ranks (TP=2 x DP=2).
+DSM_DEFAULT_ENTRY=(-m ds_megatron.cli train --config "$DSM_ROOT/ds_configs/gpt_cpu_tp2_dp2.json")
+
+# dsm_parse_args USAGE "$@": sets DSM_NRANKS and DSM_ENTRY (default: the main job).
+dsm_parse_args() {
+  local usage="$1"; shift
+  if [[ $# -lt 1 || ! "$1" =~ ^[1-9][0-9]*$ ]]; then
+    echo "usage: $usage" >&2
+    echo "error: the first argument must be the number of ranks, got '${1:-}'" >&2
+    exit 2
+  fi
+  DSM_NRANKS="$1"; shift
+  if [[ $# -gt 0 ]]; then DSM_ENTRY=("$@"); else DSM_ENTRY=("${DSM_DEFAULT_ENTRY[@]}"); fi
+  # Split the cores between the ranks so they don't oversubscribe the box.
+  local cores
+  cores="$(nproc 2>/dev/null || echo 1)"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / DSM_NRANKS > 0 ? cores / DSM_NRANKS : 1 ))}"
+}
+
+# A free local port, so concurrent jobs on one box don't collide.
+dsm_free_port() {
+  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# The deepspeed launcher spells "python -m MODULE" as "--module MODULE".
+dsm_deepspeed_entry() {
+  if [[ "${DSM_ENTRY[0]}" == "-m" ]]; then DSM_DS_ENTRY=(--module "${DSM_ENTRY[@]:1}"); else DSM_DS_ENTRY=("${DSM_ENTRY[@]}"); fi
+}
