@@ -136,6 +136,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{stats.num_tokens} tokens")
     return 0
 
-
-if __name__ == "__main__":  # python -m ds_megatron.data.preprocess
-    raise SystemExit(main())
