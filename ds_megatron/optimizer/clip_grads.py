@@ -1,0 +1,62 @@
+"""The true global gradient norm across model-parallel ranks, and clipping by it.
+
+Each TP rank holds a shard of the split parameters and a full copy of the
+replicated ones.  The global L2 norm counts every shard once and every
+replicated parameter once (on TP rank 0 only), then sums the squares over the
+model-parallel group.  A parameter shared by two modules (the tied
+embedding) appears once in ``model.parameters()`` and is counted once.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+
+def _grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    main_grad = getattr(p, "main_grad", None)
+    return main_grad if main_grad is not None else p.grad
+
+
+def grads_for_norm(params: Iterable[torch.nn.Parameter], tp_rank: int) -> List[torch.Tensor]:
+    """The gradients that contribute to the norm on this rank (no TP duplicates, no repeats)."""
+    seen, out = set(), []
+    for p in params:
+        g = _grad(p)
+        if g is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if param_is_not_tensor_parallel_duplicate(p, tp_rank):
+            out.append(g)
+    return out
+
+
+def get_grad_norm_fp32(grads: List[torch.Tensor], model_parallel_group=None, norm_type: float = 2.0) -> float:
+    """Norm of ``grads`` from every model-parallel rank; inf-norm or p-norm, computed in fp32 or wider."""
+    device = grads[0].device if grads else torch.device("cpu")
+    if norm_type == float("inf"):
+        local = max((g.detach().abs().max().float() for g in grads), default=torch.zeros((), device=device))
+        total = torch.as_tensor(local, dtype=torch.float32, device=device).clone()
+        if model_parallel_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
+        return float(total)
+    acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    total = torch.zeros((), dtype=acc_dtype, device=device)
+    for g in grads:
+        total += torch.linalg.vector_norm(g.detach().to(acc_dtype), norm_type) ** norm_type
+    if model_parallel_group is not None:
+        dist.all_reduce(total, group=model_parallel_group)
+    return float(total) ** (1.0 / norm_type)
+
+
+def clip_grad_by_total_norm_fp32(params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: float) -> None:
+    """Scale every gradient by ``max_norm / total_norm`` when that is below 1."""
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for p in params:
+            g = _grad(p)
+            if g is not None:
+                g.detach().mul_(clip_coeff)

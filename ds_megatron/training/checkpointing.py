@@ -1,0 +1,90 @@
+"""Checkpoints of a training job through DeepSpeed's engine, crash-safe.
+
+DeepSpeed writes one directory per tag (``iter_0000100/``); we add each rank's
+RNG states (default generator and the model-parallel tracker) to it, and only
+after every rank has finished writing do we point ``latest`` at the new tag,
+by writing a temporary file and renaming it over the old one.  A crash at any
+moment therefore leaves ``latest`` naming a complete checkpoint: the previous
+one until the rename, the new one after.
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"
+
+
+def tag_for(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def _rng_path(save_dir: str, tag: str, rank: int) -> str:
+    return os.path.join(save_dir, tag, f"rng_state_rank{rank:05d}.pt")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_states(rng_tracker=None) -> Dict[str, Any]:
+    states = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    if rng_tracker is not None:
+        states["tracker"] = rng_tracker.get_states()
+    return states
+
+
+def set_rng_states(states: Dict[str, Any], rng_tracker=None) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    if rng_tracker is not None and "tracker" in states:
+        rng_tracker.set_states(states["tracker"])
+
+
+def save_checkpoint(engine, save_dir: str, step: int, client_state: Dict[str, Any], rng_tracker=None) -> str:
+    """Save through DeepSpeed, then this rank's RNG states, then (rank 0) flip ``latest``."""
+    tag = tag_for(step)
+    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+    torch.save(rng_states(rng_tracker), _rng_path(save_dir, tag, dist.get_rank()))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _write_atomic(os.path.join(save_dir, LATEST), tag)
+    dist.barrier()
+    return tag
+
+
+def latest_tag(save_dir: str) -> Optional[str]:
+    path = os.path.join(save_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def load_checkpoint(engine, save_dir: str, rng_tracker=None) -> Optional[Dict[str, Any]]:
+    """Load the ``latest`` checkpoint; returns its client state, or None when there is none."""
+    tag = latest_tag(save_dir)
+    if tag is None:
+        return None
+    load_path, client_state = engine.load_checkpoint(save_dir, tag=tag)
+    if load_path is None:
+        raise RuntimeError(f"checkpoint {os.path.join(save_dir, tag)} named by {LATEST} could not be loaded")
+    rng_file = _rng_path(save_dir, tag, dist.get_rank())
+    if os.path.isfile(rng_file):
+        set_rng_states(torch.load(rng_file, weights_only=False), rng_tracker)
+    return client_state

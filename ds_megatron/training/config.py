@@ -1,0 +1,90 @@
+"""The ``megatron.model`` / ``megatron.train`` / ``megatron.data`` sections of a job config.
+
+Pure dataclasses (no torch) checked by ``config.parse_section``, so a bad job
+config fails before anything heavy is imported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+from ..config import SECTION, ConfigError, MegatronConfig, parse_section
+
+
+@dataclass
+class TrainConfig:
+    train_iters: int = 200
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_warmup_iters: int = 20
+    lr_decay_style: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    eval_interval: int = 50
+    eval_iters: int = 10
+    save_interval: int = 0  # 0: only at the end
+    log_interval: int = 1
+    seed: int = 1234
+    output_dir: str = "runs/default"
+
+    def __post_init__(self):
+        for name in ("train_iters", "eval_interval", "eval_iters", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{SECTION}.train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr_warmup_iters", "save_interval"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{SECTION}.train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr_decay_style not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"{SECTION}.train.lr_decay_style {self.lr_decay_style!r} is unknown; "
+                              "use cosine, linear or constant")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"{SECTION}.train.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
+
+
+@dataclass
+class DataConfig:
+    # Prefix of a .bin/.idx pair from `ds-megatron preprocess`; None: the embedded stdlib corpus.
+    data_path: Optional[str] = None
+    split: str = "98,2"
+    tokenizer: str = "byte"
+    default_corpus_bytes: int = 4 * 1024 * 1024
+    num_workers: int = 0
+    dataloader_type: str = "single"
+
+
+@dataclass
+class JobConfig:
+    ds_config: Dict[str, Any]
+    megatron: MegatronConfig
+    model: Any  # GPTConfig
+    train: TrainConfig
+    data: DataConfig
+
+
+def parse_job_config(config) -> JobConfig:
+    """Every section of a job config, validated; raises ConfigError naming the field."""
+    from ..config import split_config
+    from ..models.gpt import GPTConfig
+    ds_config, mcfg = split_config(config)
+    model_section = dict(mcfg.model)
+    # The layout-wide switches live at the top of the section; the model inherits them.
+    for key in ("sequence_parallel", "make_vocab_size_divisible_by"):
+        if key in model_section:
+            raise ConfigError(f"{SECTION}.model.{key} is set at {SECTION}.{key}; move it there")
+        model_section[key] = getattr(mcfg, key)
+    model = parse_section(GPTConfig, model_section, f"{SECTION}.model")
+    train = parse_section(TrainConfig, mcfg.train, f"{SECTION}.train")
+    data = parse_section(DataConfig, mcfg.data, f"{SECTION}.data")
+    for key in ("train_micro_batch_size_per_gpu",):
+        if key not in ds_config:
+            raise ConfigError(f"{key} is missing from the DeepSpeed config; set it (e.g. 4)")
+    if "train_batch_size" in ds_config:
+        raise ConfigError("train_batch_size is set; ds-megatron train derives it from "
+                          "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size: remove it")
+    return JobConfig(ds_config, mcfg, model, train, data)
+
+
+def split_weights(split: str) -> Tuple[float, ...]:
+    return tuple(float(x) for x in split.split(","))
