@@ -16,7 +16,8 @@ _dsm_extras="${1:-test}"
   set -euo pipefail
   cd "$_dsm_root"
   log() { echo "[setup] $*"; }
-  pip_q() { python -m pip install -q --disable-pip-version-check "$@"; }
+  # The extra file:// indexes of some machines lack most packages; pip warns once per package.
+  pip_q() { python -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
   if [[ ! -x .venv/bin/python ]]; then
     log "creating .venv with $(python3 --version 2>&1)"
     python3 -m venv .venv
@@ -25,7 +26,7 @@ _dsm_extras="${1:-test}"
   source .venv/bin/activate
   stamp=".venv/.ds_megatron-setup-${_dsm_extras//[^A-Za-z0-9]/_}"
   key="$(sha256sum pyproject.toml | cut -c1-16) ${DSM_TORCH:-torch==2.13.0}"
-  if [[ -f "$stamp" && "$(cat "$stamp")" == "$key" ]] && python -c "import torch, deepspeed, ds_megatron" 2>/dev/null; then
+  if [[ -f "$stamp" && "$(cat "$stamp")" == "$key" ]] && python -c "import importlib.util as u; assert all(map(u.find_spec, ('torch', 'deepspeed', 'ds_megatron')))" 2>/dev/null; then
     log ".venv is up to date for extras [$_dsm_extras]"
     exit 0
   fi
@@ -38,7 +39,7 @@ _dsm_extras="${1:-test}"
     fi
     pip_q "$torch_spec"
   fi
-  torch_version="$(python -c 'import torch; print(torch.__version__)')"
+  torch_version="$(python -c 'from importlib.metadata import version; print(version("torch"))')"
   echo "torch==$torch_version" > .venv/constraints.txt
   log "installing ds_megatron[$_dsm_extras] (editable) with torch pinned to $torch_version"
   # PIP_CONSTRAINT also reaches the isolated build environments of source packages (deepspeed).
