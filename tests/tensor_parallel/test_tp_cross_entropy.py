@@ -1,0 +1,99 @@
+"""vocab_parallel_cross_entropy against torch's cross_entropy on the full
+logits (loss and gradient), with label smoothing and vocab padding, and a
+check that the full logits are never communicated."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from harness import run_on_ranks
+from tp_helpers import close, part, randn, tp_group
+from ds_megatron.tensor_parallel import vocab_parallel_cross_entropy
+
+S, B, VP = 3, 2, 16  # [seq, batch, padded vocab]
+
+
+def _check(tp, label_smoothing, vocab_size):
+    with tp_group(tp) as (g, r, n):
+        true_v = vocab_size or VP
+        L = 3.0 * randn(1, S, B, VP)
+        L[..., true_v:] = 50.0  # padding columns with huge logits: must never win
+        target = torch.randint(0, true_v, (S, B), generator=torch.Generator().manual_seed(2))
+        target[0, 0], target[0, 1] = 0, true_v - 1
+        w = randn(3, S, B)  # per-token weights, like a loss mask
+
+        Ld = L[..., :true_v].clone().requires_grad_()
+        ref = F.cross_entropy(Ld.reshape(-1, true_v), target.reshape(-1), reduction="none",
+                              label_smoothing=label_smoothing).view(S, B)
+        (ref * w).sum().backward()
+        want_grad = torch.cat([Ld.grad, torch.zeros(S, B, VP - true_v, dtype=torch.float64)], dim=-1)
+
+        local = part(L, -1, r, n).clone().requires_grad_()
+        before = local.detach().clone()
+        loss = vocab_parallel_cross_entropy(local, target, g, label_smoothing=label_smoothing, vocab_size=vocab_size)
+        assert loss.shape == target.shape
+        close(loss, ref.detach(), "per-token loss")
+        (loss * w).sum().backward()
+        close(local.grad, part(want_grad, -1, r, n), "logits grad slice")
+        assert torch.equal(local.detach(), before), "the logits were modified in place"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("vocab_size", [None, 11])  # 11 of 16: at TP=4 the last rank holds only padding
+def test_matches_torch_cross_entropy(tp, label_smoothing, vocab_size):
+    run_on_ranks(tp, _check, tp, label_smoothing, vocab_size)
+
+
+def _communication_volume():
+    """Record every collective while computing the loss: only per-token scalars may travel."""
+    seen = []
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor",
+                                                   "all_gather_single", "broadcast")}
+
+    def spy(name):
+        def call(tensor, *args, **kwargs):
+            t = tensor if torch.is_tensor(tensor) else args[0]
+            seen.append((name, t.numel()))
+            return real[name](tensor, *args, **kwargs)
+        return call
+    try:
+        for name in real:
+            setattr(dist, name, spy(name))
+        local = randn(1, S, B, VP // 2).requires_grad_()
+        target = torch.randint(0, VP, (S, B), generator=torch.Generator().manual_seed(2))
+        loss = vocab_parallel_cross_entropy(local, target, dist.group.WORLD, label_smoothing=0.1)
+        loss.sum().backward()
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return seen
+
+
+def test_full_logits_are_never_communicated():
+    seen = run_on_ranks(2, _communication_volume)[0]
+    # one max (S*B) and one stacked sum (3*S*B: target logit, sum of logits, sum of exp); backward is local
+    assert seen == [("all_reduce", S * B), ("all_reduce", 3 * S * B)], seen
+
+
+def test_low_precision_logits_give_an_fp32_loss_and_grads_in_their_dtype():
+    # TP=1 (group None) exercises the same math without communication.
+    L = randn(1, S, B, VP).float()
+    target = torch.randint(0, VP, (S, B), generator=torch.Generator().manual_seed(2))
+    local = L.bfloat16().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target, None)
+    assert loss.dtype == torch.float32
+    loss.sum().backward()
+    assert local.grad.dtype == torch.bfloat16
+    ref = F.cross_entropy(local.detach().float().view(-1, VP), target.view(-1), reduction="none").view(S, B)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_invalid_arguments_are_refused():
+    logits = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="target shape"):
+        vocab_parallel_cross_entropy(logits, torch.zeros(3, dtype=torch.long), None)
+    with pytest.raises(ValueError, match="label_smoothing=1.5"):
+        vocab_parallel_cross_entropy(logits, torch.zeros(2, dtype=torch.long), None, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="vocab_size=9"):
+        vocab_parallel_cross_entropy(logits, torch.zeros(2, dtype=torch.long), None, vocab_size=9)
