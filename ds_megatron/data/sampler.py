@@ -128,5 +128,9 @@ def build_data_loader(dataset, micro_batch_size: int, dp_rank: int, dp_size: int
                                                    dp_rank, dp_size, seed=seed)
     else:
         raise ValueError(f"dataloader_type {dataloader_type!r} is unknown; use \"single\" or \"cyclic\"")
+    # Every DataLoader iterator draws a base seed from its generator; with none it would
+    # draw from the default RNG and shift the dropout stream, so a resumed run (which
+    # builds its iterator at a different point) would not replay the same masks.
+    generator = torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       persistent_workers=num_workers > 0)
+                                       persistent_workers=num_workers > 0, generator=generator)

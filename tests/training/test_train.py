@@ -1,0 +1,84 @@
+"""The training job end to end on gloo ranks: TP/DP equivalence and exact resume."""
+import json
+import os
+
+import pytest
+import torch.distributed as dist
+
+from harness import run_on_ranks
+from ds_megatron.config import ConfigError
+from ds_megatron.training.train import load_job, train
+
+
+def _config(tmp, tp, mbs, steps=20, save_interval=0, dropout=0.0):
+    return {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10 ** 6,
+        "megatron": {
+            "tensor_model_parallel_size": tp,
+            "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32,
+                      "vocab_size": 257, "hidden_dropout": dropout, "attention_dropout": dropout},
+            "train": {"train_iters": steps, "lr": 3e-3, "min_lr": 3e-4, "lr_warmup_iters": 4, "eval_interval": 10,
+                      "eval_iters": 2, "save_interval": save_interval, "output_dir": os.path.join(tmp, "run")},
+            "data": {"default_corpus_bytes": 1_000_000, "split": "80,20"},
+        },
+    }
+
+
+def _train(cfg, resume=False, stop_after=None):
+    job = load_job(cfg, dist.get_world_size())
+    res = train(job, cfg, resume=resume, stop_after=stop_after, show_progress=False)
+    return res.losses, res.val_losses
+
+
+def test_tp2_dp2_matches_tp1_dp1_with_same_global_batch(tmp_path):
+    # Global batch 8 x 2 accumulation steps either way: 4 ranks (dp=2, mbs=4) vs 1 rank (mbs=8).
+    par = run_on_ranks(4, _train, _config(str(tmp_path / "a"), tp=2, mbs=4))
+    ref = run_on_ranks(1, _train, _config(str(tmp_path / "b"), tp=1, mbs=8))
+    losses, val = par[0]
+    ref_losses, ref_val = ref[0]
+    assert all(r == par[0] for r in par), "ranks disagree on the logged losses"
+    assert sorted(losses) == list(range(1, 21))
+    for step in losses:
+        assert losses[step] == pytest.approx(ref_losses[step], rel=2e-4, abs=2e-4), step
+    for step in val:
+        assert val[step] == pytest.approx(ref_val[step], rel=2e-4), step
+    assert losses[20] < losses[1] - 1.0, "the loss did not fall"
+
+
+def test_resume_continues_with_the_same_losses(tmp_path):
+    # Dropout on: resuming must also restore the RNG streams (default and model-parallel).
+    full = run_on_ranks(4, _train, _config(str(tmp_path / "full"), tp=2, mbs=2, steps=12, dropout=0.1))[0][0]
+    cfg = _config(str(tmp_path / "cut"), tp=2, mbs=2, steps=12, save_interval=4, dropout=0.1)
+    first = run_on_ranks(4, _train, cfg, False, 6)[0][0]  # saved at 4, and at 6 when stopping
+    assert sorted(first) == list(range(1, 7))
+    latest = open(os.path.join(str(tmp_path / "cut"), "run", "latest")).read()
+    assert latest == "iter_0000006"
+    second = run_on_ranks(4, _train, cfg, True)[0][0]
+    assert sorted(second) == list(range(7, 13))
+    for step in range(1, 7):
+        assert first[step] == full[step]
+    for step in range(7, 13):
+        assert second[step] == full[step], step  # bit-exact: same data, RNG streams, optimizer state
+    metrics = [json.loads(line) for line in open(os.path.join(str(tmp_path / "cut"), "run", "metrics.jsonl"))]
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 13))
+
+
+def test_bad_job_config_names_the_field(tmp_path):
+    cfg = _config(str(tmp_path), tp=2, mbs=2)
+    cfg["megatron"]["model"]["num_attention_heads"] = 3
+    with pytest.raises(ConfigError, match="model.hidden_size=32 is not divisible by model.num_attention_heads=3"):
+        load_job(cfg, 4)
+    cfg = _config(str(tmp_path), tp=2, mbs=2)
+    cfg["megatron"]["train"]["lr_decay_style"] = "cosine-ish"
+    with pytest.raises(ConfigError, match="megatron.train.lr_decay_style"):
+        load_job(cfg, 4)
+    cfg = _config(str(tmp_path), tp=2, mbs=2)
+    cfg["megatron"]["data"]["data_path"] = str(tmp_path / "nothing")
+    job = load_job(cfg, 4)  # the path is checked when the data is opened, with its own clear error
+    assert job.data.data_path.endswith("nothing")
+    with pytest.raises(ConfigError, match="megatron.model.sequence_parallel is set at megatron.sequence_parallel"):
+        cfg["megatron"]["model"]["sequence_parallel"] = True
+        load_job(cfg, 4)
