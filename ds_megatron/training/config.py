@@ -66,7 +66,7 @@ class JobConfig:
 def parse_job_config(config) -> JobConfig:
     """Every section of a job config, validated; raises ConfigError naming the field."""
     from ..config import split_config
-    from ..models.gpt import GPTConfig
+    from ..models.gpt_config import GPTConfig
     ds_config, mcfg = split_config(config)
     model_section = dict(mcfg.model)
     # The layout-wide switches live at the top of the section; the model inherits them.

@@ -82,3 +82,25 @@ def test_bad_job_config_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match="megatron.model.sequence_parallel is set at megatron.sequence_parallel"):
         cfg["megatron"]["model"]["sequence_parallel"] = True
         load_job(cfg, 4)
+
+
+def test_bad_config_fails_with_one_line_before_torch_is_imported(tmp_path):
+    """The CLI refuses a bad config with one line, exit code 2, and without importing torch or
+    DeepSpeed (which is what keeps it fast: ~0.15 s here; speed itself is not asserted)."""
+    import subprocess
+    import sys
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
+                               "megatron": {"tensor_model_parallel_size": 3}}))
+    proc = subprocess.run([sys.executable, "-m", "ds_megatron.cli", "train", "--config", str(bad)],
+                          capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "4"}, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "ds-megatron train: error: megatron: world size 4 is not divisible by tp*cp*pp = 3*1*1 = 3; "
+        "change the sizes or the number of ranks"]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    probe = ("import sys; from ds_megatron.training.train import main; "
+             f"rc = main(['--config', {str(bad)!r}]); print(rc, 'torch' in sys.modules, 'deepspeed' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env={**os.environ, "WORLD_SIZE": "4"}, timeout=60).stdout.split()
+    assert out == ["2", "False", "False"]
