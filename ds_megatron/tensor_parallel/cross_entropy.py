@@ -73,6 +73,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         _all_reduce_(logits_max, group, op=dist.ReduceOp.MAX)
         logits.sub_(logits_max.unsqueeze(-1))
 
+        target = target.long()  # gather/scatter need int64 indices
         target_outside = (target < start) | (target >= end)
         local_target = (target - start).masked_fill(target_outside, 0)
         target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(target_outside, 0.0)

@@ -71,7 +71,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         world, rank = group_size(tp_group), group_rank(tp_group)
-        self.output_size_per_partition = divide(output_size, world)
+        self.output_size_per_partition = divide(output_size, world, what="ColumnParallelLinear output_size")
 
         self.weight = torch.nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
                                                      dtype=params_dtype, device=device))
@@ -126,7 +126,7 @@ class RowParallelLinear(torch.nn.Module):
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
         world, rank = group_size(tp_group), group_rank(tp_group)
-        self.input_size_per_partition = divide(input_size, world)
+        self.input_size_per_partition = divide(input_size, world, what="RowParallelLinear input_size")
 
         self.weight = torch.nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
                                                      dtype=params_dtype, device=device))

@@ -5,17 +5,20 @@ as they are.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 
-def divide(numerator: int, denominator: int) -> int:
-    """``numerator // denominator``, refusing a remainder (a TP split must be exact)."""
+def divide(numerator: int, denominator: int, what: Optional[str] = None) -> int:
+    """``numerator // denominator``, refusing a remainder (a TP split must be exact).
+
+    ``what`` names the quantity being split, for the error message."""
+    name = f"{what}={numerator}" if what else str(numerator)
     if denominator <= 0:
-        raise ValueError(f"cannot split {numerator} into {denominator} partitions; the partition count "
+        raise ValueError(f"cannot split {name} into {denominator} partitions; the partition count "
                          "must be a positive integer")
     if numerator % denominator != 0:
-        raise ValueError(f"{numerator} is not divisible by {denominator}; choose sizes that are multiples "
-                         f"of {denominator} (the tensor-parallel size) or change that size")
+        raise ValueError(f"{name} is not divisible by {denominator}; use a multiple of {denominator} "
+                         f"(the number of partitions, usually the tensor-parallel size) or change that size")
     return numerator // denominator
 
 

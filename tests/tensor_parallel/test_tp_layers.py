@@ -211,7 +211,7 @@ def test_initialization_is_independent_of_tp_size():
 
 def _bad_configs():
     with tp_group(dist.get_world_size()) as (g, _, n):
-        with pytest.raises(ValueError, match=r"\b10 is not divisible by 4\b"):
+        with pytest.raises(ValueError, match=r"ColumnParallelLinear output_size=10 is not divisible by 4;"):
             ColumnParallelLinear(IN, 10, tp_group=g)
         with pytest.raises(ValueError, match="gather_output=True cannot be combined"):
             ColumnParallelLinear(IN, OUT, tp_group=g, gather_output=True, sequence_parallel=True)
@@ -219,7 +219,22 @@ def _bad_configs():
             RowParallelLinear(OUT, IN, tp_group=g, sequence_parallel=True)
         with pytest.raises(ValueError, match="num_embeddings=18 .* pad_vocab_size"):
             VocabParallelEmbedding(18, HID, tp_group=g)
+        with pytest.raises(ValueError, match="RowParallelLinear input_size=6 is not divisible by 4"):
+            RowParallelLinear(6, IN, tp_group=g)
 
 
 def test_invalid_configurations_name_the_value_and_the_fix():
     run_on_ranks(4, _bad_configs)
+
+
+def test_partition_arithmetic():
+    from ds_megatron.tensor_parallel import divide, pad_vocab_size, vocab_range_from_global_vocab_size
+    assert divide(12, 4) == 3
+    with pytest.raises(ValueError, match="num_heads=6 is not divisible by 4"):
+        divide(6, 4, what="num_heads")
+    assert pad_vocab_size(50257, 128, 8) == 51200  # the paper's GPT-2 figure
+    assert pad_vocab_size(50257, 128, 1) == 50304
+    assert pad_vocab_size(256, 128, 2) == 256
+    assert [vocab_range_from_global_vocab_size(16, r, 4) for r in range(4)] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    with pytest.raises(ValueError, match="not divisible by 3"):
+        vocab_range_from_global_vocab_size(16, 0, 3)

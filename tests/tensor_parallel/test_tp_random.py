@@ -90,3 +90,33 @@ def test_tracker_refuses_misuse():
     tracker.reset()
     tracker.add("a", 1)  # reset forgets names and seeds
     assert get_cuda_rng_tracker() is get_rng_tracker()
+
+
+def test_deepspeed_activation_checkpointing_replays_fork_streams_with_our_tracker():
+    """DeepSpeed's recomputation saves and restores the tracker it finds in its
+    checkpointing module; with ours installed there, recomputed dropout inside
+    fork() matches the original forward (gradients equal to no checkpointing)."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
+    tracker = RNGStatesTracker(device="cpu")
+
+    def block(x):
+        x = F.dropout(x, 0.5, training=True)
+        with tracker.fork():
+            x = F.dropout(x * 2.0, 0.5, training=True)
+        return x * 3.0
+
+    def grads(checkpointed):
+        model_parallel_seed(5, tp_rank=1, tracker=tracker)
+        x = torch.randn(N, requires_grad=True)
+        y = ds_ckpt.checkpoint(block, x) if checkpointed else block(x)
+        (y * torch.arange(float(N))).sum().backward()
+        return x.grad
+
+    plain = grads(False)
+    assert not torch.equal(grads(True), plain), "DeepSpeed's own tracker should not know our stream"
+    saved = ds_ckpt._CUDA_RNG_STATE_TRACKER
+    ds_ckpt._CUDA_RNG_STATE_TRACKER = tracker
+    try:
+        assert torch.equal(grads(True), plain)
+    finally:
+        ds_ckpt._CUDA_RNG_STATE_TRACKER = saved
