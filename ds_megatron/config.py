@@ -37,6 +37,17 @@ class MegatronConfig:
     order: str = DEFAULT_ORDER
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128
+    # --- Megatron DDP: bucketed gradient buffers (ds_megatron.distributed) ---
+    # None: on when any key below is set; true/false: explicitly.
+    use_megatron_ddp: Optional[bool] = None
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size: Optional[int] = None
+    grad_reduce_in_fp32: bool = False
+    average_in_collective: bool = False
+    pad_buckets_for_high_nccl_busbw: bool = False
+    # --- end Megatron DDP ---
     # Free-form sections read by the training entry point (``ds-megatron train``);
     # validated there against their own dataclasses.
     model: Dict[str, Any] = field(default_factory=dict)
@@ -53,6 +64,36 @@ class MegatronConfig:
             raise ConfigError(f"{SECTION}.sequence_parallel is true but tensor_model_parallel_size is 1; "
                               "sequence parallelism shards along TP ranks: set tensor_model_parallel_size > 1 "
                               "or sequence_parallel to false")
+        self._check_ddp()
+
+    # --- Megatron DDP ---
+    _DDP_KEYS = ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "bucket_size",
+                 "grad_reduce_in_fp32", "average_in_collective", "pad_buckets_for_high_nccl_busbw")
+
+    def _ddp_keys_set(self):
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [k for k in self._DDP_KEYS if getattr(self, k) != defaults[k]]
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """Whether our buffers own gradient accumulation and reduction (instead of DeepSpeed's all-reduce)."""
+        return self.use_megatron_ddp if self.use_megatron_ddp is not None else bool(self._ddp_keys_set())
+
+    def _check_ddp(self) -> None:
+        if self.use_megatron_ddp is False and self._ddp_keys_set():
+            raise ConfigError(f"{SECTION}.use_megatron_ddp is false but {SECTION}.{self._ddp_keys_set()[0]} is set; "
+                              "those keys configure the Megatron DDP buffers: drop them or set use_megatron_ddp true")
+        if self.bucket_size is not None:
+            _check_positive(f"{SECTION}.bucket_size", self.bucket_size)
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError(f"{SECTION}.overlap_param_gather is true but use_distributed_optimizer is false; params "
+                              "are only all-gathered by the distributed optimizer: enable it or drop overlap_param_gather")
+
+    def ddp_config(self):
+        """The ``DistributedDataParallelConfig`` these keys describe."""
+        from .distributed.ddp_config import DistributedDataParallelConfig
+        return DistributedDataParallelConfig(**{k: getattr(self, k) for k in self._DDP_KEYS})
+    # --- end Megatron DDP ---
 
     def layout(self, world_size: int):
         """The validated ``ParallelLayout`` for ``world_size`` ranks (ConfigError if it does not fit)."""

@@ -31,6 +31,7 @@ class MegatronContext:
     config: MegatronConfig
     state: Any  # ParallelState
     mpu: Any  # MegatronMPU
+    ddp: Any = None  # distributed.DistributedDataParallel when megatron DDP owns the gradients
 
 
 def _config_source(args, config, config_params) -> Tuple[Optional[ConfigLike], Any]:
@@ -127,12 +128,30 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     elif parallel_state.layout != layout:
         raise ConfigError(f"parallel_state was built for {parallel_state.layout} but the config asks for {layout}; "
                           "build it from the same config")
-    our_mpu = MegatronMPU(parallel_state, rng_tracker=getattr(model, "rng_tracker", None))
+    rng_tracker = getattr(model, "rng_tracker", None)
+    our_mpu = MegatronMPU(parallel_state, rng_tracker=rng_tracker)
+    if rng_tracker is not None:
+        # DeepSpeed's activation checkpointing replays dropout with its own module-level
+        # tracker (it never asks the mpu); ours must be the one it saves and restores.
+        from deepspeed.runtime.activation_checkpointing import checkpointing
+        checkpointing._CUDA_RNG_STATE_TRACKER = rng_tracker
+    # --- Megatron optimizer path: casts the model, wraps the optimizer, hands DeepSpeed a config
+    # without the precision/clipping it now owns (ds_megatron/optimizer/deepspeed_integration.py) ---
+    from .optimizer.deepspeed_integration import prepare_optimizer_path
+    opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, parallel_state)
+    optimizer, model_parameters, ds_config = opt_path.optimizer, opt_path.model_parameters, opt_path.ds_config
+    # --- end Megatron optimizer path ---
     engine, opt, loader, sched = deepspeed.initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, mpu=our_mpu,
         dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config, **deepspeed_kwargs)
     engine.megatron = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu)
+    opt_path.attach(engine)  # Megatron optimizer path: takes over the grad all-reduce when it owns it
+    # --- Megatron DDP: our bucketed buffers own gradient accumulation and reduction ---
+    if mcfg.ddp_enabled:
+        from .distributed.deepspeed_hooks import attach_megatron_ddp
+        engine.megatron.ddp = attach_megatron_ddp(engine, mcfg.ddp_config(), parallel_state)
+    # --- end Megatron DDP ---
     return engine, opt, loader, sched
 
 

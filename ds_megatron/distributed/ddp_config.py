@@ -1,0 +1,49 @@
+"""``DistributedDataParallelConfig``: the switches of the bucketed gradient buffers (pure, no torch).
+
+Field names are Megatron-LM's.  ``MegatronConfig.ddp_config()`` builds one from
+the ``"megatron"`` section of the DeepSpeed JSON; tests and the benchmark build
+one directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# Megatron's default bucket: large enough that per-collective latency is amortized,
+# growing with DP so that each rank's shard of a bucket stays >= 1M elements.
+MIN_DEFAULT_BUCKET_SIZE = 40_000_000
+DEFAULT_BUCKET_SIZE_PER_DP_RANK = 1_000_000
+
+
+def default_bucket_size(data_parallel_world_size: int) -> int:
+    """max(40,000,000, 1,000,000 x DP) elements."""
+    return max(MIN_DEFAULT_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_DP_RANK * data_parallel_world_size)
+
+
+@dataclass(frozen=True)
+class DistributedDataParallelConfig:
+    """How gradients are buffered, bucketed and reduced over data-parallel ranks."""
+
+    # Accumulate and reduce grads in fp32 even when params are bf16/fp16.
+    grad_reduce_in_fp32: bool = False
+    # Start each bucket group's reduction during backward, as soon as all its grads are ready.
+    overlap_grad_reduce: bool = False
+    # (Distributed optimizer) all-gather updated params during the next forward.
+    overlap_param_gather: bool = False
+    # Reduce-scatter grads and keep params in one contiguous buffer, padded so every
+    # bucket splits evenly over DP ranks.
+    use_distributed_optimizer: bool = False
+    # Elements per bucket; None = default_bucket_size(DP) when overlapping, one bucket otherwise.
+    bucket_size: Optional[int] = None
+    # Pad buckets to a multiple of 2^16 too (NCCL ring bus bandwidth at large DP).
+    pad_buckets_for_high_nccl_busbw: bool = False
+    # Average with the collective itself (ReduceOp.AVG) instead of pre-scaling by 1/DP.
+    average_in_collective: bool = False
+
+    def __post_init__(self):
+        if self.bucket_size is not None and (isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int)
+                                             or self.bucket_size < 1):
+            raise ValueError(f"bucket_size must be a positive number of elements or None, got {self.bucket_size!r}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather is true but use_distributed_optimizer is false; params are only "
+                             "all-gathered with the distributed optimizer: enable it or set overlap_param_gather false")

@@ -1,0 +1,177 @@
+"""``DistributedDataParallel``: Megatron's DDP, gradients in contiguous buffers reduced bucket by bucket.
+
+Wrapping a module allocates ``ParamAndGradBuffer``s for its trainable params
+(dense params over the data-and-context-parallel group, expert params over the
+expert-data-parallel group) and hooks each param so that after backward
+accumulates ``param.grad`` it is added into ``param.main_grad`` and freed.
+Over micro-batches the grads accumulate in ``main_grad`` (fp32 with
+``grad_reduce_in_fp32``).  On the last micro-batch, with
+``overlap_grad_reduce``, a bucket group's reduction starts as soon as all its
+grads are in, while backward goes on; ``finish_grad_sync()`` waits for all of
+them (and starts those not started).  ``no_sync()`` marks accumulation-only
+micro-batches; ``zero_grad_buffer()`` clears the buffers for the next step.
+
+Expert params are recognized as DeepSpeed marks MoE params (``allreduce=False``)
+or by ``is_expert=True``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional
+
+import torch
+
+from .bucket_group import ParamAndGradBucketGroup, partition_buckets
+from .ddp_config import DistributedDataParallelConfig, default_bucket_size
+from .param_and_grad_buffer import ParamAndGradBuffer
+
+
+def is_expert_param(param: torch.nn.Parameter) -> bool:
+    return getattr(param, "allreduce", True) is False or getattr(param, "is_expert", False)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """``DistributedDataParallel(module, ddp_config, parallel_state, disable_bucketing=False)``.
+
+    ``parallel_state``: the job's ``ParallelState``; its ``dp_cp`` group reduces
+    dense grads and its ``edp`` group expert grads.  ``disable_bucketing``: one
+    bucket group for everything (a single reduction at the end).
+    """
+
+    def __init__(self, module: torch.nn.Module, ddp_config: DistributedDataParallelConfig, parallel_state,
+                 disable_bucketing: bool = False):
+        super().__init__()
+        self.module = module
+        self.ddp_config = ddp_config
+        dp_cp, edp = parallel_state.dp_cp, parallel_state.edp
+        bucket_size = ddp_config.bucket_size
+        if bucket_size is None:
+            bucket_size = default_bucket_size(dp_cp.size)
+        # Without overlap there is nothing to gain from splitting: one bucket, one collective.
+        if not ddp_config.overlap_grad_reduce or disable_bucketing:
+            bucket_size = None
+        self.bucket_size = bucket_size
+
+        param_to_name = {p: n for n, p in module.named_parameters()}
+        dense, expert = [], []
+        for p in module.parameters():
+            if p.requires_grad:
+                (expert if is_expert_param(p) else dense).append(p)
+
+        # Grads of the global batch are the mean over dp-cp ranks' micro-batches.  Expert grads
+        # already sum tokens routed from the whole expert-parallel group, so summing them
+        # over edp and dividing by dp-cp gives the same mean (Megatron's expert factor).
+        if ddp_config.average_in_collective:
+            dense_factor, expert_factor = 1.0, edp.size / dp_cp.size
+        else:
+            dense_factor = expert_factor = 1.0 / dp_cp.size
+
+        self.buffers = self._allocate_buffers(dense, dp_cp, dense_factor, param_to_name)
+        self.expert_parallel_buffers = self._allocate_buffers(expert, edp, expert_factor, param_to_name)
+        self.bucket_groups: List[ParamAndGradBucketGroup] = partition_buckets(
+            self.buffers, force_single_bucket_group=disable_bucketing)
+        self.expert_parallel_bucket_groups: List[ParamAndGradBucketGroup] = partition_buckets(
+            self.expert_parallel_buffers, force_single_bucket_group=disable_bucketing)
+        self.param_to_bucket_group: Dict[torch.nn.Parameter, ParamAndGradBucketGroup] = {}
+        for group in self.bucket_groups + self.expert_parallel_bucket_groups:
+            for p in group.params:
+                self.param_to_bucket_group[p] = group
+
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_backward_post_hook(p))
+                              for p in self.param_to_bucket_group]
+
+    def _allocate_buffers(self, params, group, gradient_scaling_factor, param_to_name) -> List[ParamAndGradBuffer]:
+        by_dtypes: Dict[tuple, List[torch.nn.Parameter]] = {}
+        indices: Dict[tuple, List[int]] = {}
+        count: Dict[torch.dtype, int] = {}
+        for p in params:
+            grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else p.dtype
+            key = (p.dtype, grad_dtype)
+            by_dtypes.setdefault(key, []).append(p)
+            indices.setdefault(key, []).append(count.get(p.dtype, 0))
+            count[p.dtype] = count.get(p.dtype, 0) + 1
+        return [ParamAndGradBuffer(self.ddp_config, param_dtype, grad_dtype, ps, group.group, group.size,
+                                   self.bucket_size, gradient_scaling_factor, indices[(param_dtype, grad_dtype)],
+                                   param_to_name)
+                for (param_dtype, grad_dtype), ps in by_dtypes.items()]
+
+    def _make_backward_post_hook(self, param: torch.nn.Parameter):
+        def hook(p: torch.Tensor) -> None:
+            # Runs after autograd accumulated this backward's grad into p.grad.
+            if p.grad is not None:
+                param.main_grad.add_(p.grad)
+                p.grad = None
+            if self.ddp_config.overlap_grad_reduce:
+                self.param_to_bucket_group[param].register_grad_ready(param)
+        return hook
+
+    @property
+    def all_buffers(self) -> List[ParamAndGradBuffer]:
+        return self.buffers + self.expert_parallel_buffers
+
+    @property
+    def all_bucket_groups(self) -> List[ParamAndGradBucketGroup]:
+        return self.bucket_groups + self.expert_parallel_bucket_groups
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    def set_is_last_microbatch(self, is_last: bool) -> None:
+        """Whether the coming backward completes the accumulation window (reductions may start)."""
+        for group in self.all_bucket_groups:
+            group.is_last_microbatch = is_last
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate into ``main_grad``; nothing is reduced."""
+        self.set_is_last_microbatch(False)
+        try:
+            yield
+        finally:
+            self.set_is_last_microbatch(True)
+
+    def start_grad_sync(self) -> None:
+        """Issue every reduction not issued yet (async)."""
+        for group in self.all_bucket_groups:
+            if group.grad_reduce_handles is None:
+                group.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Wait until every bucket group is reduced; afterwards ``main_grad`` holds the averaged grads
+        (with the distributed optimizer: each rank's own shard of every bucket)."""
+        for group in self.all_bucket_groups:
+            group.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero all grad buffers (one op each) and reset the bucket groups for a new step."""
+        for buffer in self.all_buffers:
+            buffer.reset()
+        for group in self.all_bucket_groups:
+            group.reset()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for buffer in self.all_buffers:
+            buffer.scale_gradients(scaling_factor)
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """(Distributed optimizer) all-gather updated param shards into every rank's param buffer."""
+        for group in self.all_bucket_groups:
+            group.start_param_sync(force_sync=force_sync)
+        if force_sync or not self.ddp_config.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        for group in self.all_bucket_groups:
+            group.finish_param_sync()
+
+    def remove_hooks(self) -> None:
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
+
+    # The wrapper is invisible in checkpoints: keys are the module's own.
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
