@@ -48,6 +48,11 @@ class MegatronConfig:
     average_in_collective: bool = False
     pad_buckets_for_high_nccl_busbw: bool = False
     # --- end Megatron DDP ---
+    # --- Megatron optimizer path (ds_megatron/optimizer/precision_config.py) ---
+    # "megatron": our optimizer path runs mixed precision, loss scaling and clipping;
+    # "deepspeed": DeepSpeed's own FP16/BF16/ZeRO optimizers do.
+    optimizer_impl: str = "megatron"
+    log_num_zeros_in_grad: bool = False
     # Free-form sections read by the training entry point (``ds-megatron train``);
     # validated there against their own dataclasses.
     model: Dict[str, Any] = field(default_factory=dict)
@@ -64,6 +69,9 @@ class MegatronConfig:
             raise ConfigError(f"{SECTION}.sequence_parallel is true but tensor_model_parallel_size is 1; "
                               "sequence parallelism shards along TP ranks: set tensor_model_parallel_size > 1 "
                               "or sequence_parallel to false")
+        if self.optimizer_impl not in ("megatron", "deepspeed"):
+            raise ConfigError(f"{SECTION}.optimizer_impl={self.optimizer_impl!r} is unknown; "
+                              "use \"megatron\" (our optimizer path) or \"deepspeed\" (DeepSpeed's own)")
         self._check_ddp()
 
     # --- Megatron DDP ---
@@ -189,7 +197,11 @@ def split_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Tuple[Dict[
     """(the DeepSpeed config without our section, our parsed section)."""
     ds_config = load_ds_config(config)
     section = ds_config.pop(SECTION, {})
-    return ds_config, parse_section(MegatronConfig, section, SECTION)
+    mcfg = parse_section(MegatronConfig, section, SECTION)
+    # Precision/ZeRO combinations are checked here too, so a bad one fails before anything starts.
+    from .optimizer.precision_config import precision_of
+    precision_of(ds_config, mcfg)
+    return ds_config, mcfg
 
 
 def world_size_from_env() -> Optional[int]:

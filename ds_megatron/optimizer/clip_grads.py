@@ -60,3 +60,15 @@ def clip_grad_by_total_norm_fp32(params: Iterable[torch.nn.Parameter], max_norm:
             g = _grad(p)
             if g is not None:
                 g.detach().mul_(clip_coeff)
+
+
+def count_zeros_fp32(params: Iterable[torch.nn.Parameter], model_parallel_group=None, tp_rank: int = 0) -> int:
+    """Number of zero gradient entries over the model, counting TP duplicates and shared params once."""
+    grads = grads_for_norm(params, tp_rank)
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        total += g.numel() - torch.count_nonzero(g)
+    if model_parallel_group is not None:
+        dist.all_reduce(total, group=model_parallel_group)
+    return int(total)

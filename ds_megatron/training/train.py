@@ -143,8 +143,11 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
         bar = tqdm(total=tcfg.train_iters, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stdout,
                    mininterval=0.5)
     tokens_per_step = global_batch * job.model.seq_length
-    # DeepSpeed reports a norm only from its own fp16/bf16/ZeRO optimizers.
-    own_grad_norm = not (engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization())
+    # Our optimizer path (and DeepSpeed's own fp16/bf16/ZeRO optimizers) report the true global norm
+    # through engine.get_global_grad_norm(); only DeepSpeed's plain fp32 path leaves it to the loop.
+    from ..optimizer import MegatronOptimizer
+    own_grad_norm = not (isinstance(engine.optimizer, MegatronOptimizer) or engine.fp16_enabled()
+                         or engine.bfloat16_enabled() or engine.zero_optimization())
     last = start_step
     if valid_ds is not None and start_step == 0:
         val = evaluate()  # the starting point of the validation curve
@@ -171,16 +174,18 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
         lr = engine.get_lr()[0]
         if gnorm is None and engine.get_global_grad_norm() is not None:
             gnorm = float(engine.get_global_grad_norm())
+        loss_scale = getattr(engine.optimizer, "cur_scale", None)  # DeepSpeed's name; ours and its fp16 one
         result.losses[step + 1] = loss_value
         if log is not None and (step + 1) % tcfg.log_interval == 0:
             log.write({"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tok_s,
-                       "consumed_samples": consumed})
+                       "consumed_samples": consumed, "loss_scale": loss_scale,
+                       "skipped_steps": engine.skipped_steps})
         if bar is not None:
             bar.update(1)
-            bar.set_postfix_str(progress_text(step + 1, loss_value, lr, tok_s, gnorm))
+            bar.set_postfix_str(progress_text(step + 1, loss_value, lr, tok_s, gnorm, loss_scale))
         elif rank == 0 and show_progress and ((step + 1) % 10 == 0 or step == start_step):
-            print(f"step {step + 1}/{tcfg.train_iters} | " + progress_text(step + 1, loss_value, lr, tok_s, gnorm),
-                  flush=True)
+            print(f"step {step + 1}/{tcfg.train_iters} | "
+                  + progress_text(step + 1, loss_value, lr, tok_s, gnorm, loss_scale), flush=True)
         if valid_ds is not None and ((step + 1) % tcfg.eval_interval == 0 or step + 1 == tcfg.train_iters):
             val = evaluate()
             result.val_losses[step + 1] = val

@@ -1,0 +1,189 @@
+"""``ds-megatron plan --config FILE --world-size N``: memory per rank of a GPT job, before launching it.
+
+Pure Python (no torch): the figures come from ``GPTConfig``, the parallel
+layout and the precision settings, and are what a built ``GPTModel`` and our
+optimizer path allocate on each rank (tests measure the tensors to check it).
+
+Bytes per parameter, following Megatron's mixed-precision accounting:
+
+* fp16/bf16 with Adam: model params 2 + grads 2 + fp32 main params 4 + Adam
+  exp_avg 4 + exp_avg_sq 4 (+ fp32 main grads 4, alive during the step only);
+* fp32 with Adam: params 4 + grads 4 + Adam 8 (no main copies);
+* SGD keeps 4 bytes of momentum per param when momentum > 0, else nothing.
+
+Activations are an estimate per micro-batch: Korthikanti et al. 2022
+("Reducing Activation Recomputation in Large Transformer Models"), per layer
+``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes with 16-bit activations, or
+``s*b*h*(34/t + 5*a*s/(h*t))`` with sequence parallelism, doubled for fp32,
+plus the vocab-parallel logits (model dtype) and their fp32 copy in the cross
+entropy, ``s*b*V/t*(dtype + 4)``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence
+
+from .config import ConfigError
+
+BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters one TP rank holds: its shards of the split weights, and its copy of the replicated ones."""
+
+    sharded: int
+    replicated: int
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def gpt_param_counts(cfg, tp: int) -> ParamCounts:
+    """``GPTModel``'s parameters on one TP rank (every TP rank holds the same number)."""
+    h, f, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
+    vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
+    per_layer_sharded = (3 * h // tp) * (h + 1) + h * (h // tp) + (f // tp) * (h + 1) + h * (f // tp)
+    per_layer_replicated = 2 * h + h + 2 * h + h  # two LayerNorms, the two RowParallel biases
+    sharded = (vocab // tp) * h + L * per_layer_sharded
+    replicated = cfg.seq_length * h + L * per_layer_replicated + 2 * h
+    return ParamCounts(sharded, replicated)
+
+
+def optimizer_state_bytes_per_param(optimizer_type: str, momentum: float = 0.0) -> int:
+    kind = optimizer_type.lower()
+    if kind in ("adam", "adamw"):
+        return 8
+    if kind == "sgd":
+        return 4 if momentum else 0
+    raise ConfigError(f"optimizer.type={optimizer_type!r} cannot be planned; use Adam, AdamW or SGD")
+
+
+def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str) -> int:
+    """Estimated activation memory of one micro-batch (see the module docstring for the formula)."""
+    s, b, h, a, L = cfg.seq_length, micro_batch, cfg.hidden_size, cfg.num_attention_heads, cfg.num_layers
+    if cfg.sequence_parallel:
+        per_layer = s * b * h * (34 / tp + 5 * a * s / (h * tp))
+    else:
+        per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    per_layer *= BYTES[params_dtype] / 2
+    vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
+    logits = s * b * (vocab // tp) * (BYTES[params_dtype] + 4)
+    return int(L * per_layer + logits)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """The memory plan of the ranks that share one role."""
+
+    role: str
+    ranks: List[int]
+    params: int
+    params_sharded: int
+    params_replicated: int
+    model_param_bytes: int
+    grad_bytes: int
+    main_param_bytes: int
+    main_grad_bytes: int  # fp32 main grads, alive during the optimizer step only
+    optimizer_state_bytes: int
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.model_param_bytes + self.grad_bytes + self.main_param_bytes + self.main_grad_bytes
+                + self.optimizer_state_bytes + self.activation_bytes)
+
+
+def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "adamw", momentum: float = 0.0,
+                micro_batch: int = 1) -> List[RankMemory]:
+    """One ``RankMemory`` per TP rank index (the ranks holding the same shards)."""
+    if layout.pp != 1 or layout.cp != 1:
+        raise ConfigError("ds-megatron plan covers tensor/data parallel GPT jobs; set "
+                          "pipeline_model_parallel_size and context_parallel_size to 1")
+    counts = gpt_param_counts(cfg, layout.tp)
+    n = counts.total
+    low = BYTES[params_dtype]
+    mixed = params_dtype != "fp32"
+    plans = []
+    for tp_rank in range(layout.tp):
+        ranks = sorted(g[tp_rank] for g in layout.group_ranks()["tp"])
+        plans.append(RankMemory(
+            role=f"tp rank {tp_rank}", ranks=ranks, params=n, params_sharded=counts.sharded,
+            params_replicated=counts.replicated, model_param_bytes=n * low, grad_bytes=n * low,
+            main_param_bytes=4 * n if mixed else 0, main_grad_bytes=4 * n if mixed else 0,
+            optimizer_state_bytes=n * optimizer_state_bytes_per_param(optimizer_type, momentum),
+            activation_bytes=activation_bytes(cfg, layout.tp, micro_batch, params_dtype)))
+    return plans
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 20:,.2f} MiB"
+
+
+def format_plan(plans: Sequence[RankMemory], header: str) -> str:
+    rows = [["role", "ranks", "params", "model params", "grads", "fp32 main params", "fp32 main grads*",
+             "optimizer states", "activations/mb", "total"]]
+    for p in plans:
+        rows.append([p.role, ",".join(map(str, p.ranks)), f"{p.params:,}", _gib(p.model_param_bytes),
+                     _gib(p.grad_bytes), _gib(p.main_param_bytes), _gib(p.main_grad_bytes),
+                     _gib(p.optimizer_state_bytes), _gib(p.activation_bytes), _gib(p.total_bytes)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [header, ""]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    lines += ["", "* alive during the optimizer step only; activations: Korthikanti et al. 2022 estimate, "
+                  "no recomputation, per micro-batch"]
+    return "\n".join(lines)
+
+
+def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None):
+    """(header, plans) for a job config (path or dict)."""
+    from .optimizer.precision_config import precision_of
+    from .training.config import parse_job_config
+    job = parse_job_config(config)
+    layout = job.megatron.layout(world_size)
+    job.model.check_tensor_parallel(layout.tp)
+    precision = precision_of(job.ds_config, job.megatron)
+    section = job.ds_config.get("optimizer", {"type": "AdamW"})  # ds-megatron train builds AdamW otherwise
+    opt_type = str(section.get("type", "AdamW"))
+    if opt_type.lower() == "adam" and not section.get("params", {}).get("adam_w_mode", True):
+        opt_type = "Adam"
+    momentum = section.get("params", {}).get("momentum", 0.0)
+    mb = micro_batch or job.ds_config.get("train_micro_batch_size_per_gpu", 1)
+    plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb)
+    header = (f"world size {world_size}: tp={layout.tp} dp={layout.dp}; params {precision.params_dtype}, "
+              f"optimizer {opt_type} via {precision.optimizer_impl}; micro-batch {mb}")
+    return header, plans
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ds-megatron plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="DeepSpeed JSON config with a \"megatron\" section")
+    parser.add_argument("--world-size", type=int, required=True, help="number of ranks of the job")
+    parser.add_argument("--micro-batch", type=int, help="default: train_micro_batch_size_per_gpu")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    try:
+        header, plans = plan_from_config(args.config, args.world_size, args.micro_batch)
+    except ConfigError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"header": header,
+                          "roles": [dict(asdict(p), total_bytes=p.total_bytes) for p in plans]}))
+    else:
+        print(format_plan(plans, header))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

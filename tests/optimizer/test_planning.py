@@ -1,0 +1,79 @@
+"""``ds-megatron plan`` figures against the tensors a built GPTModel and our optimizer allocate per rank."""
+import json
+import subprocess
+import sys
+
+import torch
+
+from harness import run_on_ranks
+
+import ds_megatron
+from ds_megatron.models.gpt import GPTModel
+from ds_megatron.models.gpt_config import GPTConfig
+from ds_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, get_param_groups
+from ds_megatron.planning import plan_memory
+
+MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=300,
+             hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _measure(dtype):
+    state = ds_megatron.initialize_model_parallel({"megatron": {"tensor_model_parallel_size": 2}})
+    model = GPTModel(GPTConfig(**MODEL), state).to(dtype)
+    inner = torch.optim.AdamW(get_param_groups(model, 0.1), lr=1e-3)
+    opt = (FP32Optimizer(inner, parallel_state=state) if dtype == torch.float32 else
+           Float16OptimizerWithFloat16Params(inner, grad_scaler=None, parallel_state=state))
+    tokens = torch.randint(0, 300, (2, 17))
+    model({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}).backward()
+    params = list(model.parameters())
+    measured = {"params": sum(p.numel() for p in params), "model_param_bytes": _nbytes(params),
+                "grad_bytes": _nbytes([p.grad for p in params])}
+    if dtype != torch.float32:
+        opt._copy_model_grads_to_main_grads()
+        measured["main_grad_bytes"] = _nbytes([p.main_param.grad for p in params])
+        measured["main_param_bytes"] = _nbytes([p.main_param for p in params])
+    opt.step()
+    measured["optimizer_state_bytes"] = _nbytes([t for s in opt.state.values() for k, t in s.items() if k != "step"])
+    tp_rank = state.tp.rank
+    state.destroy()
+    return tp_rank, measured
+
+
+def test_plan_matches_measured_tensors_on_every_rank():
+    cfg = GPTConfig(**MODEL)
+    from ds_megatron.config import MegatronConfig
+    layout = MegatronConfig(tensor_model_parallel_size=2).layout(4)
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        plans = plan_memory(cfg, layout, name, "adamw", micro_batch=2)
+        for rank, (tp_rank, measured) in enumerate(run_on_ranks(4, _measure, dtype)):
+            plan = plans[tp_rank]
+            assert rank in plan.ranks
+            for key, value in measured.items():
+                assert getattr(plan, key) == value, (name, rank, key)
+            if name == "bf16":  # the seed's accounting: 2 + 2 + 4 + 8 bytes per param (+4 main grads)
+                assert plan.model_param_bytes + plan.grad_bytes + plan.main_param_bytes + \
+                    plan.optimizer_state_bytes == 16 * plan.params
+            else:
+                assert plan.main_param_bytes == 0 and plan.optimizer_state_bytes == 8 * plan.params
+
+
+def test_cli_prints_each_role_and_fails_in_one_line(tmp_path):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+           "megatron": {"tensor_model_parallel_size": 2, "model": MODEL}}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    run = subprocess.run([sys.executable, "-m", "ds_megatron.cli", "plan", "--config", str(path), "--world-size", "4",
+                          "--json"], capture_output=True, text=True, timeout=60)
+    doc = json.loads(run.stdout)
+    assert [r["role"] for r in doc["roles"]] == ["tp rank 0", "tp rank 1"] and doc["roles"][0]["ranks"] == [0, 2]
+    assert "bf16" in doc["header"] and "torch" not in run.stderr
+    cfg["fp16"] = {"enabled": True}
+    path.write_text(json.dumps(cfg))
+    bad = subprocess.run([sys.executable, "-m", "ds_megatron.cli", "plan", "--config", str(path), "--world-size", "4"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "ds-megatron plan: error: fp16.enabled and bf16.enabled are both true; enable at most one of them"]
