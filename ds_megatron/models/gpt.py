@@ -95,7 +95,8 @@ class GPTModel(torch.nn.Module):
         self.final_layernorm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
         if config.sequence_parallel:
             mark_sequence_parallel(self.final_layernorm)
-            _register_sequence_parallel_grad_sum(self, tp.group)
+            if tp.size > 1:  # group None would mean the whole world to torch.distributed
+                _register_sequence_parallel_grad_sum(self, tp.group)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.size(1)

@@ -164,9 +164,7 @@ def _clipped_norm_vs_single_rank(sequence_parallel):
     return ok, norm, ref_norm, after
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, reason="GPTModel bug outside the optimizer: under sequence parallelism the LayerNorm grads "
-                        "come out as this rank's partial sum (half the single-rank grad at TP=2)"))])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_clipped_global_norm_with_tp2_and_tied_embeddings_equals_single_rank(sequence_parallel):
     for ok, norm, ref_norm, after in run_on_ranks(4, _clipped_norm_vs_single_rank, sequence_parallel):
         assert ok and norm == pytest.approx(ref_norm, rel=1e-5)
