@@ -205,6 +205,11 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     if rank == 0 and last == tcfg.train_iters:
         why_not = plot_loss_curve(log.read(), os.path.join(out_dir, "loss_curve.png"))
         print(why_not or f"loss curve: {os.path.join(out_dir, 'loss_curve.png')}", flush=True)
+        vals = {r["step"]: r["val_loss"] for r in log.read() if "val_loss" in r}
+        if len(vals) > 1:
+            first, last_step = min(vals), max(vals)
+            print(f"validation loss: {vals[first]:.4f} at step {first} -> {vals[last_step]:.4f} at step {last_step}",
+                  flush=True)
     engine.megatron.state.destroy()
     return result
 
