@@ -1,0 +1,181 @@
+"""The local experts of one MoE layer: ``SequentialMLP`` (one MLP per expert) and ``GroupedMLP``.
+
+Each expert is ``fc2(gelu(fc1(x)) * prob)`` without biases (the routing weight
+is applied before the second GEMM, so un-permuting is a plain sum).  Weights
+are split over the expert-tensor-parallel (ETP) group like a column-parallel
+fc1 and a row-parallel fc2; the dispatcher's ETP all-gather / reduce-scatter
+does the communication, so the experts themselves never communicate.
+
+Initialization does not depend on EP or ETP: every rank draws the full
+master weights of ALL experts in a fixed order (expert 0 fc1, expert 0 fc2,
+expert 1 fc1, ...) from the default RNG and keeps its local experts' ETP
+slices.  Both implementations draw identically, so they hold the same model.
+
+``GroupedMLP`` runs all local experts as one grouped GEMM per projection
+(``torch._grouped_mm`` for fp32/bf16/fp16; a padded batched GEMM otherwise,
+e.g. float64); ``SequentialMLP`` loops over experts.  ``launch/bench/bench_moe.py``
+compares them; the grouped one is the default (``moe_grouped_gemm``).
+
+Expert params carry DeepSpeed's MoE marks (``allreduce=False``, ``group_name``)
+and ``is_expert=True``: their gradients are reduced over the expert-data-parallel
+group, not the data-parallel one.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..tensor_parallel.init import InitMethod, init_method_normal
+from ..tensor_parallel.params import set_tensor_model_parallel_attributes
+from ..tensor_parallel.utils import divide
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def expert_group_name(ep_size: int) -> str:
+    """DeepSpeed's name for the expert groups of EP size ``ep_size`` (``groups._get_max_expert_size_name``)."""
+    return f"ep_size_{ep_size}"
+
+
+def mark_expert_param(param: torch.nn.Parameter, ep_size: int, partition_dim: int) -> None:
+    param.allreduce = False  # DeepSpeed's mark: reduce over the expert-data-parallel group
+    param.group_name = expert_group_name(ep_size)
+    param.is_expert = True
+    # Every expert param is a distinct shard on the etp-ep grid: count it once per rank in norms.
+    set_tensor_model_parallel_attributes(param, True, partition_dim)
+
+
+def draw_expert_master_weights(num_experts: int, hidden_size: int, ffn_hidden_size: int,
+                               init_method: InitMethod, output_init_method: InitMethod):
+    """Full (fc1 [ffn, h], fc2 [h, ffn]) float32 masters of every expert, drawn in the fixed order."""
+    for _ in range(num_experts):
+        fc1 = torch.empty(ffn_hidden_size, hidden_size)
+        init_method(fc1)
+        fc2 = torch.empty(hidden_size, ffn_hidden_size)
+        output_init_method(fc2)
+        yield fc1, fc2
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    # torch._grouped_mm's backward refuses expanded (stride-0) gradients such as those of .sum().
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_gemm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
+    """``x [N, k]`` in expert-contiguous groups times ``weights [L, k, n]`` (group g uses ``weights[g]``)."""
+    if x.size(0) == 0:
+        return x @ weights[0]
+    if x.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm"):
+        offs = torch.tensor(list(_cumsum(tokens_per_expert)), dtype=torch.int32, device=x.device)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, weights.to(x.dtype), offs=offs))
+    # One padded batched GEMM: [L, C, k] @ [L, k, n], C the largest group.
+    counts = torch.tensor(list(tokens_per_expert), device=x.device)
+    expert_of_row = torch.repeat_interleave(torch.arange(len(tokens_per_expert), device=x.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    row_in_group = torch.arange(x.size(0), device=x.device) - starts[expert_of_row]
+    padded = x.new_zeros(len(tokens_per_expert), max(tokens_per_expert), x.size(1))
+    padded = padded.index_put((expert_of_row, row_in_group), x)
+    return torch.bmm(padded, weights.to(x.dtype))[expert_of_row, row_in_group]
+
+
+def _cumsum(values: Sequence[int]):
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+class _ExpertsBase(torch.nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, ep_size: int = 1,
+                 ep_rank: int = 0, etp_size: int = 1, etp_rank: int = 0, init_method: Optional[InitMethod] = None,
+                 output_init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_experts = num_experts
+        self.num_local_experts = divide(num_experts, ep_size, what="num_experts")
+        self.local_expert_indices = list(range(ep_rank * self.num_local_experts,
+                                               (ep_rank + 1) * self.num_local_experts))
+        self.ffn_per_partition = divide(ffn_hidden_size, etp_size, what="moe_ffn_hidden_size")
+        self.ep_size, self.etp_rank = ep_size, etp_rank
+        self.params_dtype = params_dtype
+        init_method = init_method or init_method_normal(0.02)
+        output_init_method = output_init_method or init_method
+        f = self.ffn_per_partition
+        cols = slice(etp_rank * f, (etp_rank + 1) * f)
+        self._local_masters = []  # (fc1 slice [f, h], fc2 slice [h, f]) of each local expert
+        for e, (fc1, fc2) in enumerate(draw_expert_master_weights(num_experts, hidden_size, ffn_hidden_size,
+                                                                  init_method, output_init_method)):
+            if e in self.local_expert_indices:
+                self._local_masters.append((fc1[cols].clone(), fc2[:, cols].clone()))
+
+    def _activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        return F.gelu(intermediate) * probs.unsqueeze(-1).to(intermediate.dtype)
+
+
+class _ExpertLinear(torch.nn.Module):
+    """A bias-free linear holding a given weight (``torch.nn.Linear`` would draw its own init from the RNG)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SequentialMLP(_ExpertsBase):
+    """Local experts as separate MLPs, run one after another."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.local_experts = torch.nn.ModuleList()
+        for fc1, fc2 in self._local_masters:
+            expert = torch.nn.Module()
+            expert.linear_fc1 = _ExpertLinear(fc1.to(self.params_dtype))
+            expert.linear_fc2 = _ExpertLinear(fc2.to(self.params_dtype))
+            mark_expert_param(expert.linear_fc1.weight, self.ep_size, 0)
+            mark_expert_param(expert.linear_fc2.weight, self.ep_size, 1)
+            self.local_experts.append(expert)
+        del self._local_masters
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: List[int], probs: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        for expert, tokens, p in zip(self.local_experts, torch.split(x, list(tokens_per_expert)),
+                                     torch.split(probs, list(tokens_per_expert))):
+            outputs.append(expert.linear_fc2(self._activation(expert.linear_fc1(tokens), p)))
+        return torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, x.size(-1))
+
+    def expert_weights(self, local_index: int):
+        e = self.local_experts[local_index]
+        return {"linear_fc1.weight": e.linear_fc1.weight, "linear_fc2.weight": e.linear_fc2.weight}
+
+
+class GroupedMLP(_ExpertsBase):
+    """Local experts as stacked weights, each projection one grouped GEMM over all of them.
+
+    ``weight1 [L, h, ffn/etp]``, ``weight2 [L, ffn/etp, h]`` (the ``x @ W`` layout a
+    grouped GEMM takes); ``weight1[l]`` is expert l's fc1 weight transposed.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weight1 = torch.nn.Parameter(torch.stack([fc1.t() for fc1, _ in self._local_masters]).to(self.params_dtype))
+        self.weight2 = torch.nn.Parameter(torch.stack([fc2.t() for _, fc2 in self._local_masters]).to(self.params_dtype))
+        mark_expert_param(self.weight1, self.ep_size, 2)
+        mark_expert_param(self.weight2, self.ep_size, 1)
+        del self._local_masters
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: List[int], probs: torch.Tensor) -> torch.Tensor:
+        intermediate = grouped_gemm(x, self.weight1, tokens_per_expert)
+        return grouped_gemm(self._activation(intermediate, probs), self.weight2, tokens_per_expert)
+
+    def expert_weights(self, local_index: int):
+        """Views of local expert ``local_index``'s weights in ``SequentialMLP``'s layout and names."""
+        return {"linear_fc1.weight": self.weight1[local_index].t(), "linear_fc2.weight": self.weight2[local_index].t()}

@@ -1,0 +1,152 @@
+"""``MoELayer``: the mixture-of-experts MLP of a transformer layer, split into Megatron's steps.
+
+``forward`` is exactly::
+
+    shared = self.shared_experts_compute(hidden)              # optional, dense TP MLP
+    probs, routing_map = self.route(hidden)                   # router (+ aux losses)
+    hidden, probs = self.preprocess(hidden, probs, routing_map)  # counts, permutation, sync point
+    hidden, probs = self.dispatch(hidden, probs)              # EP all-to-all / all-gather
+    output = self.routed_experts_compute(hidden, probs)       # local experts
+    return self.combine(output, shared)                       # communication back, un-permute, + shared
+
+so a partial CUDA-graph capture can stop after ``route`` or ``preprocess``
+and replay resumes at ``dispatch`` with the dispatcher's ``cudagraph_attrs``.
+
+Groups (MoE folding): the attention around this layer runs on the dense
+groups (tp, dp), the routed experts on the expert groups (etp, ep, edp) of
+the same ranks.  Expert parallelism needs every rank to route distinct
+tokens: under sequence parallelism each TP rank already holds its own slice
+of the sequence; without it the TP ranks hold the same tokens, so the layer
+routes them all (identically on every TP rank), keeps this rank's slice for
+the experts and all-gathers the result (Megatron instead requires sequence
+parallelism with MoE and TP).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..tensor_parallel.init import InitMethod
+from ..tensor_parallel.mappings import (gather_from_sequence_parallel_region, group_rank, group_size,
+                                        scatter_to_sequence_parallel_region)
+from ..tensor_parallel.utils import divide
+from .aux_loss_tracker import MoEAuxLossTracker
+from .experts import GroupedMLP, SequentialMLP
+from .router import TopKRouter
+from .token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
+
+DISPATCHER_TYPES = ("alltoall", "allgather")
+
+
+class _Groups:
+    """The groups one MoE layer uses; all None (size 1) for the single-rank model."""
+
+    def __init__(self, parallel_state=None):
+        get = (lambda kind: parallel_state[kind].group) if parallel_state is not None else (lambda kind: None)
+        self.tp, self.ep, self.etp, self.etp_ep = get("tp"), get("ep"), get("etp"), get("etp-ep")
+
+
+class MoELayer(torch.nn.Module):
+    """``forward(hidden [s, b, h]) -> [s, b, h]``; ``aux_loss`` is the last forward's routing loss.
+
+    ``config``: a ``GPTConfig`` (its ``num_experts``, ``moe_*`` fields, ``hidden_size``,
+    ``sequence_parallel``); ``parallel_state``: the job's ``ParallelState`` or None.
+    """
+
+    def __init__(self, config, *, parallel_state=None, layer_number: int = 0,
+                 init_method: Optional[InitMethod] = None, output_init_method: Optional[InitMethod] = None,
+                 aux_loss_tracker: Optional[MoEAuxLossTracker] = None):
+        super().__init__()
+        if config.moe_token_dispatcher_type not in DISPATCHER_TYPES:
+            raise ValueError(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} is unknown; "
+                             f"use one of {DISPATCHER_TYPES}")
+        groups = _Groups(parallel_state)
+        self.config = config
+        self.layer_number = layer_number
+        self.tp_group = groups.tp
+        self.tp_size = group_size(groups.tp)
+        self.sequence_parallel = bool(config.sequence_parallel) and self.tp_size > 1
+        # Without sequence parallelism every TP rank holds the same tokens: route them all, then
+        # give each TP rank its slice for the experts (distinct tokens across the EP group).
+        self.scatter_tokens = self.tp_size > 1 and not self.sequence_parallel
+        ep_size, etp_size = group_size(groups.ep), group_size(groups.etp)
+
+        self.router = TopKRouter(
+            config.hidden_size, config.num_experts, config.moe_router_topk,
+            score_function=config.moe_router_score_function, pre_softmax=config.moe_router_pre_softmax,
+            aux_loss_coeff=config.moe_aux_loss_coeff, z_loss_coeff=config.moe_z_loss_coeff,
+            capacity_factor=config.moe_capacity_factor, drop_policy=config.moe_token_drop_policy,
+            pad_to_capacity=config.moe_pad_expert_input_to_capacity,
+            tp_cp_group=groups.tp if self.sequence_parallel else None, sequence_parallel=self.sequence_parallel,
+            init_method=init_method, layer_number=layer_number, aux_loss_tracker=aux_loss_tracker)
+        experts_cls = GroupedMLP if config.moe_grouped_gemm else SequentialMLP
+        self.experts = experts_cls(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size,
+                                   ep_size=ep_size, ep_rank=group_rank(groups.ep), etp_size=etp_size,
+                                   etp_rank=group_rank(groups.etp), init_method=init_method,
+                                   output_init_method=output_init_method)
+        dispatch_kwargs = dict(ep_group=groups.ep, etp_group=groups.etp, router_topk=config.moe_router_topk,
+                               capacity_factor=config.moe_capacity_factor,
+                               pad_to_capacity=config.moe_pad_expert_input_to_capacity)
+        if config.moe_token_dispatcher_type == "alltoall":
+            self.token_dispatcher = MoEAlltoAllTokenDispatcher(config.num_experts, **dispatch_kwargs)
+        else:
+            self.token_dispatcher = MoEAllGatherTokenDispatcher(config.num_experts, etp_ep_group=groups.etp_ep,
+                                                                **dispatch_kwargs)
+        self.shared_experts = None
+        if config.moe_shared_expert_ffn_hidden_size:
+            from ..transformer.mlp import ParallelMLP
+            self.shared_experts = ParallelMLP(config.hidden_size, config.moe_shared_expert_ffn_hidden_size,
+                                              tp_group=groups.tp, init_method=init_method,
+                                              output_init_method=output_init_method,
+                                              sequence_parallel=self.sequence_parallel)
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        return self.router.aux_loss
+
+    # -- Megatron's steps ------------------------------------------------------------------------------
+    def shared_experts_compute(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        return None if self.shared_experts is None else self.shared_experts(hidden_states)
+
+    def route(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.router(hidden_states)
+
+    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor,
+                   routing_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        self.hidden_shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, hidden_states.size(-1))
+        if self.scatter_tokens:
+            n = divide(tokens.size(0), self.tp_size, what="tokens per micro-batch (seq x batch)")
+            start = group_rank(self.tp_group) * n
+            tokens = scatter_to_sequence_parallel_region(tokens, self.tp_group)
+            probs = scatter_to_sequence_parallel_region(probs, self.tp_group)
+            routing_map = routing_map[start:start + n]
+        return self.token_dispatcher.dispatch_preprocess(tokens, routing_map, probs)
+
+    def dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.token_dispatcher.token_dispatch(hidden_states, probs)
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        dispatched, tokens_per_expert, permuted_probs = self.token_dispatcher.dispatch_postprocess(
+            hidden_states, probs)
+        expert_output = self.experts(dispatched, tokens_per_expert, permuted_probs)
+        return self.token_dispatcher.combine_preprocess(expert_output)
+
+    def combine(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]) -> torch.Tensor:
+        output = self.token_dispatcher.combine_postprocess(self.token_dispatcher.token_combine(output))
+        if self.scatter_tokens:
+            # Downstream is replicated over TP: each rank keeps its slice of the gradient.
+            output = gather_from_sequence_parallel_region(output, self.tp_group, tensor_parallel_output_grad=False)
+        output = output.reshape(self.hidden_shape)
+        if shared_expert_output is not None:
+            output = output + shared_expert_output
+        return output
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shared_expert_output = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states)
+        hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
+        hidden_states, probs = self.dispatch(hidden_states, probs)
+        output = self.routed_experts_compute(hidden_states, probs)
+        return self.combine(output, shared_expert_output)
