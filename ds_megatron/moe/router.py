@@ -54,6 +54,13 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
 
 
+def _softmax(logits: torch.Tensor) -> torch.Tensor:
+    # 16-bit logits are normalized in fp32 (as Megatron does); fp32/fp64 in their own precision.
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        return torch.softmax(logits.float(), dim=-1).to(logits.dtype)
+    return torch.softmax(logits, dim=-1)
+
+
 def stable_topk(scores: torch.Tensor, k: int, dim: int = -1) -> Tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk`` with ties broken towards the lower index (deterministic)."""
     values, indices = torch.sort(scores, dim=dim, descending=True, stable=True)
@@ -183,12 +190,12 @@ class TopKRouter(torch.nn.Module):
 
         if self.score_function == "softmax":
             if self.pre_softmax:
-                scores = torch.softmax(logits, dim=-1, dtype=torch.float32).to(logits.dtype)
+                scores = _softmax(logits)
                 top_probs, top_indices = stable_topk(scores, k)
             else:
                 top_logits, top_indices = stable_topk(logits, k)
-                top_probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32).to(logits.dtype)
-            scores_for_aux = torch.softmax(logits, dim=-1, dtype=torch.float32).to(logits.dtype)
+                top_probs = _softmax(top_logits)
+            scores_for_aux = _softmax(logits)
         else:
             scores = torch.sigmoid(logits)
             top_probs, top_indices = stable_topk(scores, k)
