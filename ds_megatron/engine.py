@@ -32,6 +32,7 @@ class MegatronContext:
     state: Any  # ParallelState
     mpu: Any  # MegatronMPU
     ddp: Any = None  # distributed.DistributedDataParallel when megatron DDP owns the gradients
+    cuda_graphs: Any = None  # cuda_graphs.CudaGraphEngineHook when graphs are captured and replayed
 
 
 def _config_source(args, config, config_params) -> Tuple[Optional[ConfigLike], Any]:
@@ -152,6 +153,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         from .distributed.deepspeed_hooks import attach_megatron_ddp
         engine.megatron.ddp = attach_megatron_ddp(engine, mcfg.ddp_config(), parallel_state)
     # --- end Megatron DDP ---
+    # --- CUDA graphs: capture after warmup_steps, then replay, from a pre-hook on engine.module's forward
+    # (ds_megatron/cuda_graphs/engine_hook.py); without CUDA one log line and eager training ---
+    if mcfg.cuda_graph.enabled:
+        from .cuda_graphs.engine_hook import attach_cuda_graphs
+        engine.megatron.cuda_graphs = attach_cuda_graphs(engine, mcfg.cuda_graph)
+    # --- end CUDA graphs ---
     return engine, opt, loader, sched
 
 

@@ -1,0 +1,102 @@
+"""CUDA graphs inside DeepSpeed's loop: a forward pre-hook on ``engine.module`` that captures, then replays.
+
+``ds_megatron.initialize`` calls ``attach_cuda_graphs(engine, config.cuda_graph)``.
+The loop stays ``loss = engine(batch); engine.backward(loss); engine.step()``:
+
+* the first ``warmup_steps`` optimizer steps run eagerly (lazy initialization,
+  the layers' input shapes, and the forward pre-hooks that replay must call
+  by hand are all in place after them);
+* at the first micro-batch of the next step the hook captures every graphable
+  layer (``CudaGraphHelper.create_cudagraphs``), before that forward runs;
+* every later training forward tells the layers the micro-batch index
+  (``engine.micro_steps`` modulo the accumulation steps) and they replay;
+* if the model's inputs change shape (or a layer sees another shape), the
+  graphs are dropped, never replayed on wrong shapes, and recaptured after
+  ``warmup_steps`` more steps at the new shape.
+
+Where graphs cannot run (no CUDA device) one log line says so and why, and
+training proceeds eagerly; with ``required: true`` the job stops at start instead.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Tuple
+
+import torch
+
+from ..config import ConfigError, CudaGraphConfig
+from .backends import Capturer, default_capturer
+from .capture import CudaGraphHelper
+
+logger = logging.getLogger("ds_megatron.cuda_graphs")
+
+
+def _input_signature(args, kwargs) -> Tuple[Any, ...]:
+    flat, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+    return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__ for t in flat)
+
+
+class CudaGraphEngineHook:
+    """Ties one ``CudaGraphHelper`` to one DeepSpeed engine (see the module docstring)."""
+
+    def __init__(self, engine, helper: CudaGraphHelper, config: CudaGraphConfig):
+        self.engine = engine
+        self.helper = helper
+        self.config = config
+        self._warmup_start_step = engine.global_steps
+        self._signature: Optional[Tuple[Any, ...]] = None
+        self.num_captures = 0
+        self._handle = engine.module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+
+    def _microbatch_index(self) -> int:
+        return self.engine.micro_steps % self.engine.gradient_accumulation_steps()
+
+    def _before_forward(self, module, args, kwargs) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return  # evaluation runs eagerly; the graphs were captured in training mode
+        signature = _input_signature(args, kwargs)
+        if self.helper.captured and (signature != self._signature or self.helper.stale):
+            logger.info("model inputs changed shape; CUDA graphs dropped, recapturing after %d eager steps",
+                        self.config.warmup_steps)
+            self.helper.reset()
+            self._warmup_start_step = self.engine.global_steps
+        self._signature = signature
+        microbatch = self._microbatch_index()
+        if (not self.helper.captured and microbatch == 0
+                and self.engine.global_steps - self._warmup_start_step >= self.config.warmup_steps):
+            self.helper.create_cudagraphs()
+            self.num_captures += 1
+        self.helper.set_current_microbatch(microbatch)
+
+    def detach(self) -> None:
+        """Stop capturing/replaying and give the layers their eager forward back."""
+        self._handle.remove()
+        self.helper.remove()
+
+
+def attach_cuda_graphs(engine, config: CudaGraphConfig, capturer: Optional[Capturer] = None,
+                       num_warmup_iters: int = 3) -> Optional[CudaGraphEngineHook]:
+    """Hook CUDA graphs into ``engine``'s forward, or say in one line why not (None).
+
+    ``capturer``: injected by tests (``EagerCapturer``); by default chosen for
+    ``config.impl`` on this machine (TE, else torch; none without CUDA).
+    """
+    if not config.enabled:
+        return None
+    if capturer is None:
+        capturer, why = default_capturer(config.impl)
+        if capturer is None:
+            if config.required:
+                raise ConfigError(f"megatron.cuda_graph.required is true but CUDA graphs cannot run here: {why}; "
+                                  "run on a CUDA machine or set required to false")
+            logger.warning("CUDA graphs are off: megatron.cuda_graph.impl=%r needs CUDA but %s; training runs "
+                           "eagerly", config.impl, why)
+            return None
+        logger.info("CUDA graphs: %s", why)
+    layers = list(engine.module.modules())
+    helper = CudaGraphHelper(layers, config, capturer, num_microbatches=engine.gradient_accumulation_steps(),
+                             num_warmup_iters=num_warmup_iters)
+    return CudaGraphEngineHook(engine, helper, config)
+
+
+__all__ = ["CudaGraphEngineHook", "attach_cuda_graphs"]
