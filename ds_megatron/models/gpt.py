@@ -69,6 +69,12 @@ class GPTModel(torch.nn.Module):
                               "context_parallel_size and pipeline_model_parallel_size must be 1 for it")
         tp = parallel_state.tp if parallel_state is not None else _NoTensorParallel()
         config.check_tensor_parallel(tp.size)
+        # --- MoE: expert sizes checked against the model; one tracker for the routing losses ---
+        if parallel_state is not None:
+            config.check_expert_parallel(parallel_state.ep.size, parallel_state.etp.size)
+        from ..moe.aux_loss_tracker import MoEAuxLossTracker
+        self.moe_aux_loss_tracker = MoEAuxLossTracker() if config.num_experts else None
+        # --- end MoE ---
         self.config = config
         self.tp_group = tp.group
         self.tp_size = tp.size
@@ -90,8 +96,9 @@ class GPTModel(torch.nn.Module):
         init(self.position_embeddings.weight)
         self.layers = torch.nn.ModuleList(
             ParallelTransformerLayer(config, tp_group=tp.group, tp_size=tp.size, init_method=init,
-                                     output_init_method=out_init, rng_tracker=rng_tracker)
-            for _ in range(config.num_layers))
+                                     output_init_method=out_init, rng_tracker=rng_tracker, layer_number=i,
+                                     parallel_state=parallel_state, aux_loss_tracker=self.moe_aux_loss_tracker)
+            for i in range(config.num_layers))
         self.final_layernorm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
         if config.sequence_parallel:
             mark_sequence_parallel(self.final_layernorm)
@@ -136,6 +143,14 @@ class GPTModel(torch.nn.Module):
                                               label_smoothing=self.config.label_smoothing,
                                               vocab_size=self.config.vocab_size).transpose(0, 1)
         if loss_mask is None:
-            return losses.mean()
-        loss_mask = loss_mask.to(losses.dtype)
-        return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+            loss = losses.mean()
+        else:
+            loss_mask = loss_mask.to(losses.dtype)
+            loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+        return loss + self.moe_aux_loss()
+
+    def moe_aux_loss(self):
+        """The routing losses (load balancing, z) of the last forward, summed over MoE layers; 0 without MoE."""
+        if self.moe_aux_loss_tracker is None:
+            return 0.0
+        return sum(layer.mlp.aux_loss for layer in self.layers if hasattr(layer.mlp, "router"))

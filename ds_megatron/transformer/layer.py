@@ -19,7 +19,8 @@ from .mlp import ParallelMLP
 
 
 class ParallelTransformerLayer(torch.nn.Module):
-    def __init__(self, config, *, tp_group, tp_size: int, init_method, output_init_method, rng_tracker=None):
+    def __init__(self, config, *, tp_group, tp_size: int, init_method, output_init_method, rng_tracker=None,
+                 layer_number: int = 0, parallel_state=None, aux_loss_tracker=None):
         super().__init__()
         h = config.hidden_size
         self.hidden_dropout = config.hidden_dropout
@@ -31,8 +32,16 @@ class ParallelTransformerLayer(torch.nn.Module):
                                                 attention_dropout=config.attention_dropout,
                                                 sequence_parallel=config.sequence_parallel, rng_tracker=rng_tracker)
         self.post_attention_layernorm = torch.nn.LayerNorm(h, eps=config.layernorm_epsilon)
-        self.mlp = ParallelMLP(h, config.ffn_hidden_size, tp_group=tp_group, init_method=init_method,
-                               output_init_method=output_init_method, sequence_parallel=config.sequence_parallel)
+        # --- MoE: MoE layers (config.is_moe_layer) get a MoELayer on the expert groups instead ---
+        if getattr(config, "num_experts", None) and config.is_moe_layer(layer_number):
+            from ..moe.moe_layer import MoELayer
+            self.mlp = MoELayer(config, parallel_state=parallel_state, layer_number=layer_number,
+                                init_method=init_method, output_init_method=output_init_method,
+                                aux_loss_tracker=aux_loss_tracker)
+        else:
+            self.mlp = ParallelMLP(h, config.ffn_hidden_size, tp_group=tp_group, init_method=init_method,
+                                   output_init_method=output_init_method, sequence_parallel=config.sequence_parallel)
+        # --- end MoE ---
         if config.sequence_parallel:
             mark_sequence_parallel(self.input_layernorm)
             mark_sequence_parallel(self.post_attention_layernorm)
@@ -45,17 +54,6 @@ class ParallelTransformerLayer(torch.nn.Module):
         with fork:
             return F.dropout(x, p=self.hidden_dropout, training=True)
 
-    # --- CUDA graphs: the layer in the pieces a partial graph captures (ds_megatron/cuda_graphs/capture.py) ---
-    def _forward_attention(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self._dropout(self.self_attention(self.input_layernorm(hidden)))
-
-    def _pre_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.post_attention_layernorm(hidden)
-
-    def _post_mlp(self, hidden: torch.Tensor, mlp_output: torch.Tensor) -> torch.Tensor:
-        return hidden + self._dropout(mlp_output)
-    # --- end CUDA graphs ---
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = self._forward_attention(hidden)
-        return self._post_mlp(hidden, self.mlp(self._pre_mlp(hidden)))
+        hidden = hidden + self._dropout(self.self_attention(self.input_layernorm(hidden)))
+        return hidden + self._dropout(self.mlp(self.post_attention_layernorm(hidden)))
