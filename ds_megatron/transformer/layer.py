@@ -54,6 +54,17 @@ class ParallelTransformerLayer(torch.nn.Module):
         with fork:
             return F.dropout(x, p=self.hidden_dropout, training=True)
 
+    # --- CUDA graphs: the layer in the pieces a partial graph captures (ds_megatron/cuda_graphs/capture.py) ---
+    def _forward_attention(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self._dropout(self.self_attention(self.input_layernorm(hidden)))
+
+    def _pre_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.post_attention_layernorm(hidden)
+
+    def _post_mlp(self, hidden: torch.Tensor, mlp_output: torch.Tensor) -> torch.Tensor:
+        return hidden + self._dropout(mlp_output)
+    # --- end CUDA graphs ---
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self._dropout(self.self_attention(self.input_layernorm(hidden)))
-        return hidden + self._dropout(self.mlp(self.post_attention_layernorm(hidden)))
+        hidden = self._forward_attention(hidden)
+        return self._post_mlp(hidden, self.mlp(self._pre_mlp(hidden)))
