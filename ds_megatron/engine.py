@@ -142,12 +142,22 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, parallel_state)
     optimizer, model_parameters, ds_config = opt_path.optimizer, opt_path.model_parameters, opt_path.ds_config
     # --- end Megatron optimizer path ---
+    # --- MoE: our expert groups are handed to DeepSpeed (ds_megatron/moe/deepspeed_integration.py) ---
+    from .moe import deepspeed_integration as moe_integration
+    has_moe = model is not None and bool(moe_integration.moe_layers(model))
+    if has_moe:
+        moe_integration.check_engine_supports_moe(opt_path.optimizer_reduces_grads)
+        moe_integration.register_expert_groups(parallel_state)
+    # --- end MoE ---
     engine, opt, loader, sched = deepspeed.initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, mpu=our_mpu,
         dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config, **deepspeed_kwargs)
     engine.megatron = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu)
     opt_path.attach(engine)  # Megatron optimizer path: takes over the grad all-reduce when it owns it
+    # --- MoE: expert grads over edp through DeepSpeed's MoE path; expert checkpoints by expert rank ---
+    engine.megatron.moe = moe_integration.attach_moe(engine, parallel_state) if has_moe else None
+    # --- end MoE ---
     # --- Megatron DDP: our bucketed buffers own gradient accumulation and reduction ---
     if mcfg.ddp_enabled:
         from .distributed.deepspeed_hooks import attach_megatron_ddp

@@ -47,6 +47,11 @@ def register_expert_groups(parallel_state) -> str:
     """Put our ep / edp groups where DeepSpeed looks them up; returns the group name used."""
     from deepspeed.utils import groups
     name = expert_group_name(parallel_state.ep.size)
+    # One layout per engine: entries of an earlier layout (destroyed groups) would otherwise win
+    # DeepSpeed's "largest ep_size" lookup at checkpoint time.
+    for table in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                  groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        table.clear()
     groups._EXPERT_PARALLEL_GROUP[name] = parallel_state.ep.group
     groups._EXPERT_PARALLEL_GROUP_RANKS[name] = list(parallel_state.ep.ranks)
     groups._EXPERT_DATA_PARALLEL_GROUP[name] = parallel_state.edp.group
