@@ -21,17 +21,52 @@ def _grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     return main_grad if main_grad is not None else p.grad
 
 
-def grads_for_norm(params: Iterable[torch.nn.Parameter], tp_rank: int) -> List[torch.Tensor]:
-    """The gradients that contribute to the norm on this rank (no TP duplicates, no repeats)."""
+def is_expert_param(p: torch.Tensor) -> bool:
+    """An MoE expert param (DeepSpeed's ``allreduce=False`` mark, or ``is_expert``)."""
+    return getattr(p, "allreduce", True) is False or bool(getattr(p, "is_expert", False))
+
+
+def grads_for_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
+                   expert: Optional[bool] = None) -> List[torch.Tensor]:
+    """The gradients that contribute to the norm on this rank (no TP duplicates, no repeats).
+
+    ``expert``: None for every param, True for expert params only, False for the others."""
     seen, out = set(), []
     for p in params:
         g = _grad(p)
         if g is None or id(p) in seen:
             continue
         seen.add(id(p))
+        if expert is not None and is_expert_param(p) != expert:
+            continue
         if param_is_not_tensor_parallel_duplicate(p, tp_rank):
             out.append(g)
     return out
+
+
+# --- MoE: expert params are summed over the expert-model-parallel group, the rest over model parallel ---
+def get_grad_norm_with_experts(params: Iterable[torch.nn.Parameter], tp_rank: int, model_parallel_group,
+                               expert_model_parallel_group, norm_type: float = 2.0) -> float:
+    """The global norm when some params are experts.
+
+    Dense params are counted as ``grads_for_norm`` does and their squares summed
+    over the model-parallel group (tp-pp).  Every expert param is a distinct shard
+    on the etp-ep grid (marked tensor-parallel), so each is counted on its rank
+    and summed over the expert-model-parallel group (etp-ep-pp) instead: under
+    MoE folding that group spans ranks of different data-parallel replicas, which
+    the dense group never does.  Replicas of an expert (expert-data-parallel)
+    are never summed.
+    """
+    params = list(params)
+    dense = grads_for_norm(params, tp_rank, expert=False)
+    experts = grads_for_norm(params, tp_rank, expert=True)
+    if norm_type == float("inf"):
+        return max(get_grad_norm_fp32(dense, model_parallel_group, norm_type),
+                   get_grad_norm_fp32(experts, expert_model_parallel_group, norm_type))
+    dense_sq = get_grad_norm_fp32(dense, model_parallel_group, norm_type) ** norm_type
+    expert_sq = get_grad_norm_fp32(experts, expert_model_parallel_group, norm_type) ** norm_type
+    return (dense_sq + expert_sq) ** (1.0 / norm_type)
+# --- end MoE ---
 
 
 def get_grad_norm_fp32(grads: List[torch.Tensor], model_parallel_group=None, norm_type: float = 2.0) -> float:

@@ -28,12 +28,14 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32, grads_for_norm
+from .clip_grads import (clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32,
+                         get_grad_norm_with_experts, grads_for_norm, is_expert_param)
 from .grad_scaler import MegatronGradScaler
 
 # Attributes that say how a parameter is split or shared; main params inherit them
 # so that norms and zero counts over main params skip the same duplicates.
-_PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "shared")
+_PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "shared",
+                     "allreduce", "is_expert")  # MoE: expert marks, so norms treat main params of experts as experts
 _FLOAT16 = (torch.float16, torch.bfloat16)
 
 
@@ -69,6 +71,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
         self.tp_rank = parallel_state.tp.rank if parallel_state is not None else 0
         self.model_parallel_group = parallel_state.mp.group if parallel_state is not None else None
+        # MoE: expert grads are summed over etp-ep-pp in the norm (clip_grads.get_grad_norm_with_experts).
+        self.expert_model_parallel_group = parallel_state.expert_mp.group if parallel_state is not None else None
         # found_inf must agree on every rank; the model-parallel group covers ranks whose
         # grads differ (DP peers already share reduced grads), extra groups cover the rest.
         groups = [self.model_parallel_group] if parallel_state is not None else []
@@ -112,6 +116,12 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     # -- norm, clipping, zeros --------------------------------------------------------------------
     def get_grad_norm(self) -> float:
+        # --- MoE: expert params counted once, over the expert-model-parallel group ---
+        params = self.get_parameters()
+        if self.expert_model_parallel_group is not None and any(is_expert_param(p) for p in params):
+            return get_grad_norm_with_experts(params, self.tp_rank, self.model_parallel_group,
+                                              self.expert_model_parallel_group)
+        # --- end MoE ---
         grads = grads_for_norm(self.get_parameters(), self.tp_rank)
         return get_grad_norm_fp32(grads, self.model_parallel_group)
 

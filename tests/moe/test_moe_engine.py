@@ -57,6 +57,9 @@ def _expert_grads_and_training(tp, ep, etp, save_dir):
         assert torch.allclose(g, theirs[key], rtol=1e-4, atol=1e-7), f"expert {key} gradient is not the global mean"
     router = engine.module.layers[0].mlp.router.weight.grad
     assert torch.allclose(router, ref.layers[0].mlp.router.weight.grad, rtol=1e-4, atol=1e-7)
+    # Clipping's global norm counts every expert once (summed over etp-ep, not over tp or dp).
+    ref_norm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters())))
+    assert engine.optimizer.get_grad_norm() == pytest.approx(ref_norm, rel=1e-5)
     engine.step()
 
     losses = [float(loss)]
