@@ -98,15 +98,19 @@ def _set_hier_attr(obj, name: str, value) -> None:
     setattr(obj, last, value)
 
 
-def valid_cudagraph_attrs(dispatcher) -> List[str]:
-    """The names in ``dispatcher.cudagraph_attrs`` (dotted allowed) that exist now and are tensors.
+def valid_cudagraph_attrs(owner, device: Optional[torch.device] = None) -> List[str]:
+    """The names in ``owner.cudagraph_attrs`` (dotted allowed) that exist now and are tensors (on ``device``).
 
-    Decided once, at capture, and kept on the dispatcher as ``valid_cudagraph_attrs``
-    so the graph's outputs have the same layout at every replay.
+    Decided once, at capture, and kept on the owner as ``valid_cudagraph_attrs``
+    so the graph's outputs have the same layout at every replay.  ``device``
+    filters out host placeholders (e.g. a constant zero aux loss on the CPU).
     """
-    names = [n for n in getattr(dispatcher, "cudagraph_attrs", ()) if isinstance(_get_hier_attr(dispatcher, n),
-                                                                                 torch.Tensor)]
-    dispatcher.valid_cudagraph_attrs = names
+    names = []
+    for name in getattr(owner, "cudagraph_attrs", ()):
+        value = _get_hier_attr(owner, name)
+        if isinstance(value, torch.Tensor) and (device is None or value.device == device):
+            names.append(name)
+    owner.valid_cudagraph_attrs = names
     return names
 
 
@@ -118,10 +122,11 @@ class EarlyReturnLayout:
     attr_names: Tuple[str, ...]
     has_shared_expert_output: bool
     preprocess_returns_residual: bool = True
+    layer_attr_names: Tuple[str, ...] = ()
 
     @property
     def num_outputs(self) -> int:
-        return 3 + len(self.attr_names) + int(self.has_shared_expert_output)
+        return 3 + len(self.attr_names) + len(self.layer_attr_names) + int(self.has_shared_expert_output)
 
 
 class MoECudaGraphPartialCaptureSignal(Exception):
@@ -140,7 +145,8 @@ class MoECudaGraphPartialCaptureSignal(Exception):
 
     def get_early_return_outputs(self, hidden_states: torch.Tensor,
                                  shared_expert_output: Optional[torch.Tensor]) -> List[torch.Tensor]:
-        """The graph's outputs: [hidden_states, probs, routing_map | residual, *dispatcher attrs, shared output?].
+        """The graph's outputs: [hidden_states, probs, routing_map | residual, *dispatcher attrs, *layer attrs,
+        shared output?].
 
         ``hidden_states`` is the MoE layer's input: returned after "route", and
         the residual after "preprocess" when preprocess returned none (the two
@@ -156,10 +162,15 @@ class MoECudaGraphPartialCaptureSignal(Exception):
             dispatcher = self.moe_layer.token_dispatcher
             attr_names = valid_cudagraph_attrs(dispatcher)
             outputs.extend(_get_hier_attr(dispatcher, n) for n in attr_names)
+        # The MoE layer's own per-step tensors (e.g. "router.aux_loss", added to the loss outside the
+        # layer): graph outputs too, or replay would leave the capture's tensor, cut from autograd.
+        layer_attr_names = valid_cudagraph_attrs(self.moe_layer, device=hidden_states.device)
+        outputs.extend(_get_hier_attr(self.moe_layer, n) for n in layer_attr_names)
         if shared_expert_output is not None:
             outputs.append(shared_expert_output)
         self.layout = EarlyReturnLayout(self.return_step, tuple(attr_names), shared_expert_output is not None,
-                                        preprocess_returns_residual=self.kwargs.get("residual") is not None)
+                                        preprocess_returns_residual=self.kwargs.get("residual") is not None,
+                                        layer_attr_names=tuple(layer_attr_names))
         self.moe_layer.cudagraph_early_return_layout = self.layout
         return outputs
 
@@ -203,6 +214,8 @@ class PartialCaptureMoE(Protocol):
       it caches host copies of those attributes it defines
       ``restore_cudagraph_attrs(attrs: dict)``, called at replay instead of
       ``setattr``, to set them and drop the stale host copy;
+    * optionally ``cudagraph_attrs`` on the layer itself: tensor attributes its
+      captured steps set and code outside the layer reads (``"router.aux_loss"``);
     * ``route``, ``preprocess`` (returning ``(hidden, probs)`` or
       ``(hidden, probs, residual)``) and ``shared_experts_compute`` decorated
       with ``maybe_skip_or_early_return_by_cudagraph``;
@@ -271,8 +284,12 @@ def maybe_skip_or_early_return_by_cudagraph(step_condition: str) -> Callable:
 
 
 def prepare_moe_for_scope(moe_layer, scope: Iterable[str]) -> None:
-    """Point the dispatcher's device-to-host sync after the graph boundary when preprocess is captured."""
-    moe_layer.token_dispatcher.cuda_sync_point = cuda_dtoh_point_for_scope(scope)
+    """Point the dispatcher's device-to-host sync after the graph boundary when preprocess is captured.
+
+    Otherwise the dispatcher keeps its own choice: preprocess runs eagerly then.
+    """
+    if "moe_preprocess" in frozenset(scope):
+        moe_layer.token_dispatcher.cuda_sync_point = DTOH_BEFORE_EP_ALLTOALL
 
 
 def fill_store_from_graph_outputs(moe_layer, layout: EarlyReturnLayout, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -287,6 +304,9 @@ def fill_store_from_graph_outputs(moe_layer, layout: EarlyReturnLayout, outputs:
     first, probs, third = outputs[:3]
     dispatcher = moe_layer.token_dispatcher
     attrs = {name: outputs[3 + i] for i, name in enumerate(layout.attr_names)}
+    start = 3 + len(layout.attr_names)
+    for i, name in enumerate(layout.layer_attr_names):
+        _set_hier_attr(moe_layer, name, outputs[start + i])
     restore = getattr(dispatcher, "restore_cudagraph_attrs", None)
     if restore is not None:
         restore(attrs)

@@ -31,6 +31,8 @@ from ..tensor_parallel.init import InitMethod
 from ..tensor_parallel.mappings import (gather_from_sequence_parallel_region, group_rank, group_size,
                                         scatter_to_sequence_parallel_region)
 from ..tensor_parallel.utils import divide
+from ..cuda_graphs.partial_capture import (MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore,
+                                           maybe_skip_or_early_return_by_cudagraph)
 from .aux_loss_tracker import MoEAuxLossTracker
 from .experts import GroupedMLP, SequentialMLP
 from .router import TopKRouter
@@ -101,17 +103,26 @@ class MoELayer(torch.nn.Module):
                                               output_init_method=output_init_method,
                                               sequence_parallel=self.sequence_parallel)
 
+        # --- CUDA graphs: partial capture (ds_megatron/cuda_graphs/partial_capture.py) ---
+        self.cudagraph_tensor_store = MoECudaGraphTensorStore()
+        # Set inside route and read outside the layer (GPTModel adds it to the loss): a graph output.
+        self.cudagraph_attrs = ["router.aux_loss"]
+        # --- end CUDA graphs ---
+
     @property
     def aux_loss(self) -> torch.Tensor:
         return self.router.aux_loss
 
     # -- Megatron's steps ------------------------------------------------------------------------------
+    @maybe_skip_or_early_return_by_cudagraph("shared_experts_compute")  # CUDA graphs
     def shared_experts_compute(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
         return None if self.shared_experts is None else self.shared_experts(hidden_states)
 
+    @maybe_skip_or_early_return_by_cudagraph("route")  # CUDA graphs
     def route(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.router(hidden_states)
 
+    @maybe_skip_or_early_return_by_cudagraph("preprocess")  # CUDA graphs
     def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor,
                    routing_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         self.hidden_shape = hidden_states.shape
@@ -144,9 +155,14 @@ class MoELayer(torch.nn.Module):
         return output
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shared_expert_output = self.shared_experts_compute(hidden_states)
-        probs, routing_map = self.route(hidden_states)
-        hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
+        shared_expert_output = None
+        try:
+            shared_expert_output = self.shared_experts_compute(hidden_states)
+            probs, routing_map = self.route(hidden_states)
+            hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
+        except MoECudaGraphPartialCaptureSignal as e:
+            # CUDA graphs: capturing only up to route/preprocess; these tensors are the graph's outputs.
+            return e.get_early_return_outputs(hidden_states, shared_expert_output)
         hidden_states, probs = self.dispatch(hidden_states, probs)
         output = self.routed_experts_compute(hidden_states, probs)
         return self.combine(output, shared_expert_output)

@@ -1,0 +1,63 @@
+"""Graphed vs eager on a CUDA device, for dense and MoE layers and every scope (skipped without CUDA).
+
+Captures through torch.cuda.make_graphed_callables, and through Transformer
+Engine's make_graphed_callables when it imports.
+"""
+import copy
+
+import pytest
+import torch
+
+from ds_megatron.config import CudaGraphConfig
+from ds_megatron.cuda_graphs.backends import TorchCapturer, TransformerEngineCapturer, import_transformer_engine_graph_api
+from ds_megatron.cuda_graphs.capture import CudaGraphHelper
+from ds_megatron.models import GPTConfig, GPTModel
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DENSE = dict(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, seq_length=32, vocab_size=128,
+             hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
+MOE = dict(DENSE, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_grouped_gemm=False)
+
+
+def _capturers():
+    out = [pytest.param(TorchCapturer, id="torch")]
+    te, why = import_transformer_engine_graph_api()
+    out.append(pytest.param(TransformerEngineCapturer, id="te",
+                            marks=pytest.mark.skipif(te is None, reason=why or "transformer_engine missing")))
+    return out
+
+
+def _step(model, step):
+    g = torch.Generator(device="cuda").manual_seed(step)
+    tokens = torch.randint(0, 128, (2, 32), device="cuda", generator=g)
+    labels = torch.randint(0, 128, (2, 32), device="cuda", generator=g)
+    loss = model(tokens, labels)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("capturer", _capturers())
+@pytest.mark.parametrize("model_cfg, scope", [
+    (DENSE, []), (DENSE, ["attn"]),
+    (MOE, ["attn", "moe_router"]), (MOE, ["attn", "moe_router", "moe_preprocess"]),
+    (MOE, ["moe_router", "moe_preprocess"]),
+])
+def test_graphed_equals_eager(capturer, model_cfg, scope):
+    torch.manual_seed(0)
+    eager = GPTModel(GPTConfig(**model_cfg)).cuda()
+    graphed = copy.deepcopy(eager)
+    helper = CudaGraphHelper(list(graphed.layers), CudaGraphConfig(impl="transformer_engine", scope=scope),
+                             capturer())
+    _step(graphed, 100)
+    helper.create_cudagraphs()
+    for step in range(3):
+        ref_loss, ref_grads = _step(eager, step)
+        loss, grads = _step(graphed, step)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert grads.keys() == ref_grads.keys()
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
