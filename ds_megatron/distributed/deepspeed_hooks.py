@@ -23,6 +23,12 @@ Seams used (DeepSpeed 0.19.8, ZeRO stage 0):
 
 ``engine.backward`` already divides the loss by gradient_accumulation_steps, so
 ``main_grad`` accumulates the same mean DeepSpeed would; we average over DP.
+
+With ``use_distributed_optimizer`` the DDP is built before ``deepspeed.initialize``
+(the ``DistributedOptimizer`` given to DeepSpeed is made from its buffers) and
+passed in here; the reductions are reduce-scatters, so only each rank's shard
+of ``main_grad`` is reduced and ``.grad`` is left unset: the optimizer reads its
+shard of ``main_grad`` itself.
 """
 from __future__ import annotations
 
@@ -42,10 +48,16 @@ def check_engine_supports_megatron_ddp(engine, ddp_config: DistributedDataParall
         raise ConfigError("megatron.use_megatron_ddp is on together with DeepSpeed's own bf16/fp16 section, whose "
                           "optimizer wrapper keeps separate gradient copies; disable DeepSpeed's bf16/fp16 and use "
                           "ds_megatron's mixed-precision optimizer (it reads param.main_grad)")
-    if ddp_config.use_distributed_optimizer:
-        raise ConfigError("megatron.use_distributed_optimizer: the buffers support it (reduce-scatter, param "
-                          "buffer) but ds_megatron.initialize has no DistributedOptimizer to consume the shards yet; "
-                          "set it to false")
+    if ddp_config.use_distributed_optimizer and not _is_distributed_optimizer(getattr(engine, "optimizer", None)):
+        raise ConfigError("megatron.use_distributed_optimizer is on but the engine's optimizer is not ds_megatron's "
+                          "DistributedOptimizer, which alone reads the reduce-scattered grad shards; build the engine "
+                          "with ds_megatron.initialize and megatron.optimizer_impl \"megatron\", or turn "
+                          "use_distributed_optimizer off")
+
+
+def _is_distributed_optimizer(optimizer) -> bool:
+    from ..optimizer.distrib_optimizer import DistributedOptimizer
+    return isinstance(optimizer, DistributedOptimizer)
 
 
 def _reads_main_grad(optimizer) -> bool:
@@ -64,6 +76,8 @@ class MegatronDDPHooks:
         self.ddp = ddp
         self.params = list(ddp.param_to_bucket_group)
         self._optimizer_reads_main_grad = _reads_main_grad(engine.optimizer)
+        # Reduce-scattered grads are only valid in each rank's shard: never expose them as .grad.
+        self._grads_are_sharded = ddp.ddp_config.use_distributed_optimizer
         self._zeroed_at_step = engine.global_steps
         self._synced = False
         self._forward_pre_hook = engine.module.register_forward_pre_hook(self._before_forward)
@@ -89,6 +103,8 @@ class MegatronDDPHooks:
             return
         self.ddp.finish_grad_sync()
         self._synced = True
+        if self._grads_are_sharded:
+            return
         for p in self.params:
             # Same dtype: a view, no copy.  An fp32 main_grad of a 16-bit param is cast for a
             # plain torch optimizer only; ds_megatron's optimizers read main_grad directly.
@@ -104,15 +120,45 @@ class MegatronDDPHooks:
         self.ddp.remove_hooks()
 
 
-def attach_megatron_ddp(engine, ddp_config: DistributedDataParallelConfig, parallel_state) -> DistributedDataParallel:
+def attach_megatron_ddp(engine, ddp_config: DistributedDataParallelConfig, parallel_state,
+                        ddp: DistributedDataParallel = None) -> DistributedDataParallel:
     """Build our buffers around ``engine.module`` (after DeepSpeed placed and cast it) and hook them in.
 
+    With the distributed optimizer the DDP already exists: the engine's
+    ``DistributedOptimizer`` was made from its buffers (``model_chunks[0]``); it is used,
+    not rebuilt.  ``ddp``: pass one built around ``engine.module`` yourself.
     Returns the ``DistributedDataParallel``; its ``deepspeed_hooks`` attribute is the ``MegatronDDPHooks``.
     """
     check_engine_supports_megatron_ddp(engine, ddp_config)
-    ddp = DistributedDataParallel(engine.module, ddp_config, parallel_state)
+    if ddp is None and ddp_config.use_distributed_optimizer:
+        chunks = engine.optimizer.model_chunks
+        if len(chunks) != 1:
+            raise ValueError(f"the DistributedOptimizer shards {len(chunks)} model chunks; one DeepSpeed engine "
+                             "drives one module: build it over that module's DDP only")
+        ddp = chunks[0]
+    if ddp is None:
+        ddp = DistributedDataParallel(engine.module, ddp_config, parallel_state)
+    else:
+        _check_params_still_in_buffers(engine, ddp)
     ddp.deepspeed_hooks = MegatronDDPHooks(engine, ddp)
     return ddp
+
+
+def _check_params_still_in_buffers(engine, ddp: DistributedDataParallel) -> None:
+    # deepspeed.initialize ran between building the DDP and now; had it replaced a param's
+    # storage (a device move, a cast), the all-gather would no longer reach that param.
+    if ddp.module is not engine.module:
+        raise RuntimeError("the prebuilt DistributedDataParallel wraps another module than engine.module; "
+                           "build it around the model passed to deepspeed.initialize")
+    for buffer in ddp.all_buffers:
+        if buffer.param_data is None:
+            continue
+        base = buffer.param_data.untyped_storage().data_ptr()
+        for p in buffer.params:
+            if p.untyped_storage().data_ptr() != base:
+                raise RuntimeError(f"param {buffer.param_to_name.get(p, tuple(p.shape))} no longer lives in the "
+                                   "distributed optimizer's param buffer after deepspeed.initialize (moved or "
+                                   "cast); place and cast the model before ds_megatron.initialize")
 
 
 __all__ = ["attach_megatron_ddp", "check_engine_supports_megatron_ddp", "MegatronDDPHooks"]

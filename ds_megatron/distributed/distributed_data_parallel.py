@@ -11,6 +11,11 @@ grads are in, while backward goes on; ``finish_grad_sync()`` waits for all of
 them (and starts those not started).  ``no_sync()`` marks accumulation-only
 micro-batches; ``zero_grad_buffer()`` clears the buffers for the next step.
 
+With ``overlap_param_gather`` (distributed optimizer) the all-gather of the
+updated params, started after the optimizer step, is waited for bucket group
+by bucket group in forward pre-hooks of the modules that own the params, and
+in a ``state_dict`` pre-hook (a checkpoint never reads half-gathered params).
+
 Expert params are recognized as DeepSpeed marks MoE params (``allreduce=False``)
 or by ``is_expert=True``.
 """
@@ -79,6 +84,21 @@ class DistributedDataParallel(torch.nn.Module):
 
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_backward_post_hook(p))
                               for p in self.param_to_bucket_group]
+        if ddp_config.use_distributed_optimizer and ddp_config.overlap_param_gather:
+            for submodule in module.modules():
+                if any(p in self.param_to_bucket_group for p in submodule.parameters(recurse=False)):
+                    self._hook_handles.append(submodule.register_forward_pre_hook(self._make_forward_pre_hook()))
+            self._hook_handles.append(module.register_state_dict_pre_hook(
+                lambda *args, **kwargs: self.finish_param_sync()))
+
+    def _make_forward_pre_hook(self):
+        def hook(module: torch.nn.Module, inputs) -> None:
+            # The params this module is about to use must have their all-gather finished.
+            for p in module.parameters(recurse=False):
+                group = self.param_to_bucket_group.get(p)
+                if group is not None:
+                    group.finish_param_sync()
+        return hook
 
     def _allocate_buffers(self, params, group, gradient_scaling_factor, param_to_name) -> List[ParamAndGradBuffer]:
         by_dtypes: Dict[tuple, List[torch.nn.Parameter]] = {}

@@ -11,6 +11,7 @@ _EXPORTS = {
     "MegatronGradScaler": "grad_scaler", "ConstantGradScaler": "grad_scaler", "DynamicGradScaler": "grad_scaler",
     "MegatronOptimizer": "megatron_optimizer", "Float16OptimizerWithFloat16Params": "megatron_optimizer",
     "FP32Optimizer": "megatron_optimizer",
+    "DistributedOptimizer": "distrib_optimizer",
     "get_param_groups": "param_groups",
     "PrecisionConfig": "precision_config", "resolve_precision": "precision_config", "precision_of": "precision_config",
     "get_megatron_optimizer": "deepspeed_integration",

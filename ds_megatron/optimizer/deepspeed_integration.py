@@ -16,7 +16,12 @@ skipped step), copies ``optimizer._global_grad_norm`` into
 * the config DeepSpeed sees has precision, clipping and the optimizer section
   removed (``PrecisionConfig.deepspeed_view``); its gradient all-reduce then
   runs in fp32 (DeepSpeed's ``communication_data_type`` default without fp16/bf16);
-* hooks on the module scale the loss gradient (``float16_module``).
+* hooks on the module scale the loss gradient (``float16_module``);
+* with ``megatron.use_distributed_optimizer`` the Megatron DDP is built here,
+  around the cast model and before ``deepspeed.initialize``, because the
+  ``DistributedOptimizer`` handed to DeepSpeed is made from its buffers
+  (``attach_megatron_ddp`` later hooks that same DDP, the optimizer's
+  ``model_chunks[0]``, into the engine).
 """
 from __future__ import annotations
 
@@ -76,11 +81,20 @@ def build_grad_scaler(precision: PrecisionConfig, device=None) -> Optional[Megat
 
 
 def get_megatron_optimizer(optimizer: torch.optim.Optimizer, precision: PrecisionConfig, parallel_state=None,
-                           found_inf_groups=(), grad_reduce_group=None) -> MegatronOptimizer:
-    """Wrap a torch optimizer over the (already cast) model params in the matching Megatron wrapper."""
+                           found_inf_groups=(), grad_reduce_group=None, model_chunks=None) -> MegatronOptimizer:
+    """Wrap a torch optimizer over the (already cast) model params in the matching Megatron wrapper.
+
+    ``model_chunks``: DDP wrappers built with ``use_distributed_optimizer``; then the
+    wrapper is a ``DistributedOptimizer`` over their buffers (any precision).
+    """
     params = [p for g in optimizer.param_groups for p in g["params"]]
     device = params[0].device if params else None
     scaler = build_grad_scaler(precision, device)
+    if model_chunks:
+        from .distrib_optimizer import DistributedOptimizer
+        return DistributedOptimizer(optimizer, model_chunks, clip_grad=precision.clip_grad,
+                                    log_num_zeros_in_grad=precision.log_num_zeros_in_grad, grad_scaler=scaler,
+                                    parallel_state=parallel_state)
     common = dict(clip_grad=precision.clip_grad, log_num_zeros_in_grad=precision.log_num_zeros_in_grad,
                   grad_scaler=scaler, parallel_state=parallel_state, found_inf_groups=found_inf_groups)
     if precision.params_dtype == "fp32":
@@ -131,6 +145,10 @@ def prepare_optimizer_path(ds_config: Dict[str, Any], megatron_config, model: Op
     """Decide what ``deepspeed.initialize`` gets; with our path, cast the model and wrap the optimizer."""
     from .precision_config import precision_of
     precision = precision_of(ds_config, megatron_config)
+    distributed_optimizer = bool(getattr(megatron_config, "use_distributed_optimizer", False))
+    if distributed_optimizer and model is None:
+        raise ConfigError("megatron.use_distributed_optimizer is true but no model= was given; the distributed "
+                          "optimizer shards the model's grad buffers: pass model=")
     if not precision.owns_optimizer or model is None:
         return OptimizerPath(precision, dict(ds_config), optimizer, model_parameters)
     if isinstance(optimizer, MegatronOptimizer):
@@ -151,7 +169,15 @@ def prepare_optimizer_path(ds_config: Dict[str, Any], megatron_config, model: Op
 
     hooks = []
     wrapped = None
-    if optimizer is not None:
+    if distributed_optimizer:
+        if optimizer is None:
+            raise ConfigError("megatron.use_distributed_optimizer is true but there is no optimizer to shard; "
+                              "add an \"optimizer\" section or pass optimizer= (a torch optimizer or a callable)")
+        from ..distributed.distributed_data_parallel import DistributedDataParallel
+        # Built now (params move into its param buffer, values kept): the optimizer is made from its buffers.
+        ddp = DistributedDataParallel(model, megatron_config.ddp_config(), parallel_state)
+        wrapped = get_megatron_optimizer(optimizer, precision, parallel_state, model_chunks=[ddp])
+    elif optimizer is not None:
         groups = []
         if parallel_state is not None and parallel_state.ep.size > 1:
             groups.append(parallel_state.expert_mp.group)  # expert grads are reduced over EDP, not DP

@@ -103,6 +103,21 @@ class MegatronOptimizer(torch.optim.Optimizer):
         """The parameters the inner optimizer updates (fp32 main params and fp32 model params)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
+    def main_param_tensors(self) -> List[torch.Tensor]:
+        """The fp32 copies kept besides the model params (main params of fp16/bf16 params)."""
+        return []
+
+    def state_bytes(self) -> Dict[str, int]:
+        """Bytes of optimizer state this rank holds, measured on the tensors.
+
+        ``main_params``: fp32 main params (or shards) of 16-bit params;
+        ``optimizer_state``: every tensor in the inner optimizer's state (Adam's moments, step counters).
+        """
+        main = sum(t.numel() * t.element_size() for t in self.main_param_tensors())
+        inner = sum(v.numel() * v.element_size() for s in self.optimizer.state.values() for v in s.values()
+                    if torch.is_tensor(v))
+        return {"main_params": main, "optimizer_state": inner, "total": main + inner}
+
     # -- loss scale -------------------------------------------------------------------------------
     def get_loss_scale(self) -> torch.Tensor:
         if self.grad_scaler is None:
@@ -258,6 +273,9 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.detach_().zero_()
+
+    def main_param_tensors(self) -> List[torch.Tensor]:
+        return [p for group in self.fp32_from_float16_groups for p in group]
 
     def _main_grads(self) -> List[torch.Tensor]:
         return [p.grad for group in self.fp32_from_float16_groups + self.fp32_from_fp32_groups

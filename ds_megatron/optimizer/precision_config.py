@@ -150,4 +150,8 @@ def precision_of(ds_config: Dict[str, Any], megatron_config: Optional[Any] = Non
     """``resolve_precision`` with the switches of a parsed ``MegatronConfig`` (defaults when None)."""
     if megatron_config is None:
         return resolve_precision(ds_config)
+    if getattr(megatron_config, "use_distributed_optimizer", False) and megatron_config.optimizer_impl != "megatron":
+        raise ConfigError(f"{SECTION}.use_distributed_optimizer is true with {SECTION}.optimizer_impl="
+                          f"{megatron_config.optimizer_impl!r}; only ds_megatron's optimizer path reads the sharded "
+                          f"grads: set optimizer_impl to \"megatron\", or use DeepSpeed's ZeRO stage 1 instead")
     return resolve_precision(ds_config, megatron_config.optimizer_impl, megatron_config.log_num_zeros_in_grad)

@@ -114,7 +114,8 @@ def test_engine_settings_that_would_also_own_the_gradients_are_refused():
         check_engine_supports_megatron_ddp(_EngineSettings(stage=1), cfg)
     with pytest.raises(ConfigError, match="bf16/fp16"):
         check_engine_supports_megatron_ddp(_EngineSettings(bf16=True), cfg)
-    with pytest.raises(ConfigError, match="use_distributed_optimizer"):
+    # The distributed optimizer's shards are only read by ds_megatron's DistributedOptimizer.
+    with pytest.raises(ConfigError, match="engine's optimizer is not ds_megatron's DistributedOptimizer"):
         check_engine_supports_megatron_ddp(_EngineSettings(), DistributedDataParallelConfig(use_distributed_optimizer=True))
 
 
