@@ -36,7 +36,9 @@ class GPTConfig:
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
     moe_shared_expert_ffn_hidden_size: Optional[int] = None
-    moe_grouped_gemm: bool = True  # GroupedMLP (faster, see launch/bench/bench_moe.py) or SequentialMLP
+    # GroupedMLP / SequentialMLP; None: the faster for the device (grouped with CUDA, sequential on CPU:
+    # launch/bench/bench_moe.py)
+    moe_grouped_gemm: Optional[bool] = None
     # --- end MoE ---
 
     def __post_init__(self):

@@ -14,7 +14,8 @@ slices.  Both implementations draw identically, so they hold the same model.
 ``GroupedMLP`` runs all local experts as one grouped GEMM per projection
 (``torch._grouped_mm`` for fp32/bf16/fp16; a padded batched GEMM otherwise,
 e.g. float64); ``SequentialMLP`` loops over experts.  ``launch/bench/bench_moe.py``
-compares them; the grouped one is the default (``moe_grouped_gemm``).
+compares them; ``moe_grouped_gemm`` null (the default) picks the faster one for
+the device: grouped with CUDA, sequential on CPU (see ``experts_class``).
 
 Expert params carry DeepSpeed's MoE marks (``allreduce=False``, ``group_name``)
 and ``is_expert=True``: their gradients are reduced over the expert-data-parallel
@@ -69,11 +70,17 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_gemm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: Sequence[int]) -> torch.Tensor:
-    """``x [N, k]`` in expert-contiguous groups times ``weights [L, k, n]`` (group g uses ``weights[g]``)."""
+def grouped_gemm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: Sequence[int],
+                 use_grouped_mm: Optional[bool] = None) -> torch.Tensor:
+    """``x [N, k]`` in expert-contiguous groups times ``weights [L, k, n]`` (group g uses ``weights[g]``).
+
+    ``use_grouped_mm``: None picks ``torch._grouped_mm`` on CUDA only; its CPU kernel
+    measured 8-40x slower than a padded ``bmm`` here (launch/bench/bench_moe.py)."""
     if x.size(0) == 0:
         return x @ weights[0]
-    if x.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm"):
+    if use_grouped_mm is None:
+        use_grouped_mm = x.is_cuda
+    if use_grouped_mm and x.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm"):
         offs = torch.tensor(list(_cumsum(tokens_per_expert)), dtype=torch.int32, device=x.device)
         return _ContiguousGrad.apply(torch._grouped_mm(x, weights.to(x.dtype), offs=offs))
     # One padded batched GEMM: [L, C, k] @ [L, k, n], C the largest group.
@@ -84,6 +91,14 @@ def grouped_gemm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: Sequ
     padded = x.new_zeros(len(tokens_per_expert), max(tokens_per_expert), x.size(1))
     padded = padded.index_put((expert_of_row, row_in_group), x)
     return torch.bmm(padded, weights.to(x.dtype))[expert_of_row, row_in_group]
+
+
+def experts_class(grouped: Optional[bool]):
+    """``moe_grouped_gemm``: True GroupedMLP, False SequentialMLP, None the faster one for the device
+    (GroupedMLP with CUDA; SequentialMLP on CPU, where it measured ~1.5x the padded grouped GEMM)."""
+    if grouped is None:
+        grouped = torch.cuda.is_available()
+    return GroupedMLP if grouped else SequentialMLP
 
 
 def _cumsum(values: Sequence[int]):
@@ -172,9 +187,13 @@ class GroupedMLP(_ExpertsBase):
         mark_expert_param(self.weight2, self.ep_size, 1)
         del self._local_masters
 
+    # None: torch._grouped_mm on CUDA, padded bmm elsewhere (see grouped_gemm); benchmarks force either.
+    use_grouped_mm: Optional[bool] = None
+
     def forward(self, x: torch.Tensor, tokens_per_expert: List[int], probs: torch.Tensor) -> torch.Tensor:
-        intermediate = grouped_gemm(x, self.weight1, tokens_per_expert)
-        return grouped_gemm(self._activation(intermediate, probs), self.weight2, tokens_per_expert)
+        intermediate = grouped_gemm(x, self.weight1, tokens_per_expert, self.use_grouped_mm)
+        return grouped_gemm(self._activation(intermediate, probs), self.weight2, tokens_per_expert,
+                            self.use_grouped_mm)
 
     def expert_weights(self, local_index: int):
         """Views of local expert ``local_index``'s weights in ``SequentialMLP``'s layout and names."""

@@ -34,7 +34,7 @@ from ..tensor_parallel.utils import divide
 from ..cuda_graphs.partial_capture import (MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore,
                                            maybe_skip_or_early_return_by_cudagraph)
 from .aux_loss_tracker import MoEAuxLossTracker
-from .experts import GroupedMLP, SequentialMLP
+from .experts import experts_class
 from .router import TopKRouter
 from .token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 
@@ -82,7 +82,7 @@ class MoELayer(torch.nn.Module):
             pad_to_capacity=config.moe_pad_expert_input_to_capacity,
             tp_cp_group=groups.tp if self.sequence_parallel else None, sequence_parallel=self.sequence_parallel,
             init_method=init_method, layer_number=layer_number, aux_loss_tracker=aux_loss_tracker)
-        experts_cls = GroupedMLP if config.moe_grouped_gemm else SequentialMLP
+        experts_cls = experts_class(config.moe_grouped_gemm)
         self.experts = experts_cls(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size,
                                    ep_size=ep_size, ep_rank=group_rank(groups.ep), etp_size=etp_size,
                                    etp_rank=group_rank(groups.etp), init_method=init_method,

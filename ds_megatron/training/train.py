@@ -38,6 +38,7 @@ def load_job(config_path: str, world_size: int, train_iters: Optional[int] = Non
     job = parse_job_config(config_path)
     layout = job.megatron.layout(world_size)
     job.model.check_tensor_parallel(layout.tp)
+    job.model.check_expert_parallel(layout.ep, layout.etp)  # MoE: num_experts % EP, moe_ffn % ETP
     if train_iters is not None:
         if train_iters < 1:
             raise ConfigError(f"--train-iters must be >= 1, got {train_iters}")
@@ -176,16 +177,23 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
             gnorm = float(engine.get_global_grad_norm())
         loss_scale = getattr(engine.optimizer, "cur_scale", None)  # DeepSpeed's name; ours and its fp16 one
         result.losses[step + 1] = loss_value
+        # --- MoE: this step's routing losses (included in the loss), logged on their own ---
+        moe_losses = {}
+        if model.moe_aux_loss_tracker is not None:
+            moe_losses = {k: dp_mean(torch.tensor(v)) for k, v in model.moe_aux_loss_tracker.averages().items()}
+            model.moe_aux_loss_tracker.reset()
+        moe_text = "".join(f" | {k} {v:.4f}" for k, v in moe_losses.items())
+        # --- end MoE ---
         if log is not None and (step + 1) % tcfg.log_interval == 0:
             log.write({"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tok_s,
                        "consumed_samples": consumed, "loss_scale": loss_scale,
-                       "skipped_steps": engine.skipped_steps})
+                       "skipped_steps": engine.skipped_steps, **moe_losses})
         if bar is not None:
             bar.update(1)
             bar.set_postfix_str(progress_text(step + 1, loss_value, lr, tok_s, gnorm, loss_scale))
         elif rank == 0 and show_progress and ((step + 1) % 10 == 0 or step == start_step):
             print(f"step {step + 1}/{tcfg.train_iters} | "
-                  + progress_text(step + 1, loss_value, lr, tok_s, gnorm, loss_scale), flush=True)
+                  + progress_text(step + 1, loss_value, lr, tok_s, gnorm, loss_scale) + moe_text, flush=True)
         if valid_ds is not None and ((step + 1) % tcfg.eval_interval == 0 or step + 1 == tcfg.train_iters):
             val = evaluate()
             result.val_losses[step + 1] = val

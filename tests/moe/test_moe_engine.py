@@ -113,3 +113,19 @@ def test_bad_moe_layouts_fail_at_start():
         validate_config(_ds_config(2, 4, 2), world_size=4)
     with pytest.raises(Exception, match="num_experts=6 is not divisible by megatron.expert_model_parallel_size=4"):
         run_on_ranks(4, _bad, dict(tp=1, ep=4, etp=1), dict(num_experts=6))
+
+
+def test_moe_job_configs_validate_and_bad_ones_fail_at_start():
+    import json
+    from ds_megatron.training.train import load_job
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for name, world in (("moe_ep2.json", 2), ("moe_ep4_tp2.json", 4)):
+        job = load_job(os.path.join(root, "ds_configs", name), world)
+        assert job.model.num_experts == 4 and job.megatron.expert_model_parallel_size == world
+    cfg = json.load(open(os.path.join(root, "ds_configs", "moe_ep2.json")))
+    cfg["megatron"]["model"]["num_experts"] = 3
+    with pytest.raises(ConfigError, match="num_experts=3 is not divisible by megatron.expert_model_parallel_size=2"):
+        load_job(cfg, 2)
+    cfg["megatron"]["model"].update(num_experts=2, moe_router_topk=3)
+    with pytest.raises(ConfigError, match="moe_router_topk=3 is larger than model.num_experts=2"):
+        load_job(cfg, 2)

@@ -1,0 +1,139 @@
+"""Tokens/s of the MoE layer for EP=1/2/4 with both dispatchers, and grouped vs sequential experts, in one run.
+
+    python launch/bench/bench_moe.py [--hidden 256 --ffn 512 --experts 8 --topk 2 --tokens 1024 --steps 10] [--json]
+
+Part 1: the MoE layer (router, dispatch, experts, combine; forward + backward)
+as a gloo job of EP ranks (weak scaling: every rank routes ``--tokens`` tokens,
+so tokens/s counts EP x tokens per step), one job per (EP, dispatcher).
+Part 2: one rank, ``GroupedMLP`` (with ``torch._grouped_mm``, and with the
+padded ``bmm``) against ``SequentialMLP`` on the same routed tokens.  Ratios are against EP=1 with the
+all-to-all dispatcher, and sequential / grouped.  On a CPU box the EP ranks
+share the same few cores: the ratios show the cost of the dispatch, not a
+speed-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _layer_config(args, dispatcher: str, grouped: bool):
+    from ds_megatron.models import GPTConfig
+    return GPTConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=4, ffn_hidden_size=args.ffn,
+                     num_experts=args.experts, moe_router_topk=args.topk, moe_aux_loss_coeff=0.01,
+                     moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=grouped, hidden_dropout=0.0,
+                     attention_dropout=0.0)
+
+
+def _time_layer(layer, x, steps: int) -> float:
+    """Seconds per forward + backward step (after two warm-up steps)."""
+    import torch
+    for i in range(steps + 2):
+        if i == 2:
+            t0 = time.perf_counter()
+        x.grad = None
+        out = layer(x)
+        (out.square().mean() + layer.aux_loss).backward()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return (time.perf_counter() - t0) / steps
+
+
+def _ep_worker(rank, world, port, args, dispatcher, queue):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", DS_ACCELERATOR="cpu")
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from ds_megatron.moe import MoELayer
+    from ds_megatron.parallel.layout import ParallelLayout
+    from ds_megatron.parallel.state import ParallelState
+    state = ParallelState.build(ParallelLayout(world_size=world, ep=world, etp=1))
+    torch.manual_seed(0)
+    layer = MoELayer(_layer_config(args, dispatcher, None), parallel_state=state)
+    x = torch.randn(args.tokens, 1, args.hidden, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    sec = _time_layer(layer, x, args.steps)
+    if rank == 0:
+        queue.put(world * args.tokens / sec)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_ep(args, ep: int, dispatcher: str) -> float:
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_ep_worker, args=(r, ep, port, args, dispatcher, queue)) for r in range(ep)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=600)
+    for p in procs:
+        p.join()
+    return result
+
+
+def bench_experts(args) -> dict:
+    """Tokens/s of the whole layer on one rank with grouped and with sequential experts."""
+    import torch
+    from ds_megatron.moe import MoELayer
+    torch.set_num_threads(os.cpu_count() or 1)
+    out = {}
+    for name, grouped, grouped_mm in (("grouped_mm", True, True), ("grouped_bmm", True, False),
+                                      ("sequential", False, None)):
+        torch.manual_seed(0)
+        layer = MoELayer(_layer_config(args, "alltoall", grouped))
+        if grouped:
+            layer.experts.use_grouped_mm = grouped_mm
+        x = torch.randn(args.tokens, 1, args.hidden, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        out[name] = args.tokens / _time_layer(layer, x, args.steps)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=512)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=1024, help="tokens routed per rank per step")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    args = p.parse_args(argv)
+
+    ep_results = {(ep, d): bench_ep(args, ep, d) for ep in args.ep for d in ("alltoall", "allgather")}
+    experts = bench_experts(args)
+    base = ep_results[(args.ep[0], "alltoall")]
+    if args.json:
+        print(json.dumps({"ep": [{"ep": ep, "dispatcher": d, "tokens_per_s": v, "ratio": v / base}
+                                 for (ep, d), v in ep_results.items()],
+                          "experts": {**experts, "sequential_over_grouped_bmm":
+                                      experts["sequential"] / experts["grouped_bmm"]}}))
+        return 0
+    print(f"MoE layer: hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, top-{args.topk}, "
+          f"{args.tokens} tokens/rank, fp32, forward+backward, {os.cpu_count()} CPU cores")
+    print(f"{'EP':>3} {'dispatcher':>10} {'tokens/s':>10} {'ratio':>6}")
+    for (ep, d), v in ep_results.items():
+        print(f"{ep:>3} {d:>10} {v:>10,.0f} {v / base:>6.2f}")
+    seq = experts["sequential"]
+    print("experts on one rank (whole layer, EP=1): " + ", ".join(
+        f"{k} {v:,.0f} tokens/s ({v / seq:.2f}x sequential)" for k, v in experts.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
