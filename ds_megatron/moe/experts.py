@@ -74,8 +74,9 @@ def grouped_gemm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: Sequ
                  use_grouped_mm: Optional[bool] = None) -> torch.Tensor:
     """``x [N, k]`` in expert-contiguous groups times ``weights [L, k, n]`` (group g uses ``weights[g]``).
 
-    ``use_grouped_mm``: None picks ``torch._grouped_mm`` on CUDA only; its CPU kernel
-    measured 8-40x slower than a padded ``bmm`` here (launch/bench/bench_moe.py)."""
+    ``use_grouped_mm``: None picks ``torch._grouped_mm`` on CUDA only; on CPU its kernel
+    was erratic under load here (0.85x down to 0.03x of SequentialMLP, launch/bench/bench_moe.py)
+    and the padded ``bmm`` steadier."""
     if x.size(0) == 0:
         return x @ weights[0]
     if use_grouped_mm is None:
@@ -95,7 +96,8 @@ def grouped_gemm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: Sequ
 
 def experts_class(grouped: Optional[bool]):
     """``moe_grouped_gemm``: True GroupedMLP, False SequentialMLP, None the faster one for the device
-    (GroupedMLP with CUDA; SequentialMLP on CPU, where it measured ~1.5x the padded grouped GEMM)."""
+    (GroupedMLP with CUDA; SequentialMLP on CPU, where it measured ~1.4x the padded grouped GEMM
+    and ~1.2x torch._grouped_mm, one thread, launch/bench/bench_moe.py)."""
     if grouped is None:
         grouped = torch.cuda.is_available()
     return GroupedMLP if grouped else SequentialMLP

@@ -58,7 +58,7 @@ def _ep_worker(rank, world, port, args, dispatcher, queue):
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", DS_ACCELERATOR="cpu")
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(1)  # one thread per rank: stable figures on a shared box
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from ds_megatron.moe import MoELayer
     from ds_megatron.parallel.layout import ParallelLayout
@@ -90,7 +90,7 @@ def bench_experts(args) -> dict:
     """Tokens/s of the whole layer on one rank with grouped and with sequential experts."""
     import torch
     from ds_megatron.moe import MoELayer
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(1)
     out = {}
     for name, grouped, grouped_mm in (("grouped_mm", True, True), ("grouped_bmm", True, False),
                                       ("sequential", False, None)):
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
                                       experts["sequential"] / experts["grouped_bmm"]}}))
         return 0
     print(f"MoE layer: hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, top-{args.topk}, "
-          f"{args.tokens} tokens/rank, fp32, forward+backward, {os.cpu_count()} CPU cores")
+          f"{args.tokens} tokens/rank, fp32, forward+backward, 1 thread per rank, {os.cpu_count()} CPU cores")
     print(f"{'EP':>3} {'dispatcher':>10} {'tokens/s':>10} {'ratio':>6}")
     for (ep, d), v in ep_results.items():
         print(f"{ep:>3} {d:>10} {v:>10,.0f} {v / base:>6.2f}")
