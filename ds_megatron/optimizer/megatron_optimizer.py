@@ -190,6 +190,13 @@ class MegatronOptimizer(torch.optim.Optimizer):
         return True, grad_norm, self.num_zeros_in_grad
 
     # -- checkpoints ------------------------------------------------------------------------------
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main params from the model params (after loading model weights only)."""
+
+    def refresh_fp32_params(self) -> None:
+        """DeepSpeed's name for ``reload_model_params``: ``engine.load_checkpoint(load_module_only=True)`` calls it."""
+        self.reload_model_params()
+
     def state_dict(self) -> Dict[str, Any]:
         state = {"optimizer": self.optimizer.state_dict()}
         if self.grad_scaler is not None:

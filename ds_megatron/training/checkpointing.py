@@ -6,6 +6,14 @@ after every rank has finished writing do we point ``latest`` at the new tag,
 by writing a temporary file and renaming it over the old one.  A crash at any
 moment therefore leaves ``latest`` naming a complete checkpoint: the previous
 one until the rename, the new one after.
+
+The data-parallel size may change between save and resume: DeepSpeed checks
+the DP size only for ZeRO states, and our optimizers save a DP-independent
+state (the ``DistributedOptimizer`` gathers its shards into full per-param
+tensors and cuts them again on load).  Keep the global batch the same
+(micro-batch x accumulation x DP).  Ranks that did not exist at save time
+find no RNG file and keep their seeded streams, so with dropout such a resume
+follows the uninterrupted run only statistically.
 """
 from __future__ import annotations
 
@@ -85,6 +93,6 @@ def load_checkpoint(engine, save_dir: str, rng_tracker=None) -> Optional[Dict[st
     if load_path is None:
         raise RuntimeError(f"checkpoint {os.path.join(save_dir, tag)} named by {LATEST} could not be loaded")
     rng_file = _rng_path(save_dir, tag, dist.get_rank())
-    if os.path.isfile(rng_file):
+    if os.path.isfile(rng_file):  # absent for ranks beyond the saving job's world size
         set_rng_states(torch.load(rng_file, weights_only=False), rng_tracker)
     return client_state

@@ -19,6 +19,7 @@ from ds_megatron.distributed import DistributedDataParallelConfig
 from ds_megatron.optimizer import DistributedOptimizer
 from ds_megatron.optimizer.deepspeed_integration import prepare_optimizer_path
 from ds_megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from ds_megatron.training.train import load_job, train
 
 CLIP = 0.05  # well below the grad norms here (~0.25), so clipping acts on every step
 GLOBAL_BATCH = 8
@@ -276,6 +277,36 @@ def test_checkpoint_resumes_with_another_dp_size(tmp_path, precision, saved_dp, 
         # Guard: resuming without the optimizer state (Adam moments) visibly leaves the uninterrupted run.
         fresh, _ = run_on_ranks(resumed_dp, _checkpoint_body, cut, precision, 6, None, True, False)[0]
         assert max(abs(fresh[s] - full[s]) / full[s] for s in range(4, 7)) > 100 * rel
+
+
+def _job_config(out_dir, world, save_interval=0):
+    """The GPT job (TP=1), bf16 with the distributed optimizer; 8 samples per step for any DP size."""
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // world,
+            "gradient_clipping": 1.0, "steps_per_print": 10 ** 6, "bf16": {"enabled": True},
+            "megatron": {"use_distributed_optimizer": True, "grad_reduce_in_fp32": True,
+                         "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32,
+                                   "vocab_size": 257, "hidden_dropout": 0.0, "attention_dropout": 0.0},
+                         "train": {"train_iters": 8, "lr": 3e-3, "min_lr": 3e-4, "lr_warmup_iters": 2,
+                                   "eval_interval": 1000, "eval_iters": 1, "save_interval": save_interval,
+                                   "output_dir": out_dir},
+                         "data": {"default_corpus_bytes": 1_000_000, "split": "90,10"}}}
+
+
+def _job(cfg, resume=False, stop_after=None):
+    job = load_job(cfg, dist.get_world_size())
+    return train(job, cfg, resume=resume, stop_after=stop_after, show_progress=False).losses
+
+
+def test_training_job_resumes_a_dp4_checkpoint_on_dp2(tmp_path):
+    """``ds-megatron train --resume`` on half the ranks, accumulation doubled: the same global batches."""
+    full = run_on_ranks(4, _job, _job_config(str(tmp_path / "full"), 4))[0]
+    cut = str(tmp_path / "cut")
+    first = run_on_ranks(4, _job, _job_config(cut, 4, save_interval=4), False, 4)[0]
+    second = run_on_ranks(2, _job, _job_config(cut, 2, save_interval=4), True)[0]
+    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8]
+    # Bit-exact here (bf16 params absorb the fp32 reduction-order differences); allow float tolerance.
+    for step in range(1, 9):
+        assert {**first, **second}[step] == pytest.approx(full[step], rel=1e-4), step
 
 
 def test_invalid_distributed_optimizer_settings_fail_at_start():
