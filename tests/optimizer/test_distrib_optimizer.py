@@ -5,6 +5,7 @@ Reference: the same model, data and config with the non-distributed optimizer
 run uses small buckets, so params are cut between ranks and between buckets.
 """
 import functools
+import json
 import os
 
 import pytest
@@ -279,11 +280,13 @@ def test_checkpoint_resumes_with_another_dp_size(tmp_path, precision, saved_dp, 
         assert max(abs(fresh[s] - full[s]) / full[s] for s in range(4, 7)) > 100 * rel
 
 
-def _job_config(out_dir, world, save_interval=0):
-    """The GPT job (TP=1), bf16 with the distributed optimizer; 8 samples per step for any DP size."""
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // world,
-            "gradient_clipping": 1.0, "steps_per_print": 10 ** 6, "bf16": {"enabled": True},
-            "megatron": {"use_distributed_optimizer": True, "grad_reduce_in_fp32": True,
+def _job_config(out_dir, world, save_interval=0, tp=1, precision=None, clip=1.0, megatron=DIST):
+    """The GPT job, bf16 with the distributed optimizer by default; 8 samples per step for any DP size."""
+    dp = world // tp
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // dp,
+            "gradient_clipping": clip, "steps_per_print": 10 ** 6,
+            **({"bf16": {"enabled": True}} if precision is None else precision),
+            "megatron": {**megatron, "tensor_model_parallel_size": tp,
                          "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32,
                                    "vocab_size": 257, "hidden_dropout": 0.0, "attention_dropout": 0.0},
                          "train": {"train_iters": 8, "lr": 3e-3, "min_lr": 3e-4, "lr_warmup_iters": 2,
@@ -307,6 +310,23 @@ def test_training_job_resumes_a_dp4_checkpoint_on_dp2(tmp_path):
     # Bit-exact here (bf16 params absorb the fp32 reduction-order differences); allow float tolerance.
     for step in range(1, 9):
         assert {**first, **second}[step] == pytest.approx(full[step], rel=1e-4), step
+
+
+def test_gpt_with_tensor_parallelism_matches_the_non_distributed_optimizer(tmp_path):
+    """TP=2 x DP=2 GPT, fp32, clipping at 0.1: TP-split shards and replicated (LayerNorm) shards
+    enter the norm once each, so norms, clipping and losses agree with the non-distributed run."""
+    runs = {}
+    for name, megatron in (("ref", {}), ("dist", OVERLAP)):
+        cfg = _job_config(str(tmp_path / name), 4, tp=2, precision={}, clip=0.1, megatron=megatron)
+        losses = run_on_ranks(4, _job, cfg)[0]
+        metrics = [json.loads(line) for line in open(os.path.join(str(tmp_path / name), "metrics.jsonl"))
+                   if '"loss"' in line]
+        runs[name] = (losses, [m["grad_norm"] for m in metrics])
+    (ref_losses, ref_norms), (losses, norms) = runs["ref"], runs["dist"]
+    assert min(ref_norms) > 0.2, ref_norms  # clipping acted on every step
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    for step in ref_losses:
+        assert losses[step] == pytest.approx(ref_losses[step], rel=1e-5), step
 
 
 def test_invalid_distributed_optimizer_settings_fail_at_start():
