@@ -146,7 +146,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     from .moe import deepspeed_integration as moe_integration
     has_moe = model is not None and bool(moe_integration.moe_layers(model))
     if has_moe:
-        moe_integration.check_engine_supports_moe(opt_path.optimizer_reduces_grads)
         moe_integration.register_expert_groups(parallel_state)
     # --- end MoE ---
     engine, opt, loader, sched = deepspeed.initialize(

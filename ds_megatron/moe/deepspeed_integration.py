@@ -128,18 +128,10 @@ class ExpertCheckpointHooks:
                     param.copy_(saved[key])
 
 
-def check_engine_supports_moe(optimizer_reduces_grads: bool) -> None:
-    if optimizer_reduces_grads:
-        raise ConfigError("MoE with fp16/bf16 on the megatron optimizer path: that optimizer averages every gradient "
-                          "over data parallel, which is wrong for expert params (expert-data-parallel); set "
-                          "megatron.use_megatron_ddp to true (its buffers reduce experts over edp) or use fp32")
-
-
-def attach_moe(engine, parallel_state, optimizer_reduces_grads: bool = False) -> Optional[ExpertCheckpointHooks]:
+def attach_moe(engine, parallel_state) -> Optional[ExpertCheckpointHooks]:
     """Turn on DeepSpeed's expert-gradient path for our groups and wrap its checkpointing; None without MoE."""
     if not moe_layers(engine.module):
         return None
-    check_engine_supports_moe(optimizer_reduces_grads)
     from deepspeed.utils import groups
     engine.has_moe_layers = True
     engine.num_experts = [layer.config.num_experts for _, layer in moe_layers(engine.module)]

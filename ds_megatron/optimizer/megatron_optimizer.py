@@ -231,6 +231,10 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         # When set, the data-parallel average of the grads is taken here, on the fp32 main grads
         # (Megatron reduces in fp32); the caller then turns off any other reduction of them.
         self.grad_reduce_group = grad_reduce_group
+        # Expert params are replicated only across their expert-data-parallel group; their
+        # grads are summed there and divided by the dense DP size, the global-mean convention
+        # DeepSpeed's expert path and Megatron's DDP also use.
+        self.expert_grad_reduce_group = parallel_state.edp.group if parallel_state is not None else None
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if grad_scaler is None and any(p.dtype == torch.float16 for p in params):
             raise ValueError("fp16 params need a grad scaler (fp16 gradients underflow without loss scaling); "
@@ -307,12 +311,19 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             self._average_main_grads_over_data_parallel()
 
     def _average_main_grads_over_data_parallel(self) -> None:
-        grads = self._main_grads()
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.grad_reduce_group)
-        flat.div_(dist.get_world_size(self.grad_reduce_group))
-        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+        params = [p for group in self.fp32_from_float16_groups + self.fp32_from_fp32_groups
+                  for p in group if p.grad is not None]
+        dp_size = dist.get_world_size(self.grad_reduce_group)
+        dense = [p.grad for p in params if not is_expert_param(p)]
+        expert = [p.grad for p in params if is_expert_param(p)]
+        for grads, group in ((dense, self.grad_reduce_group), (expert, self.expert_grad_reduce_group)):
+            if not grads:
+                continue
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=group)
+            flat.div_(dp_size)
+            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
 
     def _prepare_grads(self) -> bool:
         self._copy_model_grads_to_main_grads()
