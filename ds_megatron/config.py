@@ -24,7 +24,7 @@ class ConfigError(ValueError):
     """A config value is wrong; the message names the field and the fix."""
 
 
-# --- CUDA graphs (ds_megatron/cuda_graphs) ---
+# CUDA graphs (ds_megatron/cuda_graphs)
 CUDA_GRAPH_IMPLS = ("transformer_engine", "local", "none")
 CUDA_GRAPH_SCOPES = ("attn", "moe_router", "moe_preprocess")
 
@@ -113,7 +113,6 @@ class CudaGraphConfig:
                               f"{moe_capacity_factor}, moe_pad_expert_input_to_capacity="
                               f"{moe_pad_expert_input_to_capacity}); use impl \"transformer_engine\" with scope "
                               "[\"attn\", \"moe_router\", \"moe_preprocess\"], or pad to capacity")
-# --- end CUDA graphs ---
 
 
 @dataclass
@@ -129,7 +128,7 @@ class MegatronConfig:
     order: str = DEFAULT_ORDER
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128
-    # --- Megatron DDP: bucketed gradient buffers (ds_megatron.distributed) ---
+    # Megatron DDP: bucketed gradient buffers (ds_megatron.distributed)
     # None: on when any key below is set; true/false: explicitly.
     use_megatron_ddp: Optional[bool] = None
     use_distributed_optimizer: bool = False
@@ -139,8 +138,7 @@ class MegatronConfig:
     grad_reduce_in_fp32: bool = False
     average_in_collective: bool = False
     pad_buckets_for_high_nccl_busbw: bool = False
-    # --- end Megatron DDP ---
-    # --- Megatron optimizer path (ds_megatron/optimizer/precision_config.py) ---
+    # Megatron optimizer path (ds_megatron/optimizer/precision_config.py)
     # "megatron": our optimizer path runs mixed precision, loss scaling and clipping;
     # "deepspeed": DeepSpeed's own FP16/BF16/ZeRO optimizers do.
     optimizer_impl: str = "megatron"
@@ -176,7 +174,7 @@ class MegatronConfig:
                 moe_pad_expert_input_to_capacity=bool(self.model.get("moe_pad_expert_input_to_capacity", False)),
                 where=f"{SECTION}.model")
 
-    # --- Megatron DDP ---
+    # Megatron DDP
     _DDP_KEYS = ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "bucket_size",
                  "grad_reduce_in_fp32", "average_in_collective", "pad_buckets_for_high_nccl_busbw")
 
@@ -203,7 +201,6 @@ class MegatronConfig:
         """The ``DistributedDataParallelConfig`` these keys describe."""
         from .distributed.ddp_config import DistributedDataParallelConfig
         return DistributedDataParallelConfig(**{k: getattr(self, k) for k in self._DDP_KEYS})
-    # --- end Megatron DDP ---
 
     def layout(self, world_size: int):
         """The validated ``ParallelLayout`` for ``world_size`` ranks (ConfigError if it does not fit)."""

@@ -31,6 +31,7 @@ class MegatronContext:
     config: MegatronConfig
     state: Any  # ParallelState
     mpu: Any  # MegatronMPU
+    moe: Any = None  # moe.deepspeed_integration.ExpertCheckpointHooks when the model has MoE layers
     ddp: Any = None  # distributed.DistributedDataParallel when megatron DDP owns the gradients
     cuda_graphs: Any = None  # cuda_graphs.CudaGraphEngineHook when graphs are captured and replayed
 
@@ -136,38 +137,31 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         # tracker (it never asks the mpu); ours must be the one it saves and restores.
         from deepspeed.runtime.activation_checkpointing import checkpointing
         checkpointing._CUDA_RNG_STATE_TRACKER = rng_tracker
-    # --- Megatron optimizer path: casts the model, wraps the optimizer, hands DeepSpeed a config
-    # without the precision/clipping it now owns (ds_megatron/optimizer/deepspeed_integration.py) ---
+    # The Megatron optimizer path casts the model, wraps the optimizer and hands DeepSpeed a
+    # config without the precision and clipping it now owns.
     from .optimizer.deepspeed_integration import prepare_optimizer_path
     opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, parallel_state)
     optimizer, model_parameters, ds_config = opt_path.optimizer, opt_path.model_parameters, opt_path.ds_config
-    # --- end Megatron optimizer path ---
-    # --- MoE: our expert groups are handed to DeepSpeed (ds_megatron/moe/deepspeed_integration.py) ---
+    # DeepSpeed's own expert groups need EP to divide DP (folding breaks that): hand it ours.
     from .moe import deepspeed_integration as moe_integration
     has_moe = model is not None and bool(moe_integration.moe_layers(model))
     if has_moe:
         moe_integration.register_expert_groups(parallel_state)
-    # --- end MoE ---
+
     engine, opt, loader, sched = deepspeed.initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, mpu=our_mpu,
         dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config, **deepspeed_kwargs)
     engine.megatron = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu)
-    opt_path.attach(engine)  # Megatron optimizer path: takes over the grad all-reduce when it owns it
-    # --- MoE: expert grads over edp through DeepSpeed's MoE path; expert checkpoints by expert rank ---
+    opt_path.attach(engine)  # takes over the grad all-reduce when our optimizer owns it
+    # Expert grads over edp through DeepSpeed's MoE path; expert checkpoints by expert rank.
     engine.megatron.moe = moe_integration.attach_moe(engine, parallel_state) if has_moe else None
-    # --- end MoE ---
-    # --- Megatron DDP: our bucketed buffers own gradient accumulation and reduction ---
-    if mcfg.ddp_enabled:
+    if mcfg.ddp_enabled:  # our bucketed buffers own gradient accumulation and reduction
         from .distributed.deepspeed_hooks import attach_megatron_ddp
         engine.megatron.ddp = attach_megatron_ddp(engine, mcfg.ddp_config(), parallel_state)
-    # --- end Megatron DDP ---
-    # --- CUDA graphs: capture after warmup_steps, then replay, from a pre-hook on engine.module's forward
-    # (ds_megatron/cuda_graphs/engine_hook.py); without CUDA one log line and eager training ---
-    if mcfg.cuda_graph.enabled:
+    if mcfg.cuda_graph.enabled:  # capture after warmup_steps, then replay; without CUDA: one log line
         from .cuda_graphs.engine_hook import attach_cuda_graphs
         engine.megatron.cuda_graphs = attach_cuda_graphs(engine, mcfg.cuda_graph)
-    # --- end CUDA graphs ---
     return engine, opt, loader, sched
 
 

@@ -69,12 +69,11 @@ class GPTModel(torch.nn.Module):
                               "context_parallel_size and pipeline_model_parallel_size must be 1 for it")
         tp = parallel_state.tp if parallel_state is not None else _NoTensorParallel()
         config.check_tensor_parallel(tp.size)
-        # --- MoE: expert sizes checked against the model; one tracker for the routing losses ---
+        # MoE: expert sizes checked against the model; one tracker for the routing losses
         if parallel_state is not None:
             config.check_expert_parallel(parallel_state.ep.size, parallel_state.etp.size)
         from ..moe.aux_loss_tracker import MoEAuxLossTracker
         self.moe_aux_loss_tracker = MoEAuxLossTracker() if config.num_experts else None
-        # --- end MoE ---
         self.config = config
         self.tp_group = tp.group
         self.tp_size = tp.size

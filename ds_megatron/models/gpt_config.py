@@ -22,7 +22,7 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     sequence_parallel: bool = False
     label_smoothing: float = 0.0
-    # --- MoE (ds_megatron/moe; Megatron-LM's argument names) ---
+    # MoE (ds_megatron/moe; Megatron-LM's argument names)
     num_experts: Optional[int] = None  # None: a dense model
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
     moe_router_topk: int = 2
@@ -39,7 +39,6 @@ class GPTConfig:
     # GroupedMLP / SequentialMLP; None: the faster for the device (grouped with CUDA, sequential on CPU:
     # launch/bench/bench_moe.py)
     moe_grouped_gemm: Optional[bool] = None
-    # --- end MoE ---
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -57,7 +56,7 @@ class GPTConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)!r}")
 
-    # --- MoE ---
+    # MoE
     def _check_moe(self) -> None:
         if self.num_experts is None:
             return
@@ -103,7 +102,6 @@ class GPTConfig:
         if self.moe_ffn_hidden_size % etp:
             raise ConfigError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} is not divisible by "
                               f"megatron.expert_tensor_parallel_size={etp}; choose an ETP size that divides it")
-    # --- end MoE ---
 
     def check_tensor_parallel(self, tp: int) -> None:
         for name in ("num_attention_heads", "ffn_hidden_size"):

@@ -103,11 +103,10 @@ class MoELayer(torch.nn.Module):
                                               output_init_method=output_init_method,
                                               sequence_parallel=self.sequence_parallel)
 
-        # --- CUDA graphs: partial capture (ds_megatron/cuda_graphs/partial_capture.py) ---
+        # CUDA graphs: partial capture (ds_megatron/cuda_graphs/partial_capture.py)
         self.cudagraph_tensor_store = MoECudaGraphTensorStore()
         # Set inside route and read outside the layer (GPTModel adds it to the loss): a graph output.
         self.cudagraph_attrs = ["router.aux_loss"]
-        # --- end CUDA graphs ---
 
     @property
     def aux_loss(self) -> torch.Tensor:

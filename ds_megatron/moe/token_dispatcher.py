@@ -142,12 +142,11 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self._host = None
         return self.tokens_per_expert
 
-    # --- CUDA graphs: replay restores the attributes preprocess computed inside the graph ---
+    # CUDA graphs: replay restores the attributes preprocess computed inside the graph
     def restore_cudagraph_attrs(self, attrs) -> None:
         for name, value in attrs.items():
             setattr(self, name, value)
         self._host = None  # the host copy belongs to the previous micro-batch: sync again
-    # --- end CUDA graphs ---
 
     def _maybe_dtoh_and_synchronize(self, point: str) -> None:
         """The one device-to-host copy of the split sizes, at ``cuda_sync_point``."""

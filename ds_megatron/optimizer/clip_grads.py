@@ -44,7 +44,7 @@ def grads_for_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
     return out
 
 
-# --- MoE: expert params are summed over the expert-model-parallel group, the rest over model parallel ---
+# MoE: expert params are summed over the expert-model-parallel group, the rest over model parallel
 def get_grad_norm_with_experts(params: Iterable[torch.nn.Parameter], tp_rank: int, model_parallel_group,
                                expert_model_parallel_group, norm_type: float = 2.0) -> float:
     """The global norm when some params are experts.
@@ -66,7 +66,6 @@ def get_grad_norm_with_experts(params: Iterable[torch.nn.Parameter], tp_rank: in
     dense_sq = get_grad_norm_fp32(dense, model_parallel_group, norm_type) ** norm_type
     expert_sq = get_grad_norm_fp32(experts, expert_model_parallel_group, norm_type) ** norm_type
     return (dense_sq + expert_sq) ** (1.0 / norm_type)
-# --- end MoE ---
 
 
 def get_grad_norm_fp32(grads: List[torch.Tensor], model_parallel_group=None, norm_type: float = 2.0) -> float:

@@ -131,12 +131,11 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     # -- norm, clipping, zeros --------------------------------------------------------------------
     def get_grad_norm(self) -> float:
-        # --- MoE: expert params counted once, over the expert-model-parallel group ---
+        # MoE: expert params counted once, over the expert-model-parallel group
         params = self.get_parameters()
         if self.expert_model_parallel_group is not None and any(is_expert_param(p) for p in params):
             return get_grad_norm_with_experts(params, self.tp_rank, self.model_parallel_group,
                                               self.expert_model_parallel_group)
-        # --- end MoE ---
         grads = grads_for_norm(self.get_parameters(), self.tp_rank)
         return get_grad_norm_fp32(grads, self.model_parallel_group)
 

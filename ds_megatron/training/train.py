@@ -177,13 +177,12 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
             gnorm = float(engine.get_global_grad_norm())
         loss_scale = getattr(engine.optimizer, "cur_scale", None)  # DeepSpeed's name; ours and its fp16 one
         result.losses[step + 1] = loss_value
-        # --- MoE: this step's routing losses (included in the loss), logged on their own ---
+        # MoE: this step's routing losses (included in the loss), logged on their own
         moe_losses = {}
         if model.moe_aux_loss_tracker is not None:
             moe_losses = {k: dp_mean(torch.tensor(v)) for k, v in model.moe_aux_loss_tracker.averages().items()}
             model.moe_aux_loss_tracker.reset()
         moe_text = "".join(f" | {k} {v:.4f}" for k, v in moe_losses.items())
-        # --- end MoE ---
         if log is not None and (step + 1) % tcfg.log_interval == 0:
             log.write({"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tok_s,
                        "consumed_samples": consumed, "loss_scale": loss_scale,

@@ -32,7 +32,7 @@ class ParallelTransformerLayer(torch.nn.Module):
                                                 attention_dropout=config.attention_dropout,
                                                 sequence_parallel=config.sequence_parallel, rng_tracker=rng_tracker)
         self.post_attention_layernorm = torch.nn.LayerNorm(h, eps=config.layernorm_epsilon)
-        # --- MoE: MoE layers (config.is_moe_layer) get a MoELayer on the expert groups instead ---
+        # MoE: MoE layers (config.is_moe_layer) get a MoELayer on the expert groups instead
         if getattr(config, "num_experts", None) and config.is_moe_layer(layer_number):
             from ..moe.moe_layer import MoELayer
             self.mlp = MoELayer(config, parallel_state=parallel_state, layer_number=layer_number,
@@ -41,7 +41,6 @@ class ParallelTransformerLayer(torch.nn.Module):
         else:
             self.mlp = ParallelMLP(h, config.ffn_hidden_size, tp_group=tp_group, init_method=init_method,
                                    output_init_method=output_init_method, sequence_parallel=config.sequence_parallel)
-        # --- end MoE ---
         if config.sequence_parallel:
             mark_sequence_parallel(self.input_layernorm)
             mark_sequence_parallel(self.post_attention_layernorm)
@@ -54,7 +53,7 @@ class ParallelTransformerLayer(torch.nn.Module):
         with fork:
             return F.dropout(x, p=self.hidden_dropout, training=True)
 
-    # --- CUDA graphs: the layer in the pieces a partial graph captures (ds_megatron/cuda_graphs/capture.py) ---
+    # CUDA graphs: the layer in the pieces a partial graph captures (ds_megatron/cuda_graphs/capture.py)
     def _forward_attention(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self._dropout(self.self_attention(self.input_layernorm(hidden)))
 
@@ -63,7 +62,6 @@ class ParallelTransformerLayer(torch.nn.Module):
 
     def _post_mlp(self, hidden: torch.Tensor, mlp_output: torch.Tensor) -> torch.Tensor:
         return hidden + self._dropout(mlp_output)
-    # --- end CUDA graphs ---
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self._forward_attention(hidden)
