@@ -18,11 +18,10 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..utils.collectives import all_gather_single as _all_gather_single
+from ..utils.collectives import reduce_scatter_single
 from .ddp_config import DistributedDataParallelConfig
 from .param_and_grad_buffer import ParamAndGradBucket, ParamAndGradBuffer
-
-# torch 2.13 renamed all_gather_into_tensor (still there, deprecated).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class ParamAndGradBucketGroup:
@@ -65,7 +64,7 @@ class ParamAndGradBucketGroup:
             if self.ddp_config.use_distributed_optimizer:
                 # In place: this rank's shard of the bucket receives the reduced values.
                 r = bucket.shard_range(self._rank(), self.collective_group_size)
-                handles.append(dist.reduce_scatter_tensor(bucket.grad_data[r.start:r.end], bucket.grad_data, op=op,
+                handles.append(reduce_scatter_single(bucket.grad_data[r.start:r.end], bucket.grad_data, op=op,
                                                           group=self.collective_group, async_op=True))
             else:
                 handles.append(dist.all_reduce(bucket.grad_data, op=op, group=self.collective_group, async_op=True))

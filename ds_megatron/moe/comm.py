@@ -19,7 +19,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from ..tensor_parallel.mappings import _all_gather_single, group_rank, group_size
+from ..tensor_parallel.mappings import group_rank, group_size
+from ..utils.collectives import all_gather_single as _all_gather_single
 
 
 def _all_to_all_raw(x: torch.Tensor, output_splits: List[int], input_splits: List[int], group) -> torch.Tensor:

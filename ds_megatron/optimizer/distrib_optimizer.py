@@ -46,12 +46,11 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.buffer_layout import Range, bucket_shard_param_ranges
+from ..utils.collectives import all_gather_single as _all_gather_single
 from .clip_grads import count_zeros_fp32, get_grad_norm_fp32, grads_for_norm
 from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import _FLOAT16, _PARAM_ATTRIBUTES, MegatronOptimizer
 
-# torch 2.13 renamed all_gather_into_tensor (still there, deprecated).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 MAIN_PARAM = "main_param"  # key of the fp32 main param among a param's gathered tensors
 
 

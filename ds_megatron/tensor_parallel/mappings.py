@@ -21,11 +21,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..utils.collectives import all_gather_single as _all_gather_single
+from ..utils.collectives import reduce_scatter_single as _reduce_scatter_single
 from .utils import divide
-
-# torch 2.13 renamed the single-tensor collectives; older torch only has the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
