@@ -17,10 +17,11 @@ import atexit
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import traceback
 from typing import Any, Callable, Dict, List
+
+from ds_megatron.utils.local_job import free_port, local_rank_env
 
 _CTX = None
 _POOLS: Dict[int, "_Pool"] = {}
@@ -29,20 +30,6 @@ DEFAULT_TIMEOUT = float(os.environ.get("DS_MEGATRON_TEST_TIMEOUT", "180"))
 
 class RankFailure(AssertionError):
     """A rank raised, or the job timed out."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker_env(rank: int, world_size: int, port: int) -> Dict[str, str]:
-    return {
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-    }
 
 
 def _context():
@@ -55,7 +42,7 @@ def _context():
 
 def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: List[str]) -> None:
     sys.path[:] = sys_path
-    os.environ.update(worker_env(rank, world_size, port))
+    os.environ.update(local_rank_env(rank, world_size, port))
     import torch
     import torch.distributed as dist
     from ds_megatron.utils.runtime_env import prepare_cpu_runtime

@@ -24,21 +24,14 @@ median over ``steps`` timed steps (after one warm-up).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ds_megatron.utils.local_job import run_local_job  # noqa: E402
 
 
 def _model(layers: int, hidden: int):
@@ -47,19 +40,12 @@ def _model(layers: int, hidden: int):
     return torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(hidden, hidden), torch.nn.Tanh())])
 
 
-def _worker(rank: int, world: int, port: int, args, results) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+def _measure(args):
+    """One rank's part; rank 0's return value is the table."""
     import torch
     import torch.distributed as dist
-    from ds_megatron.utils.runtime_env import prepare_cpu_runtime
-    torch.set_num_threads(1)
-    prepare_cpu_runtime()
     import deepspeed
-    from deepspeed.utils import logger
-    logger.setLevel("ERROR")
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
     from ds_megatron.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from ds_megatron.parallel.layout import ParallelLayout
     from ds_megatron.parallel.state import ParallelState
@@ -157,25 +143,11 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
         row[name + f" ({len(ddp.bucket_groups)} bucket(s))"] = timed(megatron)
         ddp.remove_hooks()
     state.destroy()
-    if rank == 0:
-        results.put((numel, row))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown, which sometimes aborts under gloo
+    return numel, row
 
 
 def run(world: int, args):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    numel, row = results.get(timeout=1800)
-    for p in procs:
-        p.join(timeout=60)
-    return numel, row
+    return run_local_job(world, _measure, args)
 
 
 def main(argv=None):

@@ -15,20 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ds_megatron.utils.local_job import run_local_job  # noqa: E402
 
 
 def _layer_config(args, dispatcher: str, grouped: bool):
@@ -53,37 +46,25 @@ def _time_layer(layer, x, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def _ep_worker(rank, world, port, args, dispatcher, queue):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", DS_ACCELERATOR="cpu")
+def _ep_tokens_per_s(args, dispatcher):
+    """Rank 0: tokens/s of the whole EP group (every rank routes ``args.tokens`` tokens)."""
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(1)  # one thread per rank: stable figures on a shared box
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     from ds_megatron.moe import MoELayer
     from ds_megatron.parallel.layout import ParallelLayout
     from ds_megatron.parallel.state import ParallelState
+    rank, world = dist.get_rank(), dist.get_world_size()
     state = ParallelState.build(ParallelLayout(world_size=world, ep=world, etp=1))
     torch.manual_seed(0)
     layer = MoELayer(_layer_config(args, dispatcher, None), parallel_state=state)
     x = torch.randn(args.tokens, 1, args.hidden, generator=torch.Generator().manual_seed(rank), requires_grad=True)
     sec = _time_layer(layer, x, args.steps)
-    if rank == 0:
-        queue.put(world * args.tokens / sec)
-    dist.barrier()
-    dist.destroy_process_group()
+    state.destroy()
+    return world * args.tokens / sec
 
 
 def bench_ep(args, ep: int, dispatcher: str) -> float:
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_ep_worker, args=(r, ep, port, args, dispatcher, queue)) for r in range(ep)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=600)
-    for p in procs:
-        p.join()
-    return result
+    return run_local_job(ep, _ep_tokens_per_s, args, dispatcher, timeout=600)
 
 
 def bench_experts(args) -> dict:

@@ -9,20 +9,14 @@ to run on CPUs, so its bf16 optimizer stands in).  Usage:
     python launch/bench/bench_optimizer.py [--params-millions 8] [--steps 20]
 """
 import argparse
-import sys
 import os
-import socket
 import statistics
+import sys
 import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ds_megatron.utils.local_job import local_rank_env, free_port  # noqa: E402
 
 
 def _model(width, depth):
@@ -49,8 +43,7 @@ def main():
     ap.add_argument("--params-millions", type=float, default=8.0)
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(_free_port()))
+    os.environ.update(local_rank_env(0, 1, free_port()))
     import torch
     import ds_megatron
     from ds_megatron.utils.runtime_env import prepare_cpu_runtime

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from ds_megatron.utils.local_job import run_local_job  # noqa: E402
 
 
 def model_flops_per_step(B, s, l, h, V):
@@ -30,16 +29,13 @@ def model_flops_per_step(B, s, l, h, V):
     return 72 * B * s * l * h * h * (1 + s / (6 * h)) + 6 * B * s * h * V
 
 
-def _worker(rank, world, port, args, queue):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                      DS_ACCELERATOR="cpu")
+def _measure(args):
     import torch
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     import ds_megatron
     from ds_megatron.models import GPTConfig, GPTModel
     from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
 
+    world = torch.distributed.get_world_size()
     ds_config = {"train_micro_batch_size_per_gpu": args.mbs, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
                  "megatron": {"tensor_model_parallel_size": world}}
     state = ds_megatron.initialize_model_parallel(ds_config)
@@ -62,28 +58,12 @@ def _worker(rank, world, port, args, queue):
         torch.distributed.barrier()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
-    if rank == 0:
-        queue.put({"tp": world, "step_s": sorted(times)[len(times) // 2], "padded_vocab": model.padded_vocab_size})
     state.destroy()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    return {"tp": world, "step_s": sorted(times)[len(times) // 2], "padded_vocab": model.padded_vocab_size}
 
 
 def run(tp, args):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, tp, port, args, queue)) for r in range(tp)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=900)
-    for p in procs:
-        p.join(timeout=60)
-    return result
+    return run_local_job(tp, _measure, args, threads_per_rank=max(1, (os.cpu_count() or 1) // tp), timeout=900)
 
 
 def main(argv=None):

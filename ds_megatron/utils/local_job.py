@@ -1,0 +1,84 @@
+"""Run a function on N gloo ranks of this machine, each a spawned process (benchmarks use it).
+
+``run_local_job(world, fn, *args)`` starts ``world`` processes with torch's
+launcher variables on loopback, initializes DeepSpeed's comm layer (gloo on a
+CPU box), calls ``fn(*args)`` on every rank and returns rank 0's result.  A
+rank that raises makes the parent raise with its traceback; a job that does
+not answer within ``timeout`` seconds is killed.  Each rank ends with barrier,
+destroy and ``os._exit`` because interpreter teardown under gloo sometimes
+aborts.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_module
+import socket
+import sys
+import traceback
+from typing import Any, Callable, Dict
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_rank_env(rank: int, world_size: int, port: int) -> Dict[str, str]:
+    """torch's launcher variables for one rank of a single-machine job, all traffic on loopback."""
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+           "LOCAL_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    from .runtime_env import cuda_available
+    if not cuda_available():
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def _rank_main(rank: int, world: int, port: int, threads: int, fn: Callable, args, results) -> None:
+    os.environ.update(local_rank_env(rank, world, port))
+    try:
+        import torch
+        torch.set_num_threads(threads)
+        from .runtime_env import prepare_cpu_runtime
+        prepare_cpu_runtime()
+        import deepspeed
+        from deepspeed.utils import logger
+        logger.setLevel("ERROR")
+        deepspeed.init_distributed(dist_backend=None if torch.cuda.is_available() else "gloo",
+                                   auto_mpi_discovery=False, verbose=False)
+        value = fn(*args)
+        if rank == 0:
+            results.put((True, value))
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - handed to the parent, which raises it
+        results.put((False, f"rank {rank}:\n{traceback.format_exc()}"))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def run_local_job(world: int, fn: Callable, *args, threads_per_rank: int = 1, timeout: float = 1800) -> Any:
+    """``fn(*args)`` on ``world`` local ranks; rank 0's return value.  ``fn`` must be importable."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, threads_per_rank, fn, args, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        ok, value = results.get(timeout=timeout)
+    except queue_module.Empty:
+        raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world} ranks gave no answer in {timeout:.0f}s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    if not ok:
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed on {value}")
+    return value
