@@ -27,6 +27,7 @@ and DeepSpeed is handed them.  Seams used (DeepSpeed 0.19.8):
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import List, Optional, Tuple
 
@@ -98,7 +99,12 @@ class ExpertCheckpointHooks:
                                for k, v in experts.expert_weights(local).items()}
                     torch.save(weights, _expert_ckpt_name(save_dir, tag, layer_id, global_id, self.state.etp.rank))
         dist.barrier()
-        return self._deepspeed_save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest, **kwargs)
+        # DeepSpeed asks only the expert-DP writers for the optimizer state: a sharded
+        # optimizer has to gather it on every rank first.
+        gathered = getattr(self.engine.optimizer, "gathered_state_dict", None)
+        with gathered() if gathered is not None else contextlib.nullcontext():
+            return self._deepspeed_save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                        **kwargs)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         path, client_state = self._deepspeed_load(load_dir, tag=tag, **kwargs)

@@ -39,6 +39,7 @@ move between the distributed and the non-distributed optimizer.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -371,6 +372,19 @@ class DistributedOptimizer(MegatronOptimizer):
             out[param].update(merged_scalars.get(flat_index[param], {}))
         return out
 
+    @contextlib.contextmanager
+    def gathered_state_dict(self):
+        """Gather on every rank now; ``state_dict()`` inside the block returns that, with no collective.
+
+        DeepSpeed's MoE checkpoint path asks only the expert-data-parallel writer
+        ranks for ``state_dict()``; a collective there would wait for ranks that never come.
+        """
+        self._gathered_state = self.state_dict()
+        try:
+            yield self._gathered_state
+        finally:
+            self._gathered_state = None
+
     def state_dict(self) -> Dict[str, Any]:
         """The non-distributed optimizers' format, gathered from every DP rank (a collective: call on all ranks).
 
@@ -379,6 +393,8 @@ class DistributedOptimizer(MegatronOptimizer):
         with ``i`` a param's position in the original param groups; nothing in it
         depends on the DP size.
         """
+        if getattr(self, "_gathered_state", None) is not None:
+            return self._gathered_state
         self.finish_param_sync()
         flat_index, shards = self._flat_index(), self._shard_of()
         gathered: Dict[torch.nn.Parameter, Dict[str, Any]] = {}
