@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from .config import ConfigError
 

@@ -22,7 +22,7 @@ or by ``is_expert=True``.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 

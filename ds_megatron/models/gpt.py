@@ -22,30 +22,10 @@ import torch.nn.functional as F
 from ..config import ConfigError
 from ..tensor_parallel import (RNGStatesTracker, VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
                                gather_from_sequence_parallel_region, init_method_normal, mark_sequence_parallel,
-                               pad_vocab_size, scaled_init_method_normal, scatter_to_sequence_parallel_region,
-                               vocab_parallel_cross_entropy)
+                               pad_vocab_size, register_sequence_parallel_grad_hooks, scaled_init_method_normal,
+                               scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 from ..transformer import ParallelTransformerLayer
 from .gpt_config import GPTConfig
-
-
-def _register_sequence_parallel_grad_sum(module: torch.nn.Module, tp_group) -> None:
-    """Sum over TP, inside backward, the gradients of params that saw only this rank's sequence slice.
-
-    A tensor hook reduces each micro-batch's gradient before it is accumulated
-    into ``.grad``, so gradient accumulation and any loop (DeepSpeed's or a
-    plain one) see the full gradient.  Every TP rank runs the same backward
-    graph, so the hooks' all-reduces are issued in the same order.
-    """
-    import torch.distributed as dist
-
-    def hook(grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=tp_group)
-        return grad
-
-    for p in module.parameters():
-        if getattr(p, "sequence_parallel", False):
-            p.register_hook(hook)
 
 
 class _NoTensorParallel:
@@ -102,7 +82,8 @@ class GPTModel(torch.nn.Module):
         if config.sequence_parallel:
             mark_sequence_parallel(self.final_layernorm)
             if tp.size > 1:  # group None would mean the whole world to torch.distributed
-                _register_sequence_parallel_grad_sum(self, tp.group)
+                # Summed inside backward, so DeepSpeed's loop (or any other) sees full gradients.
+                register_sequence_parallel_grad_hooks(self, tp.group)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.size(1)

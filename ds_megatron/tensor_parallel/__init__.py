@@ -20,7 +20,7 @@ from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequenc
                        gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                        scatter_to_tensor_model_parallel_region)
-from .params import (allreduce_sequence_parallel_grads, mark_sequence_parallel,
+from .params import (allreduce_sequence_parallel_grads, mark_sequence_parallel, register_sequence_parallel_grad_hooks,
                      param_is_not_tensor_parallel_duplicate,
                      set_defaults_if_not_set_tensor_model_parallel_attributes,
                      set_tensor_model_parallel_attributes)
@@ -37,7 +37,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "RNGStatesTracker", "get_rng_tracker", "get_cuda_rng_tracker", "model_parallel_seed",
     "init_method_normal", "scaled_init_method_normal", "initialize_affine_weight_cpu",
-    "allreduce_sequence_parallel_grads", "mark_sequence_parallel", "param_is_not_tensor_parallel_duplicate",
+    "allreduce_sequence_parallel_grads", "register_sequence_parallel_grad_hooks", "mark_sequence_parallel", "param_is_not_tensor_parallel_duplicate",
     "set_tensor_model_parallel_attributes", "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "divide", "pad_vocab_size", "vocab_range_from_global_vocab_size", "vocab_range_from_per_partition_vocab_size",
 ]

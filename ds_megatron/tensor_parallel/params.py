@@ -9,7 +9,9 @@ Attributes (Megatron's names), set on every parameter of the TP layers:
 * ``sequence_parallel``: True for a replicated parameter that, under sequence
   parallelism, only sees this rank's slice of the sequence (LayerNorm weights,
   RowParallelLinear's bias): its gradient is a partial sum and must be summed
-  over the TP group after backward, see ``allreduce_sequence_parallel_grads``.
+  over the TP group: inside backward with ``register_sequence_parallel_grad_hooks``
+  (what GPTModel does, so any training loop sees full gradients), or after
+  backward with ``allreduce_sequence_parallel_grads`` (Megatron's explicit call).
 
 Gradient-norm and zero counting use ``param_is_not_tensor_parallel_duplicate``
 so replicated parameters are counted once per TP group.
@@ -84,3 +86,27 @@ def allreduce_sequence_parallel_grads(module: torch.nn.Module, tp_group: Optiona
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
     return len(grads)
+
+
+def register_sequence_parallel_grad_hooks(module: torch.nn.Module, tp_group: dist.ProcessGroup) -> int:
+    """Sum over ``tp_group``, inside backward, the gradients of params marked ``sequence_parallel``.
+
+    A tensor hook reduces each micro-batch's gradient before it is accumulated
+    into ``.grad`` (or a grad buffer's ``main_grad``), so gradient accumulation
+    and any loop see the full gradient.  Every TP rank runs the same backward
+    graph, so the hooks' all-reduces are issued in the same order.  Returns the
+    number of params hooked.
+    """
+    if tp_group is None:
+        raise ValueError("tp_group is None, which torch.distributed reads as the whole world; "
+                         "pass the tensor-parallel group (hooks are only needed when TP > 1)")
+
+    def hook(grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=tp_group)
+        return grad
+
+    params = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    for p in params:
+        p.register_hook(hook)
+    return len(params)

@@ -6,7 +6,7 @@ config fails before anything heavy is imported.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 from ..config import SECTION, ConfigError, MegatronConfig, parse_section
 
@@ -84,7 +84,3 @@ def parse_job_config(config) -> JobConfig:
         raise ConfigError("train_batch_size is set; ds-megatron train derives it from "
                           "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size: remove it")
     return JobConfig(ds_config, mcfg, model, train, data)
-
-
-def split_weights(split: str) -> Tuple[float, ...]:
-    return tuple(float(x) for x in split.split(","))

@@ -13,7 +13,6 @@ tensor store) against eager, for comparison with the seed's memory table.
 Needs a CUDA device; on a CPU-only machine it says so and exits with status 2.
 """
 import argparse
-import copy
 import os
 import statistics
 import sys

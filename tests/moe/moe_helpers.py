@@ -1,5 +1,4 @@
 """Shared pieces of the MoE tests: a small config and gradients in one layout whatever the experts class."""
-import torch
 
 from ds_megatron.models import GPTConfig
 

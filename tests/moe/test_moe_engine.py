@@ -4,7 +4,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness import run_on_ranks
 from moe_helpers import MOE, expert_grads, moe_config
@@ -13,8 +12,6 @@ import ds_megatron
 from ds_megatron.engine import validate_config
 from ds_megatron.config import ConfigError
 from ds_megatron.models import GPTModel
-from ds_megatron.parallel.layout import ParallelLayout
-from ds_megatron.parallel.state import ParallelState
 
 KW = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
 

@@ -3,7 +3,6 @@ import os
 import re
 
 import deepspeed
-import torch
 import torch.distributed as dist
 
 from harness import run_on_ranks

@@ -2,7 +2,6 @@
 gradients against values each rank computes locally for every rank."""
 import pytest
 import torch
-import torch.distributed as dist
 
 from harness import run_on_ranks
 from tp_helpers import close, tp_group
