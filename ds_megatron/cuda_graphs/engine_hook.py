@@ -23,6 +23,7 @@ import logging
 from typing import Any, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ..config import ConfigError, CudaGraphConfig
 from .backends import Capturer, default_capturer
@@ -89,8 +90,9 @@ def attach_cuda_graphs(engine, config: CudaGraphConfig, capturer: Optional[Captu
             if config.required:
                 raise ConfigError(f"megatron.cuda_graph.required is true but CUDA graphs cannot run here: {why}; "
                                   "run on a CUDA machine or set required to false")
-            logger.warning("CUDA graphs are off: megatron.cuda_graph.impl=%r needs CUDA but %s; training runs "
-                           "eagerly", config.impl, why)
+            if not dist.is_initialized() or dist.get_rank() == 0:  # one line for the job, not one per rank
+                logger.warning("CUDA graphs are off: megatron.cuda_graph.impl=%r needs CUDA but %s; training runs "
+                               "eagerly", config.impl, why)
             return None
         logger.info("CUDA graphs: %s", why)
     layers = list(engine.module.modules())

@@ -152,6 +152,7 @@ def _initialize_with_graphs():
 
 
 def test_initialize_registers_the_hook_and_says_graphs_are_off_once():
-    (hook, lines, loss), = run_on_ranks(1, _initialize_with_graphs)
+    (hook, lines, loss), (_, other_rank_lines, _) = run_on_ranks(2, _initialize_with_graphs)
     assert hook is None and loss == loss
     assert len(lines) == 1 and lines[0].startswith("CUDA graphs are off"), lines
+    assert other_rank_lines == [], "the line is for the job: rank 0 only"
