@@ -295,8 +295,12 @@ def load_ds_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Dict[str,
 def split_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Tuple[Dict[str, Any], MegatronConfig]:
     """(the DeepSpeed config without our section, our parsed section)."""
     ds_config = load_ds_config(config)
-    section = ds_config.pop(SECTION, {})
-    mcfg = parse_section(MegatronConfig, section, SECTION)
+    if SECTION in ds_config:
+        mcfg = parse_section(MegatronConfig, ds_config.pop(SECTION), SECTION)
+    else:
+        # No section: an existing DeepSpeed config, run exactly as deepspeed.initialize would
+        # (DeepSpeed's own precision, clipping and optimizer); the section opts in to ours.
+        mcfg = MegatronConfig(optimizer_impl="deepspeed")
     # Precision/ZeRO combinations are checked here too, so a bad one fails before anything starts.
     from .optimizer.precision_config import precision_of
     precision_of(ds_config, mcfg)

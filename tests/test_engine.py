@@ -110,17 +110,23 @@ def test_checkpoint_files_are_named_by_our_model_parallel_rank(tmp_path):
 
 
 def _plain_initialize_without_section():
-    model = TinyTPModel(0)
-    cfg = _ds_config(1)
-    del cfg["megatron"]
-    engine, _, _, _ = ds_megatron.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    out = (engine.dp_world_size, engine.mp_world_size)
-    engine.megatron.state.destroy()
+    from ds_megatron.optimizer import MegatronOptimizer
+    out = []
+    for section in (None, {}):
+        model = TinyTPModel(0)
+        cfg = _ds_config(1)
+        del cfg["megatron"]
+        if section is not None:
+            cfg["megatron"] = section
+        engine, opt, _, _ = ds_megatron.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        out.append((engine.dp_world_size, engine.mp_world_size, isinstance(opt, MegatronOptimizer)))
+        engine.megatron.state.destroy()
     return out
 
 
-def test_without_megatron_section_all_ranks_are_data_parallel():
-    assert run_on_ranks(4, _plain_initialize_without_section) == [(4, 1)] * 4
+def test_without_megatron_section_it_is_plain_deepspeed():
+    # No section: DeepSpeed's own optimizer path, all ranks data parallel; an (empty) section opts in to ours.
+    assert run_on_ranks(4, _plain_initialize_without_section) == [[(4, 1, False), (4, 1, True)]] * 4
 
 
 def test_bad_config_is_refused_before_any_group():
