@@ -109,6 +109,10 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     if layout.pp != 1 or layout.cp != 1:
         raise ConfigError("ds-megatron plan covers tensor/data parallel GPT jobs; set "
                           "pipeline_model_parallel_size and context_parallel_size to 1")
+    if getattr(cfg, "num_experts", None):
+        # Better no figures than figures that silently leave the experts out.
+        raise ConfigError(f"model.num_experts={cfg.num_experts}: ds-megatron plan does not count MoE experts yet; "
+                          "plan the dense model (drop num_experts) and add the experts' share by hand")
     counts = gpt_param_counts(cfg, layout.tp)
     n = counts.total
     low = BYTES[params_dtype]

@@ -1,5 +1,6 @@
 """``ds-megatron plan`` figures against the tensors a built GPTModel and our optimizer allocate per rank."""
 import json
+import os
 import subprocess
 import sys
 
@@ -77,3 +78,14 @@ def test_cli_prints_each_role_and_fails_in_one_line(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "ds-megatron plan: error: fp16.enabled and bf16.enabled are both true; enable at most one of them"]
+
+
+def test_moe_models_are_refused_rather_than_planned_without_their_experts():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-m", "ds_megatron.cli", "plan", "--config",
+                          os.path.join(root, "ds_configs", "moe_ep4_tp2.json"), "--world-size", "4"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "ds-megatron plan: error: model.num_experts=4: ds-megatron plan does not count MoE experts yet; "
+        "plan the dense model (drop num_experts) and add the experts' share by hand"]
