@@ -16,7 +16,12 @@ Activations are an estimate per micro-batch: Korthikanti et al. 2022
 ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes with 16-bit activations, or
 ``s*b*h*(34/t + 5*a*s/(h*t))`` with sequence parallelism, doubled for fp32,
 plus the vocab-parallel logits (model dtype) and their fp32 copy in the cross
-entropy, ``s*b*V/t*(dtype + 4)``.
+entropy, ``s*b*V/t*(dtype + 4)``.  MoE layers are counted there like a dense
+MLP of ``ffn_hidden_size`` (the routed tokens' activations depend on routing).
+
+MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
+split over ETP (no biases), plus a replicated router and, if configured, a
+TP-split shared-expert MLP.
 """
 from __future__ import annotations
 
@@ -33,14 +38,16 @@ BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameters one TP rank holds: its shards of the split weights, and its copy of the replicated ones."""
+    """Parameters one rank holds: its shards of the TP-split weights, its copy of the replicated ones,
+    and its local experts (``num_experts / EP`` of them, each split over ETP)."""
 
     sharded: int
     replicated: int
+    expert: int = 0
 
     @property
     def total(self) -> int:
-        return self.sharded + self.replicated
+        return self.sharded + self.replicated + self.expert
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -48,15 +55,31 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def gpt_param_counts(cfg, tp: int) -> ParamCounts:
-    """``GPTModel``'s parameters on one TP rank (every TP rank holds the same number)."""
-    h, f, L = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
+def _mlp_counts(h: int, ffn: int, tp: int) -> ParamCounts:
+    """A ``ParallelMLP``: column h->ffn (weight + bias split), row ffn->h (weight split, bias replicated)."""
+    return ParamCounts(sharded=(ffn // tp) * (h + 1) + h * (ffn // tp), replicated=h)
+
+
+def gpt_param_counts(cfg, tp: int, ep: int = 1, etp: int = 1) -> ParamCounts:
+    """``GPTModel``'s parameters on one rank (every rank holds the same number)."""
+    h, L = cfg.hidden_size, cfg.num_layers
     vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
-    per_layer_sharded = (3 * h // tp) * (h + 1) + h * (h // tp) + (f // tp) * (h + 1) + h * (f // tp)
-    per_layer_replicated = 2 * h + h + 2 * h + h  # two LayerNorms, the two RowParallel biases
-    sharded = (vocab // tp) * h + L * per_layer_sharded
-    replicated = cfg.seq_length * h + L * per_layer_replicated + 2 * h
-    return ParamCounts(sharded, replicated)
+    sharded = (vocab // tp) * h
+    replicated = cfg.seq_length * h + 2 * h  # learned positions, final LayerNorm
+    expert = 0
+    for layer in range(L):
+        sharded += (3 * h // tp) * (h + 1) + h * (h // tp)  # QKV (weight + bias), output projection
+        replicated += 2 * h + h + 2 * h  # two LayerNorms, the output projection's bias
+        if cfg.is_moe_layer(layer):
+            replicated += cfg.num_experts * h  # router
+            expert += (cfg.num_experts // ep) * 2 * h * (cfg.moe_ffn_hidden_size // etp)  # bias-free fc1, fc2
+            if cfg.moe_shared_expert_ffn_hidden_size:
+                shared = _mlp_counts(h, cfg.moe_shared_expert_ffn_hidden_size, tp)
+                sharded, replicated = sharded + shared.sharded, replicated + shared.replicated
+        else:
+            mlp = _mlp_counts(h, cfg.ffn_hidden_size, tp)
+            sharded, replicated = sharded + mlp.sharded, replicated + mlp.replicated
+    return ParamCounts(sharded, replicated, expert)
 
 
 def optimizer_state_bytes_per_param(optimizer_type: str, momentum: float = 0.0) -> int:
@@ -90,6 +113,7 @@ class RankMemory:
     params: int
     params_sharded: int
     params_replicated: int
+    params_expert: int
     model_param_bytes: int
     grad_bytes: int
     main_param_bytes: int
@@ -109,11 +133,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     if layout.pp != 1 or layout.cp != 1:
         raise ConfigError("ds-megatron plan covers tensor/data parallel GPT jobs; set "
                           "pipeline_model_parallel_size and context_parallel_size to 1")
-    if getattr(cfg, "num_experts", None):
-        # Better no figures than figures that silently leave the experts out.
-        raise ConfigError(f"model.num_experts={cfg.num_experts}: ds-megatron plan does not count MoE experts yet; "
-                          "plan the dense model (drop num_experts) and add the experts' share by hand")
-    counts = gpt_param_counts(cfg, layout.tp)
+    counts = gpt_param_counts(cfg, layout.tp, layout.ep, layout.etp)
     n = counts.total
     low = BYTES[params_dtype]
     mixed = params_dtype != "fp32"
@@ -122,7 +142,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         ranks = sorted(g[tp_rank] for g in layout.group_ranks()["tp"])
         plans.append(RankMemory(
             role=f"tp rank {tp_rank}", ranks=ranks, params=n, params_sharded=counts.sharded,
-            params_replicated=counts.replicated, model_param_bytes=n * low, grad_bytes=n * low,
+            params_replicated=counts.replicated, params_expert=counts.expert, model_param_bytes=n * low, grad_bytes=n * low,
             main_param_bytes=4 * n if mixed else 0, main_grad_bytes=4 * n if mixed else 0,
             optimizer_state_bytes=n * optimizer_state_bytes_per_param(optimizer_type, momentum),
             activation_bytes=activation_bytes(cfg, layout.tp, micro_batch, params_dtype)))
@@ -164,7 +184,8 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
     momentum = section.get("params", {}).get("momentum", 0.0)
     mb = micro_batch or job.ds_config.get("train_micro_batch_size_per_gpu", 1)
     plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb)
-    header = (f"world size {world_size}: tp={layout.tp} dp={layout.dp}; params {precision.params_dtype}, "
+    experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
+    header = (f"world size {world_size}: tp={layout.tp} dp={layout.dp}{experts}; params {precision.params_dtype}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}; micro-batch {mb}")
     return header, plans
 

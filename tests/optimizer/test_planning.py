@@ -80,12 +80,28 @@ def test_cli_prints_each_role_and_fails_in_one_line(tmp_path):
         "ds-megatron plan: error: fp16.enabled and bf16.enabled are both true; enable at most one of them"]
 
 
-def test_moe_models_are_refused_rather_than_planned_without_their_experts():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run([sys.executable, "-m", "ds_megatron.cli", "plan", "--config",
-                          os.path.join(root, "ds_configs", "moe_ep4_tp2.json"), "--world-size", "4"],
-                         capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2
-    assert run.stderr.strip().splitlines() == [
-        "ds-megatron plan: error: model.num_experts=4: ds-megatron plan does not count MoE experts yet; "
-        "plan the dense model (drop num_experts) and add the experts' share by hand"]
+def _measure_moe(layout_kwargs, model_kwargs):
+    megatron = {"tensor_model_parallel_size": layout_kwargs["tp"], "expert_model_parallel_size": layout_kwargs["ep"],
+                "expert_tensor_parallel_size": layout_kwargs["etp"]}
+    state = ds_megatron.initialize_model_parallel({"megatron": megatron})
+    model = GPTModel(GPTConfig(**MODEL, **model_kwargs), state)
+    out = (sum(p.numel() for p in model.parameters()), list(state.tp.ranks))
+    state.destroy()
+    return out
+
+
+def test_plan_counts_moe_experts_as_built_on_every_rank():
+    from ds_megatron.config import MegatronConfig
+    moe = dict(num_experts=4, moe_ffn_hidden_size=48, moe_layer_freq=2)
+    for layout_kwargs, model_kwargs in ((dict(tp=2, ep=4, etp=1), moe),  # folding
+                                        (dict(tp=1, ep=2, etp=1), dict(moe, moe_shared_expert_ffn_hidden_size=16,
+                                                                      moe_layer_freq=1))):
+        cfg = GPTConfig(**MODEL, **model_kwargs)
+        layout = MegatronConfig(tensor_model_parallel_size=layout_kwargs["tp"],
+                                expert_model_parallel_size=layout_kwargs["ep"],
+                                expert_tensor_parallel_size=layout_kwargs["etp"]).layout(4)
+        plans = plan_memory(cfg, layout, "fp32", "adamw")
+        assert plans[0].params_expert > 0
+        for rank, (numel, _) in enumerate(run_on_ranks(4, _measure_moe, layout_kwargs, model_kwargs)):
+            plan = next(p for p in plans if rank in p.ranks)
+            assert plan.params == numel, (layout_kwargs, rank)
