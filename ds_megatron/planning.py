@@ -128,13 +128,22 @@ class RankMemory:
 
 
 def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "adamw", momentum: float = 0.0,
-                micro_batch: int = 1) -> List[RankMemory]:
-    """One ``RankMemory`` per TP rank index (the ranks holding the same shards)."""
+                micro_batch: int = 1, distributed_optimizer: bool = False) -> List[RankMemory]:
+    """One ``RankMemory`` per TP rank index (the ranks holding the same shards).
+
+    ``distributed_optimizer``: fp32 main params, main grads and optimizer states
+    are this rank's shard, ``1/DP`` of the dense params and ``1/EDP`` of the
+    expert ones (the buffers' alignment padding, at most 63 elements per param
+    plus a bucket's ``lcm(DP, 128)``, is left out).
+    """
     if layout.pp != 1 or layout.cp != 1:
         raise ConfigError("ds-megatron plan covers tensor/data parallel GPT jobs; set "
                           "pipeline_model_parallel_size and context_parallel_size to 1")
     counts = gpt_param_counts(cfg, layout.tp, layout.ep, layout.etp)
     n = counts.total
+    # Parameters whose fp32 copies and optimizer state this rank keeps.
+    owned = (-(-(counts.sharded + counts.replicated) // layout.dp) + -(-counts.expert // layout.edp)
+             if distributed_optimizer else n)
     low = BYTES[params_dtype]
     mixed = params_dtype != "fp32"
     plans = []
@@ -142,9 +151,10 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         ranks = sorted(g[tp_rank] for g in layout.group_ranks()["tp"])
         plans.append(RankMemory(
             role=f"tp rank {tp_rank}", ranks=ranks, params=n, params_sharded=counts.sharded,
-            params_replicated=counts.replicated, params_expert=counts.expert, model_param_bytes=n * low, grad_bytes=n * low,
-            main_param_bytes=4 * n if mixed else 0, main_grad_bytes=4 * n if mixed else 0,
-            optimizer_state_bytes=n * optimizer_state_bytes_per_param(optimizer_type, momentum),
+            params_replicated=counts.replicated, params_expert=counts.expert, model_param_bytes=n * low,
+            grad_bytes=n * low, main_param_bytes=4 * owned if mixed else 0,
+            main_grad_bytes=4 * owned if mixed else 0,
+            optimizer_state_bytes=owned * optimizer_state_bytes_per_param(optimizer_type, momentum),
             activation_bytes=activation_bytes(cfg, layout.tp, micro_batch, params_dtype)))
     return plans
 
@@ -183,10 +193,12 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
         opt_type = "Adam"
     momentum = section.get("params", {}).get("momentum", 0.0)
     mb = micro_batch or job.ds_config.get("train_micro_batch_size_per_gpu", 1)
-    plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb)
+    distributed = job.megatron.use_distributed_optimizer
+    plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb, distributed)
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
     header = (f"world size {world_size}: tp={layout.tp} dp={layout.dp}{experts}; params {precision.params_dtype}, "
-              f"optimizer {opt_type} via {precision.optimizer_impl}; micro-batch {mb}")
+              f"optimizer {opt_type} via {precision.optimizer_impl}"
+              f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
     return header, plans
 
 

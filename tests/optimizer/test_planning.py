@@ -105,3 +105,36 @@ def test_plan_counts_moe_experts_as_built_on_every_rank():
         for rank, (numel, _) in enumerate(run_on_ranks(4, _measure_moe, layout_kwargs, model_kwargs)):
             plan = next(p for p in plans if rank in p.ranks)
             assert plan.params == numel, (layout_kwargs, rank)
+
+
+def _measure_distributed(model_kwargs):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "megatron": {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True}}
+    state = ds_megatron.initialize_model_parallel(cfg)
+    model = GPTModel(GPTConfig(**MODEL, **model_kwargs), state)
+    engine, optimizer, _, _ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
+    tokens = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}))
+    engine.step()
+    measured = optimizer.state_bytes()
+    num_tensors = len(list(model.parameters()))
+    engine.megatron.ddp.deepspeed_hooks.detach()
+    state.destroy()
+    return measured, num_tensors
+
+
+def test_plan_shards_main_params_and_states_with_the_distributed_optimizer():
+    from ds_megatron.config import MegatronConfig
+    cfg = GPTConfig(**MODEL)
+    layout = MegatronConfig(tensor_model_parallel_size=2).layout(4)
+    plan = plan_memory(cfg, layout, "bf16", "adamw", distributed_optimizer=True)[0]
+    full = plan_memory(cfg, layout, "bf16", "adamw")[0]
+    assert plan.main_param_bytes == 4 * -(-full.params // 2)
+    for measured, num_tensors in run_on_ranks(4, _measure_distributed, {}):
+        # The buffers align each param to 64 elements and a bucket to lcm(DP, 128); Adam keeps a
+        # 4-byte step per param piece.  Everything else is the 1/DP shard the plan counts.
+        slack = (64 * num_tensors + 128) * (4 + 8) + 4 * num_tensors
+        planned = plan.main_param_bytes + plan.optimizer_state_bytes
+        assert abs(measured["total"] - planned) <= slack, (measured, planned, slack)
+        assert measured["total"] < 0.75 * (full.main_param_bytes + full.optimizer_state_bytes)
