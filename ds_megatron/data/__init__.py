@@ -1,17 +1,26 @@
 """The data side of a training job: tokenizer, Megatron ``.bin``/``.idx`` datasets,
-preprocessing, the built-in stdlib corpus, GPT samples and per-DP-rank samplers."""
-from .corpus import DEFAULT_MAX_BYTES, build_default_dataset, default_cache_dir
-from .gpt_dataset import GPTDataset, build_train_valid_datasets
-from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
-from .preprocess import preprocess
-from .sampler import MegatronPretrainingRandomSampler, MegatronPretrainingSampler, build_data_loader
-from .tokenizer import ByteTokenizer, build_tokenizer
+preprocessing, the built-in stdlib corpus, GPT samples and per-DP-rank samplers.
 
-__all__ = [
-    "ByteTokenizer", "build_tokenizer",
-    "IndexedDataset", "IndexedDatasetBuilder", "best_dtype",
-    "preprocess",
-    "DEFAULT_MAX_BYTES", "build_default_dataset", "default_cache_dir",
-    "GPTDataset", "build_train_valid_datasets",
-    "MegatronPretrainingSampler", "MegatronPretrainingRandomSampler", "build_data_loader",
-]
+Names are imported on first use, so that config validation can read the pure
+modules (tokenizer names, dataset files) without importing torch.
+"""
+import importlib
+
+_EXPORTS = {
+    "ByteTokenizer": "tokenizer", "build_tokenizer": "tokenizer",
+    "IndexedDataset": "indexed_dataset", "IndexedDatasetBuilder": "indexed_dataset", "best_dtype": "indexed_dataset",
+    "preprocess": "preprocess",
+    "DEFAULT_MAX_BYTES": "corpus", "build_default_dataset": "corpus", "default_cache_dir": "corpus",
+    "GPTDataset": "gpt_dataset", "build_train_valid_datasets": "gpt_dataset",
+    "MegatronPretrainingSampler": "sampler", "MegatronPretrainingRandomSampler": "sampler",
+    "build_data_loader": "sampler",
+}
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = list(_EXPORTS)

@@ -53,6 +53,21 @@ class DataConfig:
     num_workers: int = 0
     dataloader_type: str = "single"
 
+    def __post_init__(self):
+        from ..data.indexed_dataset import dataset_exists
+        from ..data.tokenizer import TOKENIZERS
+        where = f"{SECTION}.data"
+        if self.data_path is not None and not dataset_exists(self.data_path):
+            raise ConfigError(f"{where}.data_path={self.data_path!r} has no {self.data_path}.bin / .idx; make them "
+                              "with `ds-megatron preprocess --input FILE --output-prefix PREFIX`, or drop data_path "
+                              "to train on the built-in corpus")
+        if self.tokenizer not in TOKENIZERS:
+            raise ConfigError(f"{where}.tokenizer={self.tokenizer!r} is unknown; use one of: {', '.join(TOKENIZERS)}")
+        if self.dataloader_type not in ("single", "cyclic"):
+            raise ConfigError(f"{where}.dataloader_type={self.dataloader_type!r} is unknown; use single or cyclic")
+        if self.num_workers < 0:
+            raise ConfigError(f"{where}.num_workers must be >= 0, got {self.num_workers}")
+
 
 @dataclass
 class JobConfig:

@@ -77,8 +77,14 @@ def test_bad_job_config_names_the_field(tmp_path):
         load_job(cfg, 4)
     cfg = _config(str(tmp_path), tp=2, mbs=2)
     cfg["megatron"]["data"]["data_path"] = str(tmp_path / "nothing")
-    job = load_job(cfg, 4)  # the path is checked when the data is opened, with its own clear error
-    assert job.data.data_path.endswith("nothing")
+    with pytest.raises(ConfigError, match=r"megatron.data.data_path=.*nothing.* has no .*\.bin / \.idx; make them "
+                                          r"with `ds-megatron preprocess"):
+        load_job(cfg, 4)
+    del cfg["megatron"]["data"]["data_path"]
+    cfg["megatron"]["data"]["tokenizer"] = "gpt2"
+    with pytest.raises(ConfigError, match="megatron.data.tokenizer='gpt2' is unknown; use one of: byte"):
+        load_job(cfg, 4)
+    del cfg["megatron"]["data"]["tokenizer"]
     with pytest.raises(ConfigError, match="megatron.model.sequence_parallel is set at megatron.sequence_parallel"):
         cfg["megatron"]["model"]["sequence_parallel"] = True
         load_job(cfg, 4)
