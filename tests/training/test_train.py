@@ -110,3 +110,19 @@ def test_bad_config_fails_with_one_line_before_torch_is_imported(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          env={**os.environ, "WORLD_SIZE": "4"}, timeout=60).stdout.split()
     assert out == ["2", "False", "False"]
+
+
+def test_preprocessed_jsonl_trains_through_the_job(tmp_path):
+    import sysconfig
+    from ds_megatron.data.preprocess import main as preprocess_main
+    # A small JSONL corpus of real text: a few stdlib modules, one document each.
+    stdlib = sysconfig.get_paths()["stdlib"]
+    with open(tmp_path / "corpus.jsonl", "w") as f:
+        for name in ("argparse.py", "json/decoder.py", "textwrap.py", "string.py", "shlex.py"):
+            with open(os.path.join(stdlib, name), encoding="utf-8") as src:
+                f.write(json.dumps({"text": src.read()}) + "\n")
+    assert preprocess_main(["--input", str(tmp_path / "corpus.jsonl"), "--output-prefix", str(tmp_path / "c")]) == 0
+    cfg = _config(str(tmp_path), tp=2, mbs=2, steps=4)
+    cfg["megatron"]["data"] = {"data_path": str(tmp_path / "c"), "split": "80,20"}
+    losses, val = run_on_ranks(4, _train, cfg)[0]
+    assert sorted(losses) == [1, 2, 3, 4] and 0 in val and 4 in val
