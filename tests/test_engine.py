@@ -138,3 +138,24 @@ def test_bad_config_is_refused_before_any_group():
         ds_megatron.validate_config({"megatron": {"expert_model_parallel_size": 3}}, world_size=4)
     with pytest.raises(ConfigError, match="unknown key megatron.tp"):
         ds_megatron.validate_config({"megatron": {"tp": 2}}, world_size=4)
+
+
+def _initialize_from_args(path):
+    import argparse
+    parser = ds_megatron.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", path])
+    model = TinyTPModel(0)
+    engine, _, _, _ = ds_megatron.initialize(args=args, model=model, model_parameters=model.parameters())
+    out = (engine.dp_world_size, engine.megatron.state.tp.size, args.deepspeed_config == path)
+    engine.megatron.state.destroy()
+    return out
+
+
+def test_args_with_deepspeed_config_path_work_like_deepspeed(tmp_path):
+    import json
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_ds_config(2)))
+    # The caller's args are not modified (DeepSpeed refuses a config given twice, so we pass a copy).
+    assert run_on_ranks(4, _initialize_from_args, str(path)) == [(2, 2, True)] * 4
+    with pytest.raises(ConfigError, match="given more than once"):
+        ds_megatron.initialize(args=type("A", (), {"deepspeed_config": str(path)})(), config=_ds_config(2))
