@@ -79,6 +79,9 @@ class GPTModel(torch.nn.Module):
                                      parallel_state=parallel_state, aux_loss_tracker=self.moe_aux_loss_tracker)
             for i in range(config.num_layers))
         self.final_layernorm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        if config.recompute_granularity and rng_tracker is not None:
+            from deepspeed.runtime.activation_checkpointing import checkpointing
+            checkpointing._CUDA_RNG_STATE_TRACKER = rng_tracker
         if config.sequence_parallel:
             mark_sequence_parallel(self.final_layernorm)
             if tp.size > 1:  # group None would mean the whole world to torch.distributed
@@ -108,8 +111,13 @@ class GPTModel(torch.nn.Module):
             batch = tokens
             tokens, labels, loss_mask = batch["tokens"], batch.get("labels"), batch.get("loss_mask")
         hidden = self._embed(tokens)
+        recompute = self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled()
+        if recompute:
+            from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint as deepspeed_checkpoint
         for layer in self.layers:
-            hidden = layer(hidden)
+            # Recomputed in backward by DeepSpeed's activation checkpointing, which replays the
+            # dropout streams of the tracker installed below (and by ds_megatron.initialize).
+            hidden = deepspeed_checkpoint(layer, hidden) if recompute else layer(hidden)
         hidden = self.final_layernorm(hidden)
         if self.config.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, self.tp_group, tensor_parallel_output_grad=True)

@@ -22,6 +22,9 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     sequence_parallel: bool = False
     label_smoothing: float = 0.0
+    # Megatron's activation recomputation: None, or "full" (every layer's activations are
+    # recomputed in backward, through DeepSpeed's activation checkpointing).
+    recompute_granularity: Optional[str] = None
     # MoE (ds_megatron/moe; Megatron-LM's argument names)
     num_experts: Optional[int] = None  # None: a dense model
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
@@ -55,6 +58,13 @@ class GPTConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.recompute_granularity not in (None, "full"):
+            raise ConfigError(f"model.recompute_granularity={self.recompute_granularity!r} is not supported; "
+                              "use \"full\" or null")
+        if self.recompute_granularity and self.num_experts:
+            # The MoE layer keeps its routing losses from the forward; a recomputed forward would replace them.
+            raise ConfigError("model.recompute_granularity is set together with model.num_experts; activation "
+                              "recomputation is not supported for MoE models yet: set it to null")
 
     # MoE
     def _check_moe(self) -> None:

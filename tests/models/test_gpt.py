@@ -90,3 +90,33 @@ def test_padding_logits_never_win():
     # The padded rows are zero, so their logits are exactly 0; the loss path masks them out.
     assert torch.all(logits[..., 300:] == 0)
     assert torch.all(probs[..., 300:] == 0)
+
+
+def _recompute_vs_plain(tp):
+    from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp))
+    cfg = dict(CFG, hidden_dropout=0.2, attention_dropout=0.2)
+    results = []
+    for recompute in (None, "full"):
+        tracker = model_parallel_seed(77, state.tp.rank, tracker=RNGStatesTracker())
+        model = GPTModel(GPTConfig(**cfg, recompute_granularity=recompute), state, rng_tracker=tracker).double()
+        tokens, labels, mask = _batch()
+        loss = model(tokens, labels, mask)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain_loss, plain), (re_loss, re) = results
+    state.destroy()
+    # Dropout on, inside and outside TP regions: the recomputed forward must replay the same masks.
+    assert torch.equal(plain_loss, re_loss)
+    for name in plain:
+        assert torch.allclose(plain[name], re[name], rtol=1e-10, atol=1e-12), name
+    return float(plain_loss)
+
+
+def test_full_activation_recomputation_gives_the_same_loss_and_gradients_with_dropout():
+    run_on_ranks(4, _recompute_vs_plain, 2)
+
+
+def test_recompute_granularity_is_checked():
+    with pytest.raises(ConfigError, match="model.recompute_granularity='selective' is not supported"):
+        GPTConfig(**CFG, recompute_granularity="selective")
