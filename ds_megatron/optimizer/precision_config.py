@@ -154,4 +154,16 @@ def precision_of(ds_config: Dict[str, Any], megatron_config: Optional[Any] = Non
         raise ConfigError(f"{SECTION}.use_distributed_optimizer is true with {SECTION}.optimizer_impl="
                           f"{megatron_config.optimizer_impl!r}; only ds_megatron's optimizer path reads the sharded "
                           f"grads: set optimizer_impl to \"megatron\", or use DeepSpeed's ZeRO stage 1 instead")
-    return resolve_precision(ds_config, megatron_config.optimizer_impl, megatron_config.log_num_zeros_in_grad)
+    precision = resolve_precision(ds_config, megatron_config.optimizer_impl, megatron_config.log_num_zeros_in_grad)
+    if getattr(megatron_config, "ddp_enabled", False):
+        # Checked here, before any group exists, rather than on the built engine.
+        stage = _section(ds_config, "zero_optimization").get("stage", 0)
+        if stage:
+            raise ConfigError(f"{SECTION}.use_megatron_ddp is on but zero_optimization.stage is {stage}; ZeRO reduces "
+                              "and partitions gradients itself: set the stage to 0 (use "
+                              f"{SECTION}.use_distributed_optimizer to shard optimizer state) or turn use_megatron_ddp off")
+        if not precision.owns_optimizer and precision.params_dtype != "fp32":
+            raise ConfigError(f"{SECTION}.use_megatron_ddp is on together with DeepSpeed's own {precision.params_dtype} "
+                              "optimizer (optimizer_impl \"deepspeed\"), which keeps separate gradient copies; use "
+                              f"{SECTION}.optimizer_impl \"megatron\" (it reads param.main_grad) or turn use_megatron_ddp off")
+    return precision

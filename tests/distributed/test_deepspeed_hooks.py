@@ -130,3 +130,12 @@ def test_ddp_keys_are_validated_before_anything_starts():
     assert mcfg.ddp_enabled and mcfg.ddp_config().grad_reduce_in_fp32
     _, plain = ds_megatron.validate_config({"megatron": {}}, world_size=2)
     assert not plain.ddp_enabled
+    # Engine settings that would also own the gradients are refused from the config alone, before any group.
+    with pytest.raises(ConfigError, match="megatron.use_megatron_ddp is on but zero_optimization.stage is 1"):
+        ds_megatron.validate_config({"zero_optimization": {"stage": 1},
+                                     "megatron": {"use_megatron_ddp": True, "optimizer_impl": "deepspeed"}},
+                                    world_size=2)
+    with pytest.raises(ConfigError, match="together with DeepSpeed's own bf16 optimizer"):
+        ds_megatron.validate_config({"bf16": {"enabled": True},
+                                     "megatron": {"overlap_grad_reduce": True, "optimizer_impl": "deepspeed"}},
+                                    world_size=2)
