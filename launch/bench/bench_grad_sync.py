@@ -34,7 +34,8 @@ sys.path.insert(0, ROOT)
 from ds_megatron.utils.local_job import run_local_job  # noqa: E402
 
 
-def _model(layers: int, hidden: int):
+def mlp_stack(layers: int, hidden: int):
+    """The benchmarks' model: ``layers`` x (Linear(hidden, hidden), Tanh), seeded."""
     import torch
     torch.manual_seed(0)
     return torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(hidden, hidden), torch.nn.Tanh())])
@@ -70,7 +71,7 @@ def _measure(args):
         return out.tolist()
 
     row = {}
-    model = _model(args.layers, args.hidden)
+    model = mlp_stack(args.layers, args.hidden)
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
 
@@ -104,7 +105,7 @@ def _measure(args):
         return t2 - t1, t2 - t0
     row["naive per-param"] = timed(naive)
 
-    engine, _, _, _ = deepspeed.initialize(model=_model(args.layers, args.hidden), config={
+    engine, _, _, _ = deepspeed.initialize(model=mlp_stack(args.layers, args.hidden), config={
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "gradient_clipping": 0.0,
         "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 0}})
@@ -127,7 +128,7 @@ def _measure(args):
 
     state = ParallelState.build(ParallelLayout(world_size=world))
     for overlap in (False, True):
-        m = _model(args.layers, args.hidden)
+        m = mlp_stack(args.layers, args.hidden)
         ddp = DistributedDataParallel(m, DistributedDataParallelConfig(
             overlap_grad_reduce=overlap, bucket_size=args.bucket_size), state)
 

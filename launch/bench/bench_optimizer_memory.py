@@ -30,11 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 from ds_megatron.utils.local_job import run_local_job  # noqa: E402
 
-
-def _model(layers: int, hidden: int):
-    import torch
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(hidden, hidden), torch.nn.Tanh())])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_grad_sync import mlp_stack  # noqa: E402  (the same model as the grad-sync benchmark)
 
 
 def _measure(args):
@@ -52,7 +49,7 @@ def _measure(args):
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "gradient_clipping": 1.0,
                "steps_per_print": 10 ** 9, "megatron": megatron, **precision}
         state = ds_megatron.initialize_model_parallel(cfg)
-        model = _model(args.layers, args.hidden)
+        model = mlp_stack(args.layers, args.hidden)
         numel = sum(p.numel() for p in model.parameters())
         engine, optimizer, _, _ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
         loss = engine(x.to(next(model.parameters()).dtype)).float().pow(2).mean()
