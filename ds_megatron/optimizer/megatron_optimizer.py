@@ -136,8 +136,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         if self.expert_model_parallel_group is not None and any(is_expert_param(p) for p in params):
             return get_grad_norm_with_experts(params, self.tp_rank, self.model_parallel_group,
                                               self.expert_model_parallel_group)
-        grads = grads_for_norm(self.get_parameters(), self.tp_rank)
-        return get_grad_norm_fp32(grads, self.model_parallel_group)
+        return get_grad_norm_fp32(grads_for_norm(params, self.tp_rank), self.model_parallel_group)
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """The true global norm of the main grads; clips them to ``clip_grad`` when that is > 0."""
