@@ -114,11 +114,12 @@ class MegatronPretrainingRandomSampler:
 
 def build_data_loader(dataset, micro_batch_size: int, dp_rank: int, dp_size: int, consumed_samples: int = 0,
                       num_workers: int = 0, dataloader_type: str = "single", seed: int = 1234,
-                      drop_last: bool = True) -> torch.utils.data.DataLoader:
+                      drop_last: bool = True, pin_memory: bool = False) -> torch.utils.data.DataLoader:
     """A DataLoader over ``dataset`` that yields this DP rank's micro-batches.
 
     ``dataloader_type`` is Megatron's ``--dataloader-type``: ``"single"``
     (sequential) or ``"cyclic"`` (``MegatronPretrainingRandomSampler``).
+    ``pin_memory``: batches in page-locked memory, so a GPU job copies them asynchronously.
     """
     if dataloader_type == "single":
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
@@ -133,4 +134,4 @@ def build_data_loader(dataset, micro_batch_size: int, dp_rank: int, dp_size: int
     # builds its iterator at a different point) would not replay the same masks.
     generator = torch.Generator().manual_seed(seed)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       persistent_workers=num_workers > 0, generator=generator)
+                                       persistent_workers=num_workers > 0, generator=generator, pin_memory=pin_memory)

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..config import ConfigError, world_size_from_env
 from .config import JobConfig, parse_job_config
@@ -64,6 +64,51 @@ class TrainResult:
     start_step: int = 0
 
 
+def batch_to_device(batch: Dict[str, Any], device) -> Dict[str, Any]:
+    """Every tensor of a loader batch on the engine's device (``non_blocking`` from pinned memory)."""
+    import torch
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class _PendingSteps:
+    """Per-step values kept on the device and brought to the host once per log interval.
+
+    Every ``add`` stores this step's loss (and the MoE routing losses) as device
+    tensors; ``flush`` stacks all pending values, averages them over the
+    data-parallel group with one all-reduce and reads them with one ``tolist()``:
+    one host sync per log interval instead of several per step.
+    """
+
+    def __init__(self, group, size: int):
+        self.group, self.size = group, size
+        self.steps: List[int] = []
+        self.values: List[Any] = []  # one 1-D device tensor per step: [loss, *moe losses]
+        self.names: List[str] = []
+
+    def add(self, step: int, loss, moe_losses: Dict[str, Any]) -> None:
+        import torch
+        names = list(moe_losses)
+        if self.steps and names != self.names:
+            raise RuntimeError(f"step {step} reports MoE losses {names} but earlier steps {self.names}")
+        self.names = names
+        self.steps.append(step)
+        self.values.append(torch.stack([loss.double(), *(v.double() for v in moe_losses.values())]))
+
+    def flush(self) -> List[Tuple[int, float, Dict[str, float]]]:
+        """[(step, loss, {moe loss name: value})] averaged over data parallel; one all-reduce, one sync."""
+        import torch
+        import torch.distributed as dist
+        if not self.steps:
+            return []
+        stacked = torch.stack(self.values)
+        if self.size > 1:
+            dist.all_reduce(stacked, group=self.group)
+        rows = (stacked / self.size).tolist()
+        out = [(step, row[0], dict(zip(self.names, row[1:]))) for step, row in zip(self.steps, rows)]
+        self.steps, self.values = [], []
+        return out
+
+
 def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optional[int] = None,
           show_progress: bool = True) -> TrainResult:
     """Run the job on an already launched set of ranks; returns the losses it saw.
@@ -88,7 +133,7 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     state = ds_megatron.initialize_model_parallel(job.megatron)
     rank, dp = dist.get_rank(), state.dp
     tracker = model_parallel_seed(tcfg.seed, state.tp.rank, state.pp.rank, state.ep.rank, state.etp.rank,
-                                  tracker=RNGStatesTracker())
+                                  tracker=RNGStatesTracker(_accelerator_device_type()))
     model = GPTModel(job.model, state, rng_tracker=tracker)
 
     ds_config = job.ds_config
@@ -105,6 +150,9 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     engine, _, _, scheduler = ds_megatron.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config_source,
         model_parameters=_param_groups(model) if optimizer is None else None, parallel_state=state)
+    device = engine.device
+    # Pinned host memory lets the copy to the GPU run asynchronously (non_blocking).
+    pin_memory = torch.device(device).type == "cuda"
 
     start_step, consumed = 0, 0
     if resume:
@@ -118,23 +166,21 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
         prefix, job.model.seq_length, job.data.split, tcfg.seed, train_samples=tcfg.train_iters * global_batch,
         valid_samples=tcfg.eval_iters * mbs * dp.size)
     train_loader = build_data_loader(train_ds, mbs, dp.rank, dp.size, consumed, job.data.num_workers,
-                                     job.data.dataloader_type, tcfg.seed)
+                                     job.data.dataloader_type, tcfg.seed, pin_memory=pin_memory)
     train_iter = iter(train_loader)
-
-    def dp_mean(value: torch.Tensor) -> float:
-        value = value.detach().clone().double()
-        dist.all_reduce(value, group=dp.group)
-        return float(value) / dp.size
 
     def evaluate() -> float:
         engine.eval()
-        total, n = torch.zeros((), dtype=torch.float64), 0
+        total, n = torch.zeros((), dtype=torch.float64, device=device), 0
         with torch.no_grad():
-            for batch in build_data_loader(valid_ds, mbs, dp.rank, dp.size, 0):
-                total += engine(batch).double()
+            for batch in build_data_loader(valid_ds, mbs, dp.rank, dp.size, 0, pin_memory=pin_memory):
+                total += engine(batch_to_device(batch, device)).double()
                 n += 1
         engine.train()
-        return dp_mean(total / max(n, 1))
+        total /= max(n, 1)
+        if dp.size > 1:
+            dist.all_reduce(total, group=dp.group)
+        return float(total) / dp.size
 
     log = MetricsLog(os.path.join(out_dir, "metrics.jsonl")) if rank == 0 else None
     result = TrainResult(start_step=start_step)
@@ -149,7 +195,35 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     from ..optimizer import MegatronOptimizer
     own_grad_norm = not (isinstance(engine.optimizer, MegatronOptimizer) or engine.fp16_enabled()
                          or engine.bfloat16_enabled() or engine.zero_optimization())
+    pending = _PendingSteps(dp.group, dp.size)
+    records: Dict[int, Dict[str, Any]] = {}  # host-side fields of the steps not flushed yet
     last = start_step
+    interval_start, interval_steps = time.perf_counter(), 0
+
+    def flush() -> None:
+        """Bring the pending steps to the host: log, print and record them (the one sync per interval)."""
+        nonlocal interval_start, interval_steps
+        rows = pending.flush()
+        if not rows:
+            return
+        tok_s = tokens_per_step * interval_steps / (time.perf_counter() - interval_start)
+        interval_start, interval_steps = time.perf_counter(), 0
+        for step, loss_value, moe_losses in rows:
+            result.losses[step] = loss_value
+            record = {"step": step, "loss": loss_value, **records.pop(step), **moe_losses}
+            if step == rows[-1][0]:
+                record["tokens_per_s"] = tok_s
+            if log is not None:
+                log.write(record)
+        step, loss_value, moe_losses = rows[-1]
+        text = progress_text(step, loss_value, record["lr"], tok_s, record.get("grad_norm"), record.get("loss_scale"))
+        if bar is not None:
+            bar.update(step - bar.n)
+            bar.set_postfix_str(text)
+        elif rank == 0 and show_progress:
+            moe_text = "".join(f" | {k} {v:.4f}" for k, v in moe_losses.items())
+            print(f"step {step}/{tcfg.train_iters} | " + text + moe_text, flush=True)
+
     if valid_ds is not None and start_step == 0:
         val = evaluate()  # the starting point of the validation curve
         result.val_losses[0] = val
@@ -158,50 +232,45 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
         if rank == 0 and show_progress:
             print(f"step 0: validation loss {val:.4f}", flush=True)
     for step in range(start_step, tcfg.train_iters):
-        t0 = time.perf_counter()
-        step_loss = torch.zeros((), dtype=torch.float64)
+        is_log_step = (step + 1) % tcfg.log_interval == 0 or step == start_step
+        step_loss = torch.zeros((), dtype=torch.float64, device=device)
         gnorm = None
         for micro in range(gas):
-            loss = engine(next(train_iter))
+            loss = engine(batch_to_device(next(train_iter), device))
             engine.backward(loss)
-            if micro == gas - 1 and own_grad_norm:
+            if micro == gas - 1 and own_grad_norm and is_log_step:
                 # Grads are DP-reduced now and still unclipped: Megatron's true global norm.
                 gnorm = get_grad_norm_fp32(grads_for_norm(model.parameters(), state.tp.rank), state.mp.group)
             engine.step()
             step_loss += loss.detach().double() / gas
+            # Keep no reference to this micro-batch's autograd graph: it would hold the parameters'
+            # AccumulateGrad nodes alive into the next forward (a CUDA graph capture there needs them fresh).
+            del loss
         consumed += global_batch
-        loss_value = dp_mean(step_loss)
-        tok_s = tokens_per_step / (time.perf_counter() - t0)
-        lr = engine.get_lr()[0]
-        if gnorm is None and engine.get_global_grad_norm() is not None:
-            gnorm = float(engine.get_global_grad_norm())
-        loss_scale = getattr(engine.optimizer, "cur_scale", None)  # DeepSpeed's name; ours and its fp16 one
-        result.losses[step + 1] = loss_value
-        # MoE: this step's routing losses (included in the loss), logged on their own
+        interval_steps += 1
         moe_losses = {}
         if model.moe_aux_loss_tracker is not None:
-            moe_losses = {k: dp_mean(torch.tensor(v)) for k, v in model.moe_aux_loss_tracker.averages().items()}
+            moe_losses = model.moe_aux_loss_tracker.averages()  # device tensors, no sync
             model.moe_aux_loss_tracker.reset()
-        moe_text = "".join(f" | {k} {v:.4f}" for k, v in moe_losses.items())
-        if log is not None and (step + 1) % tcfg.log_interval == 0:
-            log.write({"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": gnorm, "tokens_per_s": tok_s,
-                       "consumed_samples": consumed, "loss_scale": loss_scale,
-                       "skipped_steps": engine.skipped_steps, **moe_losses})
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix_str(progress_text(step + 1, loss_value, lr, tok_s, gnorm, loss_scale))
-        elif rank == 0 and show_progress and ((step + 1) % 10 == 0 or step == start_step):
-            print(f"step {step + 1}/{tcfg.train_iters} | "
-                  + progress_text(step + 1, loss_value, lr, tok_s, gnorm, loss_scale) + moe_text, flush=True)
-        if valid_ds is not None and ((step + 1) % tcfg.eval_interval == 0 or step + 1 == tcfg.train_iters):
+        pending.add(step + 1, step_loss, moe_losses)
+        records[step + 1] = {"lr": engine.get_lr()[0], "consumed_samples": consumed}
+        done = step + 1 == tcfg.train_iters or step + 1 == stop_after
+        evaluating = valid_ds is not None and ((step + 1) % tcfg.eval_interval == 0 or step + 1 == tcfg.train_iters)
+        saving = (tcfg.save_interval and (step + 1) % tcfg.save_interval == 0) or done
+        if is_log_step or done or evaluating or saving:
+            if gnorm is None and engine.get_global_grad_norm() is not None:
+                gnorm = float(engine.get_global_grad_norm())
+            records[step + 1].update(grad_norm=gnorm, loss_scale=getattr(engine.optimizer, "cur_scale", None),
+                                     skipped_steps=engine.skipped_steps)
+            flush()
+        if evaluating:
             val = evaluate()
             result.val_losses[step + 1] = val
             if log is not None:
                 log.write({"step": step + 1, "val_loss": val})
             if rank == 0 and show_progress:
                 (bar.write if bar is not None else print)(f"step {step + 1}: validation loss {val:.4f}")
-        done = step + 1 == tcfg.train_iters or step + 1 == stop_after
-        if (tcfg.save_interval and (step + 1) % tcfg.save_interval == 0) or done:
+        if saving:
             save_checkpoint(engine, out_dir, step + 1, {"step": step + 1, "consumed_train_samples": consumed},
                             tracker)
         last = step + 1
@@ -219,6 +288,12 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
                   flush=True)
     engine.megatron.state.destroy()
     return result
+
+
+def _accelerator_device_type() -> str:
+    """"cuda" or "cpu": where DeepSpeed's accelerator runs the job (DS_ACCELERATOR=cpu pins the CPU on a GPU box)."""
+    from deepspeed.accelerator import get_accelerator
+    return "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -126,3 +126,72 @@ def test_preprocessed_jsonl_trains_through_the_job(tmp_path):
     cfg["megatron"]["data"] = {"data_path": str(tmp_path / "c"), "split": "80,20"}
     losses, val = run_on_ranks(4, _train, cfg)[0]
     assert sorted(losses) == [1, 2, 3, 4] and 0 in val and 4 in val
+
+
+def _train_with_batches_on_another_device(cfg):
+    """The job's loop with every loader batch on a device the engine is not on (torch's "lazy" device).
+
+    On a GPU the loader's batches are on the CPU and the model on cuda:0; on this CPU-only
+    machine the lazy device (which computes on the CPU) stands in for "not the engine's device".
+    The loop must move each batch to ``engine.device`` itself, in training and in evaluation.
+    """
+    import torch._lazy
+    import torch._lazy.ts_backend
+    import ds_megatron.data.sampler as sampler
+    torch._lazy.ts_backend.init()
+    real = sampler.build_data_loader
+
+    class OnLazyDevice:
+        def __init__(self, loader):
+            self.loader = loader
+
+        def __iter__(self):
+            for batch in self.loader:
+                yield {k: v.to("lazy") for k, v in batch.items()}
+
+    sampler.build_data_loader = lambda *a, **k: OnLazyDevice(real(*a, **k))
+    try:
+        return _train(cfg)
+    finally:
+        sampler.build_data_loader = real
+
+
+def test_batches_are_moved_to_the_engine_device(tmp_path):
+    pytest.importorskip("torch._lazy.ts_backend")
+    cfg = _config(str(tmp_path / "lazy"), tp=2, mbs=2, steps=3)
+    cfg["megatron"]["train"]["eval_interval"] = 3
+    losses, val = run_on_ranks(2, _train_with_batches_on_another_device, cfg)[0]
+    ref_losses, ref_val = run_on_ranks(2, _train, _config(str(tmp_path / "ref"), tp=2, mbs=2, steps=3))[0]
+    assert losses == ref_losses and val == ref_val
+
+
+def _count_loss_reads(cfg):
+    import ds_megatron.training.train as train_module
+    real = train_module._PendingSteps.flush
+    flushed = []
+
+    def flush(self):
+        rows = real(self)
+        flushed.append([step for step, _, _ in rows])
+        return rows
+    train_module._PendingSteps.flush = flush
+    try:
+        return {"losses": _train(cfg)[0], "flushed": [f for f in flushed if f]}
+    finally:
+        train_module._PendingSteps.flush = real
+
+
+def test_losses_reach_the_host_once_per_log_interval(tmp_path):
+    """With log_interval 3 the per-step losses stay on the device and are read in one go every 3 steps,
+    yet every step's loss is recorded (metrics.jsonl too) and equals the log-every-step run."""
+    every = _config(str(tmp_path / "every"), tp=2, mbs=2, steps=6)
+    every["megatron"]["train"].update(log_interval=1, eval_interval=100)
+    grouped = _config(str(tmp_path / "grouped"), tp=2, mbs=2, steps=6)
+    grouped["megatron"]["train"].update(log_interval=3, eval_interval=100)
+    ref = run_on_ranks(2, _train, every)[0][0]
+    losses = run_on_ranks(2, _count_loss_reads, grouped)[0]
+    assert losses["losses"] == ref
+    assert losses["flushed"] == [[1], [2, 3], [4, 5, 6]], losses  # the first step is logged too
+    metrics = [json.loads(line) for line in open(os.path.join(str(tmp_path / "grouped"), "run", "metrics.jsonl"))]
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 7))
+    assert [m["step"] for m in metrics if "tokens_per_s" in m] == [1, 3, 6]
