@@ -71,9 +71,12 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def grouped_gemm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: Sequence[int],
-                 use_grouped_mm: Optional[bool] = None) -> torch.Tensor:
+                 use_grouped_mm: Optional[bool] = None, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [N, k]`` in expert-contiguous groups times ``weights [L, k, n]`` (group g uses ``weights[g]``).
 
+    ``tokens_per_expert``: the group sizes as host integers; ``counts``: the same
+    sizes as a tensor on ``x``'s device when the caller has one (the dispatcher
+    does), so that no host-to-device copy (a stream sync on a GPU) is needed.
     ``use_grouped_mm``: None picks ``torch._grouped_mm`` on CUDA only; on CPU its kernel
     was erratic under load here (0.85x down to 0.03x of SequentialMLP, launch/bench/bench_moe.py)
     and the padded ``bmm`` steadier."""
@@ -81,15 +84,18 @@ def grouped_gemm(x: torch.Tensor, weights: torch.Tensor, tokens_per_expert: Sequ
         return x @ weights[0]
     if use_grouped_mm is None:
         use_grouped_mm = x.is_cuda
+    if counts is None:
+        counts = torch.tensor(list(tokens_per_expert), device=x.device)
     if use_grouped_mm and x.dtype in _GROUPED_MM_DTYPES and hasattr(torch, "_grouped_mm"):
-        offs = torch.tensor(list(_cumsum(tokens_per_expert)), dtype=torch.int32, device=x.device)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x, weights.to(x.dtype), offs=offs))
     # One padded batched GEMM: [L, C, k] @ [L, k, n], C the largest group.
-    counts = torch.tensor(list(tokens_per_expert), device=x.device)
-    expert_of_row = torch.repeat_interleave(torch.arange(len(tokens_per_expert), device=x.device), counts)
+    num_groups = len(tokens_per_expert)
+    expert_of_row = torch.repeat_interleave(torch.arange(num_groups, device=x.device), counts,
+                                            output_size=x.size(0))
     starts = torch.cumsum(counts, 0) - counts
     row_in_group = torch.arange(x.size(0), device=x.device) - starts[expert_of_row]
-    padded = x.new_zeros(len(tokens_per_expert), max(tokens_per_expert), x.size(1))
+    padded = x.new_zeros(num_groups, max(tokens_per_expert), x.size(1))
     padded = padded.index_put((expert_of_row, row_in_group), x)
     return torch.bmm(padded, weights.to(x.dtype))[expert_of_row, row_in_group]
 
@@ -162,7 +168,8 @@ class SequentialMLP(_ExpertsBase):
             self.local_experts.append(expert)
         del self._local_masters
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: List[int], probs: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens_per_expert: List[int], probs: torch.Tensor,
+                counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         outputs = []
         for expert, tokens, p in zip(self.local_experts, torch.split(x, list(tokens_per_expert)),
                                      torch.split(probs, list(tokens_per_expert))):
@@ -192,10 +199,12 @@ class GroupedMLP(_ExpertsBase):
     # None: torch._grouped_mm on CUDA, padded bmm elsewhere (see grouped_gemm); benchmarks force either.
     use_grouped_mm: Optional[bool] = None
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: List[int], probs: torch.Tensor) -> torch.Tensor:
-        intermediate = grouped_gemm(x, self.weight1, tokens_per_expert, self.use_grouped_mm)
+    def forward(self, x: torch.Tensor, tokens_per_expert: List[int], probs: torch.Tensor,
+                counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``counts``: ``tokens_per_expert`` as a device tensor, when the dispatcher has it (no host copy)."""
+        intermediate = grouped_gemm(x, self.weight1, tokens_per_expert, self.use_grouped_mm, counts)
         return grouped_gemm(self._activation(intermediate, probs), self.weight2, tokens_per_expert,
-                            self.use_grouped_mm)
+                            self.use_grouped_mm, counts)
 
     def expert_weights(self, local_index: int):
         """Views of local expert ``local_index``'s weights in ``SequentialMLP``'s layout and names."""

@@ -32,7 +32,7 @@ from ..tensor_parallel.mappings import (gather_from_sequence_parallel_region, gr
                                         scatter_to_sequence_parallel_region)
 from ..tensor_parallel.utils import divide
 from ..cuda_graphs.partial_capture import (MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore,
-                                           maybe_skip_or_early_return_by_cudagraph)
+                                           PartialCaptureMoE, maybe_skip_or_early_return_by_cudagraph)
 from .aux_loss_tracker import MoEAuxLossTracker
 from .experts import experts_class
 from .router import TopKRouter
@@ -49,7 +49,7 @@ class _Groups:
         self.tp, self.ep, self.etp, self.etp_ep = get("tp"), get("ep"), get("etp"), get("etp-ep")
 
 
-class MoELayer(torch.nn.Module):
+class MoELayer(PartialCaptureMoE):
     """``forward(hidden [s, b, h]) -> [s, b, h]``; ``aux_loss`` is the last forward's routing loss.
 
     ``config``: a ``GPTConfig`` (its ``num_experts``, ``moe_*`` fields, ``hidden_size``,
@@ -140,7 +140,9 @@ class MoELayer(torch.nn.Module):
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         dispatched, tokens_per_expert, permuted_probs = self.token_dispatcher.dispatch_postprocess(
             hidden_states, probs)
-        expert_output = self.experts(dispatched, tokens_per_expert, permuted_probs)
+        # The dispatcher's device copy of the counts spares the experts a host-to-device copy.
+        expert_output = self.experts(dispatched, tokens_per_expert, permuted_probs,
+                                     counts=self.token_dispatcher.tokens_per_expert)
         return self.token_dispatcher.combine_preprocess(expert_output)
 
     def combine(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]) -> torch.Tensor:

@@ -6,7 +6,7 @@ a partial CUDA-graph capture can stop after ``dispatch_preprocess``::
     hidden, probs = d.dispatch_preprocess(hidden, routing_map, probs)   # counts, permutation 1
     hidden, probs = d.token_dispatch(hidden, probs)                     # communication
     x, tokens_per_expert, probs = d.dispatch_postprocess(hidden, probs) # group by local expert
-    y = experts(x, tokens_per_expert, probs)
+    y = experts(x, tokens_per_expert, probs, counts=d.tokens_per_expert)  # host ints, device tensor
     y = d.combine_preprocess(y)
     y = d.token_combine(y)                                              # communication back
     out = d.combine_postprocess(y)                                      # un-permute, sum over k
@@ -25,7 +25,8 @@ experts (before their second GEMM), so un-permuting is a plain scatter-add.
 The device-to-host sync point: split sizes must be host integers for the
 collectives, and reading them waits for the device.  ``dispatch_preprocess``
 only computes device tensors (listed in ``cudagraph_attrs``); they are copied
-to the host at ``cuda_sync_point``: ``"before_permutation_1"`` (at the end of
+to the host at ``cuda_sync_point`` (the only host sync of the alltoall dispatcher;
+the allgather dispatcher has one too, reading its per-expert counts): ``"before_permutation_1"`` (at the end of
 ``dispatch_preprocess``) or ``"before_ep_alltoall"`` (at the start of
 ``token_dispatch``, the default: everything up to the all-to-all can then be
 captured in a graph).  Without token dropping (or with padding) the first
@@ -246,7 +247,8 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
                              probs: torch.Tensor) -> Tuple[torch.Tensor, List[int], torch.Tensor]:
         local = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
         local_map = self.global_routing_map[:, local]
-        tokens_per_expert = local_map.sum(dim=0).tolist()  # the host sync of this dispatcher
+        self.tokens_per_expert = local_map.sum(dim=0)  # device copy, for the grouped GEMM's offsets
+        tokens_per_expert = self.tokens_per_expert.tolist()  # the host sync of this dispatcher
         permuted, permuted_probs, self.reversed_local_input_permutation_mapping = permute(
             hidden_states, local_map, probs[:, local], sum(tokens_per_expert))
         self.num_global_tokens = hidden_states.size(0)
