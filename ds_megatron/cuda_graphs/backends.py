@@ -125,8 +125,17 @@ class EagerCapturer:
         return out
 
 
-def default_capturer(impl: str) -> Tuple[Optional[Capturer], str]:
-    """(the capturer for ``megatron.cuda_graph.impl`` on this machine or None, one line saying why / what)."""
+def default_capturer(impl: str, device=None) -> Tuple[Optional[Capturer], str]:
+    """(the capturer for ``megatron.cuda_graph.impl`` on ``device`` or None, one line saying why / what).
+
+    ``device``: where the model runs (the engine's device); graphs need it to be a CUDA device,
+    whatever else the machine has (a job pinned to the CPU on a GPU machine runs eagerly).
+    """
+    if device is not None and torch.device(device).type != "cuda":
+        why = "the engine runs on the CPU, not a CUDA device"
+        if not torch.cuda.is_available():
+            why += " (torch.cuda.is_available() is False)"
+        return None, why
     if not torch.cuda.is_available():
         return None, "torch.cuda.is_available() is False (no CUDA device)"
     if impl == "local":

@@ -1,8 +1,8 @@
 """Per-layer partial CUDA graphs: collect graphable layers, capture their static part, replay by micro-batch.
 
-Megatron-LM's ``TECudaGraphHelper`` + ``GraphableMegatronModule`` in one
-small form that needs no change to the layer class beyond splitting its
-forward into pieces (``GraphableLayer``):
+Megatron-LM's ``TECudaGraphHelper`` in one small form for layers that
+subclass ``ds_megatron.transformer.GraphableLayer`` (a forward split into
+attention / pre-MLP / post-MLP, Megatron's ``GraphableMegatronModule``):
 
 1. **Collect** the layers whose scope has something to capture: every layer
    for "attn" or a whole-layer scope, MoE layers (``layer.mlp`` is a
@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..config import ConfigError, CudaGraphConfig
+from ..transformer.layer import GraphableLayer
 from .backends import Capturer
 from .partial_capture import (EarlyReturnLayout, PartialCaptureMoE, captured_region, early_return_step,
                               fill_store_from_graph_outputs, prepare_moe_for_scope)
@@ -42,17 +43,12 @@ from .schedule import CudaGraphPlan, plan_cuda_graphs
 logger = logging.getLogger("ds_megatron.cuda_graphs")
 
 
-@runtime_checkable
-class GraphableLayer(Protocol):
-    """A transformer layer split as ``forward(h) = _post_mlp(a, mlp(_pre_mlp(a)))`` with ``a = _forward_attention(h)``."""
-
-    mlp: torch.nn.Module
-
-    def _forward_attention(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    def _pre_mlp(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    def _post_mlp(self, hidden: torch.Tensor, mlp_output: Any) -> torch.Tensor: ...
+def capture_stream() -> "torch.cuda.Stream":
+    """The side stream ``torch.cuda.graph`` captures on when given none (torch's and TE's
+    ``make_graphed_callables`` both capture there); created as torch creates it."""
+    if getattr(torch.cuda.graph, "default_capture_stream", None) is None:
+        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    return torch.cuda.graph.default_capture_stream
 
 
 def is_moe_layer(layer) -> bool:
@@ -110,10 +106,10 @@ class CapturedPart(torch.nn.Module):
                 return (self._eager_forward(hidden),)
             outputs: List[torch.Tensor] = []
             if self.captures_attention:
-                hidden = self.layer._forward_attention(hidden)
+                hidden = self.layer.forward_attention(hidden)
                 outputs.append(hidden)
             if self.moe_step is not None:
-                early = self.layer.mlp(self.layer._pre_mlp(hidden))
+                early = self.layer.mlp(self.layer.pre_mlp(hidden))
                 layout = getattr(self.layer.mlp, "cudagraph_early_return_layout", None)
                 if not isinstance(early, list) or layout is None or layout.return_step != self.moe_step:
                     raise RuntimeError(f"{type(self.layer.mlp).__name__}.forward did not return early after "
@@ -147,6 +143,26 @@ class LayerGraphRunner:
                 and torch.is_grad_enabled())
 
     def forward(self, hidden: torch.Tensor, *args, **kwargs):
+        if not (isinstance(hidden, torch.Tensor) and hidden.is_cuda and torch.is_grad_enabled()):
+            return self._forward(hidden, *args, **kwargs)
+        # On a GPU the layer runs (eagerly, then replayed) on the stream graphs are captured on.
+        # Autograd creates a parameter's AccumulateGrad node at its first use, keeps it while any
+        # graph reaching it is alive, and remembers the stream it was made on.  The caller's last
+        # loss keeps the previous step's graph alive (``loss = engine(batch)`` holds the old one
+        # until the forward returns), so at capture the parameters still have those nodes; were
+        # they of the default stream, the captured backward would make the default stream wait on
+        # the capture stream, which invalidates the capture.  Made on the capture stream from the
+        # first step on, they match it (and later steps need no cross-stream wait per parameter).
+        stream, caller = capture_stream(), torch.cuda.current_stream()
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            out = self._forward(hidden, *args, **kwargs)
+        caller.wait_stream(stream)
+        if isinstance(out, torch.Tensor):
+            out.record_stream(caller)  # used on the caller's stream: not reusable before that work is done
+        return out
+
+    def _forward(self, hidden, *args, **kwargs):
         if not self._replayable(args, kwargs):
             if not args and not kwargs and isinstance(hidden, torch.Tensor) and self.layer.training:
                 self.input_spec = InputSpec.of(hidden)
@@ -165,7 +181,7 @@ class LayerGraphRunner:
         part = self.part
         layer = self.layer
         if not part.whole_layer and not part.captures_attention:
-            hidden = layer._forward_attention(hidden)  # outside the scope: eager, in front of the graph
+            hidden = layer.forward_attention(hidden)  # outside the scope: eager, in front of the graph
         graph = self.cuda_graphs[self.current_microbatch % len(self.cuda_graphs)]
         outputs = graph(hidden)
         if part.whole_layer:
@@ -174,14 +190,14 @@ class LayerGraphRunner:
         if part.captures_attention:
             hidden, pos = outputs[0], 1
         if part.moe_step is None:
-            return layer._post_mlp(hidden, layer.mlp(layer._pre_mlp(hidden)))
+            return layer.post_mlp(hidden, layer.mlp(layer.pre_mlp(hidden)))
         moe = layer.mlp
         moe_input = fill_store_from_graph_outputs(moe, part.layout, outputs[pos:])
         try:
             mlp_output = moe(moe_input)
         finally:
             moe.cudagraph_tensor_store.clear()
-        return layer._post_mlp(hidden, mlp_output)
+        return layer.post_mlp(hidden, mlp_output)
 
     def drop_graphs(self) -> None:
         self.cuda_graphs = []

@@ -14,7 +14,7 @@ The loop stays ``loss = engine(batch); engine.backward(loss); engine.step()``:
   graphs are dropped, never replayed on wrong shapes, and recaptured after
   ``warmup_steps`` more steps at the new shape.
 
-Where graphs cannot run (no CUDA device) one log line says so and why, and
+Where graphs cannot run (the engine is not on a CUDA device) one log line says so and why, and
 training proceeds eagerly; with ``required: true`` the job stops at start instead.
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ def attach_cuda_graphs(engine, config: CudaGraphConfig, capturer: Optional[Captu
     if not config.enabled:
         return None
     if capturer is None:
-        capturer, why = default_capturer(config.impl)
+        capturer, why = default_capturer(config.impl, engine.device)
         if capturer is None:
             if config.required:
                 raise ConfigError(f"megatron.cuda_graph.required is true but CUDA graphs cannot run here: {why}; "

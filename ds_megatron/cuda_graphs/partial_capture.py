@@ -33,7 +33,7 @@ import contextlib
 import functools
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -203,9 +203,11 @@ class MoECudaGraphTensorStore:
             setattr(self, name, None)
 
 
-@runtime_checkable
-class PartialCaptureMoE(Protocol):
-    """What an MoE layer provides so its front part can be captured (Megatron-LM's ``MoELayer`` shape).
+class PartialCaptureMoE(torch.nn.Module):
+    """Base class of an MoE layer whose front part can be captured (Megatron-LM's ``MoELayer`` shape).
+
+    An explicit interface (subclass it), not a structural check, which would
+    depend on the Python version.  A subclass provides:
 
     * ``cudagraph_tensor_store``: a ``MoECudaGraphTensorStore``;
     * ``token_dispatcher`` with ``cudagraph_attrs`` (names of tensor attributes
@@ -227,11 +229,14 @@ class PartialCaptureMoE(Protocol):
     cudagraph_tensor_store: MoECudaGraphTensorStore
     token_dispatcher: Any
 
-    def route(self, hidden_states: torch.Tensor): ...
+    def route(self, hidden_states: torch.Tensor):
+        raise NotImplementedError
 
-    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor): ...
+    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        raise NotImplementedError
 
-    def shared_experts_compute(self, hidden_states: torch.Tensor): ...
+    def shared_experts_compute(self, hidden_states: torch.Tensor):
+        raise NotImplementedError
 
 
 def maybe_skip_or_early_return_by_cudagraph(step_condition: str) -> Callable:

@@ -18,7 +18,37 @@ from .attention import ParallelAttention
 from .mlp import ParallelMLP
 
 
-class ParallelTransformerLayer(torch.nn.Module):
+class GraphableLayer(torch.nn.Module):
+    """A transformer layer split into the pieces a partial CUDA graph captures (Megatron's ``GraphableMegatronModule``).
+
+    ``forward(h) = post_mlp(a, mlp(pre_mlp(a)))`` with ``a = forward_attention(h)``;
+    ``mlp`` is the layer's MLP (dense or MoE).  Graph capture
+    (``ds_megatron.cuda_graphs``) recognizes a layer by this base class, an
+    explicit interface: a structural check over module attributes depends on
+    the Python version (from 3.12 ``isinstance`` against a runtime Protocol looks
+    attributes up statically and misses submodules held in ``_modules``).
+    """
+
+    mlp: torch.nn.Module
+
+    def forward_attention(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Input LayerNorm, attention and its residual add."""
+        raise NotImplementedError
+
+    def pre_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What feeds the MLP (the pre-MLP LayerNorm)."""
+        raise NotImplementedError
+
+    def post_mlp(self, hidden: torch.Tensor, mlp_output: torch.Tensor) -> torch.Tensor:
+        """The MLP's residual add (and dropout)."""
+        raise NotImplementedError
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = self.forward_attention(hidden)
+        return self.post_mlp(hidden, self.mlp(self.pre_mlp(hidden)))
+
+
+class ParallelTransformerLayer(GraphableLayer):
     def __init__(self, config, *, tp_group, tp_size: int, init_method, output_init_method, rng_tracker=None,
                  layer_number: int = 0, parallel_state=None, aux_loss_tracker=None):
         super().__init__()
@@ -53,16 +83,11 @@ class ParallelTransformerLayer(torch.nn.Module):
         with fork:
             return F.dropout(x, p=self.hidden_dropout, training=True)
 
-    # CUDA graphs: the layer in the pieces a partial graph captures (ds_megatron/cuda_graphs/capture.py)
-    def _forward_attention(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward_attention(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self._dropout(self.self_attention(self.input_layernorm(hidden)))
 
-    def _pre_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+    def pre_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.post_attention_layernorm(hidden)
 
-    def _post_mlp(self, hidden: torch.Tensor, mlp_output: torch.Tensor) -> torch.Tensor:
+    def post_mlp(self, hidden: torch.Tensor, mlp_output: torch.Tensor) -> torch.Tensor:
         return hidden + self._dropout(mlp_output)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = self._forward_attention(hidden)
-        return self._post_mlp(hidden, self.mlp(self._pre_mlp(hidden)))

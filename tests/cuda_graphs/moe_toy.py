@@ -11,7 +11,7 @@ from collections import Counter
 import torch
 
 from ds_megatron.cuda_graphs.partial_capture import (MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore,
-                                                     maybe_skip_or_early_return_by_cudagraph)
+                                                     PartialCaptureMoE, maybe_skip_or_early_return_by_cudagraph)
 
 
 class ToyDispatcher:
@@ -59,7 +59,7 @@ class ToyDispatcher:
         return out.index_add(0, self.reversed_local_input_permutation_mapping, expert_output)
 
 
-class ToyMoE(torch.nn.Module):
+class ToyMoE(PartialCaptureMoE):
     def __init__(self, hidden, num_experts=4, topk=2, ffn=8, shared_expert=False, preprocess_returns_residual=False):
         super().__init__()
         self.router = torch.nn.Linear(hidden, num_experts, bias=False)

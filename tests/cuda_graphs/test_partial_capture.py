@@ -228,3 +228,58 @@ def test_pipeline_plan_assigns_one_graph_per_microbatch():
     assert all(g is r.part for r in helper.runners for g in r.cuda_graphs)  # the eager capturer's "graphs"
     args = helper._sample_args()
     assert len(args) == 4 * 8 and len({id(a[0]) for a in args}) == helper.plan.num_static_input_buffers == 2 * 11
+
+
+class _LookAlikeLayer(torch.nn.Module):
+    """Has a layer's split methods (old and new spellings) and an ``mlp`` submodule, but declares nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Linear(H, H)
+
+    def forward_attention(self, hidden):
+        return hidden
+
+    _forward_attention = forward_attention
+
+    def pre_mlp(self, hidden):
+        return hidden
+
+    _pre_mlp = pre_mlp
+
+    def post_mlp(self, hidden, mlp_output):
+        return hidden + mlp_output
+
+    _post_mlp = post_mlp
+
+
+class _LookAlikeMoE(torch.nn.Module):
+    """ToyMoE's attributes and steps without subclassing PartialCaptureMoE."""
+
+    def __init__(self):
+        super().__init__()
+        toy = ToyMoE(H)
+        self.cudagraph_tensor_store, self.token_dispatcher = toy.cudagraph_tensor_store, toy.token_dispatcher
+        self.route, self.preprocess, self.shared_experts_compute = toy.route, toy.preprocess, toy.shared_experts_compute
+
+
+def test_graphable_layers_and_moe_are_declared_not_guessed():
+    """Graphability comes from an explicit base class, the same on every Python version.
+
+    A structural ``runtime_checkable`` Protocol with an ``mlp`` data member matched every layer on
+    Python 3.11 and none on 3.12 (``isinstance`` there looks attributes up statically and an
+    ``nn.Module`` submodule lives in ``_modules``), so no scope captured anything on 3.12.
+    """
+    from ds_megatron.cuda_graphs.capture import is_moe_layer
+    from ds_megatron.cuda_graphs.partial_capture import PartialCaptureMoE
+    from ds_megatron.transformer import GraphableLayer
+    for interface in (GraphableLayer, PartialCaptureMoE):
+        assert not getattr(interface, "_is_protocol", False), f"{interface.__name__} must not be a Protocol"
+    assert not layer_is_graphable(_LookAlikeLayer(), ["attn"])
+    assert not layer_is_graphable(_LookAlikeLayer(), [])
+    layers = _layers(n=2, moe=(1,))
+    assert isinstance(layers[0], GraphableLayer) and layer_is_graphable(layers[0], ["attn"])
+    assert layer_is_graphable(layers[1], ["moe_router"]) and not layer_is_graphable(layers[0], ["moe_router"])
+    assert is_moe_layer(layers[1])
+    layers[1].mlp = _LookAlikeMoE()
+    assert not is_moe_layer(layers[1]) and not layer_is_graphable(layers[1], ["moe_router"])
