@@ -8,9 +8,10 @@ DSM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export PYTHONPATH="$DSM_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON="${PYTHON:-python}"
 
-if ! nvidia-smi >/dev/null 2>&1; then
-  # CPU box: DeepSpeed's CPU accelerator (gloo), all traffic on loopback.
-  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+if [[ "${DS_ACCELERATOR:-}" == cpu ]] || ! nvidia-smi >/dev/null 2>&1; then
+  # CPU path (no GPU, or DS_ACCELERATOR=cpu pinning it on a GPU box): DeepSpeed's CPU
+  # accelerator (gloo), all traffic on loopback.
+  export DS_ACCELERATOR=cpu
   export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
 fi
 

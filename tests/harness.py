@@ -14,6 +14,7 @@ and the test fails: nothing hangs.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -42,7 +43,8 @@ def _context():
 
 def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: List[str]) -> None:
     sys.path[:] = sys_path
-    os.environ.update(local_rank_env(rank, world_size, port))
+    # Multi-rank tests are CPU tests (gloo) on every machine: no GPU visible to the workers.
+    os.environ.update(local_rank_env(rank, world_size, port, cpu_only=True))
     import torch
     import torch.distributed as dist
     from ds_megatron.utils.runtime_env import prepare_cpu_runtime
@@ -69,6 +71,21 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
         os._exit(0)  # skips interpreter teardown, which sometimes aborts under gloo
 
 
+@contextlib.contextmanager
+def _cpu_only_environment():
+    pinned = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
+    saved = {k: os.environ.get(k) for k in pinned}
+    os.environ.update(pinned)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class _Pool:
     def __init__(self, world_size: int):
         ctx = _context()
@@ -79,8 +96,11 @@ class _Pool:
         self.procs = [ctx.Process(target=_worker_main, daemon=True,
                                   args=(r, world_size, port, self.tasks[r], self.results, list(sys.path)))
                       for r in range(world_size)]
-        for p in self.procs:
-            p.start()
+        # The forkserver (started by the first start) imports torch and DeepSpeed for every later
+        # worker: it must not see a GPU either, or they would cache one before their own settings apply.
+        with _cpu_only_environment():
+            for p in self.procs:
+                p.start()
 
     def run(self, fn: Callable, args, kwargs, timeout: float) -> List[Any]:
         for q in self.tasks:

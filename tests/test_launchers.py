@@ -61,12 +61,30 @@ def test_init_does_nothing_when_already_initialized():
 
 # --- real launches ----------------------------------------------------------------------------
 
-def _clean_env():
-    """Our environment without any launcher's variables, so each script starts from nothing."""
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+def _fake_gpu_tools(tmp_path):
+    """A directory with an ``nvidia-smi`` that succeeds, as on a GPU machine (for PATH)."""
+    bin_dir = tmp_path / "fake_gpu_bin"
+    bin_dir.mkdir(exist_ok=True)
+    tool = bin_dir / "nvidia-smi"
+    tool.write_text("#!/bin/sh\necho 'GPU 0: fake'\n")
+    tool.chmod(0o755)
+    return str(bin_dir)
+
+
+def _clean_env(tmp_path=None):
+    """Our environment without any launcher's variables, so each script starts from nothing.
+
+    These are CPU tests on every machine: the GPU is hidden and DeepSpeed's CPU accelerator
+    pinned.  With ``tmp_path`` an ``nvidia-smi`` that succeeds is put first on PATH, so the
+    scripts run as on a GPU machine and must still take the CPU path they are told to.
+    """
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "GLOO_SOCKET_IFNAME"}
     env = {k: v for k, v in os.environ.items()
            if k not in drop and not k.startswith(("PMI_", "OMPI_", "MPI_LOCAL"))}
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+    if tmp_path is not None:
+        env["PATH"] = _fake_gpu_tools(tmp_path) + os.pathsep + env["PATH"]
     return env
 
 
@@ -82,7 +100,7 @@ def _check_probe(out_dir, world_size):
 
 def _launch(argv, tmp_path):
     out = tmp_path / "probe"
-    proc = subprocess.run(argv + ["launch/probe.py", "--out", str(out)], cwd=ROOT, env=_clean_env(),
+    proc = subprocess.run(argv + ["launch/probe.py", "--out", str(out)], cwd=ROOT, env=_clean_env(tmp_path),
                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 0, f"{argv} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     _check_probe(out, 2)
@@ -118,6 +136,14 @@ def test_probe_without_launcher_maps_mpi_variables(tmp_path):
                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_probe(out, 1)
+
+
+def test_scripts_take_the_cpu_path_they_are_told_to_on_a_gpu_machine(tmp_path):
+    """DS_ACCELERATOR=cpu keeps the CPU settings (gloo on loopback) even where nvidia-smi works."""
+    probe = "source launch/env.sh; echo \"$DS_ACCELERATOR $GLOO_SOCKET_IFNAME\""
+    proc = subprocess.run(["bash", "-c", probe], cwd=ROOT, env=_clean_env(tmp_path), capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0 and proc.stdout.split() == ["cpu", "lo"], proc.stdout + proc.stderr
 
 
 def test_bad_rank_count_is_refused():

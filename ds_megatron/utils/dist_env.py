@@ -25,7 +25,7 @@ import os
 import socket
 from typing import Dict, Mapping, Optional
 
-from .runtime_env import cuda_available, prepare_cpu_runtime
+from .runtime_env import prepare_cpu_runtime, use_cuda
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -118,7 +118,7 @@ def init_distributed_from_env(backend: Optional[str] = None,
     os.environ.update(broadcast or {})
     os.environ.update(torch_env_from_launcher(os.environ))
     prepare_cpu_runtime()
-    cuda = cuda_available()
+    cuda = use_cuda()
     if cuda:
         # One GPU per local rank, as Megatron does; NCCL needs it set before the first collective.
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())

@@ -25,13 +25,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def local_rank_env(rank: int, world_size: int, port: int) -> Dict[str, str]:
-    """torch's launcher variables for one rank of a single-machine job, all traffic on loopback."""
+def local_rank_env(rank: int, world_size: int, port: int, cpu_only: bool = False) -> Dict[str, str]:
+    """torch's launcher variables for one rank of a single-machine job, all traffic on loopback.
+
+    ``cpu_only``: pin the CPU path even on a GPU machine (no GPU visible, DeepSpeed's CPU
+    accelerator, gloo), as the multi-rank tests do; otherwise the GPU is used when there is one.
+    """
     env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
            "LOCAL_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    from .runtime_env import cuda_available
-    if not cuda_available():
+    from .runtime_env import use_cuda
+    if cpu_only:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if cpu_only or not use_cuda():
         env["DS_ACCELERATOR"] = "cpu"
     return env
 
@@ -46,7 +52,8 @@ def _rank_main(rank: int, world: int, port: int, threads: int, fn: Callable, arg
         import deepspeed
         from deepspeed.utils import logger
         logger.setLevel("ERROR")
-        deepspeed.init_distributed(dist_backend=None if torch.cuda.is_available() else "gloo",
+        from .runtime_env import use_cuda
+        deepspeed.init_distributed(dist_backend=None if use_cuda() else "gloo",
                                    auto_mpi_discovery=False, verbose=False)
         value = fn(*args)
         if rank == 0:

@@ -55,7 +55,7 @@ def _capturer(name):
         return TorchCapturer()
     if name == "te":
         return TransformerEngineCapturer()
-    return default_capturer("transformer_engine")[0]
+    return default_capturer("transformer_engine", "cuda")[0]
 
 
 def _time(model, args, batch):

@@ -22,8 +22,9 @@ CFG = dict(num_layers=3, hidden_size=16, num_attention_heads=2, ffn_hidden_size=
 
 
 class FakeEngine:
-    def __init__(self, module, gas):
+    def __init__(self, module, gas, device="cpu"):
         self.module, self.gas = module, gas
+        self.device = torch.device(device)
         self.global_steps = self.micro_steps = 0
 
     def gradient_accumulation_steps(self):
@@ -109,9 +110,21 @@ def test_graphs_off_line_on_cpu_exactly_once(caplog):
     assert hook is None
     lines = [r.getMessage() for r in caplog.records if r.name == "ds_megatron.cuda_graphs"]
     assert len(lines) == 1, lines
-    assert lines[0].startswith("CUDA graphs are off") and "torch.cuda.is_available() is False" in lines[0]
+    assert lines[0].startswith("CUDA graphs are off") and "the engine runs on the CPU" in lines[0]
     assert "eagerly" in lines[0]
     assert all("forward" not in layer.__dict__ for layer in engine.module.layers)
+
+
+def test_graphs_stay_off_for_a_cpu_engine_on_a_gpu_machine(monkeypatch, caplog):
+    """The engine's device decides, not whether the machine has a GPU: a job pinned to the CPU
+    (DS_ACCELERATOR=cpu, as the tests are) on a GPU machine trains eagerly."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine = FakeEngine(GPTModel(GPTConfig(**CFG)), gas=1)
+    with caplog.at_level(logging.INFO, logger="ds_megatron.cuda_graphs"):
+        assert attach_cuda_graphs(engine, CudaGraphConfig(impl="transformer_engine", scope=["attn"])) is None
+    assert "the engine runs on the CPU" in caplog.text
+    with pytest.raises(ConfigError, match="the engine runs on the CPU"):
+        attach_cuda_graphs(engine, CudaGraphConfig(impl="local", required=True))
 
 
 def test_required_graphs_fail_at_start_on_cpu():

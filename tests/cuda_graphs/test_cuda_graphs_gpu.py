@@ -61,3 +61,36 @@ def test_graphed_equals_eager(capturer, model_cfg, scope):
         assert grads.keys() == ref_grads.keys()
         for name in ref_grads:
             torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("capturer", _capturers())
+@pytest.mark.parametrize("model_cfg, scope", [(DENSE, ["attn"]), (DENSE, []),
+                                              (MOE, ["attn", "moe_router", "moe_preprocess"])])
+def test_capture_while_the_callers_last_loss_is_alive(capturer, model_cfg, scope):
+    """A training loop holds its last loss, and with it the last step's autograd graph, when the next
+    forward captures (``loss = engine(batch)`` rebinds only after the call): capture must work then,
+    and training with graphs must follow the eager run step for step."""
+    torch.manual_seed(0)
+    eager = GPTModel(GPTConfig(**model_cfg)).cuda()
+    graphed = copy.deepcopy(eager)
+    helper = CudaGraphHelper(list(graphed.layers), CudaGraphConfig(impl="transformer_engine", scope=scope),
+                             capturer())
+    runs = {}
+    for name, model in (("eager", eager), ("graphed", graphed)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, loss = [], None
+        for step in range(6):
+            if name == "graphed" and step == 2:
+                assert loss is not None and loss.grad_fn is not None  # the previous graph is alive
+                helper.create_cudagraphs()
+            g = torch.Generator(device="cuda").manual_seed(step)
+            tokens = torch.randint(0, 128, (2, 32), device="cuda", generator=g)
+            labels = torch.randint(0, 128, (2, 32), device="cuda", generator=g)
+            loss = model(tokens, labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss))
+        runs[name] = losses
+    assert helper.captured
+    assert runs["graphed"] == pytest.approx(runs["eager"], rel=1e-5, abs=1e-6)

@@ -48,8 +48,9 @@ def test_matches_torch_cross_entropy(tp, label_smoothing, vocab_size):
 def _communication_volume():
     """Record every collective while computing the loss: only per-token scalars may travel."""
     seen = []
+    # all_gather_single is torch >= 2.13's name; older torch (2.11 on the GPU machine) has only the older one.
     real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "all_gather_into_tensor",
-                                                   "all_gather_single", "broadcast")}
+                                                   "all_gather_single", "broadcast") if hasattr(dist, name)}
 
     def spy(name):
         def call(tensor, *args, **kwargs):
