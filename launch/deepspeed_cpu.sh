@@ -15,5 +15,5 @@ port="${MASTER_PORT:-$(dsm_free_port)}"
 # --no_local_rank: ranks read LOCAL_RANK from the environment; a --local_rank
 # argument would land before the entry's own subcommand.
 set -x
-exec deepspeed --num_accelerators "$DSM_NRANKS" --master_addr 127.0.0.1 --master_port "$port" --no_local_rank \
+exec "${DSM_DEEPSPEED[@]}" --num_accelerators "$DSM_NRANKS" --master_addr 127.0.0.1 --master_port "$port" --no_local_rank \
   "${DSM_DS_ENTRY[@]}"

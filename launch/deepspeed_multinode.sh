@@ -23,5 +23,5 @@ nhosts="$(awk '!/^[[:space:]]*(#|$)/ { n++ } END { print n + 0 }' "$hostfile")"
 # One host runs locally; DeepSpeed would still insist on ssh to it otherwise.
 [[ "$nhosts" == 1 ]] && extra+=(--no_ssh_check)
 set -x
-exec deepspeed --hostfile "$hostfile" --master_addr "$addr" --master_port "$port" --no_local_rank "${extra[@]}" \
+exec "${DSM_DEEPSPEED[@]}" --hostfile "$hostfile" --master_addr "$addr" --master_port "$port" --no_local_rank "${extra[@]}" \
   "${DSM_DS_ENTRY[@]}"

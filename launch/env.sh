@@ -6,7 +6,18 @@
 DSM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The ranks import this checkout even when it is not pip-installed.
 export PYTHONPATH="$DSM_ROOT${PYTHONPATH:+:$PYTHONPATH}"
-PYTHON="${PYTHON:-python}"
+# The project's interpreter without activating anything: $PYTHON if set, the active
+# virtualenv's, else the repo's .venv (launch/setup.sh makes it), else python3 on PATH.
+# The launchers run as modules of that interpreter, so they need not be on PATH either.
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -z "${VIRTUAL_ENV:-}" && -x "$DSM_ROOT/.venv/bin/python" ]]; then
+    PYTHON="$DSM_ROOT/.venv/bin/python"
+  else
+    PYTHON="$(command -v python3 || command -v python)"
+  fi
+fi
+DSM_DEEPSPEED=("$PYTHON" -m deepspeed.launcher.runner)
+DSM_TORCHRUN=("$PYTHON" -m torch.distributed.run)
 
 if [[ "${DS_ACCELERATOR:-}" == cpu ]] || ! nvidia-smi >/dev/null 2>&1; then
   # CPU path (no GPU, or DS_ACCELERATOR=cpu pinning it on a GPU box): DeepSpeed's CPU

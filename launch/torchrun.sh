@@ -10,4 +10,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 dsm_parse_args "torchrun.sh N [python-entry args...]" "$@"
 port="${MASTER_PORT:-$(dsm_free_port)}"
 set -x
-exec torchrun --nproc_per_node "$DSM_NRANKS" --master_addr 127.0.0.1 --master_port "$port" "${DSM_ENTRY[@]}"
+exec "${DSM_TORCHRUN[@]}" --nproc_per_node "$DSM_NRANKS" --master_addr 127.0.0.1 --master_port "$port" "${DSM_ENTRY[@]}"

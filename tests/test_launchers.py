@@ -138,6 +138,26 @@ def test_probe_without_launcher_maps_mpi_variables(tmp_path):
     _check_probe(out, 1)
 
 
+def test_scripts_find_the_project_environment_without_activation(tmp_path):
+    """After `bash launch/main.sh` or `bash launch/test.sh` made .venv, the scripts work from a plain shell:
+    no virtualenv active and neither deepspeed nor torchrun on PATH."""
+    venv = os.path.join(ROOT, ".venv")
+    if not os.path.isfile(os.path.join(venv, "bin", "python")):
+        pytest.skip("no .venv in the repo (made by launch/setup.sh)")
+    env = _clean_env()
+    env.pop("VIRTUAL_ENV", None)
+    env.pop("PYTHON", None)
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                  if not os.path.isfile(os.path.join(p, "deepspeed"))
+                                  and not os.path.isfile(os.path.join(p, "torchrun")))
+    for script in ("deepspeed_cpu.sh", "torchrun.sh"):
+        out = tmp_path / script
+        proc = subprocess.run(["bash", f"launch/{script}", "2", "launch/probe.py", "--out", str(out)], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+        assert proc.returncode == 0, f"{script} ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        _check_probe(out, 2)
+
+
 def test_scripts_take_the_cpu_path_they_are_told_to_on_a_gpu_machine(tmp_path):
     """DS_ACCELERATOR=cpu keeps the CPU settings (gloo on loopback) even where nvidia-smi works."""
     probe = "source launch/env.sh; echo \"$DS_ACCELERATOR $GLOO_SOCKET_IFNAME\""
