@@ -273,6 +273,8 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
         if saving:
             save_checkpoint(engine, out_dir, step + 1, {"step": step + 1, "consumed_train_samples": consumed},
                             tracker)
+        if evaluating or saving:
+            interval_start = time.perf_counter()  # tokens/s counts training steps only
         last = step + 1
         if step + 1 == stop_after:
             break
