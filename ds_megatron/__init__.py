@@ -3,20 +3,51 @@
 ``ds_megatron.initialize`` is a drop-in for ``deepspeed.initialize`` that also
 builds Megatron's process groups from the ``"megatron"`` section of the
 DeepSpeed JSON config and hands DeepSpeed our mpu.
+
+Importing the package loads neither torch nor DeepSpeed (the config, layout
+and CLI checks are torch-free, so a bad config fails in a fraction of a
+second); the entry points below load the engine integration when called.
 """
 __version__ = "0.1.0"
 
-from .config import ConfigError, MegatronConfig  # noqa: E402  (pure, cheap)
+from .config import ConfigError, MegatronConfig
 
 
-def __getattr__(name):
-    # The engine pulls in torch and DeepSpeed; import it on first use so that
-    # `import ds_megatron` and config validation stay fast.
-    if name in ("initialize", "initialize_model_parallel", "validate_config", "add_config_arguments"):
-        from . import engine
-        return getattr(engine, name)
-    raise AttributeError(f"module 'ds_megatron' has no attribute {name!r}")
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` with Megatron's groups: see ``ds_megatron.integration.engine.initialize``."""
+    from .integration.engine import initialize as _initialize
+    return _initialize(*args, **kwargs)
+
+
+def initialize_model_parallel(config):
+    """Validate, start torch.distributed if needed and build every group: a ``ParallelState``."""
+    from .integration.engine import initialize_model_parallel as _initialize_model_parallel
+    return _initialize_model_parallel(config)
+
+
+def validate_config(config, world_size=None):
+    """Parse and check a DeepSpeed config with a ``"megatron"`` section against a world size, creating nothing."""
+    from .integration.engine import validate_config as _validate_config
+    return _validate_config(config, world_size)
+
+
+def add_config_arguments(parser):
+    """``deepspeed.add_config_arguments`` (``--deepspeed``, ``--deepspeed_config``)."""
+    from .integration.engine import add_config_arguments as _add_config_arguments
+    return _add_config_arguments(parser)
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+    """``engine.save_checkpoint`` plus MoE experts and the gathered distributed-optimizer state."""
+    from .integration.checkpoint import save_checkpoint as _save_checkpoint
+    return _save_checkpoint(engine, save_dir, tag, client_state, save_latest, **kwargs)
+
+
+def load_checkpoint(engine, load_dir, tag=None, **kwargs):
+    """``engine.load_checkpoint`` plus MoE experts."""
+    from .integration.checkpoint import load_checkpoint as _load_checkpoint
+    return _load_checkpoint(engine, load_dir, tag, **kwargs)
 
 
 __all__ = ["ConfigError", "MegatronConfig", "initialize", "initialize_model_parallel", "validate_config",
-           "add_config_arguments"]
+           "add_config_arguments", "save_checkpoint", "load_checkpoint"]

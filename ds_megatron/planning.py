@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from typing import List, Optional, Sequence
 
 from .config import ConfigError
+from .config.model import pad_vocab_size
+from .training.job import parse_job_config
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -50,11 +52,6 @@ class ParamCounts:
         return self.sharded + self.replicated + self.expert
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
-
-
 def _mlp_counts(h: int, ffn: int, tp: int) -> ParamCounts:
     """A ``ParallelMLP``: column h->ffn (weight + bias split), row ffn->h (weight split, bias replicated)."""
     return ParamCounts(sharded=(ffn // tp) * (h + 1) + h * (ffn // tp), replicated=h)
@@ -63,7 +60,7 @@ def _mlp_counts(h: int, ffn: int, tp: int) -> ParamCounts:
 def gpt_param_counts(cfg, tp: int, ep: int = 1, etp: int = 1) -> ParamCounts:
     """``GPTModel``'s parameters on one rank (every rank holds the same number)."""
     h, L = cfg.hidden_size, cfg.num_layers
-    vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
+    vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
     sharded = (vocab // tp) * h
     replicated = cfg.seq_length * h + 2 * h  # learned positions, final LayerNorm
     expert = 0
@@ -99,7 +96,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str) -> int:
     else:
         per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     per_layer *= BYTES[params_dtype] / 2
-    vocab = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
+    vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
     logits = s * b * (vocab // tp) * (BYTES[params_dtype] + 4)
     return int(L * per_layer + logits)
 
@@ -181,19 +178,16 @@ def format_plan(plans: Sequence[RankMemory], header: str) -> str:
 
 def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None):
     """(header, plans) for a job config (path or dict)."""
-    from .optimizer.precision_config import precision_of
-    from .training.config import parse_job_config
     job = parse_job_config(config)
     layout = job.megatron.layout(world_size)
-    job.model.check_tensor_parallel(layout.tp)
-    precision = precision_of(job.ds_config, job.megatron)
+    precision = job.megatron.precision
     section = job.ds_config.get("optimizer", {"type": "AdamW"})  # ds-megatron train builds AdamW otherwise
     opt_type = str(section.get("type", "AdamW"))
     if opt_type.lower() == "adam" and not section.get("params", {}).get("adam_w_mode", True):
         opt_type = "Adam"
     momentum = section.get("params", {}).get("momentum", 0.0)
     mb = micro_batch or job.ds_config.get("train_micro_batch_size_per_gpu", 1)
-    distributed = job.megatron.use_distributed_optimizer
+    distributed = job.megatron.ddp.use_distributed_optimizer
     plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb, distributed)
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
     header = (f"world size {world_size}: tp={layout.tp} dp={layout.dp}{experts}; params {precision.params_dtype}, "

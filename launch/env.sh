@@ -47,7 +47,7 @@ dsm_parse_args() {
 
 # A free local port, so concurrent jobs on one box don't collide.
 dsm_free_port() {
-  "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+  "$PYTHON" -c 'from ds_megatron.utils.dist_env import free_port; print(free_port())'
 }
 
 # The deepspeed launcher spells "python -m MODULE" as "--module MODULE".

@@ -18,7 +18,7 @@ def main() -> None:
     parser.add_argument("--out", help="directory to write rank<R>.json into")
     args, _ = parser.parse_known_args()  # tolerate a launcher's --local_rank
 
-    from ds_megatron.utils.dist_env import init_distributed_from_env
+    from ds_megatron.integration.runtime import init_distributed_from_env
     init_distributed_from_env()
 
     import torch

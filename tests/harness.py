@@ -22,7 +22,7 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, List
 
-from ds_megatron.utils.local_job import free_port, local_rank_env
+from ds_megatron.utils.local_job import free_port, init_local_rank
 
 _CTX = None
 _POOLS: Dict[int, "_Pool"] = {}
@@ -43,16 +43,9 @@ def _context():
 
 def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path: List[str]) -> None:
     sys.path[:] = sys_path
-    # Multi-rank tests are CPU tests (gloo) on every machine: no GPU visible to the workers.
-    os.environ.update(local_rank_env(rank, world_size, port, cpu_only=True))
-    import torch
     import torch.distributed as dist
-    from ds_megatron.utils.runtime_env import prepare_cpu_runtime
-
-    torch.set_num_threads(1)
-    prepare_cpu_runtime()
-    import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    # Multi-rank tests are CPU tests (gloo) on every machine: no GPU visible to the workers.
+    init_local_rank(rank, world_size, port, threads=1, cpu_only=True)
     while True:
         task = tasks.get()
         if task is None:

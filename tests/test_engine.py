@@ -10,6 +10,7 @@ from harness import run_on_ranks
 
 import ds_megatron
 from ds_megatron.config import ConfigError
+from ds_megatron.tensor_parallel import grad_of
 
 
 def _ds_config(tp, extra=None):
@@ -47,12 +48,14 @@ def _local_grads(model, x):
     return torch.cat([ref.shard.grad.flatten(), ref.replicated.grad.flatten()])
 
 
-def _dp_averaging_uses_our_groups(tp):
+def _dp_averaging_uses_our_groups(tp, optimizer_impl):
     world = dist.get_world_size()
-    state = ds_megatron.initialize_model_parallel(_ds_config(tp))
+    cfg = _ds_config(tp)
+    cfg["megatron"]["optimizer_impl"] = optimizer_impl
+    state = ds_megatron.initialize_model_parallel(cfg)
     model = TinyTPModel(state.tp.rank)
     engine, _, _, _ = ds_megatron.initialize(model=model, model_parameters=model.parameters(),
-                                             config=_ds_config(tp), parallel_state=state)
+                                             config=cfg, parallel_state=state)
     assert engine.mpu is engine.megatron.mpu
     assert engine.seq_data_parallel_group is state.dp_cp.group
     # Each rank feeds data of its own global rank, so its local gradient is unique.
@@ -61,7 +64,9 @@ def _dp_averaging_uses_our_groups(tp):
     local = _local_grads(model, x)
     loss = engine(x)
     engine.backward(loss)
-    reduced = torch.cat([model.shard.grad.flatten(), model.replicated.grad.flatten()])
+    # DeepSpeed's path reduces in backward; ours in the step (finished here to read the result).
+    engine.megatron.finalize_model_grads()
+    reduced = torch.cat([grad_of(model.shard).flatten(), grad_of(model.replicated).flatten()])
     everyone = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(everyone, local)
     expected = torch.stack([everyone[r] for r in state.dp.ranks]).mean(0)
@@ -74,9 +79,10 @@ def _dp_averaging_uses_our_groups(tp):
     return out
 
 
+@pytest.mark.parametrize("optimizer_impl", ["deepspeed", "megatron"])
 @pytest.mark.parametrize("world,tp", [(4, 2), (8, 2), (8, 4)])
-def test_deepspeed_averages_gradients_over_our_dp_groups_only(world, tp):
-    res = run_on_ranks(world, _dp_averaging_uses_our_groups, tp)
+def test_deepspeed_averages_gradients_over_our_dp_groups_only(world, tp, optimizer_impl):
+    res = run_on_ranks(world, _dp_averaging_uses_our_groups, tp, optimizer_impl)
     for r, out in enumerate(res):
         assert out["ok"], (r, out)
         assert out["differs_from_world"], "test data cannot tell DP from world averaging"

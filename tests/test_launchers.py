@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from harness import free_port, run_on_ranks
-from ds_megatron.utils.dist_env import (DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, init_distributed_from_env,
-                                        torch_env_from_launcher)
+from ds_megatron.integration.runtime import init_distributed_from_env
+from ds_megatron.utils.dist_env import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, torch_env_from_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH_TIMEOUT = 180  # seconds; a 2-rank probe takes ~3-8 s on an idle 2-core box

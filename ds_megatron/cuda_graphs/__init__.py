@@ -1,34 +1,25 @@
-"""Partial CUDA graphs (Megatron-LM's TE path): schedule orders, capture helper, MoE partial capture, engine hook.
+"""Partial CUDA graphs (Megatron-LM's TE path): schedule orders, capture helper, MoE partial capture.
 
-* ``schedule``: pure pipeline ``order`` helpers and the graph / static-buffer plan;
-* ``partial_capture``: the MoE signal, tensor store and decorator an MoE layer uses;
-* ``backends``: TE / torch / eager capturers;
-* ``capture``: per-layer capture, assignment per micro-batch, replay, manual hooks;
-* ``engine_hook``: capture after ``warmup_steps`` and replay inside DeepSpeed's loop.
+| module | concept |
+| --- | --- |
+| ``schedule`` | pure pipeline ``order`` helpers and the graph / static-buffer plan |
+| ``backends`` | the capturers: Transformer Engine's, torch's, and an eager one for tests |
+| ``capture`` | ``CudaGraphHelper``: per-layer capture, assignment per micro-batch, replay, manual hooks |
+| ``partial_capture`` | the MoE layer's front inside the graph, its remaining steps after it |
 
-The torch-free ``schedule`` module imports without this package's torch parts.
+Layers declare themselves graphable by subclassing ``transformer.GraphableLayer``
+(and ``moe.BaseMoELayer`` for MoE MLPs).  The hook that captures and replays
+inside DeepSpeed's loop is a DeepSpeed seam: ``ds_megatron.integration.cuda_graphs``.
 """
+from .backends import Capturer, EagerCapturer, TorchCapturer, TransformerEngineCapturer, default_capturer
+from .capture import CudaGraphHelper, LayerGraphRunner, capture_stream, is_moe_layer, layer_is_graphable
+from .partial_capture import EarlyReturnLayout, early_return_step, moe_front, moe_rest, prepare_moe_for_scope
 from .schedule import (CudaGraphPlan, check_order, convert_schedule_table_to_order, get_num_warmup_microbatches,
                        get_order, get_pp_rank_microbatches, get_schedule_table, plan_cuda_graphs,
                        simulate_buffer_reuse)
 
-_LAZY = {
-    "attach_cuda_graphs": ".engine_hook", "CudaGraphEngineHook": ".engine_hook",
-    "CudaGraphHelper": ".capture", "GraphableLayer": ".capture", "layer_is_graphable": ".capture",
-    "EagerCapturer": ".backends", "TorchCapturer": ".backends", "TransformerEngineCapturer": ".backends",
-    "MoECudaGraphPartialCaptureSignal": ".partial_capture", "MoECudaGraphTensorStore": ".partial_capture",
-    "PartialCaptureMoE": ".partial_capture", "maybe_skip_or_early_return_by_cudagraph": ".partial_capture",
-    "is_graph_capturing": ".partial_capture",
-}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["CudaGraphPlan", "check_order", "convert_schedule_table_to_order", "get_num_warmup_microbatches",
-           "get_order", "get_pp_rank_microbatches", "get_schedule_table", "plan_cuda_graphs", "simulate_buffer_reuse",
-           *_LAZY]
+__all__ = ["Capturer", "EagerCapturer", "TorchCapturer", "TransformerEngineCapturer", "default_capturer",
+           "CudaGraphHelper", "LayerGraphRunner", "capture_stream", "is_moe_layer", "layer_is_graphable",
+           "EarlyReturnLayout", "early_return_step", "moe_front", "moe_rest", "prepare_moe_for_scope",
+           "CudaGraphPlan", "check_order", "convert_schedule_table_to_order", "get_num_warmup_microbatches",
+           "get_order", "get_pp_rank_microbatches", "get_schedule_table", "plan_cuda_graphs", "simulate_buffer_reuse"]

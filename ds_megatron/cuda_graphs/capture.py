@@ -6,7 +6,7 @@ attention / pre-MLP / post-MLP, Megatron's ``GraphableMegatronModule``):
 
 1. **Collect** the layers whose scope has something to capture: every layer
    for "attn" or a whole-layer scope, MoE layers (``layer.mlp`` is a
-   ``PartialCaptureMoE``) for "moe_router" / "moe_preprocess".
+   ``BaseMoELayer``) for "moe_router" / "moe_preprocess".
 2. **Static inputs**: one ``[s, b, h]`` buffer per layer input as seen in the
    eager warm-up steps; with a pipeline order, only as many buffers as the
    buffer-reuse plan needs (``schedule.plan_cuda_graphs``), shared across
@@ -33,11 +33,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..config import ConfigError, CudaGraphConfig
+from ..config.cuda_graph import CudaGraphConfig
+from ..errors import ConfigError
+from ..moe.moe_layer import BaseMoELayer
 from ..transformer.layer import GraphableLayer
 from .backends import Capturer
-from .partial_capture import (EarlyReturnLayout, PartialCaptureMoE, captured_region, early_return_step,
-                              fill_store_from_graph_outputs, prepare_moe_for_scope)
+from .partial_capture import EarlyReturnLayout, early_return_step, moe_front, moe_rest, prepare_moe_for_scope
 from .schedule import CudaGraphPlan, plan_cuda_graphs
 
 logger = logging.getLogger("ds_megatron.cuda_graphs")
@@ -52,7 +53,7 @@ def capture_stream() -> "torch.cuda.Stream":
 
 
 def is_moe_layer(layer) -> bool:
-    return isinstance(getattr(layer, "mlp", None), PartialCaptureMoE)
+    return isinstance(getattr(layer, "mlp", None), BaseMoELayer)
 
 
 def layer_is_graphable(layer, scope: Sequence[str]) -> bool:
@@ -101,23 +102,16 @@ class CapturedPart(torch.nn.Module):
         self.layout: Optional[EarlyReturnLayout] = None
 
     def forward(self, hidden: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        with captured_region(self.scope):
-            if self.whole_layer:
-                return (self._eager_forward(hidden),)
-            outputs: List[torch.Tensor] = []
-            if self.captures_attention:
-                hidden = self.layer.forward_attention(hidden)
-                outputs.append(hidden)
-            if self.moe_step is not None:
-                early = self.layer.mlp(self.layer.pre_mlp(hidden))
-                layout = getattr(self.layer.mlp, "cudagraph_early_return_layout", None)
-                if not isinstance(early, list) or layout is None or layout.return_step != self.moe_step:
-                    raise RuntimeError(f"{type(self.layer.mlp).__name__}.forward did not return early after "
-                                       f"{self.moe_step!r} while capturing; it must catch "
-                                       "MoECudaGraphPartialCaptureSignal and return e.get_early_return_outputs(...)")
-                self.layout = layout
-                outputs.extend(early)
-            return tuple(outputs)
+        if self.whole_layer:
+            return (self._eager_forward(hidden),)
+        outputs: List[torch.Tensor] = []
+        if self.captures_attention:
+            hidden = self.layer.forward_attention(hidden)
+            outputs.append(hidden)
+        if self.moe_step is not None:
+            front, self.layout = moe_front(self.layer.mlp, self.layer.pre_mlp(hidden), self.moe_step)
+            outputs.extend(front)
+        return tuple(outputs)
 
 
 class LayerGraphRunner:
@@ -191,13 +185,10 @@ class LayerGraphRunner:
             hidden, pos = outputs[0], 1
         if part.moe_step is None:
             return layer.post_mlp(hidden, layer.mlp(layer.pre_mlp(hidden)))
-        moe = layer.mlp
-        moe_input = fill_store_from_graph_outputs(moe, part.layout, outputs[pos:])
-        try:
-            mlp_output = moe(moe_input)
-        finally:
-            moe.cudagraph_tensor_store.clear()
-        return layer.post_mlp(hidden, mlp_output)
+        # The MoE layer is not called as a module here (its steps are): its own pre-hooks run by hand.
+        for hook, hook_args in _forward_pre_hooks(layer.mlp):
+            hook(*hook_args)
+        return layer.post_mlp(hidden, moe_rest(layer.mlp, outputs[pos:], part.layout))
 
     def drop_graphs(self) -> None:
         self.cuda_graphs = []
@@ -247,7 +238,7 @@ class CudaGraphHelper:
         if not graphable:
             raise ConfigError(f"megatron.cuda_graph.scope={list(self.scope)!r} captures nothing in this model "
                               f"({len(layers)} layers; moe_* scopes need MoE layers whose mlp implements "
-                              "PartialCaptureMoE); fix the scope or set impl to \"none\"")
+                              "BaseMoELayer); fix the scope or set impl to \"none\"")
         if early_return_step(self.scope) and not any(is_moe_layer(layer) for layer in graphable):
             raise ConfigError(f"megatron.cuda_graph.scope={list(self.scope)!r} names MoE steps but no layer has an "
                               "MoE mlp; drop the moe_* scopes or build the model with MoE layers")
@@ -330,8 +321,6 @@ class CudaGraphHelper:
         hooked: List[torch.nn.Module] = []
         for i, runner in enumerate(self.runners):
             replayed_eagerly = {id(runner.layer), id(runner.part)}
-            if runner.part.moe_step is not None:
-                replayed_eagerly.add(id(runner.layer.mlp))  # called again with the tensor store filled
             probe = sample_args[i if self.plan.order is None else self._first_index(i)][0].detach()
             with torch.no_grad(), _ModulesCalled() as called:
                 runner.part(probe)

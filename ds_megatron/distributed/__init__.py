@@ -1,27 +1,24 @@
 """Megatron's data-parallel gradient machinery: contiguous padded buffers, buckets, bucket groups, DDP wrapper.
 
-``buffer_layout`` and ``ddp_config`` are pure Python; the rest imports torch
-on first use, so that config validation stays torch-free.
+| module | concept |
+| --- | --- |
+| ``buffer_layout`` | pure index maps: where each param's grad lives, buckets, per-DP-rank shard ranges |
+| ``param_and_grad_buffer`` | ``ParamAndGradBuffer`` / ``ParamAndGradBucket``: the tensors laid out that way |
+| ``bucket_group`` | ``ParamAndGradBucketGroup``: the unit of (overlapped) reduction and param all-gather |
+| ``distributed_data_parallel`` | ``DistributedDataParallel``: hooks, accumulation into ``main_grad``, ``no_sync`` |
+| ``finalize_model_grads`` | the end of a step's gradient sync (DP buckets, then sequence-parallel grads over TP) |
+
+The switches are ``ds_megatron.config.DistributedDataParallelConfig``.
 """
-from .buffer_layout import (BufferLayout, ParamShardRanges, Range, bucket_shard_param_ranges,  # noqa: F401
-                            bucket_size_divisor, build_buffer_layout, pad)
-from .ddp_config import DistributedDataParallelConfig, default_bucket_size  # noqa: F401
+from ..config.ddp import DistributedDataParallelConfig, default_bucket_size
+from .bucket_group import ParamAndGradBucketGroup, partition_buckets
+from .buffer_layout import (BufferLayout, ParamShardRanges, Range, bucket_shard_param_ranges, bucket_size_divisor,
+                            build_buffer_layout, pad)
+from .distributed_data_parallel import DistributedDataParallel
+from .finalize_model_grads import finalize_model_grads
+from .param_and_grad_buffer import BufferType, ParamAndGradBucket, ParamAndGradBuffer
 
-_LAZY = {
-    "ParamAndGradBuffer": "param_and_grad_buffer", "ParamAndGradBucket": "param_and_grad_buffer",
-    "BufferType": "param_and_grad_buffer",
-    "ParamAndGradBucketGroup": "bucket_group", "partition_buckets": "bucket_group",
-    "DistributedDataParallel": "distributed_data_parallel", "is_expert_param": "distributed_data_parallel",
-    "attach_megatron_ddp": "deepspeed_hooks", "MegatronDDPHooks": "deepspeed_hooks",
-}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["BufferLayout", "ParamShardRanges", "Range", "bucket_shard_param_ranges", "bucket_size_divisor",
-           "build_buffer_layout", "pad", "DistributedDataParallelConfig", "default_bucket_size", *_LAZY]
+__all__ = ["DistributedDataParallelConfig", "default_bucket_size", "ParamAndGradBucketGroup", "partition_buckets",
+           "BufferLayout", "ParamShardRanges", "Range", "bucket_shard_param_ranges", "bucket_size_divisor",
+           "build_buffer_layout", "pad", "DistributedDataParallel", "finalize_model_grads", "BufferType",
+           "ParamAndGradBucket", "ParamAndGradBuffer"]

@@ -16,11 +16,10 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..utils.collectives import all_gather_single as _all_gather_single
-from ..utils.collectives import reduce_scatter_single
-from .ddp_config import DistributedDataParallelConfig
+from ..config.ddp import DistributedDataParallelConfig
+from ..parallel_state import ParallelGroup
+from ..utils.collectives import AVG, SUM, all_gather_into, all_reduce, reduce_scatter_into
 from .param_and_grad_buffer import ParamAndGradBucket, ParamAndGradBuffer
 
 
@@ -28,11 +27,11 @@ class ParamAndGradBucketGroup:
     """Buckets whose reductions start together; see the module docstring."""
 
     def __init__(self, buckets: List[ParamAndGradBucket], ddp_config: DistributedDataParallelConfig,
-                 collective_group, collective_group_size: int):
+                 collective_group: ParallelGroup):
         self.buckets = buckets
         self.ddp_config = ddp_config
         self.collective_group = collective_group
-        self.collective_group_size = collective_group_size
+        self.collective_group_size = collective_group.size
         self.params = set().union(*(b.params for b in buckets)) if buckets else set()
         self.params_with_grad = set()
         # False inside no_sync(): grads are still being accumulated, nothing is reduced.
@@ -46,7 +45,7 @@ class ParamAndGradBucketGroup:
         self.is_last_microbatch = True
 
     def _rank(self) -> int:
-        return dist.get_rank(group=self.collective_group)
+        return self.collective_group.rank
 
     def start_grad_sync(self) -> None:
         """Issue this group's reductions (async): all-reduce, or reduce-scatter with the distributed optimizer."""
@@ -54,7 +53,7 @@ class ParamAndGradBucketGroup:
             raise RuntimeError("start_grad_sync called twice for one bucket group in one step; call "
                                "finish_grad_sync (or zero_grad_buffer) before starting another reduction")
         avg = self.ddp_config.average_in_collective
-        op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
+        op = AVG if avg else SUM
         handles = []
         for bucket in self.buckets:
             if not avg and bucket.gradient_scaling_factor != 1.0:
@@ -64,10 +63,10 @@ class ParamAndGradBucketGroup:
             if self.ddp_config.use_distributed_optimizer:
                 # In place: this rank's shard of the bucket receives the reduced values.
                 r = bucket.shard_range(self._rank(), self.collective_group_size)
-                handles.append(reduce_scatter_single(bucket.grad_data[r.start:r.end], bucket.grad_data, op=op,
-                                                          group=self.collective_group, async_op=True))
+                handles.append(reduce_scatter_into(bucket.grad_data[r.start:r.end], bucket.grad_data,
+                                                   self.collective_group, op=op, async_op=True))
             else:
-                handles.append(dist.all_reduce(bucket.grad_data, op=op, group=self.collective_group, async_op=True))
+                handles.append(all_reduce(bucket.grad_data, self.collective_group, op=op, async_op=True))
         self.grad_reduce_handles = handles
 
     def finish_grad_sync(self) -> None:
@@ -111,8 +110,8 @@ class ParamAndGradBucketGroup:
         if self.collective_group_size > 1:
             for bucket in self.buckets:
                 r = bucket.shard_range(self._rank(), self.collective_group_size)
-                handles.append(_all_gather_single(bucket.param_data, bucket.param_data[r.start:r.end],
-                                                  group=self.collective_group, async_op=async_op))
+                handles.append(all_gather_into(bucket.param_data, bucket.param_data[r.start:r.end],
+                                               self.collective_group, async_op=async_op))
         self.param_gather_handles = [h for h in handles if h is not None] if async_op else None
 
     def finish_param_sync(self) -> None:
@@ -143,14 +142,12 @@ def partition_buckets(buffers: Sequence[ParamAndGradBuffer],
         by_dtype[buffer.param_dtype] = buffer
     first = buffers[0]
     for buffer in buffers[1:]:
-        if (buffer.ddp_config != first.ddp_config or buffer.data_parallel_group is not first.data_parallel_group
-                or buffer.data_parallel_world_size != first.data_parallel_world_size):
+        if buffer.ddp_config != first.ddp_config or buffer.data_parallel_group != first.data_parallel_group:
             raise ValueError("partition_buckets got buffers with different configs or reduction groups; "
                              "partition dense and expert buffers separately")
 
     def group(buckets):
-        return ParamAndGradBucketGroup(buckets, first.ddp_config, first.data_parallel_group,
-                                       first.data_parallel_world_size)
+        return ParamAndGradBucketGroup(buckets, first.ddp_config, first.data_parallel_group)
 
     if force_single_bucket_group:
         return [group([b for buffer in buffers for b in buffer.buckets])]

@@ -16,35 +16,37 @@ updated params, started after the optimizer step, is waited for bucket group
 by bucket group in forward pre-hooks of the modules that own the params, and
 in a ``state_dict`` pre-hook (a checkpoint never reads half-gathered params).
 
-Expert params are recognized as DeepSpeed marks MoE params (``allreduce=False``)
-or by ``is_expert=True``.
+Expert params are recognized by their marks (``tensor_parallel.params.is_expert_param``).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
+from ..config.ddp import DistributedDataParallelConfig, default_bucket_size
+from ..parallel_state import ParallelGroup, ParallelState
+from ..tensor_parallel.params import is_expert_param
 from .bucket_group import ParamAndGradBucketGroup, partition_buckets
-from .ddp_config import DistributedDataParallelConfig, default_bucket_size
 from .param_and_grad_buffer import ParamAndGradBuffer
 
-
-def is_expert_param(param: torch.nn.Parameter) -> bool:
-    return getattr(param, "allreduce", True) is False or getattr(param, "is_expert", False)
+_FLOAT16 = (torch.float16, torch.bfloat16)
 
 
 class DistributedDataParallel(torch.nn.Module):
     """``DistributedDataParallel(module, ddp_config, parallel_state, disable_bucketing=False)``.
 
     ``parallel_state``: the job's ``ParallelState``; its ``dp_cp`` group reduces
-    dense grads and its ``edp`` group expert grads.  ``disable_bucketing``: one
-    bucket group for everything (a single reduction at the end).
+    dense grads and its ``edp`` group expert grads.  ``expert_group``: the group
+    an expert param is reduced over when it is not ours (DeepSpeed's MoE layer
+    keeps its own expert-data-parallel groups); default ``edp`` for every expert.
+    ``disable_bucketing``: one bucket group for everything (a single reduction at the end).
     """
 
-    def __init__(self, module: torch.nn.Module, ddp_config: DistributedDataParallelConfig, parallel_state,
-                 disable_bucketing: bool = False):
+    def __init__(self, module: torch.nn.Module, ddp_config: DistributedDataParallelConfig,
+                 parallel_state: ParallelState, disable_bucketing: bool = False,
+                 expert_group: Optional[Callable[[torch.nn.Parameter], ParallelGroup]] = None):
         super().__init__()
         self.module = module
         self.ddp_config = ddp_config
@@ -58,25 +60,36 @@ class DistributedDataParallel(torch.nn.Module):
         self.bucket_size = bucket_size
 
         param_to_name = {p: n for n, p in module.named_parameters()}
-        dense, expert = [], []
+        dense: List[torch.nn.Parameter] = []
+        experts: Dict[ParallelGroup, List[torch.nn.Parameter]] = {}
         for p in module.parameters():
             if p.requires_grad:
-                (expert if is_expert_param(p) else dense).append(p)
+                if is_expert_param(p):
+                    experts.setdefault(expert_group(p) if expert_group is not None else edp, []).append(p)
+                else:
+                    dense.append(p)
 
         # Grads of the global batch are the mean over dp-cp ranks' micro-batches.  Expert grads
         # already sum tokens routed from the whole expert-parallel group, so summing them
-        # over edp and dividing by dp-cp gives the same mean (Megatron's expert factor).
-        if ddp_config.average_in_collective:
-            dense_factor, expert_factor = 1.0, edp.size / dp_cp.size
-        else:
-            dense_factor = expert_factor = 1.0 / dp_cp.size
+        # over their expert-data-parallel group and dividing by dp-cp gives the same mean
+        # (Megatron's expert factor).
+        def factor(group: ParallelGroup) -> float:
+            return group.size / dp_cp.size if ddp_config.average_in_collective else 1.0 / dp_cp.size
 
-        self.buffers = self._allocate_buffers(dense, dp_cp, dense_factor, param_to_name)
-        self.expert_parallel_buffers = self._allocate_buffers(expert, edp, expert_factor, param_to_name)
+        self.buffers = self._allocate_buffers(dense, dp_cp, 1.0 if ddp_config.average_in_collective
+                                              else 1.0 / dp_cp.size, param_to_name)
+        self.expert_parallel_buffers = [buffer for group, params in experts.items()
+                                        for buffer in self._allocate_buffers(params, group, factor(group),
+                                                                             param_to_name)]
         self.bucket_groups: List[ParamAndGradBucketGroup] = partition_buckets(
             self.buffers, force_single_bucket_group=disable_bucketing)
-        self.expert_parallel_bucket_groups: List[ParamAndGradBucketGroup] = partition_buckets(
-            self.expert_parallel_buffers, force_single_bucket_group=disable_bucketing)
+        self.expert_parallel_bucket_groups: List[ParamAndGradBucketGroup] = [
+            group for params_group in experts
+            for group in partition_buckets([b for b in self.expert_parallel_buffers
+                                            if b.data_parallel_group == params_group],
+                                           force_single_bucket_group=disable_bucketing)]
+        # Set by finalize_model_grads when this window's sync (DP and model-parallel) is complete.
+        self.grads_finalized = False
         self.param_to_bucket_group: Dict[torch.nn.Parameter, ParamAndGradBucketGroup] = {}
         for group in self.bucket_groups + self.expert_parallel_bucket_groups:
             for p in group.params:
@@ -100,19 +113,19 @@ class DistributedDataParallel(torch.nn.Module):
                     group.finish_param_sync()
         return hook
 
-    def _allocate_buffers(self, params, group, gradient_scaling_factor, param_to_name) -> List[ParamAndGradBuffer]:
+    def _allocate_buffers(self, params, group: ParallelGroup, gradient_scaling_factor,
+                          param_to_name) -> List[ParamAndGradBuffer]:
         by_dtypes: Dict[tuple, List[torch.nn.Parameter]] = {}
         indices: Dict[tuple, List[int]] = {}
         count: Dict[torch.dtype, int] = {}
         for p in params:
-            grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else p.dtype
+            grad_dtype = torch.float32 if self.ddp_config.grad_dtype_is_fp32(p.dtype in _FLOAT16) else p.dtype
             key = (p.dtype, grad_dtype)
             by_dtypes.setdefault(key, []).append(p)
             indices.setdefault(key, []).append(count.get(p.dtype, 0))
             count[p.dtype] = count.get(p.dtype, 0) + 1
-        return [ParamAndGradBuffer(self.ddp_config, param_dtype, grad_dtype, ps, group.group, group.size,
-                                   self.bucket_size, gradient_scaling_factor, indices[(param_dtype, grad_dtype)],
-                                   param_to_name)
+        return [ParamAndGradBuffer(self.ddp_config, param_dtype, grad_dtype, ps, group, self.bucket_size,
+                                   gradient_scaling_factor, indices[(param_dtype, grad_dtype)], param_to_name)
                 for (param_dtype, grad_dtype), ps in by_dtypes.items()]
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter):
@@ -168,10 +181,7 @@ class DistributedDataParallel(torch.nn.Module):
             buffer.reset()
         for group in self.all_bucket_groups:
             group.reset()
-
-    def scale_gradients(self, scaling_factor: float) -> None:
-        for buffer in self.all_buffers:
-            buffer.scale_gradients(scaling_factor)
+        self.grads_finalized = False
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """(Distributed optimizer) all-gather updated param shards into every rank's param buffer."""

@@ -18,8 +18,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..config.ddp import DistributedDataParallelConfig
+from ..parallel_state import ParallelGroup
 from .buffer_layout import BufferLayout, Range, build_buffer_layout
-from .ddp_config import DistributedDataParallelConfig
 
 
 class BufferType(Enum):
@@ -56,12 +57,13 @@ class ParamAndGradBucket:
 class ParamAndGradBuffer:
     """Grad (and param) storage for params of one (param_dtype, grad_dtype); see the module docstring.
 
-    ``params`` in model order; ``param_indices``: each param's index among all
-    params of its dtype in the model (kept for checkpoint conversion, as in Megatron).
+    ``params`` in model order, reduced over ``data_parallel_group``;
+    ``param_indices``: each param's index among all params of its dtype in the
+    model (kept for checkpoint conversion, as in Megatron).
     """
 
     def __init__(self, ddp_config: DistributedDataParallelConfig, param_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 params: Sequence[torch.nn.Parameter], data_parallel_group, data_parallel_world_size: int,
+                 params: Sequence[torch.nn.Parameter], data_parallel_group: ParallelGroup,
                  bucket_size: Optional[int], gradient_scaling_factor: float,
                  param_indices: Optional[Sequence[int]] = None, param_to_name: Optional[Dict] = None):
         self.ddp_config = ddp_config
@@ -69,6 +71,7 @@ class ParamAndGradBuffer:
         self.grad_dtype = grad_dtype
         self.params = list(params)
         self.data_parallel_group = data_parallel_group
+        data_parallel_world_size = data_parallel_group.size
         self.data_parallel_world_size = data_parallel_world_size
         self.gradient_scaling_factor = gradient_scaling_factor
         self.param_indices = list(param_indices) if param_indices is not None else list(range(len(self.params)))
@@ -132,9 +135,6 @@ class ParamAndGradBuffer:
     def reset(self) -> None:
         """Zero the whole grad buffer (one op) before a new accumulation window."""
         self.grad_data.zero_()
-
-    def scale_gradients(self, scaling_factor: float) -> None:
-        self.grad_data *= scaling_factor
 
     def grad_shard(self, bucket_id: int, dp_rank: int) -> torch.Tensor:
         """``dp_rank``'s slice of a bucket's grads: what a reduce-scatter leaves reduced on that rank."""

@@ -14,24 +14,21 @@ hold the same full model.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..config import ConfigError
-from ..tensor_parallel import (RNGStatesTracker, VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
-                               gather_from_sequence_parallel_region, init_method_normal, mark_sequence_parallel,
-                               pad_vocab_size, register_sequence_parallel_grad_hooks, scaled_init_method_normal,
+from ..config.model import GPTConfig
+from ..moe.aux_loss_tracker import MoEAuxLossTracker
+from ..moe.moe_layer import BaseMoELayer, MoELayer
+from ..parallel_state import ParallelState
+from ..tensor_parallel import (RNGStatesTracker, VocabParallelEmbedding, checkpoint,
+                               copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                               init_method_normal, mark_sequence_parallel, pad_vocab_size, scaled_init_method_normal,
                                scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
-from ..transformer import ParallelTransformerLayer
-from .gpt_config import GPTConfig
-
-
-class _NoTensorParallel:
-    group = None
-    size = 1
-    rank = 0
+from ..transformer import ParallelMLP, ParallelTransformerLayer
 
 
 class GPTModel(torch.nn.Module):
@@ -39,24 +36,22 @@ class GPTModel(torch.nn.Module):
 
     With labels: the mean loss over the masked tokens (a scalar).  Without:
     this rank's vocab-parallel logits, [b, s, V_padded / tp].
+
+    Gradients of parameters marked ``sequence_parallel`` are partial sums over
+    TP and are completed by whoever reduces the gradients (``finalize_model_grads``
+    on the Megatron path), not inside the model.
     """
 
-    def __init__(self, config: GPTConfig, parallel_state=None, rng_tracker: Optional[RNGStatesTracker] = None):
-        """``parallel_state``: the job's ``ParallelState``; None builds the plain single-rank model."""
+    def __init__(self, config: GPTConfig, parallel_state: Optional[ParallelState] = None,
+                 rng_tracker: Optional[RNGStatesTracker] = None):
+        """``parallel_state``: the job's ``ParallelState``; None means one rank (``ParallelState.single()``)."""
         super().__init__()
-        if parallel_state is not None and (parallel_state.cp.size > 1 or parallel_state.pp.size > 1):
-            raise ConfigError("GPTModel supports tensor, sequence and data parallelism; "
-                              "context_parallel_size and pipeline_model_parallel_size must be 1 for it")
-        tp = parallel_state.tp if parallel_state is not None else _NoTensorParallel()
-        config.check_tensor_parallel(tp.size)
-        # MoE: expert sizes checked against the model; one tracker for the routing losses
-        if parallel_state is not None:
-            config.check_expert_parallel(parallel_state.ep.size, parallel_state.etp.size)
-        from ..moe.aux_loss_tracker import MoEAuxLossTracker
+        state = parallel_state if parallel_state is not None else ParallelState.single()
+        config.check_layout(state.layout)
+        tp = state.tp
         self.moe_aux_loss_tracker = MoEAuxLossTracker() if config.num_experts else None
         self.config = config
-        self.tp_group = tp.group
-        self.tp_size = tp.size
+        self.tp = tp
         self.rng_tracker = rng_tracker
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp.size)
         init = init_method_normal(config.init_method_std)
@@ -69,24 +64,25 @@ class GPTModel(torch.nn.Module):
             with torch.no_grad():
                 weight[config.vocab_size:].zero_()
 
-        self.word_embeddings = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, tp_group=tp.group,
+        self.word_embeddings = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, tp=tp,
                                                       init_method=embedding_init)
         self.position_embeddings = torch.nn.Embedding(config.seq_length, config.hidden_size)
         init(self.position_embeddings.weight)
+
+        def mlp(layer_number: int) -> torch.nn.Module:
+            if config.is_moe_layer(layer_number):
+                return MoELayer(config, state, layer_number=layer_number, init_method=init,
+                                output_init_method=out_init, aux_loss_tracker=self.moe_aux_loss_tracker)
+            return ParallelMLP(config.hidden_size, config.ffn_hidden_size, tp=tp, init_method=init,
+                               output_init_method=out_init, sequence_parallel=config.sequence_parallel)
+
         self.layers = torch.nn.ModuleList(
-            ParallelTransformerLayer(config, tp_group=tp.group, tp_size=tp.size, init_method=init,
-                                     output_init_method=out_init, rng_tracker=rng_tracker, layer_number=i,
-                                     parallel_state=parallel_state, aux_loss_tracker=self.moe_aux_loss_tracker)
+            ParallelTransformerLayer(config, tp=tp, build_mlp=functools.partial(mlp, i), init_method=init,
+                                     output_init_method=out_init, rng_tracker=rng_tracker)
             for i in range(config.num_layers))
         self.final_layernorm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        if config.recompute_granularity and rng_tracker is not None:
-            from deepspeed.runtime.activation_checkpointing import checkpointing
-            checkpointing._CUDA_RNG_STATE_TRACKER = rng_tracker
         if config.sequence_parallel:
             mark_sequence_parallel(self.final_layernorm)
-            if tp.size > 1:  # group None would mean the whole world to torch.distributed
-                # Summed inside backward, so DeepSpeed's loop (or any other) sees full gradients.
-                register_sequence_parallel_grad_hooks(self, tp.group)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         s = tokens.size(1)
@@ -96,7 +92,7 @@ class GPTModel(torch.nn.Module):
         hidden = self.word_embeddings(tokens) + self.position_embeddings(positions)
         hidden = hidden.transpose(0, 1).contiguous()  # [s, b, h]
         if self.config.sequence_parallel:
-            hidden = scatter_to_sequence_parallel_region(hidden, self.tp_group)
+            hidden = scatter_to_sequence_parallel_region(hidden, self.tp)
         if self.training and self.config.hidden_dropout > 0:
             # Outside the TP region every TP rank holds the same values and must drop the same
             # entries (default RNG); a sequence-parallel slice is rank-specific (tracker RNG).
@@ -112,22 +108,20 @@ class GPTModel(torch.nn.Module):
             tokens, labels, loss_mask = batch["tokens"], batch.get("labels"), batch.get("loss_mask")
         hidden = self._embed(tokens)
         recompute = self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled()
-        if recompute:
-            from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint as deepspeed_checkpoint
         for layer in self.layers:
-            # Recomputed in backward by DeepSpeed's activation checkpointing, which replays the
-            # dropout streams of the tracker installed below (and by ds_megatron.initialize).
-            hidden = deepspeed_checkpoint(layer, hidden) if recompute else layer(hidden)
+            # Full recomputation: each layer keeps only its input and reruns in backward, replaying the
+            # default generator and this model's tracker streams (the same dropout masks).
+            hidden = checkpoint(layer, self.rng_tracker, hidden) if recompute else layer(hidden)
         hidden = self.final_layernorm(hidden)
         if self.config.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, self.tp_group, tensor_parallel_output_grad=True)
+            hidden = gather_from_sequence_parallel_region(hidden, self.tp, tensor_parallel_output_grad=True)
         else:
-            hidden = copy_to_tensor_model_parallel_region(hidden, self.tp_group)
+            hidden = copy_to_tensor_model_parallel_region(hidden, self.tp)
         # Tied output layer: this rank's vocab rows of the embedding.
         logits = F.linear(hidden, self.word_embeddings.weight)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp_group,
+        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp,
                                               label_smoothing=self.config.label_smoothing,
                                               vocab_size=self.config.vocab_size).transpose(0, 1)
         if loss_mask is None:
@@ -141,4 +135,5 @@ class GPTModel(torch.nn.Module):
         """The routing losses (load balancing, z) of the last forward, summed over MoE layers; 0 without MoE."""
         if self.moe_aux_loss_tracker is None:
             return 0.0
-        return sum(layer.mlp.aux_loss for layer in self.layers if hasattr(layer.mlp, "router"))
+        return sum(sum(layer.mlp.aux_losses.values(), 0.0) for layer in self.layers
+                   if isinstance(layer.mlp, BaseMoELayer))

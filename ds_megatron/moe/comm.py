@@ -9,24 +9,25 @@
   sends the same block to every peer; the reduce-scatter sends each peer its
   block and sums what comes back.  They are each other's backward.
 
-``group=None`` or a group of one is the identity.  Split sizes are Python
-lists (host values): the caller decides where the device-to-host copy happens.
+Groups are ``ParallelGroup``s; a group of one is the identity.  Split sizes
+are Python lists (host values): the caller decides where the device-to-host
+copy happens.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 import torch
-import torch.distributed as dist
 
-from ..tensor_parallel.mappings import group_rank, group_size
-from ..utils.collectives import all_gather_single as _all_gather_single
+from ..parallel_state import ParallelGroup
+from ..utils.collectives import all_gather_into, all_to_all_single
 
 
-def _all_to_all_raw(x: torch.Tensor, output_splits: List[int], input_splits: List[int], group) -> torch.Tensor:
+def _all_to_all_raw(x: torch.Tensor, output_splits: List[int], input_splits: List[int],
+                    group: ParallelGroup) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group)
+    all_to_all_single(out, x, output_splits, input_splits, group)
     return out
 
 
@@ -44,9 +45,9 @@ class _AllToAll(torch.autograd.Function):
 
 
 def all_to_all(x: torch.Tensor, output_splits: List[int], input_splits: List[int],
-               group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+               group: ParallelGroup) -> torch.Tensor:
     """Rows ``input_splits[r]`` of ``x`` go to rank r; ``output_splits[r]`` rows arrive from rank r."""
-    if group_size(group) == 1:
+    if group.size == 1:
         return x
     return _AllToAll.apply(x, list(output_splits), list(input_splits), group)
 
@@ -56,8 +57,8 @@ def _all_gather_v_raw(x: torch.Tensor, sizes: List[int], group) -> torch.Tensor:
     return _all_to_all_raw(x.repeat((world,) + (1,) * (x.dim() - 1)), sizes, [x.size(0)] * world, group)
 
 
-def _reduce_scatter_v_raw(x: torch.Tensor, sizes: List[int], group) -> torch.Tensor:
-    world, me = len(sizes), group_rank(group)
+def _reduce_scatter_v_raw(x: torch.Tensor, sizes: List[int], group: ParallelGroup) -> torch.Tensor:
+    world, me = len(sizes), group.rank
     parts = _all_to_all_raw(x, [sizes[me]] * world, sizes, group)
     return parts.view((world, sizes[me]) + tuple(x.shape[1:])).sum(dim=0)
 
@@ -84,24 +85,24 @@ class _ReduceScatterV(torch.autograd.Function):
         return _all_gather_v_raw(grad, ctx.sizes, ctx.group), None, None
 
 
-def all_gather_v(x: torch.Tensor, sizes: List[int], group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def all_gather_v(x: torch.Tensor, sizes: List[int], group: ParallelGroup) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0 (rank r contributes ``sizes[r]`` rows)."""
-    if group_size(group) == 1:
+    if group.size == 1:
         return x
     return _AllGatherV.apply(x, list(sizes), group)
 
 
-def reduce_scatter_v(x: torch.Tensor, sizes: List[int], group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def reduce_scatter_v(x: torch.Tensor, sizes: List[int], group: ParallelGroup) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's block (``sizes[rank]`` rows) of dim 0."""
-    if group_size(group) == 1:
+    if group.size == 1:
         return x
     return _ReduceScatterV.apply(x, list(sizes), group)
 
 
-def all_gather_counts(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def all_gather_counts(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     """[world, *x.shape]: every rank's (equal-shaped, non-differentiable) ``x``."""
-    if group_size(group) == 1:
+    if group.size == 1:
         return x.unsqueeze(0)
-    out = x.new_empty((group_size(group) * x.numel(),))
-    _all_gather_single(out, x.reshape(-1).contiguous(), group=group)
-    return out.view((group_size(group),) + tuple(x.shape))
+    out = x.new_empty((group.size * x.numel(),))
+    all_gather_into(out, x.reshape(-1).contiguous(), group)
+    return out.view((group.size,) + tuple(x.shape))

@@ -17,9 +17,9 @@ e.g. float64); ``SequentialMLP`` loops over experts.  ``launch/bench/bench_moe.p
 compares them; ``moe_grouped_gemm`` null (the default) picks the faster one for
 the device: grouped with CUDA, sequential on CPU (see ``experts_class``).
 
-Expert params carry DeepSpeed's MoE marks (``allreduce=False``, ``group_name``)
-and ``is_expert=True``: their gradients are reduced over the expert-data-parallel
-group, not the data-parallel one.
+Expert params carry the expert marks (``tensor_parallel.params.mark_expert_param``):
+their gradients are reduced over the expert-data-parallel group, not the
+data-parallel one.
 """
 from __future__ import annotations
 
@@ -28,24 +28,12 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..parallel_state import ParallelGroup
 from ..tensor_parallel.init import InitMethod, init_method_normal
-from ..tensor_parallel.params import set_tensor_model_parallel_attributes
+from ..tensor_parallel.params import mark_expert_param
 from ..tensor_parallel.utils import divide
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def expert_group_name(ep_size: int) -> str:
-    """DeepSpeed's name for the expert groups of EP size ``ep_size`` (``groups._get_max_expert_size_name``)."""
-    return f"ep_size_{ep_size}"
-
-
-def mark_expert_param(param: torch.nn.Parameter, ep_size: int, partition_dim: int) -> None:
-    param.allreduce = False  # DeepSpeed's mark: reduce over the expert-data-parallel group
-    param.group_name = expert_group_name(ep_size)
-    param.is_expert = True
-    # Every expert param is a distinct shard on the etp-ep grid: count it once per rank in norms.
-    set_tensor_model_parallel_attributes(param, True, partition_dim)
 
 
 def draw_expert_master_weights(num_experts: int, hidden_size: int, ffn_hidden_size: int,
@@ -117,10 +105,11 @@ def _cumsum(values: Sequence[int]):
 
 
 class _ExpertsBase(torch.nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, ep_size: int = 1,
-                 ep_rank: int = 0, etp_size: int = 1, etp_rank: int = 0, init_method: Optional[InitMethod] = None,
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, ep: ParallelGroup,
+                 etp: ParallelGroup, init_method: Optional[InitMethod] = None,
                  output_init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32):
         super().__init__()
+        ep_size, ep_rank, etp_size, etp_rank = ep.size, ep.rank, etp.size, etp.rank
         self.num_experts = num_experts
         self.num_local_experts = divide(num_experts, ep_size, what="num_experts")
         self.local_expert_indices = list(range(ep_rank * self.num_local_experts,

@@ -2,15 +2,17 @@
 
 ``forward`` is exactly::
 
-    shared = self.shared_experts_compute(hidden)              # optional, dense TP MLP
-    probs, routing_map = self.route(hidden)                   # router (+ aux losses)
+    shared = self.shared_experts_compute(hidden)                 # optional, dense TP MLP
+    probs, routing_map = self.route(hidden)                      # router (+ routing losses)
     hidden, probs = self.preprocess(hidden, probs, routing_map)  # counts, permutation, sync point
-    hidden, probs = self.dispatch(hidden, probs)              # EP all-to-all / all-gather
-    output = self.routed_experts_compute(hidden, probs)       # local experts
-    return self.combine(output, shared)                       # communication back, un-permute, + shared
+    hidden, probs = self.dispatch(hidden, probs)                 # EP all-to-all / all-gather
+    output = self.routed_experts_compute(hidden, probs)          # local experts
+    return self.combine(output, shared)                          # communication back, un-permute, + shared
 
-so a partial CUDA-graph capture can stop after ``route`` or ``preprocess``
-and replay resumes at ``dispatch`` with the dispatcher's ``cudagraph_attrs``.
+These steps are the layer's public interface (``BaseMoELayer``): a partial
+CUDA graph (``ds_megatron.cuda_graphs``) runs the first ones inside the
+graph and the rest eagerly by calling them; the layer itself knows nothing
+about graphs.
 
 Groups (MoE folding): the attention around this layer runs on the dense
 groups (tp, dp), the routed experts on the expert groups (etp, ep, edp) of
@@ -23,56 +25,94 @@ parallelism with MoE and TP).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..parallel_state import ParallelState
 from ..tensor_parallel.init import InitMethod
-from ..tensor_parallel.mappings import (gather_from_sequence_parallel_region, group_rank, group_size,
-                                        scatter_to_sequence_parallel_region)
+from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from ..tensor_parallel.utils import divide
-from ..cuda_graphs.partial_capture import (MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore,
-                                           PartialCaptureMoE, maybe_skip_or_early_return_by_cudagraph)
+from ..transformer.mlp import ParallelMLP
 from .aux_loss_tracker import MoEAuxLossTracker
 from .experts import experts_class
 from .router import TopKRouter
-from .token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
+from .token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher, MoETokenDispatcher
 
 DISPATCHER_TYPES = ("alltoall", "allgather")
 
 
-class _Groups:
-    """The groups one MoE layer uses; all None (size 1) for the single-rank model."""
+class BaseMoELayer(torch.nn.Module):
+    """The step interface of an MoE layer (Megatron's ``MoELayer`` split), see the module docstring.
 
-    def __init__(self, parallel_state=None):
-        get = (lambda kind: parallel_state[kind].group) if parallel_state is not None else (lambda kind: None)
-        self.tp, self.ep, self.etp, self.etp_ep = get("tp"), get("ep"), get("etp"), get("etp-ep")
+    A subclass sets ``token_dispatcher`` (a ``MoETokenDispatcher``: its
+    ``preprocess_state()`` / ``restore_preprocess_state()`` and ``cuda_sync_point``)
+    and implements the steps.  After ``route`` the layer's ``aux_losses`` hold
+    that forward's routing losses by name (recorded for logging);
+    ``restore_route`` is route's counterpart for losses computed elsewhere (a
+    replayed graph).  Subclassing is the declaration capture code checks.
+    """
+
+    token_dispatcher: MoETokenDispatcher
+
+    def shared_experts_compute(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def route(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def restore_route(self, aux_losses: Dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    @property
+    def aux_losses(self) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor,
+                   routing_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shared_expert_output = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states)
+        hidden, probs = self.preprocess(hidden_states, probs, routing_map)
+        hidden, probs = self.dispatch(hidden, probs)
+        output = self.routed_experts_compute(hidden, probs)
+        return self.combine(output, shared_expert_output)
 
 
-class MoELayer(PartialCaptureMoE):
+class MoELayer(BaseMoELayer):
     """``forward(hidden [s, b, h]) -> [s, b, h]``; ``aux_loss`` is the last forward's routing loss.
 
     ``config``: a ``GPTConfig`` (its ``num_experts``, ``moe_*`` fields, ``hidden_size``,
-    ``sequence_parallel``); ``parallel_state``: the job's ``ParallelState`` or None.
+    ``sequence_parallel``); ``parallel_state``: the job's ``ParallelState``
+    (``ParallelState.single()`` for one rank, the default).
     """
 
-    def __init__(self, config, *, parallel_state=None, layer_number: int = 0,
+    def __init__(self, config, parallel_state: Optional[ParallelState] = None, *, layer_number: int = 0,
                  init_method: Optional[InitMethod] = None, output_init_method: Optional[InitMethod] = None,
                  aux_loss_tracker: Optional[MoEAuxLossTracker] = None):
         super().__init__()
         if config.moe_token_dispatcher_type not in DISPATCHER_TYPES:
             raise ValueError(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} is unknown; "
                              f"use one of {DISPATCHER_TYPES}")
-        groups = _Groups(parallel_state)
+        state = parallel_state if parallel_state is not None else ParallelState.single()
         self.config = config
         self.layer_number = layer_number
-        self.tp_group = groups.tp
-        self.tp_size = group_size(groups.tp)
-        self.sequence_parallel = bool(config.sequence_parallel) and self.tp_size > 1
+        self.tp = state.tp
+        self.sequence_parallel = bool(config.sequence_parallel) and self.tp.size > 1
         # Without sequence parallelism every TP rank holds the same tokens: route them all, then
         # give each TP rank its slice for the experts (distinct tokens across the EP group).
-        self.scatter_tokens = self.tp_size > 1 and not self.sequence_parallel
-        ep_size, etp_size = group_size(groups.ep), group_size(groups.etp)
+        self.scatter_tokens = self.tp.size > 1 and not self.sequence_parallel
 
         self.router = TopKRouter(
             config.hidden_size, config.num_experts, config.moe_router_topk,
@@ -80,57 +120,55 @@ class MoELayer(PartialCaptureMoE):
             aux_loss_coeff=config.moe_aux_loss_coeff, z_loss_coeff=config.moe_z_loss_coeff,
             capacity_factor=config.moe_capacity_factor, drop_policy=config.moe_token_drop_policy,
             pad_to_capacity=config.moe_pad_expert_input_to_capacity,
-            tp_cp_group=groups.tp if self.sequence_parallel else None, sequence_parallel=self.sequence_parallel,
+            tp_cp=self.tp if self.sequence_parallel else None, sequence_parallel=self.sequence_parallel,
             init_method=init_method, layer_number=layer_number, aux_loss_tracker=aux_loss_tracker)
         experts_cls = experts_class(config.moe_grouped_gemm)
         self.experts = experts_cls(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size,
-                                   ep_size=ep_size, ep_rank=group_rank(groups.ep), etp_size=etp_size,
-                                   etp_rank=group_rank(groups.etp), init_method=init_method,
+                                   ep=state.ep, etp=state.etp, init_method=init_method,
                                    output_init_method=output_init_method)
-        dispatch_kwargs = dict(ep_group=groups.ep, etp_group=groups.etp, router_topk=config.moe_router_topk,
+        dispatch_kwargs = dict(ep=state.ep, etp=state.etp, router_topk=config.moe_router_topk,
                                capacity_factor=config.moe_capacity_factor,
                                pad_to_capacity=config.moe_pad_expert_input_to_capacity)
         if config.moe_token_dispatcher_type == "alltoall":
             self.token_dispatcher = MoEAlltoAllTokenDispatcher(config.num_experts, **dispatch_kwargs)
         else:
-            self.token_dispatcher = MoEAllGatherTokenDispatcher(config.num_experts, etp_ep_group=groups.etp_ep,
+            self.token_dispatcher = MoEAllGatherTokenDispatcher(config.num_experts, etp_ep=state.etp_ep,
                                                                 **dispatch_kwargs)
         self.shared_experts = None
         if config.moe_shared_expert_ffn_hidden_size:
-            from ..transformer.mlp import ParallelMLP
             self.shared_experts = ParallelMLP(config.hidden_size, config.moe_shared_expert_ffn_hidden_size,
-                                              tp_group=groups.tp, init_method=init_method,
+                                              tp=self.tp, init_method=init_method,
                                               output_init_method=output_init_method,
                                               sequence_parallel=self.sequence_parallel)
 
-        # CUDA graphs: partial capture (ds_megatron/cuda_graphs/partial_capture.py)
-        self.cudagraph_tensor_store = MoECudaGraphTensorStore()
-        # Set inside route and read outside the layer (GPTModel adds it to the loss): a graph output.
-        self.cudagraph_attrs = ["router.aux_loss"]
-
     @property
     def aux_loss(self) -> torch.Tensor:
+        """The sum of the last forward's routing losses (a differentiable scalar, 0 when off)."""
         return self.router.aux_loss
 
+    @property
+    def aux_losses(self) -> Dict[str, torch.Tensor]:
+        return self.router.aux_losses
+
     # -- Megatron's steps ------------------------------------------------------------------------------
-    @maybe_skip_or_early_return_by_cudagraph("shared_experts_compute")  # CUDA graphs
     def shared_experts_compute(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
         return None if self.shared_experts is None else self.shared_experts(hidden_states)
 
-    @maybe_skip_or_early_return_by_cudagraph("route")  # CUDA graphs
     def route(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.router(hidden_states)
 
-    @maybe_skip_or_early_return_by_cudagraph("preprocess")  # CUDA graphs
+    def restore_route(self, aux_losses: Dict[str, torch.Tensor]) -> None:
+        self.router.set_aux_losses(aux_losses, next(iter(aux_losses.values()), self.router.weight))
+
     def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor,
                    routing_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         self.hidden_shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, hidden_states.size(-1))
         if self.scatter_tokens:
-            n = divide(tokens.size(0), self.tp_size, what="tokens per micro-batch (seq x batch)")
-            start = group_rank(self.tp_group) * n
-            tokens = scatter_to_sequence_parallel_region(tokens, self.tp_group)
-            probs = scatter_to_sequence_parallel_region(probs, self.tp_group)
+            n = divide(tokens.size(0), self.tp.size, what="tokens per micro-batch (seq x batch)")
+            start = self.tp.rank * n
+            tokens = scatter_to_sequence_parallel_region(tokens, self.tp)
+            probs = scatter_to_sequence_parallel_region(probs, self.tp)
             routing_map = routing_map[start:start + n]
         return self.token_dispatcher.dispatch_preprocess(tokens, routing_map, probs)
 
@@ -149,21 +187,8 @@ class MoELayer(PartialCaptureMoE):
         output = self.token_dispatcher.combine_postprocess(self.token_dispatcher.token_combine(output))
         if self.scatter_tokens:
             # Downstream is replicated over TP: each rank keeps its slice of the gradient.
-            output = gather_from_sequence_parallel_region(output, self.tp_group, tensor_parallel_output_grad=False)
+            output = gather_from_sequence_parallel_region(output, self.tp, tensor_parallel_output_grad=False)
         output = output.reshape(self.hidden_shape)
         if shared_expert_output is not None:
             output = output + shared_expert_output
         return output
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        shared_expert_output = None
-        try:
-            shared_expert_output = self.shared_experts_compute(hidden_states)
-            probs, routing_map = self.route(hidden_states)
-            hidden_states, probs = self.preprocess(hidden_states, probs, routing_map)
-        except MoECudaGraphPartialCaptureSignal as e:
-            # CUDA graphs: capturing only up to route/preprocess; these tensors are the graph's outputs.
-            return e.get_early_return_outputs(hidden_states, shared_expert_output)
-        hidden_states, probs = self.dispatch(hidden_states, probs)
-        output = self.routed_experts_compute(hidden_states, probs)
-        return self.combine(output, shared_expert_output)

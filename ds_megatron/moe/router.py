@@ -29,7 +29,7 @@ Losses (added to the model's loss and recorded in an ``MoEAuxLossTracker``):
   with ``N`` the sequence's token count, ``score`` the softmax (or normalized
   sigmoid) over all experts, ``tokens_e`` the tokens routed to expert e.
   Under sequence parallelism each TP rank routes its own slice of the
-  sequence: ``tokens_e`` is summed over ``tp_cp_group`` and ``N`` counts
+  sequence: ``tokens_e`` is summed over ``tp_cp`` and ``N`` counts
   every slice, as Megatron does, so the sum over TP ranks of the local terms
   is the loss of the whole sequence;
 * z-loss: ``coeff * mean_t logsumexp(logits_t)^2`` over the whole sequence.
@@ -41,13 +41,13 @@ so the logged loss is the same everywhere.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
+from ..parallel_state import ParallelGroup
 from ..tensor_parallel.init import InitMethod, init_method_normal
-from ..tensor_parallel.mappings import group_size
+from ..utils.collectives import all_reduce
 from .aux_loss_tracker import MoEAuxLossTracker
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -117,7 +117,7 @@ class _WholeSequenceValue(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, group):
         total = local.detach().clone()
-        dist.all_reduce(total, group=group)
+        all_reduce(total, group)
         return total
 
     @staticmethod
@@ -125,8 +125,8 @@ class _WholeSequenceValue(torch.autograd.Function):
         return grad, None
 
 
-def _whole_sequence(local: torch.Tensor, group) -> torch.Tensor:
-    if group_size(group) == 1:
+def _whole_sequence(local: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
+    if group.size == 1:
         return local
     return _WholeSequenceValue.apply(local, group)
 
@@ -134,16 +134,19 @@ def _whole_sequence(local: torch.Tensor, group) -> torch.Tensor:
 class TopKRouter(torch.nn.Module):
     """Top-k router with capacity, aux loss and z-loss; ``forward(x [T, h]) -> (probs, routing_map)``.
 
-    ``tp_cp_group``: the group the sequence is split over when this rank routes
-    only its slice of it (sequence parallelism); None when it routes the whole
-    sequence.  After ``forward``, ``self.aux_loss`` holds the sum of the
-    routing losses of the last call (a differentiable scalar, 0 when off).
+    ``tp_cp``: the group the sequence is split over when this rank routes only
+    its slice of it (sequence parallelism); a group of one when it routes the
+    whole sequence.  After ``forward``, ``self.aux_losses`` holds the routing
+    losses of the last call by name (differentiable scalars, whole-sequence
+    values, already recorded in the tracker) and ``self.aux_loss`` their sum
+    (0 when off).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, *, score_function: str = "softmax",
                  pre_softmax: bool = False, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
                  capacity_factor: Optional[float] = None, drop_policy: str = "probs", pad_to_capacity: bool = False,
-                 tp_cp_group=None, sequence_parallel: bool = False, init_method: Optional[InitMethod] = None,
+                 tp_cp: Optional[ParallelGroup] = None, sequence_parallel: bool = False,
+                 init_method: Optional[InitMethod] = None,
                  layer_number: int = 0, aux_loss_tracker: Optional[MoEAuxLossTracker] = None,
                  params_dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -159,7 +162,7 @@ class TopKRouter(torch.nn.Module):
         self.score_function, self.pre_softmax = score_function, pre_softmax
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.capacity_factor, self.drop_policy, self.pad_to_capacity = capacity_factor, drop_policy, pad_to_capacity
-        self.tp_cp_group = tp_cp_group
+        self.tp_cp = tp_cp if tp_cp is not None else ParallelGroup.single("tp-cp")
         self.layer_number = layer_number
         self.aux_loss_tracker = aux_loss_tracker
         self.weight = torch.nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype))
@@ -170,23 +173,22 @@ class TopKRouter(torch.nn.Module):
         # Under sequence parallelism this rank sees only its tokens: the gradient is a partial
         # sum that the model adds up over TP (see GPTModel's sequence-parallel grad hook).
         self.weight.sequence_parallel = sequence_parallel
+        self.aux_losses: Dict[str, torch.Tensor] = {}
         self.aux_loss: torch.Tensor = torch.zeros(())
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight.to(x.dtype))
 
     def _total_tokens(self, num_local: int) -> int:
-        return num_local * group_size(self.tp_cp_group)
+        return num_local * self.tp_cp.size
 
     def routing(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(probs, routing_map) from ``logits [T, E]``; records the routing losses in ``self.aux_loss``."""
         num_tokens, E, k = logits.size(0), self.num_experts, self.topk
         total_tokens = self._total_tokens(num_tokens)
-        aux = torch.zeros((), dtype=logits.dtype, device=logits.device)
+        losses: Dict[str, torch.Tensor] = {}
         if self.z_loss_coeff > 0 and self.training:
-            z = _whole_sequence(z_loss_func(logits, total_tokens, self.z_loss_coeff), self.tp_cp_group)
-            self._record("z_loss", z)
-            aux = aux + z
+            losses["z_loss"] = _whole_sequence(z_loss_func(logits, total_tokens, self.z_loss_coeff), self.tp_cp)
 
         if self.score_function == "softmax":
             if self.pre_softmax:
@@ -208,13 +210,10 @@ class TopKRouter(torch.nn.Module):
 
         if self.aux_loss_coeff > 0 and self.training:
             tokens_per_expert = routing_map.sum(dim=0)
-            if group_size(self.tp_cp_group) > 1:
-                dist.all_reduce(tokens_per_expert, group=self.tp_cp_group)
-            lb = _whole_sequence(switch_load_balancing_loss_func(scores_for_aux, tokens_per_expert, total_tokens, k,
-                                                                 E, self.aux_loss_coeff), self.tp_cp_group)
-            self._record("load_balancing_loss", lb)
-            aux = aux + lb
-        self.aux_loss = aux
+            all_reduce(tokens_per_expert, self.tp_cp)
+            losses["load_balancing_loss"] = _whole_sequence(switch_load_balancing_loss_func(
+                scores_for_aux, tokens_per_expert, total_tokens, k, E, self.aux_loss_coeff), self.tp_cp)
+        self.set_aux_losses(losses, logits)
 
         if self.capacity_factor is not None:
             capacity = get_capacity(num_tokens * k, E, self.capacity_factor)
@@ -223,9 +222,16 @@ class TopKRouter(torch.nn.Module):
             routing_probs = routing_probs * routing_map.to(routing_probs.dtype)
         return routing_probs, routing_map
 
-    def _record(self, name: str, value: torch.Tensor) -> None:
+    def set_aux_losses(self, losses: Dict[str, torch.Tensor], like: torch.Tensor) -> None:
+        """Keep this forward's routing losses (and their sum) and record them in the tracker.
+
+        ``routing`` calls it; a replayed CUDA graph, which computed the losses without calling
+        ``routing``, calls it with the graph's outputs."""
+        self.aux_losses = dict(losses)
+        self.aux_loss = sum(losses.values(), torch.zeros((), dtype=like.dtype, device=like.device))
         if self.aux_loss_tracker is not None:
-            self.aux_loss_tracker.record(name, self.layer_number, value.detach())
+            for name, value in losses.items():
+                self.aux_loss_tracker.record(name, self.layer_number, value)
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``x [T, h]`` (or ``[s, b, h]``, flattened) -> ``(probs [T, E], routing_map [T, E])``."""

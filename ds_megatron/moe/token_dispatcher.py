@@ -24,7 +24,8 @@ experts (before their second GEMM), so un-permuting is a plain scatter-add.
 
 The device-to-host sync point: split sizes must be host integers for the
 collectives, and reading them waits for the device.  ``dispatch_preprocess``
-only computes device tensors (listed in ``cudagraph_attrs``); they are copied
+only computes device tensors (its ``preprocess_state()``; a partial CUDA graph
+that captured it hands them back with ``restore_preprocess_state``); they are copied
 to the host at ``cuda_sync_point`` (the only host sync of the alltoall dispatcher;
 the allgather dispatcher has one too, reading its per-expert counts): ``"before_permutation_1"`` (at the end of
 ``dispatch_preprocess``) or ``"before_ep_alltoall"`` (at the start of
@@ -34,12 +35,12 @@ permutation has a static shape and does not sync by itself.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..tensor_parallel.mappings import (gather_from_sequence_parallel_region, group_rank, group_size,
-                                        reduce_scatter_to_sequence_parallel_region)
+from ..parallel_state import ParallelGroup
+from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
 from .comm import all_gather_counts, all_gather_v, all_to_all, reduce_scatter_v
 from .router import get_capacity
 
@@ -78,17 +79,21 @@ def sort_chunks_by_idxs(x: torch.Tensor, split_sizes: Sequence[int], sorted_idxs
 
 
 class MoETokenDispatcher:
-    """What both dispatchers share: the expert layout and the groups."""
+    """What both dispatchers share: the expert layout, the groups, and the preprocess state.
 
-    cudagraph_attrs: List[str] = []
+    ``PREPROCESS_STATE`` names the device tensors ``dispatch_preprocess`` sets and
+    the later steps read (dotted for nested ones).
+    """
 
-    def __init__(self, num_experts: int, *, ep_group=None, etp_group=None, router_topk: int = 1,
+    PREPROCESS_STATE: Sequence[str] = ()
+
+    def __init__(self, num_experts: int, *, ep: ParallelGroup, etp: ParallelGroup, router_topk: int = 1,
                  capacity_factor: Optional[float] = None, pad_to_capacity: bool = False):
         self.num_experts = num_experts
         self.router_topk, self.capacity_factor, self.pad_to_capacity = router_topk, capacity_factor, pad_to_capacity
-        self.ep_group, self.etp_group = ep_group, etp_group
-        self.ep_size, self.ep_rank = group_size(ep_group), group_rank(ep_group)
-        self.etp_size, self.etp_rank = group_size(etp_group), group_rank(etp_group)
+        self.ep, self.etp = ep, etp
+        self.ep_size, self.ep_rank = ep.size, ep.rank
+        self.etp_size, self.etp_rank = etp.size, etp.rank
         if num_experts % self.ep_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by expert_model_parallel_size="
                              f"{self.ep_size}; choose an EP size that divides the number of experts")
@@ -106,12 +111,21 @@ class MoETokenDispatcher:
                                                    self.capacity_factor)
         return None  # dropping without padding: data-dependent
 
+    def preprocess_state(self) -> Dict[str, torch.Tensor]:
+        """The device tensors the last ``dispatch_preprocess`` set (``PREPROCESS_STATE``)."""
+        return {name: getattr(self, name) for name in self.PREPROCESS_STATE}
+
+    def restore_preprocess_state(self, state: Dict[str, torch.Tensor]) -> None:
+        """Take tensors ``dispatch_preprocess`` would have set (a replayed graph computed them)."""
+        for name, value in state.items():
+            setattr(self, name, value)
+
 
 class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
     """All-to-all over EP plus all-gather / reduce-scatter over ETP (see the module docstring)."""
 
-    cudagraph_attrs = ["routing_map", "tokens_per_expert", "input_splits", "output_splits", "output_splits_tp",
-                       "num_global_tokens_per_local_expert", "reversed_local_input_permutation_mapping"]
+    PREPROCESS_STATE = ("routing_map", "tokens_per_expert", "input_splits", "output_splits", "output_splits_tp",
+                        "num_global_tokens_per_local_expert", "reversed_local_input_permutation_mapping")
 
     def __init__(self, num_experts: int, *, cuda_sync_point: str = "before_ep_alltoall", **kwargs):
         super().__init__(num_experts, **kwargs)
@@ -133,8 +147,8 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         num_local_tokens_per_expert = routing_map.sum(dim=0)  # [E]
         self.input_splits = num_local_tokens_per_expert.view(ep, L).sum(dim=1)  # [EP] rows to each EP rank
         # [ETP, EP, E]: counts of every rank of the etp-ep grid, ETP-major.
-        per_ep = all_gather_counts(num_local_tokens_per_expert, self.ep_group)
-        global_counts = all_gather_counts(per_ep, self.etp_group)
+        per_ep = all_gather_counts(num_local_tokens_per_expert, self.ep)
+        global_counts = all_gather_counts(per_ep, self.etp)
         local = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
         self.num_global_tokens_per_local_expert = global_counts[:, :, local].contiguous()  # [ETP, EP, L]
         self.output_splits = self.num_global_tokens_per_local_expert[self.etp_rank].sum(dim=-1)  # [EP]
@@ -143,10 +157,8 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
         self._host = None
         return self.tokens_per_expert
 
-    # CUDA graphs: replay restores the attributes preprocess computed inside the graph
-    def restore_cudagraph_attrs(self, attrs) -> None:
-        for name, value in attrs.items():
-            setattr(self, name, value)
+    def restore_preprocess_state(self, state: Dict[str, torch.Tensor]) -> None:
+        super().restore_preprocess_state(state)
         self._host = None  # the host copy belongs to the previous micro-batch: sync again
 
     def _maybe_dtoh_and_synchronize(self, point: str) -> None:
@@ -179,10 +191,10 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         self._maybe_dtoh_and_synchronize("before_ep_alltoall")
         h = self._host
-        hidden_states = all_to_all(hidden_states, h["output_splits"], h["input_splits"], self.ep_group)
-        probs = all_to_all(probs, h["output_splits"], h["input_splits"], self.ep_group)
-        hidden_states = all_gather_v(hidden_states, h["output_splits_tp"], self.etp_group)
-        probs = all_gather_v(probs, h["output_splits_tp"], self.etp_group)
+        hidden_states = all_to_all(hidden_states, h["output_splits"], h["input_splits"], self.ep)
+        probs = all_to_all(probs, h["output_splits"], h["input_splits"], self.ep)
+        hidden_states = all_gather_v(hidden_states, h["output_splits_tp"], self.etp)
+        probs = all_gather_v(probs, h["output_splits_tp"], self.etp)
         return hidden_states, probs
 
     # -- step 3: group the received tokens by local expert -------------------------------------------
@@ -205,8 +217,8 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         h = self._host
-        hidden_states = reduce_scatter_v(hidden_states, h["output_splits_tp"], self.etp_group)
-        return all_to_all(hidden_states, h["input_splits"], h["output_splits"], self.ep_group)
+        hidden_states = reduce_scatter_v(hidden_states, h["output_splits_tp"], self.etp)
+        return all_to_all(hidden_states, h["input_splits"], h["output_splits"], self.ep)
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out = unpermute(hidden_states, self.reversed_local_input_permutation_mapping, self.routing_map.size(0))
@@ -216,14 +228,14 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
 class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
     """All-gather every token over the etp-ep group; each rank keeps its experts' tokens."""
 
-    cudagraph_attrs = ["routing_map"]
+    PREPROCESS_STATE = ("routing_map",)
 
-    def __init__(self, num_experts: int, *, etp_ep_group=None, **kwargs):
+    def __init__(self, num_experts: int, *, etp_ep: ParallelGroup, **kwargs):
         super().__init__(num_experts, **kwargs)
-        if group_size(etp_ep_group) != self.ep_size * self.etp_size:
-            raise ValueError(f"etp_ep_group has {group_size(etp_ep_group)} ranks but EP x ETP = "
-                             f"{self.ep_size} x {self.etp_size}; pass parallel_state['etp-ep'].group")
-        self.etp_ep_group = etp_ep_group
+        if etp_ep.size != self.ep_size * self.etp_size:
+            raise ValueError(f"etp_ep has {etp_ep.size} ranks but EP x ETP = {self.ep_size} x {self.etp_size}; "
+                             "pass parallel_state.etp_ep")
+        self.etp_ep = etp_ep
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -232,11 +244,11 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         return hidden_states.reshape(-1, hidden_states.size(-1)), probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        group = self.etp_ep_group
+        group = self.etp_ep
         # Backward reduce-scatters: a token's gradient is the sum over the ranks whose experts used it.
         hidden_states = gather_from_sequence_parallel_region(hidden_states, group, tensor_parallel_output_grad=True)
         probs = gather_from_sequence_parallel_region(probs, group, tensor_parallel_output_grad=True)
-        if group_size(group) > 1:
+        if group.size > 1:
             routing_map = all_gather_counts(self.routing_map.to(torch.uint8), group)
             self.global_routing_map = routing_map.reshape(-1, self.num_experts).bool()
         else:
@@ -258,7 +270,7 @@ class MoEAllGatherTokenDispatcher(MoETokenDispatcher):
         return unpermute(hidden_states, self.reversed_local_input_permutation_mapping, self.num_global_tokens)
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return reduce_scatter_to_sequence_parallel_region(hidden_states, self.etp_ep_group)
+        return reduce_scatter_to_sequence_parallel_region(hidden_states, self.etp_ep)
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states.view(self.hidden_shape)

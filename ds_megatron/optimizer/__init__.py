@@ -1,26 +1,27 @@
 """Megatron's optimizer path: grad scalers, fp32 main params, clipping by the true global norm.
 
-Imports are lazy so that the pure modules (``precision_config``) can be used by
-config validation and ``ds-megatron plan`` without importing torch.
+| module | concept |
+| --- | --- |
+| ``grad_scaler`` | ``ConstantGradScaler``, ``DynamicGradScaler`` (hysteresis) |
+| ``megatron_optimizer`` | ``MegatronOptimizer``, ``Float16OptimizerWithFloat16Params``, ``FP32Optimizer`` |
+| ``distrib_optimizer`` | ``DistributedOptimizer``: main params and state sharded over DP |
+| ``clip_grads`` | the true global norm across model-parallel ranks, clipping, zero counting |
+| ``float16_module`` | Megatron's ``Float16Module`` as hooks: input/output casts and the loss-scale seam |
+| ``param_groups`` | the weight-decay rule (no decay for biases and norm weights) |
+| ``build`` | the torch optimizer from DeepSpeed's ``"optimizer"`` section, the scaler, ``get_megatron_optimizer`` |
+
+The wrappers reduce no gradient: the model's buffers do (``ds_megatron.distributed``),
+finished by ``finalize_model_grads`` at the start of ``step()``.
 """
-from importlib import import_module
+from .build import build_grad_scaler, get_megatron_optimizer, optimizer_from_section
+from .clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32, grads_for_norm
+from .distrib_optimizer import DistributedOptimizer
+from .float16_module import attach_float16_hooks
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from .megatron_optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
+from .param_groups import get_param_groups
 
-_EXPORTS = {
-    "clip_grad_by_total_norm_fp32": "clip_grads", "get_grad_norm_fp32": "clip_grads", "grads_for_norm": "clip_grads",
-    "count_zeros_fp32": "clip_grads",
-    "MegatronGradScaler": "grad_scaler", "ConstantGradScaler": "grad_scaler", "DynamicGradScaler": "grad_scaler",
-    "MegatronOptimizer": "megatron_optimizer", "Float16OptimizerWithFloat16Params": "megatron_optimizer",
-    "FP32Optimizer": "megatron_optimizer",
-    "DistributedOptimizer": "distrib_optimizer",
-    "get_param_groups": "param_groups",
-    "PrecisionConfig": "precision_config", "resolve_precision": "precision_config", "precision_of": "precision_config",
-    "get_megatron_optimizer": "deepspeed_integration",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+__all__ = ["build_grad_scaler", "get_megatron_optimizer", "optimizer_from_section", "clip_grad_by_total_norm_fp32",
+           "count_zeros_fp32", "get_grad_norm_fp32", "grads_for_norm", "DistributedOptimizer", "attach_float16_hooks",
+           "ConstantGradScaler", "DynamicGradScaler", "MegatronGradScaler", "Float16OptimizerWithFloat16Params",
+           "FP32Optimizer", "MegatronOptimizer", "get_param_groups"]

@@ -11,19 +11,10 @@ from __future__ import annotations
 from typing import Iterable, List, Optional
 
 import torch
-import torch.distributed as dist
 
-from ..tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-
-def _grad(p: torch.Tensor) -> Optional[torch.Tensor]:
-    main_grad = getattr(p, "main_grad", None)
-    return main_grad if main_grad is not None else p.grad
-
-
-def is_expert_param(p: torch.Tensor) -> bool:
-    """An MoE expert param (DeepSpeed's ``allreduce=False`` mark, or ``is_expert``)."""
-    return getattr(p, "allreduce", True) is False or bool(getattr(p, "is_expert", False))
+from ..parallel_state import ParallelGroup
+from ..tensor_parallel.params import grad_of, is_expert_param, param_is_not_tensor_parallel_duplicate
+from ..utils.collectives import MAX, all_reduce
 
 
 def grads_for_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
@@ -33,7 +24,7 @@ def grads_for_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
     ``expert``: None for every param, True for expert params only, False for the others."""
     seen, out = set(), []
     for p in params:
-        g = _grad(p)
+        g = grad_of(p)
         if g is None or id(p) in seen:
             continue
         seen.add(id(p))
@@ -45,8 +36,8 @@ def grads_for_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
 
 
 # MoE: expert params are summed over the expert-model-parallel group, the rest over model parallel
-def get_grad_norm_with_experts(params: Iterable[torch.nn.Parameter], tp_rank: int, model_parallel_group,
-                               expert_model_parallel_group, norm_type: float = 2.0) -> float:
+def get_grad_norm_with_experts(params: Iterable[torch.nn.Parameter], tp_rank: int, model_parallel_group: ParallelGroup,
+                               expert_model_parallel_group: ParallelGroup, norm_type: float = 2.0) -> float:
     """The global norm when some params are experts.
 
     Dense params are counted as ``grads_for_norm`` does and their squares summed
@@ -68,21 +59,22 @@ def get_grad_norm_with_experts(params: Iterable[torch.nn.Parameter], tp_rank: in
     return (dense_sq + expert_sq) ** (1.0 / norm_type)
 
 
-def get_grad_norm_fp32(grads: List[torch.Tensor], model_parallel_group=None, norm_type: float = 2.0) -> float:
+def get_grad_norm_fp32(grads: List[torch.Tensor], model_parallel_group: Optional[ParallelGroup] = None,
+                       norm_type: float = 2.0) -> float:
     """Norm of ``grads`` from every model-parallel rank; inf-norm or p-norm, computed in fp32 or wider."""
     device = grads[0].device if grads else torch.device("cpu")
     if norm_type == float("inf"):
         local = max((g.detach().abs().max().float() for g in grads), default=torch.zeros((), device=device))
         total = torch.as_tensor(local, dtype=torch.float32, device=device).clone()
         if model_parallel_group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=model_parallel_group)
+            all_reduce(total, model_parallel_group, op=MAX)
         return float(total)
     acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     total = torch.zeros((), dtype=acc_dtype, device=device)
     for g in grads:
         total += torch.linalg.vector_norm(g.detach().to(acc_dtype), norm_type) ** norm_type
     if model_parallel_group is not None:
-        dist.all_reduce(total, group=model_parallel_group)
+        all_reduce(total, model_parallel_group)
     return float(total) ** (1.0 / norm_type)
 
 
@@ -91,12 +83,13 @@ def clip_grad_by_total_norm_fp32(params: Iterable[torch.nn.Parameter], max_norm:
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0:
         for p in params:
-            g = _grad(p)
+            g = grad_of(p)
             if g is not None:
                 g.detach().mul_(clip_coeff)
 
 
-def count_zeros_fp32(params: Iterable[torch.nn.Parameter], model_parallel_group=None, tp_rank: int = 0) -> int:
+def count_zeros_fp32(params: Iterable[torch.nn.Parameter], model_parallel_group: Optional[ParallelGroup] = None,
+                     tp_rank: int = 0) -> int:
     """Number of zero gradient entries over the model, counting TP duplicates and shared params once."""
     grads = grads_for_norm(params, tp_rank)
     device = grads[0].device if grads else torch.device("cpu")
@@ -104,5 +97,5 @@ def count_zeros_fp32(params: Iterable[torch.nn.Parameter], model_parallel_group=
     for g in grads:
         total += g.numel() - torch.count_nonzero(g)
     if model_parallel_group is not None:
-        dist.all_reduce(total, group=model_parallel_group)
+        all_reduce(total, model_parallel_group)
     return int(total)

@@ -47,16 +47,13 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.buffer_layout import Range, bucket_shard_param_ranges
-from ..utils.collectives import all_gather_single as _all_gather_single
+from ..parallel_state import ParallelState
+from ..utils.collectives import all_gather_into
 from .clip_grads import count_zeros_fp32, get_grad_norm_fp32, grads_for_norm
 from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import _FLOAT16, _PARAM_ATTRIBUTES, MegatronOptimizer
 
 MAIN_PARAM = "main_param"  # key of the fp32 main param among a param's gathered tensors
-
-
-def _group_rank(group, size: int) -> int:
-    return 0 if size == 1 else dist.get_rank(group=group)
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -71,9 +68,11 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, model_chunks: Sequence[Any], clip_grad: float = 0.0,
                  log_num_zeros_in_grad: bool = False, grad_scaler: Optional[MegatronGradScaler] = None,
-                 parallel_state=None):
-        super().__init__(optimizer, clip_grad, log_num_zeros_in_grad, parallel_state)
-        self.model_chunks = list(model_chunks)
+                 parallel_state: Optional[ParallelState] = None):
+        if parallel_state is None and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError("DistributedOptimizer needs the job's parallel_state: its shards, norms and inf checks "
+                             "span every rank")
+        super().__init__(optimizer, clip_grad, log_num_zeros_in_grad, parallel_state, model_chunks)
         if not self.model_chunks:
             raise ValueError("model_chunks is empty; pass the DistributedDataParallel wrapper(s) of the model")
         for chunk in self.model_chunks:
@@ -88,7 +87,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self.buffers = [buffer for chunk in self.model_chunks for buffer in chunk.all_buffers]
         self.grad_scaler = grad_scaler
         # Ranks hold different shards, so inf/nan flags, norms and zero counts are reduced over the whole job.
-        self.grad_stats_parallel_group = dist.group.WORLD
+        self.grad_stats_parallel_group = self.parallel_state.world
         self.found_inf_groups = [self.grad_stats_parallel_group]
 
         # Original groups, before their params are replaced by shards: the checkpoint is keyed by these.
@@ -129,7 +128,7 @@ class DistributedOptimizer(MegatronOptimizer):
     @classmethod
     def _build_model_gbuf_range(cls, buffer, bucket_index: int) -> Dict[str, Any]:
         """This rank's ranges for the params of one bucket that overlap its shard (Megatron's four ranges)."""
-        dp_rank = _group_rank(buffer.data_parallel_group, buffer.data_parallel_world_size)
+        dp_rank = buffer.data_parallel_group.rank
         by_position = bucket_shard_param_ranges(buffer.layout, bucket_index, dp_rank)
         param_map = {buffer.params[i]: {"gbuf_world": r.gbuf_world, "gbuf_world_in_bucket": r.gbuf_world_in_bucket,
                                         "gbuf_local": r.gbuf_local, "param": r.param}
@@ -339,7 +338,7 @@ class DistributedOptimizer(MegatronOptimizer):
                         scalars.setdefault(flat_index[param], {})[key] = value
         keys_and_scalars = [None] * size
         if size > 1:
-            dist.all_gather_object(keys_and_scalars, (sorted(local_keys), scalars), group=group)
+            dist.all_gather_object(keys_and_scalars, (sorted(local_keys), scalars), group=group.group)
         else:
             keys_and_scalars = [(sorted(local_keys), scalars)]
         keys = sorted(set().union(*(k for k, _ in keys_and_scalars)))
@@ -361,10 +360,7 @@ class DistributedOptimizer(MegatronOptimizer):
                     if value is not None:
                         local[ranges["gbuf_local"].start:ranges["gbuf_local"].end].copy_(value)
                 full = torch.empty(shard_numel * size, dtype=torch.float32, device=local.device)
-                if size > 1:
-                    _all_gather_single(full, local, group=group)
-                else:
-                    full.copy_(local)
+                all_gather_into(full, local, group)
                 for param in bucket.params_list:
                     start, end = bucket.param_to_index[param]
                     out[param][key] = full[start:end].view(param.shape).clone()

@@ -3,11 +3,14 @@
 Both wrap a plain torch optimizer (Adam, AdamW, SGD, ...) and add what a
 model-parallel mixed-precision step needs, in Megatron's order:
 
+0. finish the gradient sync (``finalize_model_grads`` over the model's
+   gradient buffers, when the wrapper was given them): the wrappers reduce
+   nothing themselves;
 1. copy the model grads (``.grad``, or ``.main_grad`` when a grad buffer owns
    them) into fp32 main grads;
 2. unscale them by ``inv_scale`` and check for inf/nan; ``found_inf`` is
-   all-reduced (MAX) over the model-parallel group (plus any extra group the
-   gradients were not reduced over), so every rank takes the same decision;
+   all-reduced (MAX) over the model-parallel group (and the expert one under
+   MoE folding), so every rank takes the same decision;
 3. update the grad scaler; on overflow skip: nothing else changes (params,
    optimizer state and step counters stay bit-identical);
 4. compute the true global L2 norm (each TP shard once, replicated and shared
@@ -26,10 +29,13 @@ from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
+from ..distributed import DistributedDataParallel, finalize_model_grads
+from ..parallel_state import ParallelGroup, ParallelState
+from ..tensor_parallel.params import grad_of, is_expert_param
+from ..utils.collectives import MAX, all_reduce
 from .clip_grads import (clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32,
-                         get_grad_norm_with_experts, grads_for_norm, is_expert_param)
+                         get_grad_norm_with_experts, grads_for_norm)
 from .grad_scaler import MegatronGradScaler
 
 # Attributes that say how a parameter is split or shared; main params inherit them
@@ -37,12 +43,6 @@ from .grad_scaler import MegatronGradScaler
 _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "shared",
                      "allreduce", "is_expert")  # MoE: expert marks, so norms treat main params of experts as experts
 _FLOAT16 = (torch.float16, torch.bfloat16)
-
-
-def _model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
-    # A grad buffer (Megatron's DDP) accumulates into ``main_grad``; plain autograd into ``grad``.
-    main_grad = getattr(param, "main_grad", None)
-    return main_grad if main_grad is not None else param.grad
 
 
 class MegatronOptimizer(torch.optim.Optimizer):
@@ -55,7 +55,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, clip_grad: float = 0.0, log_num_zeros_in_grad: bool = False,
-                 parallel_state=None, found_inf_groups: Sequence[Any] = ()):
+                 parallel_state: Optional[ParallelState] = None,
+                 model_chunks: Sequence[DistributedDataParallel] = ()):
+        """``parallel_state``: the job's groups (None: one rank); ``model_chunks``: the gradient buffers of the
+        model (``DistributedDataParallel``), whose sync ``step()`` finishes first; none when ``.grad`` is final."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if clip_grad < 0:
@@ -69,14 +72,18 @@ class MegatronOptimizer(torch.optim.Optimizer):
             setattr(self, name, OrderedDict())
         self.clip_grad = float(clip_grad)
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
-        self.tp_rank = parallel_state.tp.rank if parallel_state is not None else 0
-        self.model_parallel_group = parallel_state.mp.group if parallel_state is not None else None
+        state = parallel_state if parallel_state is not None else ParallelState.single()
+        self.parallel_state = state
+        self.model_chunks = list(model_chunks)
+        self.tp_rank = state.tp.rank
+        self.model_parallel_group = state.mp
         # MoE: expert grads are summed over etp-ep-pp in the norm (clip_grads.get_grad_norm_with_experts).
-        self.expert_model_parallel_group = parallel_state.expert_mp.group if parallel_state is not None else None
-        # found_inf must agree on every rank; the model-parallel group covers ranks whose
-        # grads differ (DP peers already share reduced grads), extra groups cover the rest.
-        groups = [self.model_parallel_group] if parallel_state is not None else []
-        self.found_inf_groups = groups + [g for g in found_inf_groups if g is not None]
+        self.expert_model_parallel_group = state.expert_mp
+        # found_inf must agree on every rank; the model-parallel group covers ranks whose dense
+        # grads differ (DP peers share reduced grads); under MoE folding the expert one spans others.
+        self.found_inf_groups: List[ParallelGroup] = [state.mp]
+        if state.expert_mp.ranks != state.mp.ranks and any(is_expert_param(p) for p in self.get_parameters()):
+            self.found_inf_groups.append(state.expert_mp)
         self.grad_scaler: Optional[MegatronGradScaler] = None
         self.overflow = False  # DeepSpeed skips its LR-scheduler step when this is True
         self._global_grad_norm: Optional[float] = None  # what engine.get_global_grad_norm() returns
@@ -133,7 +140,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
     def get_grad_norm(self) -> float:
         # MoE: expert params counted once, over the expert-model-parallel group
         params = self.get_parameters()
-        if self.expert_model_parallel_group is not None and any(is_expert_param(p) for p in params):
+        if any(is_expert_param(p) for p in params):
             return get_grad_norm_with_experts(params, self.tp_rank, self.model_parallel_group,
                                               self.expert_model_parallel_group)
         return get_grad_norm_fp32(grads_for_norm(params, self.tp_rank), self.model_parallel_group)
@@ -151,7 +158,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
 
     def _reduce_found_inf(self, found_inf: torch.Tensor) -> bool:
         for group in self.found_inf_groups:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+            all_reduce(found_inf, group, op=MAX)
         return bool(found_inf.item() > 0)
 
     # -- the step ---------------------------------------------------------------------------------
@@ -171,6 +178,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("closure is not supported: the loss is computed by the training loop "
                              "before step(); call step() without arguments")
+        if self.model_chunks:
+            finalize_model_grads(self.model_chunks, self.parallel_state)
         found_inf = self._prepare_grads()
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
@@ -223,16 +232,9 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, clip_grad: float = 0.0, log_num_zeros_in_grad: bool = False,
-                 grad_scaler: Optional[MegatronGradScaler] = None, parallel_state=None,
-                 found_inf_groups: Sequence[Any] = (), grad_reduce_group=None):
-        super().__init__(optimizer, clip_grad, log_num_zeros_in_grad, parallel_state, found_inf_groups)
-        # When set, the data-parallel average of the grads is taken here, on the fp32 main grads
-        # (Megatron reduces in fp32); the caller then turns off any other reduction of them.
-        self.grad_reduce_group = grad_reduce_group
-        # Expert params are replicated only across their expert-data-parallel group; their
-        # grads are summed there and divided by the dense DP size, the global-mean convention
-        # DeepSpeed's expert path and Megatron's DDP also use.
-        self.expert_grad_reduce_group = parallel_state.edp.group if parallel_state is not None else None
+                 grad_scaler: Optional[MegatronGradScaler] = None, parallel_state: Optional[ParallelState] = None,
+                 model_chunks: Sequence[DistributedDataParallel] = ()):
+        super().__init__(optimizer, clip_grad, log_num_zeros_in_grad, parallel_state, model_chunks)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if grad_scaler is None and any(p.dtype == torch.float16 for p in params):
             raise ValueError("fp16 params need a grad scaler (fp16 gradients underflow without loss scaling); "
@@ -291,37 +293,15 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                 for p in group if p.grad is not None]
 
     def _copy_model_grads_to_main_grads(self) -> None:
-        reduce = self.grad_reduce_group is not None and dist.get_world_size(self.grad_reduce_group) > 1
+        # An fp32 main_grad (the buffers' default for 16-bit params) is used as it is, no copy.
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
             for model_param, main_param in zip(model_group, main_group):
-                grad = _model_grad(model_param)
-                if grad is None and reduce:
-                    # Every DP rank must contribute the same tensors to the reduction.
-                    grad = torch.zeros_like(main_param)
+                grad = grad_of(model_param)
                 main_param.grad = None if grad is None else grad.float()
         for group in self.fp32_from_fp32_groups:
             for param in group:
                 if getattr(param, "main_grad", None) is not None:
                     param.grad = param.main_grad
-                elif param.grad is None and reduce:
-                    param.grad = torch.zeros_like(param)
-        if reduce:
-            self._average_main_grads_over_data_parallel()
-
-    def _average_main_grads_over_data_parallel(self) -> None:
-        params = [p for group in self.fp32_from_float16_groups + self.fp32_from_fp32_groups
-                  for p in group if p.grad is not None]
-        dp_size = dist.get_world_size(self.grad_reduce_group)
-        dense = [p.grad for p in params if not is_expert_param(p)]
-        expert = [p.grad for p in params if is_expert_param(p)]
-        for grads, group in ((dense, self.grad_reduce_group), (expert, self.expert_grad_reduce_group)):
-            if not grads:
-                continue
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=group)
-            flat.div_(dp_size)
-            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
 
     def _prepare_grads(self) -> bool:
         self._copy_model_grads_to_main_grads()
@@ -380,9 +360,9 @@ class FP32Optimizer(MegatronOptimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, clip_grad: float = 0.0, log_num_zeros_in_grad: bool = False,
-                 grad_scaler: Optional[MegatronGradScaler] = None, parallel_state=None,
-                 found_inf_groups: Sequence[Any] = ()):
-        super().__init__(optimizer, clip_grad, log_num_zeros_in_grad, parallel_state, found_inf_groups)
+                 grad_scaler: Optional[MegatronGradScaler] = None, parallel_state: Optional[ParallelState] = None,
+                 model_chunks: Sequence[DistributedDataParallel] = ()):
+        super().__init__(optimizer, clip_grad, log_num_zeros_in_grad, parallel_state, model_chunks)
         self.grad_scaler = grad_scaler
         params = self.get_parameters()
         bad = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})

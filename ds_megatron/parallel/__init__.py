@@ -1,22 +1,13 @@
-"""Rank groups (pure) and the process groups built from them.
+"""Which ranks form each parallel group of a job: pure Python, no torch.
 
-``rank_generator`` and ``layout`` are pure Python; ``state`` and ``mpu`` need
-torch.distributed and are imported on first use so that config validation and
-the CLI stay fast.
+``rank_generator`` is Megatron's generator of rank groups; ``layout`` is the
+validated set of degrees of one job and every group it has (dense and expert,
+"MoE folding").  The process groups built from them live in
+``ds_megatron.parallel_state``.
 """
 from .layout import ALL_GROUPS, DENSE_GROUPS, EXPERT_GROUPS, ParallelLayout
-from .rank_generator import (DEFAULT_ORDER, RankGenerator, generate_masked_orthogonal_groups,
+from .rank_generator import (DEFAULT_ORDER, DIMENSIONS, RankGenerator, generate_masked_orthogonal_groups,
                              generate_masked_orthogonal_rank_groups)
 
-_LAZY = {"ParallelState": "state", "ParallelGroup": "state", "MegatronMPU": "mpu"}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["ALL_GROUPS", "DENSE_GROUPS", "EXPERT_GROUPS", "ParallelLayout", "DEFAULT_ORDER", "RankGenerator",
-           "generate_masked_orthogonal_groups", "generate_masked_orthogonal_rank_groups", *_LAZY]
+__all__ = ["ALL_GROUPS", "DENSE_GROUPS", "EXPERT_GROUPS", "ParallelLayout", "DEFAULT_ORDER", "DIMENSIONS",
+           "RankGenerator", "generate_masked_orthogonal_groups", "generate_masked_orthogonal_rank_groups"]

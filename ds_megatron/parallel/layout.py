@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from ..errors import ConfigError, check_positive_int
 from .rank_generator import DEFAULT_ORDER, RankGenerator
 
 # Group kinds in the order every rank creates them.
@@ -25,17 +26,12 @@ _DENSE_TOKENS = {"tp": "tp", "cp": "cp", "dp": "dp", "dp-cp": "dp-cp", "pp": "pp
 _EXPERT_TOKENS = {"etp": "tp", "ep": "ep", "edp": "dp", "etp-ep": "tp-ep", "expert-model-parallel": "tp-ep-pp"}
 
 
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class ParallelLayout:
     """Parallel degrees of a job.  ``dp`` and ``edp`` are derived from ``world_size``.
 
-    ``etp`` (expert tensor parallel) defaults to ``tp`` as in Megatron-LM.
+    ``etp`` (expert tensor parallel) defaults to ``tp`` as in Megatron-LM.  A layout
+    that does not fit raises ``ConfigError`` (a ``ValueError``) naming the sizes.
     """
 
     world_size: int
@@ -48,22 +44,22 @@ class ParallelLayout:
 
     def __post_init__(self):
         for name in ("world_size", "tp", "pp", "cp", "ep"):
-            _positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.etp is None:
             object.__setattr__(self, "etp", self.tp)
-        _positive_int("etp", self.etp)
+        check_positive_int("etp", self.etp)
         dense = self.tp * self.cp * self.pp
         if self.world_size % dense:
-            raise ValueError(f"world size {self.world_size} is not divisible by tp*cp*pp = "
+            raise ConfigError(f"world size {self.world_size} is not divisible by tp*cp*pp = "
                              f"{self.tp}*{self.cp}*{self.pp} = {dense}; change the sizes or the number of ranks")
         expert = self.etp * self.ep * self.pp
         if self.world_size % expert:
-            raise ValueError(f"world size {self.world_size} is not divisible by etp*ep*pp = "
+            raise ConfigError(f"world size {self.world_size} is not divisible by etp*ep*pp = "
                              f"{self.etp}*{self.ep}*{self.pp} = {expert}; change the expert sizes or the number of ranks")
         # Constructing both generators validates the order.
         dense_gen, expert_gen = self.dense_generator(), self.expert_generator()
         if dense_gen.get_ranks("pp") != expert_gen.get_ranks("pp"):
-            raise ValueError(f"order {self.order!r} gives different pipeline groups to the dense and the expert "
+            raise ConfigError(f"order {self.order!r} gives different pipeline groups to the dense and the expert "
                              "layers; put pp last in the order (e.g. 'tp-cp-ep-dp-pp')")
 
     @property

@@ -5,13 +5,13 @@
 | ``mappings`` | the conjugate communication operators (f/g, split/gather, sequence-parallel reduce-scatter/gather) |
 | ``layers`` | ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding`` |
 | ``cross_entropy`` | ``vocab_parallel_cross_entropy``: loss on vocab-split logits without gathering them |
-| ``random`` | ``RNGStatesTracker``: per-TP-rank dropout streams, checkpointable |
+| ``random`` | ``RNGStatesTracker``: per-TP-rank dropout streams, checkpointable; ``checkpoint`` (recomputation) |
 | ``init`` | TP-size-independent weight initialization |
-| ``params`` | parameter attributes (``tensor_model_parallel``, ``sequence_parallel``) and the grad sync they imply |
-| ``utils`` | ``divide``, vocab ranges, vocab padding |
+| ``params`` | parameter attributes (TP split, sequence parallel, experts, ``main_grad``) and the grad sync they imply |
+| ``utils`` | ``divide``, vocab ranges, vocab padding (pure) |
 
-Every function and layer takes its TP process group explicitly (``group`` /
-``tp_group``); ``None`` means no tensor parallelism.
+Every function and layer takes its TP group explicitly, as a ``ParallelGroup``
+(``group`` / ``tp``); a group of one means no tensor parallelism.
 """
 from .cross_entropy import vocab_parallel_cross_entropy
 from .init import init_method_normal, initialize_affine_weight_cpu, scaled_init_method_normal
@@ -20,11 +20,11 @@ from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequenc
                        gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                        scatter_to_tensor_model_parallel_region)
-from .params import (allreduce_sequence_parallel_grads, mark_sequence_parallel, register_sequence_parallel_grad_hooks,
-                     param_is_not_tensor_parallel_duplicate,
-                     set_defaults_if_not_set_tensor_model_parallel_attributes,
-                     set_tensor_model_parallel_attributes)
-from .random import RNGStatesTracker, get_cuda_rng_tracker, get_rng_tracker, model_parallel_seed
+from .params import (allreduce_sequence_parallel_grads, expert_group_name, grad_of, is_expert_param,
+                     mark_expert_param, mark_sequence_parallel, param_is_not_tensor_parallel_duplicate,
+                     register_sequence_parallel_grad_hooks, sequence_parallel_params,
+                     set_defaults_if_not_set_tensor_model_parallel_attributes, set_tensor_model_parallel_attributes)
+from .random import RNGStatesTracker, checkpoint, get_cuda_rng_tracker, get_rng_tracker, model_parallel_seed
 from .utils import (divide, pad_vocab_size, vocab_range_from_global_vocab_size,
                     vocab_range_from_per_partition_vocab_size)
 
@@ -35,9 +35,11 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
-    "RNGStatesTracker", "get_rng_tracker", "get_cuda_rng_tracker", "model_parallel_seed",
+    "RNGStatesTracker", "checkpoint", "get_rng_tracker", "get_cuda_rng_tracker", "model_parallel_seed",
     "init_method_normal", "scaled_init_method_normal", "initialize_affine_weight_cpu",
-    "allreduce_sequence_parallel_grads", "register_sequence_parallel_grad_hooks", "mark_sequence_parallel", "param_is_not_tensor_parallel_duplicate",
+    "allreduce_sequence_parallel_grads", "register_sequence_parallel_grad_hooks", "mark_sequence_parallel",
+    "sequence_parallel_params", "param_is_not_tensor_parallel_duplicate", "expert_group_name", "mark_expert_param",
+    "is_expert_param", "grad_of",
     "set_tensor_model_parallel_attributes", "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "divide", "pad_vocab_size", "vocab_range_from_global_vocab_size", "vocab_range_from_per_partition_vocab_size",
 ]

@@ -33,16 +33,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from .mappings import group_rank, group_size
+from ..parallel_state import ParallelGroup
+from ..utils.collectives import MAX, all_reduce
 from .utils import vocab_range_from_per_partition_vocab_size
-
-
-def _all_reduce_(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
-    return x
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -53,7 +47,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Reduced-precision logits are handled in fp32 (softmax of a large vocab in bf16 is too coarse).
         compute_dtype = torch.promote_types(input_dtype, torch.float32)
         partition_vocab = vocab_parallel_logits.size(-1)
-        world, rank = group_size(group), group_rank(group)
+        world, rank = group.size, group.rank
         start, end = vocab_range_from_per_partition_vocab_size(partition_vocab, rank, world)
         global_vocab = partition_vocab * world
         num_classes = global_vocab if vocab_size is None else vocab_size
@@ -70,7 +64,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         # A rank holding only padding has -inf maxima; the MAX over ranks is still finite.
         logits_max = logits.max(dim=-1)[0]
-        _all_reduce_(logits_max, group, op=dist.ReduceOp.MAX)
+        all_reduce(logits_max, group, op=MAX)
         logits.sub_(logits_max.unsqueeze(-1))
 
         target = target.long()  # gather/scatter need int64 indices
@@ -83,7 +77,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             stats.append(logits.sum(dim=-1) if valid is None else logits.masked_fill(~valid, 0.0).sum(dim=-1))
         exp_logits = logits.exp_()  # reuse the buffer: only the softmax is needed from here on
         stats.append(exp_logits.sum(dim=-1))
-        stats = _all_reduce_(torch.stack(stats), group)
+        stats = torch.stack(stats)
+        all_reduce(stats, group)
         target_logit, sum_exp = stats[0], stats[-1]
 
         log_sum_exp = torch.log(sum_exp)
@@ -119,7 +114,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 tp_group: Optional[dist.ProcessGroup], label_smoothing: float = 0.0,
+                                 tp: ParallelGroup, label_smoothing: float = 0.0,
                                  vocab_size: Optional[int] = None) -> torch.Tensor:
     """Per-token cross entropy of vocab-parallel logits; returns a tensor shaped like ``target``.
 
@@ -135,5 +130,5 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     if tuple(vocab_parallel_logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(f"target shape {tuple(target.shape)} must equal the logits' leading shape "
                          f"{tuple(vocab_parallel_logits.shape[:-1])}")
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, float(label_smoothing),
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp, float(label_smoothing),
                                             vocab_size)

@@ -19,22 +19,22 @@ when ``skip_bias_add`` (the caller fuses the add, e.g. bias-GeLU or
 bias-dropout-add), else None.
 
 Weights are initialized independently of the TP size (see ``init.py``); biases
-start at zero.  The TP group is always passed in (``tp_group``); ``None``
-means no tensor parallelism.
+start at zero.  The TP group is always passed in (``tp``, a ``ParallelGroup``;
+``ParallelGroup.single("tp")`` means no tensor parallelism).
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from ..parallel_state import ParallelGroup
 
 from .init import InitMethod, init_method_normal, initialize_affine_weight_cpu
 from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-                       gather_from_tensor_model_parallel_region, group_rank, group_size,
-                       reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
-                       scatter_to_tensor_model_parallel_region)
+                       gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
 from .params import set_tensor_model_parallel_attributes
 from .utils import divide, vocab_range_from_global_vocab_size
 
@@ -56,7 +56,7 @@ class ColumnParallelLinear(torch.nn.Module):
     slice of the sequence.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group: Optional[dist.ProcessGroup],
+    def __init__(self, input_size: int, output_size: int, *, tp: ParallelGroup,
                  bias: bool = True, gather_output: bool = False, init_method: Optional[InitMethod] = None,
                  skip_bias_add: bool = False, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
@@ -66,11 +66,11 @@ class ColumnParallelLinear(torch.nn.Module):
                              "sequence_parallel=True; gather the output yourself or turn one of them off")
         self.input_size = input_size
         self.output_size = output_size
-        self.tp_group = tp_group
+        self.tp = tp
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
-        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
-        world, rank = group_size(tp_group), group_rank(tp_group)
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        world, rank = tp.size, tp.rank
         self.output_size_per_partition = divide(output_size, world, what="ColumnParallelLinear output_size")
 
         self.weight = torch.nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
@@ -87,13 +87,13 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group, tensor_parallel_output_grad=True)
+            x = gather_from_sequence_parallel_region(x, self.tp, tensor_parallel_output_grad=True)
         else:
-            x = copy_to_tensor_model_parallel_region(x, self.tp_group)
+            x = copy_to_tensor_model_parallel_region(x, self.tp)
         bias = None if self.skip_bias_add else self.bias
         output = F.linear(x, self.weight, bias)
         if self.gather_output:
-            output = gather_from_tensor_model_parallel_region(output, self.tp_group)
+            output = gather_from_tensor_model_parallel_region(output, self.tp)
         return output, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self) -> str:
@@ -111,7 +111,7 @@ class RowParallelLinear(torch.nn.Module):
     with ``sequence_parallel``, this rank's ``[s/tp, b, out]`` slice.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, tp_group: Optional[dist.ProcessGroup],
+    def __init__(self, input_size: int, output_size: int, *, tp: ParallelGroup,
                  bias: bool = True, input_is_parallel: bool = False, init_method: Optional[InitMethod] = None,
                  skip_bias_add: bool = False, sequence_parallel: bool = False,
                  params_dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
@@ -121,11 +121,11 @@ class RowParallelLinear(torch.nn.Module):
                              "(its input must come from a ColumnParallelLinear)")
         self.input_size = input_size
         self.output_size = output_size
-        self.tp_group = tp_group
+        self.tp = tp
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
-        self.sequence_parallel = sequence_parallel and group_size(tp_group) > 1
-        world, rank = group_size(tp_group), group_rank(tp_group)
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        world, rank = tp.size, tp.rank
         self.input_size_per_partition = divide(input_size, world, what="RowParallelLinear input_size")
 
         self.weight = torch.nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
@@ -144,12 +144,12 @@ class RowParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if not self.input_is_parallel:
-            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+            x = scatter_to_tensor_model_parallel_region(x, self.tp)
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
-            output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+            output = reduce_scatter_to_sequence_parallel_region(partial, self.tp)
         else:
-            output = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+            output = reduce_from_tensor_model_parallel_region(partial, self.tp)
         if self.skip_bias_add or self.bias is None:
             return output, (self.bias if self.skip_bias_add else None)
         return output + self.bias, None
@@ -176,18 +176,18 @@ class VocabParallelEmbedding(torch.nn.Module):
     ``pad_vocab_size`` first.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Optional[dist.ProcessGroup],
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: ParallelGroup,
                  init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32,
                  reduce_scatter_embeddings: bool = False, device: Optional[torch.device] = None):
         super().__init__()
-        world, rank = group_size(tp_group), group_rank(tp_group)
+        world, rank = tp.size, tp.rank
         if num_embeddings % world != 0:
             raise ValueError(f"VocabParallelEmbedding: num_embeddings={num_embeddings} is not divisible by the "
                              f"tensor-parallel size {world}; pad it with pad_vocab_size(..., "
                              f"tensor_model_parallel_size={world})")
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.tp_group = tp_group
+        self.tp = tp
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
         self.vocab_start_index, self.vocab_end_index = vocab_range_from_global_vocab_size(num_embeddings, rank, world)
         self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
@@ -199,7 +199,7 @@ class VocabParallelEmbedding(torch.nn.Module):
         set_tensor_model_parallel_attributes(self.weight, True, 0)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if group_size(self.tp_group) > 1:
+        if self.tp.size > 1:
             outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
             local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
             partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -210,8 +210,8 @@ class VocabParallelEmbedding(torch.nn.Module):
                 raise ValueError(f"VocabParallelEmbedding with reduce_scatter_embeddings expects input_ids of "
                                  f"shape [batch, seq], got {tuple(input_ids.shape)}")
             partial = partial.transpose(0, 1).contiguous()
-            return reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
-        return reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+            return reduce_scatter_to_sequence_parallel_region(partial, self.tp)
+        return reduce_from_tensor_model_parallel_region(partial, self.tp)
 
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "

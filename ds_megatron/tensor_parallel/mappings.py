@@ -8,32 +8,19 @@ sequence-parallel reduce-scatter pairs with all-gather along the sequence
 dimension.  Tensors are ``[seq, batch, hidden]``: TP splits the last
 dimension, sequence parallelism splits dimension 0.
 
-Every function takes the tensor-parallel ``torch.distributed.ProcessGroup``
-explicitly.  ``group=None`` means "no tensor parallelism" (a group of one), not
-the world group, and a group of one is an identity with no communication.
-Only collectives that gloo supports on CPU are used (all_reduce, all-gather
-and reduce-scatter into/from a single tensor).
+Every function takes the tensor-parallel group explicitly, as a
+``ParallelGroup`` (``parallel_state.tp``); a group of one
+(``ParallelGroup.single("tp")``) is an identity with no communication.  Only
+collectives that gloo supports on CPU are used (all_reduce, all-gather and
+reduce-scatter into/from a single tensor).
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-import torch.distributed as dist
 
-from ..utils.collectives import all_gather_single as _all_gather_single
-from ..utils.collectives import reduce_scatter_single as _reduce_scatter_single
+from ..parallel_state import ParallelGroup
+from ..utils.collectives import all_gather_into, all_reduce, reduce_scatter_into
 from .utils import divide
-
-
-def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    """Size of ``group``; ``None`` counts as a group of one."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group: Optional[dist.ProcessGroup]) -> int:
-    """This process's rank in ``group``; 0 for ``None``."""
-    return 0 if group is None else dist.get_rank(group)
 
 
 # --------------------------------------------------------------------- raw collectives
@@ -41,46 +28,39 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 # may hand the same gradient tensor to several branches, so an in-place
 # all-reduce of one branch's gradient would corrupt the others.
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
+    all_reduce(out, group)
     return out
 
 
-def _split_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = group_size(group)
-    chunk = divide(x.size(-1), world)
-    start = group_rank(group) * chunk
-    return x.narrow(-1, start, chunk).contiguous()
+def _split_along_last_dim(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
+    chunk = divide(x.size(-1), group.size)
+    return x.narrow(-1, group.rank * chunk, chunk).contiguous()
 
 
-def _split_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = group_size(group)
-    chunk = divide(x.size(0), world)
-    start = group_rank(group) * chunk
-    return x.narrow(0, start, chunk).contiguous()
+def _split_along_first_dim(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
+    chunk = divide(x.size(0), group.size)
+    return x.narrow(0, group.rank * chunk, chunk).contiguous()
 
 
-def _gather_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = group_size(group)
+def _gather_along_first_dim(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     x = x.contiguous()
-    out = torch.empty((world * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x, group=group)
+    out = torch.empty((group.size * x.size(0),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into(out, x, group)
     return out
 
 
-def _gather_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+def _gather_along_last_dim(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     # The collective concatenates along dim 0; re-lay the rank blocks along the last dim.
-    world = group_size(group)
     stacked = _gather_along_first_dim(x, group)
-    return torch.cat(stacked.chunk(world, dim=0), dim=-1).contiguous()
+    return torch.cat(stacked.chunk(group.size, dim=0), dim=-1).contiguous()
 
 
-def _reduce_scatter_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    world = group_size(group)
+def _reduce_scatter_along_first_dim(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     x = x.contiguous()
-    out = torch.empty((divide(x.size(0), world),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x, group=group)
+    out = torch.empty((divide(x.size(0), group.size),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_into(out, x, group)
     return out
 
 
@@ -187,53 +167,53 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 # --------------------------------------------------------------------- public API
 
-def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     """Identity forward, all-reduce (sum) of the gradient over ``group`` backward."""
-    if group_size(group) == 1:
+    if group.size == 1:
         return x
     return _CopyToModelParallelRegion.apply(x, group)
 
 
-def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     """All-reduce (sum) over ``group`` forward, identity backward."""
-    if group_size(group) == 1:
+    if group.size == 1:
         return x
     return _ReduceFromModelParallelRegion.apply(x, group)
 
 
-def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     """This rank's slice of the last dim forward, all-gather of the gradient backward."""
-    if group_size(group) == 1:
+    if group.size == 1:
         return x
     return _ScatterToModelParallelRegion.apply(x, group)
 
 
-def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     """All-gather along the last dim forward, this rank's slice of the gradient backward."""
-    if group_size(group) == 1:
+    if group.size == 1:
         return x
     return _GatherFromModelParallelRegion.apply(x, group)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     """This rank's slice of dim 0 (sequence) forward, all-gather of the gradient backward."""
-    if group_size(group) == 1:
+    if group.size == 1:
         return x
     return _ScatterToSequenceParallelRegion.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: Optional[dist.ProcessGroup],
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: ParallelGroup,
                                          tensor_parallel_output_grad: bool = True) -> torch.Tensor:
     """All-gather along dim 0 forward; backward reduce-scatters (or just splits when
     ``tensor_parallel_output_grad`` is False, i.e. the consumer is replicated)."""
-    if group_size(group) == 1:
+    if group.size == 1:
         return x
     return _GatherFromSequenceParallelRegion.apply(x, group, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor,
-                                               group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+                                               group: ParallelGroup) -> torch.Tensor:
     """Reduce-scatter (sum) along dim 0 forward, all-gather of the gradient backward."""
-    if group_size(group) == 1:
+    if group.size == 1:
         return x
     return _ReduceScatterToSequenceParallelRegion.apply(x, group)

@@ -24,9 +24,10 @@ that expects Megatron's ``get_cuda_rng_tracker()``, ``get_rng_tracker()``
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
+import torch.utils.checkpoint
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
@@ -141,3 +142,37 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0, ep_rank: int 
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, stage_seed + _TP_SEED_OFFSET + tp_rank)
     tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, stage_seed + _EP_SEED_OFFSET + _PP_SEED_STRIDE * ep_rank + etp_rank)
     return tracker
+
+
+def checkpoint(function: Callable, tracker: Optional[RNGStatesTracker], *args):
+    """Megatron's activation recomputation: ``function(*args)`` keeping only its inputs, rerun in backward.
+
+    The rerun replays the same dropout masks: torch restores the default CPU
+    and CUDA generators (``preserve_rng_state``), and the tracker's streams
+    (dropout inside tensor-parallel regions) are set back to where they were
+    when the forward started, then returned to where backward found them.  The
+    tracker is passed in, not looked up: the model that owns it says which.
+    Non-reentrant (torch's recommended form), so it composes with
+    ``torch.autograd.grad`` and with gradient hooks.
+    """
+    if tracker is None:
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
+    forward_states: Dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def record_forward_states():
+        forward_states.update(tracker.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def replay_forward_states():
+        current = tracker.get_states()
+        tracker.set_states(forward_states)
+        try:
+            yield
+        finally:
+            tracker.set_states(current)
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
+                                             context_fn=lambda: (record_forward_states(), replay_forward_states()))
+

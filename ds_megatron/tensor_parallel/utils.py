@@ -1,4 +1,4 @@
-"""Partition arithmetic for tensor parallelism: exact division, vocab ranges, vocab padding.
+"""Partition arithmetic for tensor parallelism: exact division, vocab ranges (vocab padding is config's).
 
 Pure functions, no process group needed, so the CLI and tests can call them
 as they are.
@@ -6,6 +6,8 @@ as they are.
 from __future__ import annotations
 
 from typing import Optional, Tuple
+
+from ..config.model import pad_vocab_size  # noqa: F401  (pure, shared with the planner)
 
 
 def divide(numerator: int, denominator: int, what: Optional[str] = None) -> int:
@@ -34,20 +36,3 @@ def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, ran
 def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int, world_size: int) -> Tuple[int, int]:
     """``[start, end)`` of the vocab rows rank ``rank`` owns when ``global_vocab_size`` is split evenly."""
     return vocab_range_from_per_partition_vocab_size(divide(global_vocab_size, world_size), rank, world_size)
-
-
-def pad_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,
-                   tensor_model_parallel_size: int = 1) -> int:
-    """Smallest size >= ``orig_vocab_size`` that is a multiple of ``make_vocab_size_divisible_by * tp``.
-
-    Each TP rank then holds a slice whose size is a multiple of
-    ``make_vocab_size_divisible_by`` (128 keeps the logit GEMM efficient);
-    GPT-2's 50,257 becomes 51,200 for TP=8, as in the Megatron-LM paper.
-    """
-    if orig_vocab_size <= 0:
-        raise ValueError(f"orig_vocab_size={orig_vocab_size} must be positive")
-    if make_vocab_size_divisible_by <= 0 or tensor_model_parallel_size <= 0:
-        raise ValueError(f"make_vocab_size_divisible_by={make_vocab_size_divisible_by} and "
-                         f"tensor_model_parallel_size={tensor_model_parallel_size} must be positive")
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return -(-orig_vocab_size // multiple) * multiple

@@ -1,6 +1,7 @@
 """Checkpoints of a training job through DeepSpeed's engine, crash-safe.
 
-DeepSpeed writes one directory per tag (``iter_0000100/``); we add each rank's
+DeepSpeed writes one directory per tag (``iter_0000100/``) through
+``ds_megatron.save_checkpoint`` (which adds MoE experts); we add each rank's
 RNG states (default generator and the model-parallel tracker) to it, and only
 after every rank has finished writing do we point ``latest`` at the new tag,
 by writing a temporary file and renaming it over the old one.  A crash at any
@@ -24,6 +25,8 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from ..integration import checkpoint as engine_checkpoint
 
 LATEST = "latest"
 
@@ -67,7 +70,7 @@ def set_rng_states(states: Dict[str, Any], rng_tracker=None) -> None:
 def save_checkpoint(engine, save_dir: str, step: int, client_state: Dict[str, Any], rng_tracker=None) -> str:
     """Save through DeepSpeed, then this rank's RNG states, then (rank 0) flip ``latest``."""
     tag = tag_for(step)
-    engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+    engine_checkpoint.save_checkpoint(engine, save_dir, tag=tag, client_state=client_state, save_latest=False)
     torch.save(rng_states(rng_tracker), _rng_path(save_dir, tag, dist.get_rank()))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -89,7 +92,7 @@ def load_checkpoint(engine, save_dir: str, rng_tracker=None) -> Optional[Dict[st
     tag = latest_tag(save_dir)
     if tag is None:
         return None
-    load_path, client_state = engine.load_checkpoint(save_dir, tag=tag)
+    load_path, client_state = engine_checkpoint.load_checkpoint(engine, save_dir, tag=tag)
     if load_path is None:
         raise RuntimeError(f"checkpoint {os.path.join(save_dir, tag)} named by {LATEST} could not be loaded")
     rng_file = _rng_path(save_dir, tag, dist.get_rank())

@@ -10,51 +10,28 @@ in the output directory.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from ..config import ConfigError, world_size_from_env
-from .config import JobConfig, parse_job_config
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-megatron train", description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="DeepSpeed JSON config with a \"megatron\" section")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output dir")
-    p.add_argument("--output-dir", help="where checkpoints, metrics.jsonl and loss_curve.png go "
-                                        "(default: megatron.train.output_dir)")
-    p.add_argument("--train-iters", type=int, help="override megatron.train.train_iters")
-    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
-    return p
-
-
-def load_job(config_path: str, world_size: int, train_iters: Optional[int] = None,
-             output_dir: Optional[str] = None) -> JobConfig:
-    """Parse and validate every section for ``world_size`` ranks; creates nothing."""
-    job = parse_job_config(config_path)
-    layout = job.megatron.layout(world_size)
-    job.model.check_tensor_parallel(layout.tp)
-    job.model.check_expert_parallel(layout.ep, layout.etp)  # MoE: num_experts % EP, moe_ffn % ETP
-    if train_iters is not None:
-        if train_iters < 1:
-            raise ConfigError(f"--train-iters must be >= 1, got {train_iters}")
-        job.train.train_iters = train_iters
-    if output_dir is not None:
-        job.train.output_dir = output_dir
-    return job
-
-
-def _param_groups(model) -> List[Dict[str, Any]]:
-    """Megatron's rule: no weight decay for biases and LayerNorm weights (every 1-D parameter)."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 else decay).append(p)
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+from ..data.corpus import build_default_dataset
+from ..data.gpt_dataset import build_train_valid_datasets
+from ..data.sampler import build_data_loader
+from ..integration.engine import initialize, initialize_model_parallel
+from ..integration.runtime import accelerator_device_type
+from ..models.gpt import GPTModel
+from ..optimizer import MegatronOptimizer, get_grad_norm_fp32, get_param_groups, grads_for_norm
+from ..tensor_parallel import RNGStatesTracker, model_parallel_seed
+from .checkpointing import load_checkpoint, save_checkpoint
+from .job import JobConfig, load_job, main  # noqa: F401  (the job's entry points, re-exported)
+from .lr_schedule import build_lr_scheduler
+from .metrics import MetricsLog, plot_loss_curve, progress_text
 
 
 @dataclass
@@ -66,7 +43,6 @@ class TrainResult:
 
 def batch_to_device(batch: Dict[str, Any], device) -> Dict[str, Any]:
     """Every tensor of a loader batch on the engine's device (``non_blocking`` from pinned memory)."""
-    import torch
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
@@ -86,7 +62,6 @@ class _PendingSteps:
         self.names: List[str] = []
 
     def add(self, step: int, loss, moe_losses: Dict[str, Any]) -> None:
-        import torch
         names = list(moe_losses)
         if self.steps and names != self.names:
             raise RuntimeError(f"step {step} reports MoE losses {names} but earlier steps {self.names}")
@@ -96,8 +71,6 @@ class _PendingSteps:
 
     def flush(self) -> List[Tuple[int, float, Dict[str, float]]]:
         """[(step, loss, {moe loss name: value})] averaged over data parallel; one all-reduce, one sync."""
-        import torch
-        import torch.distributed as dist
         if not self.steps:
             return []
         stacked = torch.stack(self.values)
@@ -115,25 +88,11 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
 
     ``stop_after``: end after this step (simulates an interruption; tests use it).
     """
-    import torch
-    import torch.distributed as dist
-
-    import ds_megatron
-    from ..data.corpus import build_default_dataset
-    from ..data.gpt_dataset import build_train_valid_datasets
-    from ..data.sampler import build_data_loader
-    from ..models.gpt import GPTModel
-    from ..optimizer import get_grad_norm_fp32, grads_for_norm
-    from ..tensor_parallel import RNGStatesTracker, model_parallel_seed
-    from .checkpointing import load_checkpoint, save_checkpoint
-    from .lr_schedule import build_lr_scheduler
-    from .metrics import MetricsLog, plot_loss_curve, progress_text
-
     tcfg, out_dir = job.train, job.train.output_dir
-    state = ds_megatron.initialize_model_parallel(job.megatron)
+    state = initialize_model_parallel(job.megatron)
     rank, dp = dist.get_rank(), state.dp
     tracker = model_parallel_seed(tcfg.seed, state.tp.rank, state.pp.rank, state.ep.rank, state.etp.rank,
-                                  tracker=RNGStatesTracker(_accelerator_device_type()))
+                                  tracker=RNGStatesTracker(accelerator_device_type()))
     model = GPTModel(job.model, state, rng_tracker=tracker)
 
     ds_config = job.ds_config
@@ -143,13 +102,13 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     if "optimizer" in ds_config:
         optimizer, scheduler = None, None  # DeepSpeed builds both from its own sections
     else:
-        optimizer = torch.optim.AdamW(_param_groups(model), lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2),
+        optimizer = torch.optim.AdamW(get_param_groups(model), lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2),
                                       eps=tcfg.adam_eps, weight_decay=tcfg.weight_decay)
         scheduler = build_lr_scheduler(optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters, tcfg.train_iters,
                                        tcfg.lr_decay_style)
-    engine, _, _, scheduler = ds_megatron.initialize(
+    engine, _, _, scheduler = initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config_source,
-        model_parameters=_param_groups(model) if optimizer is None else None, parallel_state=state)
+        model_parameters=get_param_groups(model) if optimizer is None else None, parallel_state=state)
     device = engine.device
     # Pinned host memory lets the copy to the GPU run asynchronously (non_blocking).
     pin_memory = torch.device(device).type == "cuda"
@@ -186,13 +145,11 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     result = TrainResult(start_step=start_step)
     bar = None
     if rank == 0 and show_progress and sys.stdout.isatty():
-        from tqdm import tqdm
         bar = tqdm(total=tcfg.train_iters, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stdout,
                    mininterval=0.5)
     tokens_per_step = global_batch * job.model.seq_length
     # Our optimizer path (and DeepSpeed's own fp16/bf16/ZeRO optimizers) report the true global norm
     # through engine.get_global_grad_norm(); only DeepSpeed's plain fp32 path leaves it to the loop.
-    from ..optimizer import MegatronOptimizer
     own_grad_norm = not (isinstance(engine.optimizer, MegatronOptimizer) or engine.fp16_enabled()
                          or engine.bfloat16_enabled() or engine.zero_optimization())
     pending = _PendingSteps(dp.group, dp.size)
@@ -292,31 +249,12 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     return result
 
 
-def _accelerator_device_type() -> str:
-    """"cuda" or "cpu": where DeepSpeed's accelerator runs the job (DS_ACCELERATOR=cpu pins the CPU on a GPU box)."""
-    from deepspeed.accelerator import get_accelerator
-    return "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args, _ = build_parser().parse_known_args(argv)
-    try:
-        job = load_job(args.config, world_size_from_env() or 1, args.train_iters, args.output_dir)
-    except ConfigError as e:
-        print(f"ds-megatron train: error: {e}", file=sys.stderr)
-        return 2
-    train(job, args.config, resume=args.resume)
-    _shutdown()
-    return 0
-
-
-def _shutdown() -> None:
+def shutdown() -> None:
     """Leave the job cleanly: barrier, destroy the default group, then skip interpreter teardown.
 
     Interpreter teardown under gloo sometimes aborts ("terminate called without
     an active exception"), which a launcher would report as a failed run.
     """
-    import torch.distributed as dist
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -13,25 +13,26 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from ..parallel_state import ParallelGroup
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.utils import divide
 
 
 class ParallelAttention(torch.nn.Module):
-    def __init__(self, hidden_size: int, num_attention_heads: int, *, tp_group, tp_size: int, init_method,
+    def __init__(self, hidden_size: int, num_attention_heads: int, *, tp: ParallelGroup, init_method,
                  output_init_method, attention_dropout: float = 0.0, sequence_parallel: bool = False,
                  rng_tracker=None):
         super().__init__()
-        self.num_heads_per_partition = divide(num_attention_heads, tp_size)
+        self.num_heads_per_partition = divide(num_attention_heads, tp.size)
         self.head_dim = divide(hidden_size, num_attention_heads)
         self.attention_dropout = attention_dropout
         self.rng_tracker = rng_tracker
         # Output features are ordered [q | k | v] within each head, head-major, so a
         # contiguous column split hands every rank complete heads.
-        self.query_key_value = ColumnParallelLinear(hidden_size, 3 * hidden_size, tp_group=tp_group,
+        self.query_key_value = ColumnParallelLinear(hidden_size, 3 * hidden_size, tp=tp,
                                                     gather_output=False, init_method=init_method,
                                                     sequence_parallel=sequence_parallel)
-        self.dense = RowParallelLinear(hidden_size, hidden_size, tp_group=tp_group, input_is_parallel=True,
+        self.dense = RowParallelLinear(hidden_size, hidden_size, tp=tp, input_is_parallel=True,
                                        init_method=output_init_method, sequence_parallel=sequence_parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

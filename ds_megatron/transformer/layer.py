@@ -9,13 +9,14 @@ only part of the sequence when computing their gradients.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..parallel_state import ParallelGroup
 from ..tensor_parallel import mark_sequence_parallel
 from .attention import ParallelAttention
-from .mlp import ParallelMLP
 
 
 class GraphableLayer(torch.nn.Module):
@@ -49,28 +50,24 @@ class GraphableLayer(torch.nn.Module):
 
 
 class ParallelTransformerLayer(GraphableLayer):
-    def __init__(self, config, *, tp_group, tp_size: int, init_method, output_init_method, rng_tracker=None,
-                 layer_number: int = 0, parallel_state=None, aux_loss_tracker=None):
+    """``config``: a ``GPTConfig``; ``tp``: the tensor-parallel group; ``build_mlp``: makes the layer's MLP
+    (a ``ParallelMLP``, or an MoE layer on the expert groups; the model that owns the layer decides), called
+    after attention so that weights are drawn in Megatron's order whatever the MLP is."""
+
+    def __init__(self, config, *, tp: ParallelGroup, build_mlp: Callable[[], torch.nn.Module], init_method,
+                 output_init_method, rng_tracker=None):
         super().__init__()
         h = config.hidden_size
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel
         self.rng_tracker = rng_tracker
         self.input_layernorm = torch.nn.LayerNorm(h, eps=config.layernorm_epsilon)
-        self.self_attention = ParallelAttention(h, config.num_attention_heads, tp_group=tp_group, tp_size=tp_size,
-                                                init_method=init_method, output_init_method=output_init_method,
+        self.self_attention = ParallelAttention(h, config.num_attention_heads, tp=tp, init_method=init_method,
+                                                output_init_method=output_init_method,
                                                 attention_dropout=config.attention_dropout,
                                                 sequence_parallel=config.sequence_parallel, rng_tracker=rng_tracker)
         self.post_attention_layernorm = torch.nn.LayerNorm(h, eps=config.layernorm_epsilon)
-        # MoE: MoE layers (config.is_moe_layer) get a MoELayer on the expert groups instead
-        if getattr(config, "num_experts", None) and config.is_moe_layer(layer_number):
-            from ..moe.moe_layer import MoELayer
-            self.mlp = MoELayer(config, parallel_state=parallel_state, layer_number=layer_number,
-                                init_method=init_method, output_init_method=output_init_method,
-                                aux_loss_tracker=aux_loss_tracker)
-        else:
-            self.mlp = ParallelMLP(h, config.ffn_hidden_size, tp_group=tp_group, init_method=init_method,
-                                   output_init_method=output_init_method, sequence_parallel=config.sequence_parallel)
+        self.mlp = build_mlp()
         if config.sequence_parallel:
             mark_sequence_parallel(self.input_layernorm)
             mark_sequence_parallel(self.post_attention_layernorm)

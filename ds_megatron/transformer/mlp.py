@@ -9,17 +9,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..parallel_state import ParallelGroup
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 
 class ParallelMLP(torch.nn.Module):
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, tp_group, init_method, output_init_method,
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, tp: ParallelGroup, init_method, output_init_method,
                  sequence_parallel: bool = False):
         super().__init__()
-        self.dense_h_to_4h = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp_group=tp_group,
+        self.dense_h_to_4h = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp=tp,
                                                   gather_output=False, init_method=init_method,
                                                   sequence_parallel=sequence_parallel)
-        self.dense_4h_to_h = RowParallelLinear(ffn_hidden_size, hidden_size, tp_group=tp_group,
+        self.dense_4h_to_h = RowParallelLinear(ffn_hidden_size, hidden_size, tp=tp,
                                                input_is_parallel=True, init_method=output_init_method,
                                                sequence_parallel=sequence_parallel)
 

@@ -1,4 +1,4 @@
-"""Start torch.distributed from whatever launcher started this process.
+"""The variables torch.distributed needs, from whatever launcher started this process (pure: reads the env).
 
 ``deepspeed``, ``torchrun`` and our test harness export torch's variables
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).  ``mpiexec`` does
@@ -16,16 +16,15 @@ DeepSpeed's own MPI discovery would take MASTER_ADDR from ``hostname -I``
 * A process started by no launcher at all is a one-rank job.
 
 LOCAL_SIZE is always set: DeepSpeed's CPU accelerator reports it as the
-device count.
+device count.  ``ds_megatron.integration.runtime.init_distributed_from_env``
+applies these and starts DeepSpeed's comm layer.
 """
 from __future__ import annotations
 
-import datetime
 import os
 import socket
 from typing import Dict, Mapping, Optional
 
-from .runtime_env import prepare_cpu_runtime, use_cuda
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -77,9 +76,10 @@ def torch_env_from_launcher(environ: Mapping[str, str]) -> Dict[str, str]:
     return {k: v for k, v in env.items() if k not in environ}
 
 
-def _free_port() -> int:
+def free_port(host: str = DEFAULT_MASTER_ADDR) -> int:
+    """A TCP port free on ``host`` now (loopback by default; "" for every interface, for multi-node)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -94,34 +94,16 @@ def _rendezvous_from_mpi4py(environ: Mapping[str, str]) -> Optional[Dict[str, st
     mine = None
     if comm.Get_rank() == 0:
         multi_node = on_this_node < comm.Get_size()
-        mine = {"MASTER_PORT": str(_free_port()),
+        mine = {"MASTER_PORT": str(free_port("" if multi_node else DEFAULT_MASTER_ADDR)),
                 "MASTER_ADDR": socket.gethostbyname(socket.gethostname()) if multi_node else DEFAULT_MASTER_ADDR}
     got = comm.bcast(mine, root=0)
     return {k: v for k, v in got.items() if k not in environ}
 
 
-def init_distributed_from_env(backend: Optional[str] = None,
-                              timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
-    """Map launcher variables to torch's, prepare the CPU runtime, and init DeepSpeed's comm.
-
-    ``backend`` defaults to nccl with CUDA and gloo without.  Does nothing if
-    torch.distributed is already initialized.
-    """
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return
-    broadcast = None
-    if "RANK" not in os.environ and mpi_flavour(os.environ) and "MASTER_PORT" not in os.environ:
-        broadcast = _rendezvous_from_mpi4py(os.environ)
-    os.environ.update(broadcast or {})
-    os.environ.update(torch_env_from_launcher(os.environ))
-    prepare_cpu_runtime()
-    cuda = use_cuda()
-    if cuda:
-        # One GPU per local rank, as Megatron does; NCCL needs it set before the first collective.
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-    import deepspeed
-    deepspeed.init_distributed(dist_backend=backend or ("nccl" if cuda else "gloo"), auto_mpi_discovery=False,
-                               timeout=timeout, dist_init_required=True)
+def launcher_env_for_torch(environ: Mapping[str, str]) -> Dict[str, str]:
+    """Every variable to add so torch.distributed can start from ``environ`` (mpi4py's broadcast first)."""
+    env: Dict[str, str] = {}
+    if "RANK" not in environ and mpi_flavour(environ) and "MASTER_PORT" not in environ:
+        env.update(_rendezvous_from_mpi4py(environ) or {})
+    env.update(torch_env_from_launcher({**environ, **env}))
+    return env

@@ -13,16 +13,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_module
-import socket
 import sys
 import traceback
 from typing import Any, Callable, Dict
 
+import torch
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..integration.runtime import init_distributed, set_deepspeed_log_level
+from .dist_env import free_port
+from .runtime_env import use_cuda
 
 
 def local_rank_env(rank: int, world_size: int, port: int, cpu_only: bool = False) -> Dict[str, str]:
@@ -34,7 +33,6 @@ def local_rank_env(rank: int, world_size: int, port: int, cpu_only: bool = False
     env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
            "LOCAL_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    from .runtime_env import use_cuda
     if cpu_only:
         env["CUDA_VISIBLE_DEVICES"] = ""
     if cpu_only or not use_cuda():
@@ -42,19 +40,17 @@ def local_rank_env(rank: int, world_size: int, port: int, cpu_only: bool = False
     return env
 
 
+def init_local_rank(rank: int, world_size: int, port: int, threads: int = 1, cpu_only: bool = False) -> None:
+    """Make this process rank ``rank`` of a local job: launcher variables, threads, DeepSpeed's comm layer."""
+    os.environ.update(local_rank_env(rank, world_size, port, cpu_only=cpu_only))
+    torch.set_num_threads(threads)
+    set_deepspeed_log_level("ERROR")
+    init_distributed(verbose=False)
+
+
 def _rank_main(rank: int, world: int, port: int, threads: int, fn: Callable, args, results) -> None:
-    os.environ.update(local_rank_env(rank, world, port))
     try:
-        import torch
-        torch.set_num_threads(threads)
-        from .runtime_env import prepare_cpu_runtime
-        prepare_cpu_runtime()
-        import deepspeed
-        from deepspeed.utils import logger
-        logger.setLevel("ERROR")
-        from .runtime_env import use_cuda
-        deepspeed.init_distributed(dist_backend=None if use_cuda() else "gloo",
-                                   auto_mpi_discovery=False, verbose=False)
+        init_local_rank(rank, world, port, threads)
         value = fn(*args)
         if rank == 0:
             results.put((True, value))

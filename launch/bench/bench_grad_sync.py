@@ -49,7 +49,7 @@ def _measure(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     from ds_megatron.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from ds_megatron.parallel.layout import ParallelLayout
-    from ds_megatron.parallel.state import ParallelState
+    from ds_megatron.parallel_state import ParallelState
 
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, args.hidden, generator=g)

@@ -52,7 +52,7 @@ def _ep_tokens_per_s(args, dispatcher):
     import torch.distributed as dist
     from ds_megatron.moe import MoELayer
     from ds_megatron.parallel.layout import ParallelLayout
-    from ds_megatron.parallel.state import ParallelState
+    from ds_megatron.parallel_state import ParallelState
     rank, world = dist.get_rank(), dist.get_world_size()
     state = ParallelState.build(ParallelLayout(world_size=world, ep=world, etp=1))
     torch.manual_seed(0)

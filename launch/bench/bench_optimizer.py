@@ -46,7 +46,7 @@ def main():
     os.environ.update(local_rank_env(0, 1, free_port()))
     import torch
     import ds_megatron
-    from ds_megatron.utils.runtime_env import prepare_cpu_runtime
+    from ds_megatron.integration.runtime import prepare_cpu_runtime
     prepare_cpu_runtime()
     width = 1024
     depth = max(1, int(args.params_millions * 1e6 / (width * width + 3 * width)))
@@ -82,10 +82,16 @@ def main():
         engine, _, _, _ = ds_megatron.initialize(model=model, optimizer=opt, config=cfg)
         model_params = list(engine.module.parameters())
         scale = getattr(engine.optimizer, "cur_scale", None) or 1.0
+        ddp = engine.megatron.ddp  # on our path the gradient buffers hold the grads (main_grad)
 
         def set_grads():
+            if ddp is not None:
+                ddp.zero_grad_buffer()  # a new accumulation window, as the next forward would start
             for p, g in zip(model_params, grads):
-                p.grad = (g * scale).to(p.dtype)
+                if ddp is not None:
+                    p.main_grad.copy_(g * scale)
+                else:
+                    p.grad = (g * scale).to(p.dtype)
         results[name] = _time_steps(engine.step, set_grads, args.steps)
         engine.megatron.state.destroy()
 

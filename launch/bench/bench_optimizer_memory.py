@@ -59,8 +59,8 @@ def _measure(args):
         per_rank = [None] * world
         dist.all_gather_object(per_rank, measured)
         row[name] = (type(optimizer).__name__, per_rank)
-        if engine.megatron.ddp is not None:
-            engine.megatron.ddp.deepspeed_hooks.detach()
+        if engine.megatron.ddp_in_engine is not None:
+            engine.megatron.ddp_in_engine.detach()
         state.destroy()
         del engine, optimizer, model
     return numel, row

@@ -1,18 +1,18 @@
 """``megatron.cuda_graph``: validated at start, each error naming the field, the value and the fix."""
 import pytest
 
-from ds_megatron.config import ConfigError, MegatronConfig, parse_section, split_config
+from ds_megatron.config import ConfigError, MegatronConfig, split_config
 
 
 def _parse(cuda_graph, model=None):
     section = {"cuda_graph": cuda_graph}
     if model is not None:
         section["model"] = model
-    return parse_section(MegatronConfig, section, "megatron")
+    return MegatronConfig.from_section(section, {})
 
 
 def test_defaults_are_off():
-    cfg = parse_section(MegatronConfig, {}, "megatron").cuda_graph
+    cfg = MegatronConfig.from_section({}, {}).cuda_graph
     assert (cfg.impl, cfg.scope, cfg.enabled, cfg.required) == ("none", [], False, False)
 
 

@@ -14,7 +14,7 @@ import torch
 from harness import run_on_ranks
 from ds_megatron.config import ConfigError, CudaGraphConfig
 from ds_megatron.cuda_graphs.backends import EagerCapturer
-from ds_megatron.cuda_graphs.engine_hook import attach_cuda_graphs
+from ds_megatron.integration.cuda_graphs import attach_cuda_graphs
 from ds_megatron.models import GPTConfig, GPTModel
 
 CFG = dict(num_layers=3, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=8, vocab_size=50,

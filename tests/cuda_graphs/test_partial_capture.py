@@ -1,10 +1,11 @@
 """Partial capture control flow on CPU: the graph capture replaced by plain execution (``EagerCapturer``).
 
 For dense and MoE layers and every scope: outputs and gradients of the
-"replayed" layers equal the eager layers', the MoE layer skips route /
-preprocess at replay (tensor store), the dispatcher's attrs are restored
-and its host sync moves after the graph for moe_preprocess, and the forward
-pre-hooks of captured submodules run by hand before each replay.
+"replayed" layers equal the eager layers' (routing losses included), the MoE
+layer's remaining steps run on the graph's outputs (route / preprocess are not
+run again), the dispatcher's preprocess state is handed back and its host sync
+moves after the graph for moe_preprocess, and the forward pre-hooks of
+captured submodules run by hand before each replay.
 """
 import copy
 
@@ -15,11 +16,12 @@ from moe_toy import ToyMoE
 from ds_megatron.config import ConfigError, CudaGraphConfig
 from ds_megatron.cuda_graphs.backends import EagerCapturer
 from ds_megatron.cuda_graphs.capture import CudaGraphHelper, layer_is_graphable
-from ds_megatron.cuda_graphs.partial_capture import (MoECudaGraphPartialCaptureSignal, MoECudaGraphTensorStore,
-                                                     captured_region, is_graph_capturing)
+from ds_megatron.cuda_graphs.partial_capture import PREPROCESS, ROUTE, moe_front, moe_rest, prepare_moe_for_scope
 from ds_megatron.models import GPTConfig
+from ds_megatron.moe import BaseMoELayer
+from ds_megatron.parallel_state import ParallelGroup
 from ds_megatron.tensor_parallel import init_method_normal
-from ds_megatron.transformer import ParallelTransformerLayer
+from ds_megatron.transformer import ParallelMLP, ParallelTransformerLayer
 
 H, S, B = 16, 6, 2
 
@@ -29,8 +31,11 @@ def _layers(n=2, moe=(), **moe_kwargs):
     cfg = GPTConfig(num_layers=n, hidden_size=H, num_attention_heads=2, ffn_hidden_size=32, seq_length=S,
                     hidden_dropout=0.0, attention_dropout=0.0)
     init = init_method_normal(0.2)
-    layers = torch.nn.ModuleList(ParallelTransformerLayer(cfg, tp_group=None, tp_size=1, init_method=init,
-                                                          output_init_method=init) for _ in range(n))
+    tp = ParallelGroup.single("tp")
+    layers = torch.nn.ModuleList(
+        ParallelTransformerLayer(cfg, tp=tp, init_method=init, output_init_method=init,
+                                 build_mlp=lambda: ParallelMLP(H, 32, tp=tp, init_method=init, output_init_method=init))
+        for _ in range(n))
     for i in moe:
         layers[i].mlp = ToyMoE(H, **moe_kwargs)
     return layers
@@ -46,7 +51,9 @@ def _step(layers, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(S, B, H, generator=g, requires_grad=True)
     out = _run(layers, x)
-    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    routing_losses = sum(sum(layer.mlp.aux_losses.values(), 0.0) for layer in layers
+                         if isinstance(layer.mlp, BaseMoELayer))
+    ((out * torch.randn(out.shape, generator=g)).sum() + routing_losses).backward()
     grads = {n: p.grad.clone() for n, p in layers.named_parameters() if p.grad is not None}
     for p in layers.parameters():
         p.grad = None
@@ -82,7 +89,7 @@ def test_dense_layers_replay_equals_eager(scope):
                                    ["moe_router", "moe_preprocess"]])
 @pytest.mark.parametrize("shared_expert", [False, True])
 def test_moe_partial_replay_equals_eager_and_skips_captured_steps(scope, shared_expert):
-    helper, graphed = _compare(scope, moe=(1,), shared_expert=shared_expert)
+    helper, graphed = _compare(scope, moe=(1,), shared_expert=shared_expert, z_loss=0.01)
     moe = graphed[1].mlp
     runner = helper.runners[-1]
     assert runner.layer is graphed[1]
@@ -92,71 +99,58 @@ def test_moe_partial_replay_equals_eager_and_skips_captured_steps(scope, shared_
     after = moe.calls
     # The eager capturer still computes the captured part once per replay (that is the graph's work) ...
     assert after["route"] - before["route"] == 1
-    # ... but the replay path after it resumes at dispatch: rest runs once, preprocess only if not captured.
+    # ... and the replay hands its routing losses back, then resumes: rest runs once, preprocess only if not captured.
+    assert after["restore_route"] - before["restore_route"] == 1
     assert after["rest"] - before["rest"] == 1
     captured_preprocess = "moe_preprocess" in scope
     assert after["preprocess"] - before["preprocess"] == 1
-    assert moe.cudagraph_tensor_store.is_empty()  # cleared after each replay
     layout = runner.part.layout
     assert layout.return_step == ("preprocess" if captured_preprocess else "route")
     assert layout.has_shared_expert_output == shared_expert
+    assert layout.loss_names == ("z_loss",)
     if captured_preprocess:
-        # Filtered at capture: the missing nested attr is dropped, the tensors are kept.
-        assert layout.attr_names == ("routing_map", "tokens_per_expert", "reversed_local_input_permutation_mapping")
+        assert layout.state_names == ("routing_map", "tokens_per_expert", "reversed_local_input_permutation_mapping")
         assert moe.token_dispatcher.cuda_sync_point == "before_ep_alltoall"
         assert moe.token_dispatcher.sync_points_seen[-1] == "before_ep_alltoall"
     else:
-        assert layout.attr_names == ()
+        assert layout.state_names == ()
         assert moe.token_dispatcher.cuda_sync_point == "before_permutation_1"
     if scope == ["moe_router"] or scope == ["moe_router", "moe_preprocess"]:
         assert not runner.part.captures_attention and not layer_is_graphable(graphed[0], scope)
         assert len(helper.runners) == 1  # the dense layer has nothing in this scope
 
 
-def test_moe_preprocess_with_residual_returned():
-    _compare(["attn", "moe_router", "moe_preprocess"], moe=(0, 1), preprocess_returns_residual=True)
-
-
-class _CountingRoute(torch.nn.Module):
-    pass
-
-
-def test_replay_skips_route_and_preprocess_when_graph_outputs_are_stored():
-    """Replay path alone: a filled store makes route/preprocess return stored tensors without computing."""
-    moe = ToyMoE(H)
-    x = torch.randn(S * B, H)
-    with captured_region(["moe_router", "moe_preprocess"]):
-        assert is_graph_capturing()
-        outputs = moe(x)
-    assert not is_graph_capturing()
-    assert isinstance(outputs, list) and moe.calls["rest"] == 0
+@pytest.mark.parametrize("step", [ROUTE, PREPROCESS])
+def test_front_then_rest_equals_the_layer_and_skips_the_front_steps(step):
+    """The two halves on their own: ``moe_rest`` on ``moe_front``'s outputs gives the layer's output without
+    computing the front again (route, and preprocess when it was in the front)."""
+    torch.manual_seed(0)
+    moe = ToyMoE(H, shared_expert=True, z_loss=0.1)
+    prepare_moe_for_scope(moe, ["moe_router", "moe_preprocess"] if step == PREPROCESS else ["moe_router"])
+    x = torch.randn(S, B, H)
+    ref = moe(x)
+    outputs, layout = moe_front(moe, x, step)
+    assert layout.num_outputs == len(outputs) and layout.return_step == step
     moe.calls.clear()
-    moe.cudagraph_tensor_store.set("preprocess", False, hidden_states=outputs[0], probs=outputs[1], residual=x)
-    hidden, probs = moe.preprocess(x, None, None)
-    assert hidden is outputs[0] and probs is outputs[1]
-    assert moe.route(x)[0] is outputs[1]
-    assert moe.calls["route"] == moe.calls["preprocess"] == 0
+    got = moe_rest(moe, outputs, layout)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert moe.calls["route"] == 0 and moe.calls["rest"] == 1
+    assert moe.calls["preprocess"] == (0 if step == PREPROCESS else 1)
+    assert set(moe.aux_losses) == {"z_loss"}  # handed back, as route would have set them
 
 
-def test_signal_outside_capture_is_never_raised():
+def test_the_moe_layer_alone_runs_its_steps_in_order():
     moe = ToyMoE(H)
     out = moe(torch.randn(S, B, H))
-    assert isinstance(out, torch.Tensor) and moe.calls["rest"] == 1
+    assert isinstance(out, torch.Tensor) and out.shape == (S, B, H) and moe.calls["rest"] == 1
 
 
-def test_tensor_store_rejects_unknown_fields():
-    store = MoECudaGraphTensorStore()
-    assert store.is_empty()
-    with pytest.raises(TypeError, match="unknown fields"):
-        store.set("route", logits=torch.zeros(1))
-
-
-def test_signal_carries_route_outputs():
+def test_a_layout_that_no_longer_fits_asks_for_recapture():
     moe = ToyMoE(H)
-    with captured_region(["moe_router"]):
-        with pytest.raises(MoECudaGraphPartialCaptureSignal) as info:
-            moe.route(torch.randn(S * B, H))
-    assert info.value.return_step == "route" and set(info.value.kwargs) == {"probs", "routing_map"}
+    outputs, layout = moe_front(moe, torch.randn(S * B, H), ROUTE)
+    assert [t.shape for t in outputs[:3]] == [(S * B, H), (S * B, 4), (S * B, 4)]  # hidden, probs, routing map
+    with pytest.raises(RuntimeError, match="recapture"):
+        moe_rest(moe, outputs[:-1], layout)
 
 
 def test_manual_hooks_run_before_each_replay_and_stay_out_of_capture():
@@ -254,13 +248,15 @@ class _LookAlikeLayer(torch.nn.Module):
 
 
 class _LookAlikeMoE(torch.nn.Module):
-    """ToyMoE's attributes and steps without subclassing PartialCaptureMoE."""
+    """ToyMoE's attributes and steps without subclassing BaseMoELayer."""
 
     def __init__(self):
         super().__init__()
         toy = ToyMoE(H)
-        self.cudagraph_tensor_store, self.token_dispatcher = toy.cudagraph_tensor_store, toy.token_dispatcher
-        self.route, self.preprocess, self.shared_experts_compute = toy.route, toy.preprocess, toy.shared_experts_compute
+        self.token_dispatcher = toy.token_dispatcher
+        for name in ("route", "restore_route", "preprocess", "dispatch", "routed_experts_compute", "combine",
+                     "shared_experts_compute"):
+            setattr(self, name, getattr(toy, name))
 
 
 def test_graphable_layers_and_moe_are_declared_not_guessed():
@@ -271,9 +267,8 @@ def test_graphable_layers_and_moe_are_declared_not_guessed():
     ``nn.Module`` submodule lives in ``_modules``), so no scope captured anything on 3.12.
     """
     from ds_megatron.cuda_graphs.capture import is_moe_layer
-    from ds_megatron.cuda_graphs.partial_capture import PartialCaptureMoE
     from ds_megatron.transformer import GraphableLayer
-    for interface in (GraphableLayer, PartialCaptureMoE):
+    for interface in (GraphableLayer, BaseMoELayer):
         assert not getattr(interface, "_is_protocol", False), f"{interface.__name__} must not be a Protocol"
     assert not layer_is_graphable(_LookAlikeLayer(), ["attn"])
     assert not layer_is_graphable(_LookAlikeLayer(), [])

@@ -153,7 +153,7 @@ def test_main_grad_and_param_are_views_at_their_mapped_offsets(shape_list, dp, b
     g = torch.Generator().manual_seed(len(shape_list))
     params = [torch.nn.Parameter(torch.randn(*s, generator=g).to(param_dtype)) for s in shape_list]
     before = [p.detach().clone() for p in params]
-    buf = ParamAndGradBuffer(cfg, param_dtype, grad_dtype, params, None, dp, bucket_size, 1.0)
+    buf = ParamAndGradBuffer(cfg, param_dtype, grad_dtype, params, _layout_only_group(dp), bucket_size, 1.0)
     lay = check_layout([p.numel() for p in params], dp, bucket_size, use_do, False, [False] * len(params))
     assert buf.bucket_indices == list(lay.bucket_indices) and buf.numel == lay.numel
     assert buf.grad_data.dtype == grad_dtype and buf.grad_data.numel() == buf.numel
@@ -178,9 +178,15 @@ def test_main_grad_and_param_are_views_at_their_mapped_offsets(shape_list, dp, b
             assert b.grad_data.numel() % dp == 0
 
 
+def _layout_only_group(dp):
+    """A DP group of ``dp`` ranks for laying a buffer out on one process (no process group: nothing is reduced)."""
+    from ds_megatron.parallel_state import ParallelGroup
+    return ParallelGroup("dp-cp", tuple(range(dp)), 0, None)
+
+
 def test_buffer_refuses_mixed_dtypes():
     cfg = DistributedDataParallelConfig()
     with pytest.raises(ValueError, match="dtype"):
         ParamAndGradBuffer(cfg, torch.float32, torch.float32,
                            [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2).bfloat16())],
-                           None, 1, None, 1.0)
+                           _layout_only_group(1), None, 1.0)

@@ -12,7 +12,7 @@ from harness import run_on_ranks
 
 from ds_megatron.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from ds_megatron.parallel.layout import ParallelLayout
-from ds_megatron.parallel.state import ParallelState
+from ds_megatron.parallel_state import ParallelState
 
 
 class DenseAndExperts(torch.nn.Module):

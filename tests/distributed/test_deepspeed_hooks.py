@@ -14,7 +14,7 @@ from harness import run_on_ranks
 import ds_megatron
 from ds_megatron.config import ConfigError
 from ds_megatron.distributed import DistributedDataParallelConfig
-from ds_megatron.distributed.deepspeed_hooks import check_engine_supports_megatron_ddp
+from ds_megatron.integration.gradients import check_engine_supports_megatron_ddp
 
 
 class MLP(torch.nn.Module):
@@ -65,16 +65,18 @@ def _train(cfg, steps=3):
             engine.step()
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     info = dict(n_groups=len(ddp.all_bucket_groups) if ddp else 0, deepspeed_reduced=len(called_deepspeed_reducer))
-    if ddp is not None:
-        ddp.deepspeed_hooks.detach()
+    if engine.megatron.ddp_in_engine is not None:
+        engine.megatron.ddp_in_engine.detach()
     state.destroy()
     return flat, info
 
 
 def _compare_with_deepspeed():
     out = {}
-    refs = {gas: _train(_config(gas))[0] for gas in (1, 4)}
-    guard, _ = _train(_config(1, op="sum"))
+    # The reference is DeepSpeed's own reducer (its optimizer path); the Megatron path always uses the buffers.
+    deepspeed_path = {"optimizer_impl": "deepspeed"}
+    refs = {gas: _train(_config(gas, deepspeed_path))[0] for gas in (1, 4)}
+    guard, _ = _train(_config(1, deepspeed_path, op="sum"))
     out["guard_differs"] = not torch.allclose(guard, refs[1], atol=1e-4)
     start = MLP()
     out["moved"] = not torch.allclose(refs[1], torch.cat([p.detach().flatten() for p in start.parameters()]))
@@ -127,9 +129,15 @@ def test_ddp_keys_are_validated_before_anything_starts():
     with pytest.raises(ConfigError, match="megatron.bucket_size"):
         ds_megatron.validate_config({"megatron": {"bucket_size": 0}}, world_size=2)
     _, mcfg = ds_megatron.validate_config({"megatron": {"grad_reduce_in_fp32": True}}, world_size=2)
-    assert mcfg.ddp_enabled and mcfg.ddp_config().grad_reduce_in_fp32
+    assert mcfg.gradient_reducer == "megatron_ddp" and mcfg.ddp.grad_reduce_in_fp32
+    # The Megatron path always reduces with the buffers (issue 12: one reducer per path); DeepSpeed's path never.
     _, plain = ds_megatron.validate_config({"megatron": {}}, world_size=2)
-    assert not plain.ddp_enabled
+    assert plain.gradient_reducer == "megatron_ddp" and plain.ddp.grad_reduce_in_fp32 is None
+    _, theirs = ds_megatron.validate_config({"megatron": {"optimizer_impl": "deepspeed"}}, world_size=2)
+    assert theirs.gradient_reducer == "deepspeed"
+    with pytest.raises(ConfigError, match="which reduce gradients on the megatron optimizer path only"):
+        ds_megatron.validate_config({"megatron": {"overlap_grad_reduce": True, "optimizer_impl": "deepspeed"}},
+                                    world_size=2)
     # Engine settings that would also own the gradients are refused from the config alone, before any group.
     with pytest.raises(ConfigError, match="megatron.use_megatron_ddp is on but zero_optimization.stage is 1"):
         ds_megatron.validate_config({"zero_optimization": {"stage": 1},

@@ -20,7 +20,7 @@ from harness import run_on_ranks
 from moe_helpers import MOE, moe_config
 from ds_megatron.models import GPTModel
 from ds_megatron.parallel.layout import ParallelLayout
-from ds_megatron.parallel.state import ParallelState
+from ds_megatron.parallel_state import ParallelState
 
 TENSOR_METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy", "nonzero")
 TORCH_FUNCTIONS = ("nonzero", "unique", "masked_select", "tensor", "as_tensor")

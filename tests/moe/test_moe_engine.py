@@ -9,9 +9,10 @@ from harness import run_on_ranks
 from moe_helpers import MOE, expert_grads, moe_config
 
 import ds_megatron
-from ds_megatron.engine import validate_config
+from ds_megatron import validate_config
 from ds_megatron.config import ConfigError
 from ds_megatron.models import GPTModel
+from ds_megatron.tensor_parallel import grad_of
 
 KW = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
 
@@ -43,6 +44,7 @@ def _expert_grads_and_training(tp, ep, etp, save_dir):
     tokens, labels = _batch(state.dp.rank)
     loss = engine(tokens, labels)
     engine.backward(loss)
+    engine.megatron.finalize_model_grads()  # reduced now rather than at the step: read them below
 
     # Reference: one rank, the mean loss over every data-parallel replica's batch.
     torch.manual_seed(31)
@@ -52,7 +54,7 @@ def _expert_grads_and_training(tp, ep, etp, save_dir):
     assert mine, "this rank holds no expert"
     for key, g in mine.items():
         assert torch.allclose(g, theirs[key], rtol=1e-4, atol=1e-7), f"expert {key} gradient is not the global mean"
-    router = engine.module.layers[0].mlp.router.weight.grad
+    router = grad_of(engine.module.layers[0].mlp.router.weight)
     assert torch.allclose(router, ref.layers[0].mlp.router.weight.grad, rtol=1e-4, atol=1e-7)
     # Clipping's global norm counts every expert once (summed over etp-ep, not over tp or dp).
     ref_norm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters())))
@@ -68,14 +70,14 @@ def _expert_grads_and_training(tp, ep, etp, save_dir):
     assert losses[-1] < losses[0] - 0.5, f"the loss did not fall: {losses}"
 
     # Round trip: save, take a step (loss A), reload, take the same step again (loss B == A).
-    engine.save_checkpoint(save_dir, tag="moe")
+    ds_megatron.save_checkpoint(engine, save_dir, tag="moe")
     def step():
         l = engine(tokens, labels)
         engine.backward(l)
         engine.step()
         return float(engine(tokens, labels).detach())
     after = step()
-    engine.load_checkpoint(save_dir, tag="moe")
+    ds_megatron.load_checkpoint(engine, save_dir, tag="moe")
     again = step()
     assert again == after, (again, after)
     files = sorted(f for f in os.listdir(os.path.join(save_dir, "moe")) if f.startswith("layer_"))
@@ -118,7 +120,7 @@ def test_moe_job_configs_validate_and_bad_ones_fail_at_start():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for name, world in (("moe_ep2.json", 2), ("moe_ep4_tp2.json", 4)):
         job = load_job(os.path.join(root, "ds_configs", name), world)
-        assert job.model.num_experts == 4 and job.megatron.expert_model_parallel_size == world
+        assert job.model.num_experts == 4 and job.megatron.parallel.expert_model_parallel_size == world
     cfg = json.load(open(os.path.join(root, "ds_configs", "moe_ep2.json")))
     cfg["megatron"]["model"]["num_experts"] = 3
     with pytest.raises(ConfigError, match="num_experts=3 is not divisible by megatron.expert_model_parallel_size=2"):

@@ -7,7 +7,7 @@ from harness import run_on_ranks
 from moe_helpers import MOE, moe_config
 from ds_megatron.models import GPTModel
 from ds_megatron.parallel.layout import ParallelLayout
-from ds_megatron.parallel.state import ParallelState
+from ds_megatron.parallel_state import ParallelState
 
 KW = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001, moe_shared_expert_ffn_hidden_size=16, moe_layer_freq=1)
 

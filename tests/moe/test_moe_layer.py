@@ -15,7 +15,7 @@ from harness import run_on_ranks
 from moe_helpers import expert_grads, moe_config
 from ds_megatron.moe import MoELayer
 from ds_megatron.parallel.layout import ParallelLayout
-from ds_megatron.parallel.state import ParallelState
+from ds_megatron.parallel_state import ParallelState
 
 S, B, H = 8, 2, 16
 

@@ -18,7 +18,7 @@ import ds_megatron
 from ds_megatron.config import ConfigError
 from ds_megatron.distributed import DistributedDataParallelConfig
 from ds_megatron.optimizer import DistributedOptimizer
-from ds_megatron.optimizer.deepspeed_integration import prepare_optimizer_path
+from ds_megatron.integration.optimizer import prepare_optimizer_path
 from ds_megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from ds_megatron.training.train import load_job, train
 
@@ -70,8 +70,8 @@ def _engine(cfg):
 
 
 def _close(engine, state):
-    if engine.megatron.ddp is not None:
-        engine.megatron.ddp.deepspeed_hooks.detach()
+    if engine.megatron.ddp_in_engine is not None:
+        engine.megatron.ddp_in_engine.detach()
     state.destroy()
 
 

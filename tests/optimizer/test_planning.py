@@ -10,7 +10,7 @@ from harness import run_on_ranks
 
 import ds_megatron
 from ds_megatron.models.gpt import GPTModel
-from ds_megatron.models.gpt_config import GPTConfig
+from ds_megatron.config import GPTConfig
 from ds_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, get_param_groups
 from ds_megatron.planning import plan_memory
 
@@ -46,8 +46,8 @@ def _measure(dtype):
 
 def test_plan_matches_measured_tensors_on_every_rank():
     cfg = GPTConfig(**MODEL)
-    from ds_megatron.config import MegatronConfig
-    layout = MegatronConfig(tensor_model_parallel_size=2).layout(4)
+    from ds_megatron.config import ParallelConfig
+    layout = ParallelConfig(tensor_model_parallel_size=2).layout(4)
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         plans = plan_memory(cfg, layout, name, "adamw", micro_batch=2)
         for rank, (tp_rank, measured) in enumerate(run_on_ranks(4, _measure, dtype)):
@@ -91,13 +91,13 @@ def _measure_moe(layout_kwargs, model_kwargs):
 
 
 def test_plan_counts_moe_experts_as_built_on_every_rank():
-    from ds_megatron.config import MegatronConfig
+    from ds_megatron.config import ParallelConfig
     moe = dict(num_experts=4, moe_ffn_hidden_size=48, moe_layer_freq=2)
     for layout_kwargs, model_kwargs in ((dict(tp=2, ep=4, etp=1), moe),  # folding
                                         (dict(tp=1, ep=2, etp=1), dict(moe, moe_shared_expert_ffn_hidden_size=16,
                                                                       moe_layer_freq=1))):
         cfg = GPTConfig(**MODEL, **model_kwargs)
-        layout = MegatronConfig(tensor_model_parallel_size=layout_kwargs["tp"],
+        layout = ParallelConfig(tensor_model_parallel_size=layout_kwargs["tp"],
                                 expert_model_parallel_size=layout_kwargs["ep"],
                                 expert_tensor_parallel_size=layout_kwargs["etp"]).layout(4)
         plans = plan_memory(cfg, layout, "fp32", "adamw")
@@ -119,15 +119,15 @@ def _measure_distributed(model_kwargs):
     engine.step()
     measured = optimizer.state_bytes()
     num_tensors = len(list(model.parameters()))
-    engine.megatron.ddp.deepspeed_hooks.detach()
+    engine.megatron.ddp_in_engine.detach()
     state.destroy()
     return measured, num_tensors
 
 
 def test_plan_shards_main_params_and_states_with_the_distributed_optimizer():
-    from ds_megatron.config import MegatronConfig
+    from ds_megatron.config import ParallelConfig
     cfg = GPTConfig(**MODEL)
-    layout = MegatronConfig(tensor_model_parallel_size=2).layout(4)
+    layout = ParallelConfig(tensor_model_parallel_size=2).layout(4)
     plan = plan_memory(cfg, layout, "bf16", "adamw", distributed_optimizer=True)[0]
     full = plan_memory(cfg, layout, "bf16", "adamw")[0]
     assert plan.main_param_bytes == 4 * -(-full.params // 2)

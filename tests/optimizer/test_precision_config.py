@@ -2,7 +2,7 @@
 import pytest
 
 from ds_megatron.config import ConfigError, split_config
-from ds_megatron.optimizer.precision_config import resolve_precision
+from ds_megatron.config.precision import resolve_precision
 
 
 def test_our_path_takes_precision_clipping_and_optimizer_from_deepspeed():

@@ -7,8 +7,8 @@ import torch.distributed as dist
 
 from harness import run_on_ranks
 from ds_megatron.parallel.layout import ParallelLayout
-from ds_megatron.parallel.mpu import MegatronMPU
-from ds_megatron.parallel.state import ParallelState
+from ds_megatron.integration.mpu import MegatronMPU
+from ds_megatron.parallel_state import ParallelState
 
 # Attributes DeepSpeed reads off an mpu that we must NOT have:
 # `initialize_sequence_parallel` marks a Ulysses mpu (DeepSpeed then ignores our DP group);

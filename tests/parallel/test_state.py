@@ -4,7 +4,7 @@ import pytest
 
 from harness import run_on_ranks, RankFailure
 from ds_megatron.parallel.layout import ParallelLayout
-from ds_megatron.parallel.state import ParallelState
+from ds_megatron.parallel_state import ParallelState
 
 
 def _build_and_check(layout_kwargs):

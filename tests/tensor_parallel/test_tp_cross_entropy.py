@@ -7,10 +7,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import run_on_ranks
+from ds_megatron.parallel_state import ParallelGroup
 from tp_helpers import close, part, randn, tp_group
 from ds_megatron.tensor_parallel import vocab_parallel_cross_entropy
 
 S, B, VP = 3, 2, 16  # [seq, batch, padded vocab]
+
+
+ONE = ParallelGroup.single("tp")
 
 
 def _check(tp, label_smoothing, vocab_size):
@@ -63,7 +67,8 @@ def _communication_volume():
             setattr(dist, name, spy(name))
         local = randn(1, S, B, VP // 2).requires_grad_()
         target = torch.randint(0, VP, (S, B), generator=torch.Generator().manual_seed(2))
-        loss = vocab_parallel_cross_entropy(local, target, dist.group.WORLD, label_smoothing=0.1)
+        world = ParallelGroup("tp", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD)
+        loss = vocab_parallel_cross_entropy(local, target, world, label_smoothing=0.1)
         loss.sum().backward()
     finally:
         for name, fn in real.items():
@@ -78,11 +83,11 @@ def test_full_logits_are_never_communicated():
 
 
 def test_low_precision_logits_give_an_fp32_loss_and_grads_in_their_dtype():
-    # TP=1 (group None) exercises the same math without communication.
+    # TP=1 (a group of one) exercises the same math without communication.
     L = randn(1, S, B, VP).float()
     target = torch.randint(0, VP, (S, B), generator=torch.Generator().manual_seed(2))
     local = L.bfloat16().requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, target.int(), None)  # int32 ids are accepted
+    loss = vocab_parallel_cross_entropy(local, target.int(), ONE)  # int32 ids are accepted
     assert loss.dtype == torch.float32
     loss.sum().backward()
     assert local.grad.dtype == torch.bfloat16
@@ -93,8 +98,8 @@ def test_low_precision_logits_give_an_fp32_loss_and_grads_in_their_dtype():
 def test_invalid_arguments_are_refused():
     logits = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="target shape"):
-        vocab_parallel_cross_entropy(logits, torch.zeros(3, dtype=torch.long), None)
+        vocab_parallel_cross_entropy(logits, torch.zeros(3, dtype=torch.long), ONE)
     with pytest.raises(ValueError, match="label_smoothing=1.5"):
-        vocab_parallel_cross_entropy(logits, torch.zeros(2, dtype=torch.long), None, label_smoothing=1.5)
+        vocab_parallel_cross_entropy(logits, torch.zeros(2, dtype=torch.long), ONE, label_smoothing=1.5)
     with pytest.raises(ValueError, match="vocab_size=9"):
-        vocab_parallel_cross_entropy(logits, torch.zeros(2, dtype=torch.long), None, vocab_size=9)
+        vocab_parallel_cross_entropy(logits, torch.zeros(2, dtype=torch.long), ONE, vocab_size=9)

@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from harness import run_on_ranks
+from ds_megatron.parallel_state import ParallelGroup
 from tp_helpers import SEED, STD, all_gather_cat, close, dense_weight, part, randn, tp_group
 from ds_megatron.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                          allreduce_sequence_parallel_grads, init_method_normal)
@@ -26,7 +27,7 @@ def _dense_linear(W, b, X, G):
 def _column(tp, gather_output, skip_bias_add):
     with tp_group(tp) as (g, r, n):
         torch.manual_seed(SEED)
-        layer = ColumnParallelLinear(IN, OUT, tp_group=g, gather_output=gather_output,
+        layer = ColumnParallelLinear(IN, OUT, tp=g, gather_output=gather_output,
                                      skip_bias_add=skip_bias_add, **F64)
         W, b, X, G = dense_weight(SEED, OUT, IN), randn(1, OUT), randn(2, S, B, IN), randn(3, S, B, OUT)
         with torch.no_grad():
@@ -63,7 +64,7 @@ def test_column_parallel_linear_matches_dense(tp, gather_output, skip_bias_add):
 def _row(tp, input_is_parallel, skip_bias_add):
     with tp_group(tp) as (g, r, n):
         torch.manual_seed(SEED)
-        layer = RowParallelLinear(IN, OUT, tp_group=g, input_is_parallel=input_is_parallel,
+        layer = RowParallelLinear(IN, OUT, tp=g, input_is_parallel=input_is_parallel,
                                   skip_bias_add=skip_bias_add, **F64)
         W, b, X, G = dense_weight(SEED, OUT, IN), randn(1, OUT), randn(2, S, B, IN), randn(3, S, B, OUT)
         with torch.no_grad():
@@ -98,9 +99,9 @@ def _mlp(tp, sequence_parallel):
     H, FF = IN, 2 * OUT
     with tp_group(tp) as (g, r, n):
         torch.manual_seed(SEED)
-        fc1 = ColumnParallelLinear(H, FF, tp_group=g, sequence_parallel=sequence_parallel, **F64)
+        fc1 = ColumnParallelLinear(H, FF, tp=g, sequence_parallel=sequence_parallel, **F64)
         torch.manual_seed(SEED + 1)
-        fc2 = RowParallelLinear(FF, H, tp_group=g, input_is_parallel=True, sequence_parallel=sequence_parallel,
+        fc2 = RowParallelLinear(FF, H, tp=g, input_is_parallel=True, sequence_parallel=sequence_parallel,
                                 **F64)
         mlp = torch.nn.ModuleList([fc1, fc2])
         W1, W2 = dense_weight(SEED, FF, H), dense_weight(SEED + 1, H, FF)
@@ -150,7 +151,7 @@ V, HID = 16, 6
 def _embedding(tp, reduce_scatter_embeddings):
     with tp_group(tp) as (g, r, n):
         torch.manual_seed(SEED)
-        emb = VocabParallelEmbedding(V, HID, tp_group=g, reduce_scatter_embeddings=reduce_scatter_embeddings, **F64)
+        emb = VocabParallelEmbedding(V, HID, tp=g, reduce_scatter_embeddings=reduce_scatter_embeddings, **F64)
         assert (emb.vocab_start_index, emb.vocab_end_index) == (r * V // n, (r + 1) * V // n)
         W = dense_weight(SEED, V, HID)
         ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(5))
@@ -178,18 +179,18 @@ def test_vocab_parallel_embedding_matches_dense(tp, reduce_scatter_embeddings):
 
 
 def _full_weights(tp):
-    """Every layer's full weight, gathered over a TP group of size ``tp`` (None: TP=1)."""
+    """Every layer's full weight, gathered over a TP group of size ``tp`` (a group of one: TP=1)."""
     def build_and_gather(g):
         torch.manual_seed(SEED)
-        col = ColumnParallelLinear(IN, OUT, tp_group=g)
-        row = RowParallelLinear(OUT, IN, tp_group=g)
-        emb = VocabParallelEmbedding(V, HID, tp_group=g)
-        if g is None:
+        col = ColumnParallelLinear(IN, OUT, tp=g)
+        row = RowParallelLinear(OUT, IN, tp=g)
+        emb = VocabParallelEmbedding(V, HID, tp=g)
+        if g.size == 1:
             return [col.weight, row.weight, emb.weight]
         return [all_gather_cat(col.weight.detach(), g, 0), all_gather_cat(row.weight.detach(), g, 1),
                 all_gather_cat(emb.weight.detach(), g, 0)]
     if tp == 1:
-        return [w.detach() for w in build_and_gather(None)]
+        return [w.detach() for w in build_and_gather(ParallelGroup.single("tp"))]
     with tp_group(tp) as (g, _, _):
         return build_and_gather(g)
 
@@ -212,15 +213,15 @@ def test_initialization_is_independent_of_tp_size():
 def _bad_configs():
     with tp_group(dist.get_world_size()) as (g, _, n):
         with pytest.raises(ValueError, match=r"ColumnParallelLinear output_size=10 is not divisible by 4;"):
-            ColumnParallelLinear(IN, 10, tp_group=g)
+            ColumnParallelLinear(IN, 10, tp=g)
         with pytest.raises(ValueError, match="gather_output=True cannot be combined"):
-            ColumnParallelLinear(IN, OUT, tp_group=g, gather_output=True, sequence_parallel=True)
+            ColumnParallelLinear(IN, OUT, tp=g, gather_output=True, sequence_parallel=True)
         with pytest.raises(ValueError, match="requires input_is_parallel=True"):
-            RowParallelLinear(OUT, IN, tp_group=g, sequence_parallel=True)
+            RowParallelLinear(OUT, IN, tp=g, sequence_parallel=True)
         with pytest.raises(ValueError, match="num_embeddings=18 .* pad_vocab_size"):
-            VocabParallelEmbedding(18, HID, tp_group=g)
+            VocabParallelEmbedding(18, HID, tp=g)
         with pytest.raises(ValueError, match="RowParallelLinear input_size=6 is not divisible by 4"):
-            RowParallelLinear(6, IN, tp_group=g)
+            RowParallelLinear(6, IN, tp=g)
 
 
 def test_invalid_configurations_name_the_value_and_the_fix():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from harness import run_on_ranks
+from ds_megatron.parallel_state import ParallelGroup
 from tp_helpers import close, tp_group
 from ds_megatron.tensor_parallel import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                                          gather_from_tensor_model_parallel_region,
@@ -106,4 +107,4 @@ def test_group_of_one_is_identity_without_communication():
                scatter_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
                scatter_to_sequence_parallel_region, gather_from_sequence_parallel_region,
                reduce_scatter_to_sequence_parallel_region):
-        assert op(x, None) is x, op.__name__
+        assert op(x, ParallelGroup.single("tp")) is x, op.__name__

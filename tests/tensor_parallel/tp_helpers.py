@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ds_megatron.parallel.layout import ParallelLayout
-from ds_megatron.parallel.state import ParallelState
+from ds_megatron.parallel_state import ParallelGroup, ParallelState
 
 SEED = 1234
 STD = 0.5  # large enough that every product matters at float64 tolerance
@@ -17,18 +17,18 @@ STD = 0.5  # large enough that every product matters at float64 tolerance
 
 @contextlib.contextmanager
 def tp_group(tp: int):
-    """Yield ``(group, tp_rank, tp_size)`` for a TP group of size ``tp`` in the running job.
+    """Yield ``(group, tp_rank, tp_size)`` for a TP group (a ``ParallelGroup``) of size ``tp`` in the running job.
 
     TP equal to the world uses WORLD; a smaller TP builds the job's groups with
     ParallelState (so the group rank differs from the global rank) and tears
     them down afterwards."""
     world = dist.get_world_size()
     if tp == world:
-        yield dist.group.WORLD, dist.get_rank(), tp
+        yield ParallelGroup("tp", tuple(range(world)), dist.get_rank(), dist.group.WORLD), dist.get_rank(), tp
         return
     state = ParallelState.build(ParallelLayout(world_size=world, tp=tp))
     try:
-        yield state.tp.group, state.tp.rank, tp
+        yield state.tp, state.tp.rank, tp
     finally:
         state.destroy()
 
@@ -52,6 +52,7 @@ def part(x: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 
 
 def all_gather_cat(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    group = group.group if isinstance(group, ParallelGroup) else group
     """Concatenate every rank's ``x`` along ``dim`` using plain ``dist.all_gather``."""
     bufs = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(bufs, x.contiguous(), group=group)

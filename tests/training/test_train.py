@@ -105,7 +105,7 @@ def test_bad_config_fails_with_one_line_before_torch_is_imported(tmp_path):
         "ds-megatron train: error: megatron: world size 4 is not divisible by tp*cp*pp = 3*1*1 = 3; "
         "change the sizes or the number of ranks"]
     assert "Traceback" not in proc.stdout + proc.stderr
-    probe = ("import sys; from ds_megatron.training.train import main; "
+    probe = ("import sys; from ds_megatron.training.job import main; "
              f"rc = main(['--config', {str(bad)!r}]); print(rc, 'torch' in sys.modules, 'deepspeed' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          env={**os.environ, "WORLD_SIZE": "4"}, timeout=60).stdout.split()
@@ -137,9 +137,10 @@ def _train_with_batches_on_another_device(cfg):
     """
     import torch._lazy
     import torch._lazy.ts_backend
-    import ds_megatron.data.sampler as sampler
+    import ds_megatron.training.train as loop
     torch._lazy.ts_backend.init()
-    real = sampler.build_data_loader
+    real = loop.build_data_loader
+    lazy_batches = []
 
     class OnLazyDevice:
         def __init__(self, loader):
@@ -147,21 +148,24 @@ def _train_with_batches_on_another_device(cfg):
 
         def __iter__(self):
             for batch in self.loader:
+                lazy_batches.append(1)
                 yield {k: v.to("lazy") for k, v in batch.items()}
 
-    sampler.build_data_loader = lambda *a, **k: OnLazyDevice(real(*a, **k))
+    loop.build_data_loader = lambda *a, **k: OnLazyDevice(real(*a, **k))
     try:
-        return _train(cfg)
+        return _train(cfg), len(lazy_batches)
     finally:
-        sampler.build_data_loader = real
+        loop.build_data_loader = real
 
 
 def test_batches_are_moved_to_the_engine_device(tmp_path):
     pytest.importorskip("torch._lazy.ts_backend")
     cfg = _config(str(tmp_path / "lazy"), tp=2, mbs=2, steps=3)
     cfg["megatron"]["train"]["eval_interval"] = 3
-    losses, val = run_on_ranks(2, _train_with_batches_on_another_device, cfg)[0]
+    (losses, val), lazy_batches = run_on_ranks(2, _train_with_batches_on_another_device, cfg)[0]
     ref_losses, ref_val = run_on_ranks(2, _train, _config(str(tmp_path / "ref"), tp=2, mbs=2, steps=3))[0]
+    # 3 steps x 2 micro-batches, and 2 evaluations x 2 eval micro-batches: every batch came from the lazy loader.
+    assert lazy_batches == 3 * 2 + 2 * 2
     assert losses == ref_losses and val == ref_val
 
 

@@ -1,14 +1,16 @@
-"""The ``megatron.model`` / ``megatron.train`` / ``megatron.data`` sections of a job config.
+"""The ``megatron.train`` and ``megatron.data`` sections of a job config (pure, no torch).
 
-Pure dataclasses (no torch) checked by ``config.parse_section``, so a bad job
-config fails before anything heavy is imported.
+Read by ``ds-megatron train``; a bad value fails before anything heavy is imported.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Optional
 
-from ..config import SECTION, ConfigError, MegatronConfig, parse_section
+from ..data.indexed_dataset import dataset_exists
+from ..data.tokenizer import TOKENIZERS
+from ..errors import ConfigError
+from .parsing import SECTION
 
 
 @dataclass
@@ -54,8 +56,6 @@ class DataConfig:
     dataloader_type: str = "single"
 
     def __post_init__(self):
-        from ..data.indexed_dataset import dataset_exists
-        from ..data.tokenizer import TOKENIZERS
         where = f"{SECTION}.data"
         if self.data_path is not None and not dataset_exists(self.data_path):
             raise ConfigError(f"{where}.data_path={self.data_path!r} has no {self.data_path}.bin / .idx; make them "
@@ -67,35 +67,3 @@ class DataConfig:
             raise ConfigError(f"{where}.dataloader_type={self.dataloader_type!r} is unknown; use single or cyclic")
         if self.num_workers < 0:
             raise ConfigError(f"{where}.num_workers must be >= 0, got {self.num_workers}")
-
-
-@dataclass
-class JobConfig:
-    ds_config: Dict[str, Any]
-    megatron: MegatronConfig
-    model: Any  # GPTConfig
-    train: TrainConfig
-    data: DataConfig
-
-
-def parse_job_config(config) -> JobConfig:
-    """Every section of a job config, validated; raises ConfigError naming the field."""
-    from ..config import split_config
-    from ..models.gpt_config import GPTConfig
-    ds_config, mcfg = split_config(config)
-    model_section = dict(mcfg.model)
-    # The layout-wide switches live at the top of the section; the model inherits them.
-    for key in ("sequence_parallel", "make_vocab_size_divisible_by"):
-        if key in model_section:
-            raise ConfigError(f"{SECTION}.model.{key} is set at {SECTION}.{key}; move it there")
-        model_section[key] = getattr(mcfg, key)
-    model = parse_section(GPTConfig, model_section, f"{SECTION}.model")
-    train = parse_section(TrainConfig, mcfg.train, f"{SECTION}.train")
-    data = parse_section(DataConfig, mcfg.data, f"{SECTION}.data")
-    for key in ("train_micro_batch_size_per_gpu",):
-        if key not in ds_config:
-            raise ConfigError(f"{key} is missing from the DeepSpeed config; set it (e.g. 4)")
-    if "train_batch_size" in ds_config:
-        raise ConfigError("train_batch_size is set; ds-megatron train derives it from "
-                          "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size: remove it")
-    return JobConfig(ds_config, mcfg, model, train, data)

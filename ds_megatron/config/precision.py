@@ -18,7 +18,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from ..config import SECTION, ConfigError
+from ..errors import ConfigError
+from .parsing import SECTION, deepspeed_section
 
 OPTIMIZER_IMPLS = ("megatron", "deepspeed")
 
@@ -68,13 +69,6 @@ class PrecisionConfig:
         return view
 
 
-def _section(ds_config: Dict[str, Any], key: str) -> Dict[str, Any]:
-    value = ds_config.get(key, {})
-    if not isinstance(value, dict):
-        raise ConfigError(f"{key} must be a JSON object, got {value!r}")
-    return value
-
-
 def _number(where: str, value, minimum: float, integer: bool = False):
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok or value < minimum:
@@ -88,11 +82,11 @@ def resolve_precision(ds_config: Dict[str, Any], optimizer_impl: str = "megatron
     """Read and check ``fp16`` / ``bf16`` / ``gradient_clipping`` / ``zero_optimization`` for ``optimizer_impl``."""
     if optimizer_impl not in OPTIMIZER_IMPLS:
         raise ConfigError(f"{SECTION}.optimizer_impl={optimizer_impl!r} is unknown; use one of {OPTIMIZER_IMPLS}")
-    fp16 = _section(ds_config, "fp16")
+    fp16 = deepspeed_section(ds_config, "fp16")
     if "bf16" in ds_config and "bfloat16" in ds_config:
         raise ConfigError("both bf16 and bfloat16 are set (DeepSpeed treats them as one section); keep only bf16")
     bf16_key = "bfloat16" if "bfloat16" in ds_config else "bf16"
-    bf16 = _section(ds_config, bf16_key)
+    bf16 = deepspeed_section(ds_config, bf16_key)
     fp16_on, bf16_on = bool(fp16.get("enabled", False)), bool(bf16.get("enabled", False))
     if fp16_on and bf16_on:
         raise ConfigError(f"fp16.enabled and {bf16_key}.enabled are both true; enable at most one of them")
@@ -102,16 +96,16 @@ def resolve_precision(ds_config: Dict[str, Any], optimizer_impl: str = "megatron
     if optimizer_impl == "deepspeed":
         return PrecisionConfig(optimizer_impl, dtype, clip_grad=clip, log_num_zeros_in_grad=log_num_zeros_in_grad)
 
-    stage = _section(ds_config, "zero_optimization").get("stage", 0)
+    stage = deepspeed_section(ds_config, "zero_optimization").get("stage", 0)
     if stage not in (0, False, None):
         raise ConfigError(f"zero_optimization.stage={stage!r} cannot be combined with "
                           f"{SECTION}.optimizer_impl='megatron' (ZeRO replaces the optimizer); set the stage to 0, "
                           f"or {_FIX}")
     for key in ("amp", "torch_autocast"):
-        if _section(ds_config, key).get("enabled", False):
+        if deepspeed_section(ds_config, key).get("enabled", False):
             raise ConfigError(f"{key}.enabled is true with {SECTION}.optimizer_impl='megatron', which does its own "
                               f"mixed precision; turn {key} off and use fp16/bf16, or {_FIX}")
-    data_types = _section(ds_config, "data_types")
+    data_types = deepspeed_section(ds_config, "data_types")
     if data_types.get("grad_accum_dtype") not in (None, "fp32"):
         raise ConfigError(f"data_types.grad_accum_dtype={data_types['grad_accum_dtype']!r} is not supported with "
                           f"{SECTION}.optimizer_impl='megatron' (main grads are fp32); remove it, or {_FIX}")
@@ -144,26 +138,3 @@ def resolve_precision(ds_config: Dict[str, Any], optimizer_impl: str = "megatron
                            loss_scale_window=values["loss_scale_window"], hysteresis=values["hysteresis"],
                            min_loss_scale=float(values["min_loss_scale"]), clip_grad=clip,
                            log_num_zeros_in_grad=log_num_zeros_in_grad)
-
-
-def precision_of(ds_config: Dict[str, Any], megatron_config: Optional[Any] = None) -> PrecisionConfig:
-    """``resolve_precision`` with the switches of a parsed ``MegatronConfig`` (defaults when None)."""
-    if megatron_config is None:
-        return resolve_precision(ds_config)
-    if getattr(megatron_config, "use_distributed_optimizer", False) and megatron_config.optimizer_impl != "megatron":
-        raise ConfigError(f"{SECTION}.use_distributed_optimizer is true with {SECTION}.optimizer_impl="
-                          f"{megatron_config.optimizer_impl!r}; only ds_megatron's optimizer path reads the sharded "
-                          f"grads: set optimizer_impl to \"megatron\", or use DeepSpeed's ZeRO stage 1 instead")
-    precision = resolve_precision(ds_config, megatron_config.optimizer_impl, megatron_config.log_num_zeros_in_grad)
-    if getattr(megatron_config, "ddp_enabled", False):
-        # Checked here, before any group exists, rather than on the built engine.
-        stage = _section(ds_config, "zero_optimization").get("stage", 0)
-        if stage:
-            raise ConfigError(f"{SECTION}.use_megatron_ddp is on but zero_optimization.stage is {stage}; ZeRO reduces "
-                              "and partitions gradients itself: set the stage to 0 (use "
-                              f"{SECTION}.use_distributed_optimizer to shard optimizer state) or turn use_megatron_ddp off")
-        if not precision.owns_optimizer and precision.params_dtype != "fp32":
-            raise ConfigError(f"{SECTION}.use_megatron_ddp is on together with DeepSpeed's own {precision.params_dtype} "
-                              "optimizer (optimizer_impl \"deepspeed\"), which keeps separate gradient copies; use "
-                              f"{SECTION}.optimizer_impl \"megatron\" (it reads param.main_grad) or turn use_megatron_ddp off")
-    return precision

@@ -1,4 +1,4 @@
-"""``ds_megatron.initialize``: ``deepspeed.initialize`` plus Megatron's process groups.
+"""``ds_megatron.initialize``: ``deepspeed.initialize`` plus Megatron's process groups and machinery.
 
 The flow a user sees::
 
@@ -7,10 +7,13 @@ The flow a user sees::
     engine, optimizer, loader, scheduler = ds_megatron.initialize(model=model, config=..., parallel_state=state)
 
 ``initialize`` accepts everything ``deepspeed.initialize`` accepts and returns
-the same tuple.  The ``"megatron"`` section is validated before any process
-group exists, removed from the config DeepSpeed sees, and turned into our
-groups and mpu; with no section (or all sizes 1) the result is exactly what
-``deepspeed.initialize`` gives.
+the same tuple.  The ``"megatron"`` section is parsed and checked before any
+process group exists, removed from the config DeepSpeed sees, and turned into
+our groups and mpu.  With no section the job is a plain DeepSpeed job (its own
+optimizer, precision and clipping; every rank data parallel): the mpu only
+names the groups DeepSpeed would have made.  Any section, even ``{}``, selects
+the Megatron optimizer path, whose gradients our buffers reduce
+(``integration.gradients``).  ``engine.megatron`` holds what was built.
 """
 from __future__ import annotations
 
@@ -19,7 +22,20 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
-from .config import ConfigError, MegatronConfig, split_config, world_size_from_env
+import deepspeed
+import torch.distributed as dist
+
+from ..config import MegatronConfig, split_config, world_size_from_env
+from ..distributed import DistributedDataParallel, finalize_model_grads
+from ..errors import ConfigError
+from ..parallel_state import ParallelState
+from .cuda_graphs import CudaGraphEngineHook, attach_cuda_graphs
+from .gradients import MegatronDDPInEngine, complete_sequence_parallel_grads_in_backward
+from .moe import mark_engine_has_moe, moe_layers, register_expert_groups
+from .mpu import MegatronMPU
+from .optimizer import prepare_optimizer_path
+from .rng import install_rng_tracker
+from .runtime import adopt_existing_process_group, init_distributed_from_env
 
 ConfigLike = Union[str, Dict[str, Any]]
 
@@ -29,11 +45,18 @@ class MegatronContext:
     """What ``initialize`` attaches to the engine as ``engine.megatron``."""
 
     config: MegatronConfig
-    state: Any  # ParallelState
-    mpu: Any  # MegatronMPU
-    moe: Any = None  # moe.deepspeed_integration.ExpertCheckpointHooks when the model has MoE layers
-    ddp: Any = None  # distributed.DistributedDataParallel when megatron DDP owns the gradients
-    cuda_graphs: Any = None  # cuda_graphs.CudaGraphEngineHook when graphs are captured and replayed
+    state: ParallelState
+    mpu: MegatronMPU
+    ddp: Optional[DistributedDataParallel] = None  # the gradient reducer on the Megatron path
+    ddp_in_engine: Optional[MegatronDDPInEngine] = None
+    cuda_graphs: Optional[CudaGraphEngineHook] = None  # when graphs are captured and replayed
+    has_moe: bool = False
+
+    def finalize_model_grads(self) -> None:
+        """Finish this window's gradient sync now (the optimizer step would): for a loop that reads the reduced
+        gradients (``tensor_parallel.grad_of(param)``) between the last ``engine.backward`` and ``engine.step``."""
+        if self.ddp is not None:
+            finalize_model_grads([self.ddp], self.state)
 
 
 def _config_source(args, config, config_params) -> Tuple[Optional[ConfigLike], Any]:
@@ -43,7 +66,6 @@ def _config_source(args, config, config_params) -> Tuple[Optional[ConfigLike], A
         sources.append(config)
     if config_params is not None:
         sources.append(config_params)
-    arg_path = None
     if args is not None:
         arg_path = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
         if arg_path is not None:
@@ -62,35 +84,21 @@ def validate_config(config: ConfigLike, world_size: Optional[int] = None) -> Tup
     """Parse and check the config against the job's world size, creating nothing."""
     ds_config, mcfg = split_config(config)
     if world_size is None:
-        world_size = _current_world_size()
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else world_size_from_env()
     if world_size is not None:
         mcfg.layout(world_size)
     return ds_config, mcfg
 
 
-def _current_world_size() -> Optional[int]:
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return world_size_from_env()
-
-
 def _init_distributed(dist_init_required: Optional[bool] = None) -> None:
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        from .utils.dist_env import init_distributed_from_env
-        init_distributed_from_env()
+    if dist.is_initialized():
+        adopt_existing_process_group(dist_init_required)
     else:
-        # The user initialized torch.distributed (or deepspeed.init_distributed) already:
-        # let DeepSpeed's comm layer adopt the existing process group.
-        import deepspeed
-        deepspeed.init_distributed(dist_init_required=False if dist_init_required is None else dist_init_required)
+        init_distributed_from_env()
 
 
-def initialize_model_parallel(config: Union[ConfigLike, MegatronConfig]):
+def initialize_model_parallel(config: Union[ConfigLike, MegatronConfig]) -> ParallelState:
     """Validate, start torch.distributed if needed, and build every group: a ``ParallelState``."""
-    import torch.distributed as dist
-    from .parallel.state import ParallelState
     mcfg = config if isinstance(config, MegatronConfig) else validate_config(config)[1]
     _init_distributed()
     return ParallelState.build(mcfg.layout(dist.get_world_size()))
@@ -99,12 +107,11 @@ def initialize_model_parallel(config: Union[ConfigLike, MegatronConfig]):
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, mpu=None, dist_init_required: Optional[bool] = None, collate_fn=None,
                config: Optional[ConfigLike] = None, config_params: Optional[ConfigLike] = None,
-               parallel_state=None, **deepspeed_kwargs):
+               parallel_state: Optional[ParallelState] = None, **deepspeed_kwargs):
     """Like ``deepspeed.initialize`` (same arguments, same return tuple), with our groups and mpu.
 
     ``parallel_state``: the ``ParallelState`` the model was built with (from
     ``initialize_model_parallel``); built here from the config when omitted.
-    The engine gets ``engine.megatron`` (config, state, mpu).
     """
     source, args = _config_source(args, config, config_params)
     if source is None:
@@ -114,16 +121,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if mpu is not None:
         raise ConfigError("mpu= was given to ds_megatron.initialize, which builds its own from the "
                           "\"megatron\" section; drop mpu= or call deepspeed.initialize directly")
-    if mcfg.pipeline_model_parallel_size > 1:
+    if mcfg.parallel.pipeline_model_parallel_size > 1:
         raise ConfigError("megatron.pipeline_model_parallel_size > 1: the groups are built (see "
                           "`ds-megatron groups`) but no pipeline schedule is wired into the engine yet; set it to 1")
 
-    import deepspeed
-    from .parallel.mpu import MegatronMPU
-    from .parallel.state import ParallelState
-
     _init_distributed(dist_init_required)
-    import torch.distributed as dist
     layout = mcfg.layout(dist.get_world_size())
     if parallel_state is None:
         parallel_state = ParallelState.build(layout)
@@ -131,41 +133,32 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError(f"parallel_state was built for {parallel_state.layout} but the config asks for {layout}; "
                           "build it from the same config")
     rng_tracker = getattr(model, "rng_tracker", None)
-    our_mpu = MegatronMPU(parallel_state, rng_tracker=rng_tracker)
     if rng_tracker is not None:
-        # DeepSpeed's activation checkpointing replays dropout with its own module-level
-        # tracker (it never asks the mpu); ours must be the one it saves and restores.
-        from deepspeed.runtime.activation_checkpointing import checkpointing
-        checkpointing._CUDA_RNG_STATE_TRACKER = rng_tracker
-    # The Megatron optimizer path casts the model, wraps the optimizer and hands DeepSpeed a
-    # config without the precision and clipping it now owns.
-    from .optimizer.deepspeed_integration import prepare_optimizer_path
+        install_rng_tracker(rng_tracker)
+    our_mpu = MegatronMPU(parallel_state, rng_tracker=rng_tracker)
     opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, parallel_state)
-    optimizer, model_parameters, ds_config = opt_path.optimizer, opt_path.model_parameters, opt_path.ds_config
-    # DeepSpeed's own expert groups need EP to divide DP (folding breaks that): hand it ours.
-    from .moe import deepspeed_integration as moe_integration
-    has_moe = model is not None and bool(moe_integration.moe_layers(model))
+    has_moe = model is not None and bool(moe_layers(model))
     if has_moe:
-        moe_integration.register_expert_groups(parallel_state)
+        # DeepSpeed's own expert groups need EP to divide DP (folding breaks that): hand it ours.
+        register_expert_groups(parallel_state)
 
     engine, opt, loader, sched = deepspeed.initialize(
-        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-        training_data=training_data, lr_scheduler=lr_scheduler, mpu=our_mpu,
-        dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config, **deepspeed_kwargs)
-    engine.megatron = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu)
-    opt_path.attach(engine)  # takes over the grad all-reduce when our optimizer owns it
-    # Expert grads over edp through DeepSpeed's MoE path; expert checkpoints by expert rank.
-    engine.megatron.moe = moe_integration.attach_moe(engine, parallel_state) if has_moe else None
-    if mcfg.ddp_enabled:  # our bucketed buffers own gradient accumulation and reduction
-        from .distributed.deepspeed_hooks import attach_megatron_ddp
-        engine.megatron.ddp = attach_megatron_ddp(engine, mcfg.ddp_config(), parallel_state)
+        args=args, model=model, optimizer=opt_path.optimizer, model_parameters=opt_path.model_parameters,
+        training_data=training_data, lr_scheduler=lr_scheduler, mpu=our_mpu, dist_init_required=dist_init_required,
+        collate_fn=collate_fn, config=opt_path.ds_config, **deepspeed_kwargs)
+    context = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu, ddp=opt_path.ddp, has_moe=has_moe)
+    engine.megatron = context
+    if opt_path.ddp is not None:  # our buffers are the reducer: DeepSpeed's own reduction off
+        context.ddp_in_engine = MegatronDDPInEngine(engine, opt_path.ddp)
+    elif model is not None:  # DeepSpeed reduces over data parallel; TP-partial grads are completed in backward
+        complete_sequence_parallel_grads_in_backward(model, parallel_state)
+    if has_moe:
+        mark_engine_has_moe(engine)
     if mcfg.cuda_graph.enabled:  # capture after warmup_steps, then replay; without CUDA: one log line
-        from .cuda_graphs.engine_hook import attach_cuda_graphs
-        engine.megatron.cuda_graphs = attach_cuda_graphs(engine, mcfg.cuda_graph)
+        context.cuda_graphs = attach_cuda_graphs(engine, mcfg.cuda_graph)
     return engine, opt, loader, sched
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``deepspeed.add_config_arguments`` (``--deepspeed``, ``--deepspeed_config``) for scripts that take args."""
-    import deepspeed
     return deepspeed.add_config_arguments(parser)

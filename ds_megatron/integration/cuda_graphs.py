@@ -1,5 +1,9 @@
 """CUDA graphs inside DeepSpeed's loop: a forward pre-hook on ``engine.module`` that captures, then replays.
 
+DeepSpeed seams: ``engine.module`` (``register_forward_pre_hook``),
+``engine.global_steps``, ``engine.micro_steps``, ``engine.gradient_accumulation_steps()``
+and ``engine.device`` (graphs need the engine on a CUDA device).
+
 ``ds_megatron.initialize`` calls ``attach_cuda_graphs(engine, config.cuda_graph)``.
 The loop stays ``loss = engine(batch); engine.backward(loss); engine.step()``:
 
@@ -25,9 +29,9 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, CudaGraphConfig
-from .backends import Capturer, default_capturer
-from .capture import CudaGraphHelper
+from ..config.cuda_graph import CudaGraphConfig
+from ..cuda_graphs import Capturer, CudaGraphHelper, default_capturer
+from ..errors import ConfigError
 
 logger = logging.getLogger("ds_megatron.cuda_graphs")
 

@@ -1,13 +1,16 @@
-"""``DistributedDataParallelConfig``: the switches of the bucketed gradient buffers (pure, no torch).
+"""``DistributedDataParallelConfig``: the switches of Megatron's gradient buffers (pure, no torch).
 
-Field names are Megatron-LM's.  ``MegatronConfig.ddp_config()`` builds one from
-the ``"megatron"`` section of the DeepSpeed JSON; tests and the benchmark build
-one directly.
+Field names are Megatron-LM's and are the ``"megatron"`` section's keys too
+(the section is read straight into this dataclass).  On the Megatron optimizer
+path these buffers are the one gradient reducer; see ``ds_megatron.distributed``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from ..errors import ConfigError, check_positive_int
+from .parsing import SECTION
 
 # Megatron's default bucket: large enough that per-collective latency is amortized,
 # growing with DP so that each rank's shard of a bucket stays >= 1M elements.
@@ -24,8 +27,9 @@ def default_bucket_size(data_parallel_world_size: int) -> int:
 class DistributedDataParallelConfig:
     """How gradients are buffered, bucketed and reduced over data-parallel ranks."""
 
-    # Accumulate and reduce grads in fp32 even when params are bf16/fp16.
-    grad_reduce_in_fp32: bool = False
+    # Accumulate and reduce grads in fp32.  None (the default): fp32 for fp16/bf16 params, as
+    # Megatron's mixed-precision optimizer reduces fp32 main grads; false: in the params' dtype.
+    grad_reduce_in_fp32: Optional[bool] = None
     # Start each bucket group's reduction during backward, as soon as all its grads are ready.
     overlap_grad_reduce: bool = False
     # (Distributed optimizer) all-gather updated params during the next forward.
@@ -41,9 +45,12 @@ class DistributedDataParallelConfig:
     average_in_collective: bool = False
 
     def __post_init__(self):
-        if self.bucket_size is not None and (isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int)
-                                             or self.bucket_size < 1):
-            raise ValueError(f"bucket_size must be a positive number of elements or None, got {self.bucket_size!r}")
+        if self.bucket_size is not None:
+            check_positive_int(f"{SECTION}.bucket_size", self.bucket_size)
         if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("overlap_param_gather is true but use_distributed_optimizer is false; params are only "
-                             "all-gathered with the distributed optimizer: enable it or set overlap_param_gather false")
+            raise ConfigError(f"{SECTION}.overlap_param_gather is true but use_distributed_optimizer is false; params "
+                              "are only all-gathered by the distributed optimizer: enable it or drop overlap_param_gather")
+
+    def grad_dtype_is_fp32(self, params_are_16bit: bool) -> bool:
+        """Whether the grad buffer of params of this kind holds fp32."""
+        return params_are_16bit if self.grad_reduce_in_fp32 is None else self.grad_reduce_in_fp32

@@ -1,10 +1,31 @@
-"""``GPTConfig``: the ``megatron.model`` section of a job (pure Python, checked before launch)."""
+"""``GPTConfig``: the ``megatron.model`` section of a job (pure Python, checked before launch).
+
+``check_layout`` checks the model against a parallel layout (heads and MLP
+widths divisible by TP, experts by EP, ...): the one place these rules live.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import ConfigError
+from ..errors import ConfigError
+
+
+def pad_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128,
+                   tensor_model_parallel_size: int = 1) -> int:
+    """Smallest size >= ``orig_vocab_size`` that is a multiple of ``make_vocab_size_divisible_by * tp``.
+
+    Each TP rank then holds a slice whose size is a multiple of
+    ``make_vocab_size_divisible_by`` (128 keeps the logit GEMM efficient);
+    GPT-2's 50,257 becomes 51,200 for TP=8, as in the Megatron-LM paper.
+    """
+    if orig_vocab_size <= 0:
+        raise ValueError(f"orig_vocab_size={orig_vocab_size} must be positive")
+    if make_vocab_size_divisible_by <= 0 or tensor_model_parallel_size <= 0:
+        raise ValueError(f"make_vocab_size_divisible_by={make_vocab_size_divisible_by} and "
+                         f"tensor_model_parallel_size={tensor_model_parallel_size} must be positive")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-orig_vocab_size // multiple) * multiple
 
 
 @dataclass
@@ -112,6 +133,14 @@ class GPTConfig:
         if self.moe_ffn_hidden_size % etp:
             raise ConfigError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} is not divisible by "
                               f"megatron.expert_tensor_parallel_size={etp}; choose an ETP size that divides it")
+
+    def check_layout(self, layout) -> None:
+        """This model fits the ``ParallelLayout`` (ConfigError naming the fields otherwise)."""
+        self.check_tensor_parallel(layout.tp)
+        self.check_expert_parallel(layout.ep, layout.etp)
+        if layout.cp > 1 or layout.pp > 1:
+            raise ConfigError("GPTModel supports tensor, sequence, expert and data parallelism; set "
+                              "megatron.context_parallel_size and pipeline_model_parallel_size to 1 for it")
 
     def check_tensor_parallel(self, tp: int) -> None:
         for name in ("num_attention_heads", "ffn_hidden_size"):

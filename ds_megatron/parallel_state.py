@@ -1,10 +1,19 @@
-"""The process groups of one job, built from a ``ParallelLayout``.
+"""The process groups of one job, built from a ``ParallelLayout`` (Megatron's ``parallel_state``, as an object).
 
-One ``ParallelState`` object holds every group (dense and expert) this rank
-belongs to.  Modules receive it (or single groups from it) explicitly; there
-are no module globals.  Building is collective: every rank calls
-``torch.distributed.new_group`` for every group of every kind in the same
-order, as torch requires.
+One ``ParallelState`` holds every group (dense and expert) this rank belongs
+to, each as a ``ParallelGroup``: its global ranks, this rank's index in it, and
+the torch process group.  Model code receives the state (or single groups from
+it) explicitly; there are no module globals.  Building is collective: every
+rank calls ``torch.distributed.new_group`` for every group of every kind in the
+same order, as torch requires.
+
+"No parallelism" has one spelling: a group of size 1 (``ParallelGroup.single``;
+``ParallelState.single()`` for a whole single-rank model).  Nothing
+communicates over a group of one: the collectives in ``utils.collectives``
+take a ``ParallelGroup`` and return at once for size 1, so no code hands
+torch.distributed a ``None`` group (which torch reads as the whole world).
+A built state still has a torch group for every kind, size 1 included,
+because DeepSpeed asks the mpu for them.
 """
 from __future__ import annotations
 
@@ -13,24 +22,27 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from .layout import ALL_GROUPS, ParallelLayout
+from .parallel.layout import ALL_GROUPS, ParallelLayout
 
 
 @dataclass(frozen=True)
 class ParallelGroup:
-    """This rank's group of one kind: its global ranks, the torch group, and our index in it."""
+    """This rank's group of one kind: its global ranks, this rank's index in them, and the torch group."""
 
     kind: str
     ranks: Tuple[int, ...]
-    group: Optional[dist.ProcessGroup]
+    rank: int  # this process's index in ``ranks``
+    group: Optional[dist.ProcessGroup]  # None only for ``single`` (no torch.distributed needed)
+
+    @classmethod
+    def single(cls, kind: str) -> "ParallelGroup":
+        """The group of one: this rank alone (no parallelism along ``kind``)."""
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return cls(kind, (me,), 0, None)
 
     @property
     def size(self) -> int:
         return len(self.ranks)
-
-    @property
-    def rank(self) -> int:
-        return self.ranks.index(dist.get_rank())
 
     @property
     def src_rank(self) -> int:
@@ -42,11 +54,12 @@ class ParallelState:
     """All groups of a job for this rank.  Build with ``ParallelState.build(layout)``."""
 
     def __init__(self, layout: ParallelLayout, groups: Dict[str, ParallelGroup], all_ranks: Dict[str, List[List[int]]],
-                 owned: List[dist.ProcessGroup]):
+                 owned: List[dist.ProcessGroup], world: ParallelGroup):
         self.layout = layout
         self.groups = groups
         self.all_ranks = all_ranks
         self._owned = owned
+        self.world = world  # every rank of the job
 
     @classmethod
     def build(cls, layout: ParallelLayout) -> "ParallelState":
@@ -71,8 +84,16 @@ class ParallelState:
                     by_ranks[key] = pg
                     owned.append(pg)
                 if me in key:
-                    groups[kind] = ParallelGroup(kind, key, by_ranks[key])
-        return cls(layout, groups, all_ranks, owned)
+                    groups[kind] = ParallelGroup(kind, key, key.index(me), by_ranks[key])
+        world_group = ParallelGroup("world", tuple(range(world)), me, dist.group.WORLD)
+        return cls(layout, groups, all_ranks, owned, world_group)
+
+    @classmethod
+    def single(cls) -> "ParallelState":
+        """The state of a one-rank job: every group of size 1 (needs no torch.distributed)."""
+        layout = ParallelLayout(world_size=1)
+        return cls(layout, {kind: ParallelGroup.single(kind) for kind in ALL_GROUPS}, layout.group_ranks(), [],
+                   ParallelGroup.single("world"))
 
     def destroy(self) -> None:
         """Tear the groups down (collective); the object is unusable afterwards."""
@@ -126,8 +147,13 @@ class ParallelState:
         return self["edp"]
 
     @property
+    def etp_ep(self) -> ParallelGroup:
+        return self["etp-ep"]
+
+    @property
     def expert_mp(self) -> ParallelGroup:
         return self["expert-model-parallel"]
 
     def describe(self) -> str:
-        return " ".join(f"{k}={self.groups[k].rank}/{self.groups[k].size}" for k in ("tp", "cp", "dp", "pp", "etp", "ep", "edp"))
+        return " ".join(f"{k}={self.groups[k].rank}/{self.groups[k].size}"
+                        for k in ("tp", "cp", "dp", "pp", "etp", "ep", "edp"))

@@ -1,4 +1,4 @@
-"""The object DeepSpeed is handed as ``mpu=``, backed by a ``ParallelState``.
+"""The object DeepSpeed is handed as ``mpu=``, backed by a ``ParallelState`` (a DeepSpeed seam).
 
 DeepSpeed 0.19 asks an mpu for model-, tensor-, pipeline- and data-parallel
 groups (engine, ZeRO, clipping, checkpoint names) and probes for
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .state import ParallelState
+from ..parallel_state import ParallelState
 
 
 class MegatronMPU:

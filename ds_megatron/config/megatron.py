@@ -1,0 +1,148 @@
+"""``MegatronConfig``: the whole ``"megatron"`` section as one typed tree, parsed once (pure, no torch).
+
+What users write (Megatron-LM's names, next to DeepSpeed's own keys) and where it lands:
+
+| JSON | tree |
+| --- | --- |
+| ``tensor_model_parallel_size`` ... ``order``, ``sequence_parallel``, ``make_vocab_size_divisible_by`` | ``parallel`` (``ParallelConfig``) |
+| ``use_distributed_optimizer``, ``overlap_grad_reduce``, ``bucket_size``, ... | ``ddp`` (``DistributedDataParallelConfig``) |
+| ``optimizer_impl``, ``log_num_zeros_in_grad`` + DeepSpeed's ``fp16`` / ``bf16`` / ``gradient_clipping`` | ``precision`` (``PrecisionConfig``) |
+| ``cuda_graph: {...}`` | ``cuda_graph`` (``CudaGraphConfig``) |
+| ``model`` / ``train`` / ``data: {...}`` | ``model`` (``GPTConfig`` or None), ``train``, ``data`` |
+
+Who reduces gradients is decided here, once: on the Megatron optimizer path
+(``optimizer_impl: "megatron"``, the default of any section) Megatron's
+gradient buffers do, always; with ``"deepspeed"`` DeepSpeed owns everything
+and the buffer keys are refused.  No ``"megatron"`` section at all means a
+plain DeepSpeed job (``optimizer_impl "deepspeed"``, every rank data parallel).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple, Union
+
+from ..errors import ConfigError
+from ..parallel.layout import ParallelLayout
+from .cuda_graph import CudaGraphConfig
+from .ddp import DistributedDataParallelConfig
+from .model import GPTConfig
+from .parallel import ParallelConfig
+from .parsing import SECTION, coerce, deepspeed_section, field_names, load_ds_config, parse_section
+from .precision import PrecisionConfig, resolve_precision
+from .training import DataConfig, TrainConfig
+
+# Keys of the section that pick the optimizer path (the rest of the flat keys are parallel or ddp).
+_PATH_KEYS = {"optimizer_impl": str, "log_num_zeros_in_grad": bool, "use_megatron_ddp": Optional[bool]}
+_NESTED = {"cuda_graph": CudaGraphConfig, "model": GPTConfig, "train": TrainConfig, "data": DataConfig}
+# Model fields set for the whole layout at the top of the section; the model inherits them.
+_INHERITED_MODEL_KEYS = ("sequence_parallel", "make_vocab_size_divisible_by")
+
+
+@dataclass
+class MegatronConfig:
+    """The parsed ``"megatron"`` section (see the module docstring)."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    ddp: DistributedDataParallelConfig = field(default_factory=DistributedDataParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    model: Optional[GPTConfig] = None  # None: the user builds the model
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    @property
+    def optimizer_impl(self) -> str:
+        return self.precision.optimizer_impl
+
+    @property
+    def gradient_reducer(self) -> str:
+        """Who averages gradients over data parallel: "megatron_ddp" (our buffers) or "deepspeed"."""
+        return "megatron_ddp" if self.precision.owns_optimizer else "deepspeed"
+
+    def layout(self, world_size: int) -> ParallelLayout:
+        """The ``ParallelLayout`` for ``world_size`` ranks, checked against the model section when there is one."""
+        layout = self.parallel.layout(world_size)
+        if self.model is not None:
+            self.model.check_layout(layout)
+        return layout
+
+    @classmethod
+    def from_section(cls, section: Optional[Dict[str, Any]], ds_config: Dict[str, Any]) -> "MegatronConfig":
+        """Parse the section (None: no section, a plain DeepSpeed job) against the rest of the DeepSpeed config."""
+        if section is None:
+            return cls(precision=resolve_precision(ds_config, "deepspeed"))
+        if not isinstance(section, dict):
+            raise ConfigError(f"{SECTION} must be a JSON object, got {type(section).__name__}")
+        flat = {"parallel": {}, "ddp": {}, "path": {}}
+        owners = {**{k: "parallel" for k in field_names(ParallelConfig)},
+                  **{k: "ddp" for k in field_names(DistributedDataParallelConfig)},
+                  **{k: "path" for k in _PATH_KEYS}}
+        for key, value in section.items():
+            if key in _NESTED:
+                continue
+            if key not in owners:
+                known = [*owners, *_NESTED]
+                raise ConfigError(f"unknown key {SECTION}.{key}; known keys are: {', '.join(known)}")
+            flat[owners[key]][key] = value
+        parallel = parse_section(ParallelConfig, flat["parallel"], SECTION)
+        ddp = parse_section(DistributedDataParallelConfig, flat["ddp"], SECTION)
+        path = {k: coerce(f"{SECTION}.{k}", v, _PATH_KEYS[k]) for k, v in flat["path"].items()}
+        precision = resolve_precision(ds_config, path.get("optimizer_impl", "megatron"),
+                                      path.get("log_num_zeros_in_grad", False))
+        _check_gradient_reducer(ds_config, precision, sorted(flat["ddp"]), path.get("use_megatron_ddp"))
+        nested = {name: parse_section(tp, section.get(name, {}), f"{SECTION}.{name}")
+                  for name, tp in _NESTED.items() if name != "model"}
+        model = None
+        if "model" in section:
+            model_section = section["model"]
+            if not isinstance(model_section, dict):
+                raise ConfigError(f"{SECTION}.model must be a JSON object, got {type(model_section).__name__}")
+            model_section = dict(model_section)
+            for key in _INHERITED_MODEL_KEYS:
+                if key in model_section:
+                    raise ConfigError(f"{SECTION}.model.{key} is set at {SECTION}.{key}; move it there")
+                model_section[key] = getattr(parallel, key)
+            model = parse_section(GPTConfig, model_section, f"{SECTION}.model")
+        nested["cuda_graph"].check_moe_settings(model)
+        return cls(parallel=parallel, ddp=ddp, precision=precision, model=model, **nested)
+
+
+def _check_gradient_reducer(ds_config: Dict[str, Any], precision: PrecisionConfig, ddp_keys, use_megatron_ddp) -> None:
+    """One reducer per path: Megatron's buffers on ours, DeepSpeed's all-reduce (and nothing else) on DeepSpeed's."""
+    if precision.owns_optimizer:
+        if use_megatron_ddp is False:
+            why = f" but {SECTION}.{ddp_keys[0]} is set" if ddp_keys else ""
+            raise ConfigError(f"{SECTION}.use_megatron_ddp is false{why}; on the megatron optimizer path Megatron's "
+                              "gradient buffers are what reduces gradients: drop the key, or set "
+                              f"{SECTION}.optimizer_impl \"deepspeed\" to let DeepSpeed reduce them")
+        return
+    if "use_distributed_optimizer" in ddp_keys:
+        raise ConfigError(f"{SECTION}.use_distributed_optimizer is true with {SECTION}.optimizer_impl="
+                          f"{precision.optimizer_impl!r}; only ds_megatron's optimizer path reads the sharded grads: "
+                          "set optimizer_impl to \"megatron\", or use DeepSpeed's ZeRO stage 1 instead")
+    if not ddp_keys and not use_megatron_ddp:
+        return
+    key = "use_megatron_ddp" if use_megatron_ddp else ddp_keys[0]
+    stage = deepspeed_section(ds_config, "zero_optimization").get("stage", 0)
+    if stage:
+        raise ConfigError(f"{SECTION}.use_megatron_ddp is on but zero_optimization.stage is {stage}; ZeRO reduces "
+                          "and partitions gradients itself: set the stage to 0 (use "
+                          f"{SECTION}.use_distributed_optimizer to shard optimizer state) or turn use_megatron_ddp off")
+    if precision.params_dtype != "fp32":
+        raise ConfigError(f"{SECTION}.use_megatron_ddp is on together with DeepSpeed's own {precision.params_dtype} "
+                          "optimizer (optimizer_impl \"deepspeed\"), which keeps separate gradient copies; use "
+                          f"{SECTION}.optimizer_impl \"megatron\" (it reads param.main_grad) or turn use_megatron_ddp off")
+    raise ConfigError(f"{SECTION}.{key} configures Megatron's gradient buffers, which reduce gradients on the megatron "
+                      f"optimizer path only; with {SECTION}.optimizer_impl \"deepspeed\" DeepSpeed reduces them: drop "
+                      f"the key, or set optimizer_impl \"megatron\"")
+
+
+def split_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Tuple[Dict[str, Any], MegatronConfig]:
+    """(the DeepSpeed config without our section, our parsed section): every rule checked, nothing created."""
+    ds_config = load_ds_config(config)
+    return ds_config, MegatronConfig.from_section(ds_config.pop(SECTION, None), ds_config)
+
+
+__all__ = ["MegatronConfig", "split_config"]
+

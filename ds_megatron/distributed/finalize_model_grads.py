@@ -1,0 +1,35 @@
+"""``finalize_model_grads``: where the gradient sync of one step ends (Megatron's function of the same name).
+
+After the last micro-batch's backward, and before the optimizer reads any
+gradient, in this order:
+
+1. every model chunk's ``DistributedDataParallel`` finishes its bucketed
+   reductions (dense grads averaged over dp-cp, expert grads over their
+   expert-data-parallel group; with the distributed optimizer each rank's shard);
+2. the all-reduces across model-parallel copies: gradients of parameters that
+   are replicated over tensor parallelism but saw only this rank's slice of the
+   sequence (``sequence_parallel``: LayerNorm weights, row-parallel biases, the
+   router under sequence parallelism) are summed over TP.
+
+The Megatron optimizer wrappers call it at the start of ``step()``, the one
+point of a DeepSpeed loop that every rank reaches once per accumulation window.
+It runs once per window: a second call (a loop that wants the reduced
+gradients before the step, ``engine.megatron.finalize_model_grads()``) does
+nothing until the buffers are zeroed for the next window.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..parallel_state import ParallelState
+from ..tensor_parallel.params import allreduce_sequence_parallel_grads, sequence_parallel_params
+from .distributed_data_parallel import DistributedDataParallel
+
+
+def finalize_model_grads(model_chunks: Sequence[DistributedDataParallel], parallel_state: ParallelState) -> None:
+    chunks = [chunk for chunk in model_chunks if not chunk.grads_finalized]
+    for chunk in chunks:
+        chunk.finish_grad_sync()
+    for chunk in chunks:
+        allreduce_sequence_parallel_grads(sequence_parallel_params(chunk.module), parallel_state.tp)
+        chunk.grads_finalized = True

@@ -1,0 +1,106 @@
+"""Who reduces gradients inside a DeepSpeed engine: exactly one component per path.
+
+* Megatron path (``optimizer_impl`` "megatron"): the model's
+  ``DistributedDataParallel`` buffers.  DeepSpeed's own reduction is switched off
+  through ``engine.enable_backward_allreduce``, the flag DeepSpeed's pipeline
+  engine turns off for the same reason (``runtime/engine.py``,
+  ``_backward_epilogue`` and ``step``).  A forward pre-hook on ``engine.module``
+  (``register_forward_pre_hook``, a torch seam) starts each micro-batch: after an
+  optimizer step it zeroes the buffers (one op per buffer) and it tells them
+  whether this micro-batch ends the accumulation window
+  (``engine.is_gradient_accumulation_boundary()`` and not inside
+  ``engine.no_sync()``), so that overlapped reductions start only then.  The
+  optimizer wrapper finishes the sync in ``step()`` (``finalize_model_grads``).
+  ``engine.backward`` already divides the loss by the accumulation steps, so the
+  buffers accumulate the mean DeepSpeed would.
+* DeepSpeed path: DeepSpeed's all-reduce over the mpu's data-parallel group (and,
+  for MoE layers, its expert path over our expert groups, ``integration.moe``).
+  Gradients of sequence-parallel parameters are partial sums over TP, which
+  DeepSpeed does not know; they are completed inside backward by tensor hooks
+  (``register_sequence_parallel_grad_hooks``).
+"""
+from __future__ import annotations
+
+from typing import List
+
+from ..config.ddp import DistributedDataParallelConfig
+from ..distributed import DistributedDataParallel
+from ..errors import ConfigError
+from ..optimizer import DistributedOptimizer
+from ..parallel_state import ParallelState
+from ..tensor_parallel.params import register_sequence_parallel_grad_hooks
+
+
+def check_engine_supports_megatron_ddp(engine, ddp_config: DistributedDataParallelConfig) -> None:
+    """Refuse engine settings that would also own the gradients (one sentence, with the fix).
+
+    The config refuses these before anything starts; this guards an engine built another way.
+    """
+    stage = engine.zero_optimization_stage()
+    if stage != 0:
+        raise ConfigError(f"megatron.use_megatron_ddp is on but zero_optimization.stage is {stage}; ZeRO reduces "
+                          "and partitions gradients itself: set the stage to 0 (use megatron.use_distributed_optimizer "
+                          "to shard optimizer state) or turn use_megatron_ddp off")
+    if engine.bfloat16_enabled() or engine.fp16_enabled():
+        raise ConfigError("megatron.use_megatron_ddp is on together with DeepSpeed's own bf16/fp16 section, whose "
+                          "optimizer wrapper keeps separate gradient copies; disable DeepSpeed's bf16/fp16 and use "
+                          "ds_megatron's mixed-precision optimizer (it reads param.main_grad)")
+    if ddp_config.use_distributed_optimizer and not isinstance(getattr(engine, "optimizer", None),
+                                                               DistributedOptimizer):
+        raise ConfigError("megatron.use_distributed_optimizer is on but the engine's optimizer is not ds_megatron's "
+                          "DistributedOptimizer, which alone reads the reduce-scattered grad shards; build the engine "
+                          "with ds_megatron.initialize and megatron.optimizer_impl \"megatron\", or turn "
+                          "use_distributed_optimizer off")
+
+
+class MegatronDDPInEngine:
+    """Ties one ``DistributedDataParallel`` to one DeepSpeed engine (see the module docstring)."""
+
+    def __init__(self, engine, ddp: DistributedDataParallel):
+        check_engine_supports_megatron_ddp(engine, ddp.ddp_config)
+        if ddp.module is not engine.module:
+            raise RuntimeError("the DistributedDataParallel wraps another module than engine.module; build it "
+                               "around the model passed to deepspeed.initialize")
+        _check_params_still_in_buffers(ddp)
+        self.engine = engine
+        self.ddp = ddp
+        self.params = list(ddp.param_to_bucket_group)
+        self._zeroed_at_step = engine.global_steps
+        engine.enable_backward_allreduce = False  # the seam: DeepSpeed's own reduction off
+        self._forward_pre_hook = engine.module.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module, inputs) -> None:
+        engine = self.engine
+        if engine.global_steps != self._zeroed_at_step:
+            # The optimizer consumed the grads of the last window: start a new one.
+            self.ddp.zero_grad_buffer()
+            for p in self.params:
+                p.grad = None
+            self._zeroed_at_step = engine.global_steps
+        self.ddp.set_is_last_microbatch(engine.is_gradient_accumulation_boundary()
+                                        and not engine.inside_no_sync_ctxt)
+
+    def detach(self) -> None:
+        """Give reduction back to DeepSpeed (tests, or swapping the wrapper)."""
+        self._forward_pre_hook.remove()
+        self.engine.enable_backward_allreduce = True
+        self.ddp.remove_hooks()
+
+
+def _check_params_still_in_buffers(ddp: DistributedDataParallel) -> None:
+    # deepspeed.initialize ran between building the DDP and now; had it replaced a param's
+    # storage (a device move, a cast), the buffers would no longer reach that param.
+    for buffer in ddp.all_buffers:
+        if buffer.param_data is None:
+            continue
+        base = buffer.param_data.untyped_storage().data_ptr()
+        for p in buffer.params:
+            if p.untyped_storage().data_ptr() != base:
+                raise RuntimeError(f"param {buffer.param_to_name.get(p, tuple(p.shape))} no longer lives in the "
+                                   "distributed optimizer's param buffer after deepspeed.initialize (moved or "
+                                   "cast); place and cast the model before ds_megatron.initialize")
+
+
+def complete_sequence_parallel_grads_in_backward(module, parallel_state: ParallelState) -> List:
+    """The DeepSpeed path's share of the model-parallel sync: sequence-parallel grads summed over TP in backward."""
+    return register_sequence_parallel_grad_hooks(module, parallel_state.tp)

@@ -1,0 +1,90 @@
+"""``ds-megatron train``: the job's config and command line (torch-free until the config is valid).
+
+``load_job`` parses every section of the DeepSpeed JSON and checks it against
+the world size the launcher announced; ``main`` reports a bad config in one
+line with exit code 2, before torch or DeepSpeed is imported, and only then
+loads the training loop (``training.train``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence
+
+from ..config import SECTION, ConfigError, DataConfig, GPTConfig, MegatronConfig, TrainConfig, split_config
+from ..config.parsing import world_size_from_env
+
+
+@dataclass
+class JobConfig:
+    """A validated job: the config DeepSpeed gets and our parsed section (with its model, train and data)."""
+
+    ds_config: Dict[str, Any]
+    megatron: MegatronConfig
+
+    @property
+    def model(self) -> GPTConfig:
+        return self.megatron.model
+
+    @property
+    def train(self) -> TrainConfig:
+        return self.megatron.train
+
+    @property
+    def data(self) -> DataConfig:
+        return self.megatron.data
+
+
+def parse_job_config(config) -> JobConfig:
+    """Every section of a job config, validated; raises ConfigError naming the field."""
+    ds_config, mcfg = split_config(config)
+    if mcfg.model is None:
+        mcfg.model = GPTConfig(sequence_parallel=mcfg.parallel.sequence_parallel,
+                               make_vocab_size_divisible_by=mcfg.parallel.make_vocab_size_divisible_by)
+    if "train_micro_batch_size_per_gpu" not in ds_config:
+        raise ConfigError("train_micro_batch_size_per_gpu is missing from the DeepSpeed config; set it (e.g. 4)")
+    if "train_batch_size" in ds_config:
+        raise ConfigError("train_batch_size is set; ds-megatron train derives it from "
+                          "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size: remove it")
+    return JobConfig(ds_config, mcfg)
+
+
+def load_job(config, world_size: int, train_iters: Optional[int] = None,
+             output_dir: Optional[str] = None) -> JobConfig:
+    """Parse and validate every section for ``world_size`` ranks; creates nothing."""
+    job = parse_job_config(config)
+    job.megatron.layout(world_size)  # the layout fits the world and the model fits the layout
+    if train_iters is not None:
+        if train_iters < 1:
+            raise ConfigError(f"--train-iters must be >= 1, got {train_iters}")
+        job.train.train_iters = train_iters
+    if output_dir is not None:
+        job.train.output_dir = output_dir
+    return job
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-megatron train", description="train a GPT from a DeepSpeed JSON config "
+                                                                      f"with a \"{SECTION}\" section")
+    p.add_argument("--config", required=True, help=f"DeepSpeed JSON config with a \"{SECTION}\" section")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output dir")
+    p.add_argument("--output-dir", help="where checkpoints, metrics.jsonl and loss_curve.png go "
+                                        f"(default: {SECTION}.train.output_dir)")
+    p.add_argument("--train-iters", type=int, help=f"override {SECTION}.train.train_iters")
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args, _ = build_parser().parse_known_args(argv)
+    try:
+        job = load_job(args.config, world_size_from_env() or 1, args.train_iters, args.output_dir)
+    except ConfigError as e:
+        print(f"ds-megatron train: error: {e}", file=sys.stderr)
+        return 2
+    # The config is valid: only now load torch, DeepSpeed and the loop.
+    from . import train as loop
+    loop.train(job, args.config, resume=args.resume)
+    loop.shutdown()
+    return 0
