@@ -1,5 +1,8 @@
 """Run a function on N gloo ranks of this machine, each a spawned process (benchmarks use it).
 
+Torch-free at import: a rank sets its launcher variables before torch and
+DeepSpeed load (``init_local_rank``), as they read them when they start.
+
 ``run_local_job(world, fn, *args)`` starts ``world`` processes with torch's
 launcher variables on loopback, initializes DeepSpeed's comm layer (gloo on a
 CPU box), calls ``fn(*args)`` on every rank and returns rank 0's result.  A
@@ -17,9 +20,6 @@ import sys
 import traceback
 from typing import Any, Callable, Dict
 
-import torch
-
-from ..integration.runtime import init_distributed, set_deepspeed_log_level
 from .dist_env import free_port
 from .runtime_env import use_cuda
 
@@ -43,6 +43,10 @@ def local_rank_env(rank: int, world_size: int, port: int, cpu_only: bool = False
 def init_local_rank(rank: int, world_size: int, port: int, threads: int = 1, cpu_only: bool = False) -> None:
     """Make this process rank ``rank`` of a local job: launcher variables, threads, DeepSpeed's comm layer."""
     os.environ.update(local_rank_env(rank, world_size, port, cpu_only=cpu_only))
+    # Loaded only now: DeepSpeed picks its accelerator, and torch its thread pool, from the variables above.
+    import torch
+
+    from ..integration.runtime import init_distributed, set_deepspeed_log_level
     torch.set_num_threads(threads)
     set_deepspeed_log_level("ERROR")
     init_distributed(verbose=False)
@@ -54,8 +58,9 @@ def _rank_main(rank: int, world: int, port: int, threads: int, fn: Callable, arg
         value = fn(*args)
         if rank == 0:
             results.put((True, value))
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+        import torch.distributed as dist  # loaded by init_local_rank
+        dist.barrier()
+        dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - handed to the parent, which raises it
         results.put((False, f"rank {rank}:\n{traceback.format_exc()}"))
     finally:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 
 def use_cuda() -> bool:
     """True when this process runs on a GPU: torch sees one and DS_ACCELERATOR does not pin the CPU."""
-    return os.environ.get("DS_ACCELERATOR", "").lower() != "cpu" and torch.cuda.is_available()
+    if os.environ.get("DS_ACCELERATOR", "").lower() == "cpu":
+        return False
+    import torch  # here: launch helpers build a rank's environment before torch loads
+    return torch.cuda.is_available()
