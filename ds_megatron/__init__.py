@@ -49,5 +49,16 @@ def load_checkpoint(engine, load_dir, tag=None, **kwargs):
     return _load_checkpoint(engine, load_dir, tag, **kwargs)
 
 
+_PIPELINE_NAMES = ("GPTPipelineModule", "pipeline_topology")
+
+
+def __getattr__(name):
+    # The pipeline model needs DeepSpeed (a PipelineModule): loaded on first use, like the entry points above.
+    if name in _PIPELINE_NAMES:
+        from .integration import pipeline
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'ds_megatron' has no attribute {name!r}")
+
+
 __all__ = ["ConfigError", "MegatronConfig", "initialize", "initialize_model_parallel", "validate_config",
-           "add_config_arguments", "save_checkpoint", "load_checkpoint"]
+           "add_config_arguments", "save_checkpoint", "load_checkpoint", *_PIPELINE_NAMES]

@@ -57,25 +57,46 @@ def _mlp_counts(h: int, ffn: int, tp: int) -> ParamCounts:
     return ParamCounts(sharded=(ffn // tp) * (h + 1) + h * (ffn // tp), replicated=h)
 
 
-def gpt_param_counts(cfg, tp: int, ep: int = 1, etp: int = 1) -> ParamCounts:
-    """``GPTModel``'s parameters on one rank (every rank holds the same number)."""
-    h, L = cfg.hidden_size, cfg.num_layers
-    vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
-    sharded = (vocab // tp) * h
-    replicated = cfg.seq_length * h + 2 * h  # learned positions, final LayerNorm
+def layer_counts(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> ParamCounts:
+    """Transformer layer ``layer``'s parameters on one rank (dense or MoE, as ``cfg.is_moe_layer`` says)."""
+    h = cfg.hidden_size
+    sharded = (3 * h // tp) * (h + 1) + h * (h // tp)  # QKV (weight + bias), output projection
+    replicated = 2 * h + h + 2 * h  # two LayerNorms, the output projection's bias
     expert = 0
-    for layer in range(L):
-        sharded += (3 * h // tp) * (h + 1) + h * (h // tp)  # QKV (weight + bias), output projection
-        replicated += 2 * h + h + 2 * h  # two LayerNorms, the output projection's bias
-        if cfg.is_moe_layer(layer):
-            replicated += cfg.num_experts * h  # router
-            expert += (cfg.num_experts // ep) * 2 * h * (cfg.moe_ffn_hidden_size // etp)  # bias-free fc1, fc2
-            if cfg.moe_shared_expert_ffn_hidden_size:
-                shared = _mlp_counts(h, cfg.moe_shared_expert_ffn_hidden_size, tp)
-                sharded, replicated = sharded + shared.sharded, replicated + shared.replicated
-        else:
-            mlp = _mlp_counts(h, cfg.ffn_hidden_size, tp)
-            sharded, replicated = sharded + mlp.sharded, replicated + mlp.replicated
+    if cfg.is_moe_layer(layer):
+        replicated += cfg.num_experts * h  # router
+        expert += (cfg.num_experts // ep) * 2 * h * (cfg.moe_ffn_hidden_size // etp)  # bias-free fc1, fc2
+        if cfg.moe_shared_expert_ffn_hidden_size:
+            shared = _mlp_counts(h, cfg.moe_shared_expert_ffn_hidden_size, tp)
+            sharded, replicated = sharded + shared.sharded, replicated + shared.replicated
+    else:
+        mlp = _mlp_counts(h, cfg.ffn_hidden_size, tp)
+        sharded, replicated = sharded + mlp.sharded, replicated + mlp.replicated
+    return ParamCounts(sharded, replicated, expert)
+
+
+def layer_param_count(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> int:
+    """All of layer ``layer``'s parameters on one rank (the weight of ``pipeline_partition_method`` "parameters")."""
+    return layer_counts(cfg, layer, tp, ep, etp).total
+
+
+def gpt_param_counts(cfg, tp: int, ep: int = 1, etp: int = 1, layers: Optional[Sequence[int]] = None,
+                     first_stage: bool = True, last_stage: bool = True) -> ParamCounts:
+    """The GPT's parameters on one rank: the whole ``GPTModel`` by default, or one pipeline stage's share
+    (``layers``; the embedding on the first stage, the final LayerNorm and the tied output copy on the last)."""
+    h = cfg.hidden_size
+    vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
+    sharded, replicated, expert = 0, 0, 0
+    if first_stage or last_stage:
+        sharded += (vocab // tp) * h  # the word embedding (a copy on each end of a pipeline)
+    if first_stage:
+        replicated += cfg.seq_length * h  # learned positions
+    if last_stage:
+        replicated += 2 * h  # final LayerNorm
+    for layer in (range(cfg.num_layers) if layers is None else layers):
+        counts = layer_counts(cfg, layer, tp, ep, etp)
+        sharded, replicated, expert = (sharded + counts.sharded, replicated + counts.replicated,
+                                       expert + counts.expert)
     return ParamCounts(sharded, replicated, expert)
 
 

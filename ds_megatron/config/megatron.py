@@ -4,7 +4,7 @@ What users write (Megatron-LM's names, next to DeepSpeed's own keys) and where i
 
 | JSON | tree |
 | --- | --- |
-| ``tensor_model_parallel_size`` ... ``order``, ``sequence_parallel``, ``make_vocab_size_divisible_by`` | ``parallel`` (``ParallelConfig``) |
+| ``tensor_model_parallel_size`` ... ``order``, ``sequence_parallel``, ``make_vocab_size_divisible_by``, ``pipeline_*`` | ``parallel`` (``ParallelConfig``; pipeline rules in ``config.pipeline``) |
 | ``use_distributed_optimizer``, ``overlap_grad_reduce``, ``bucket_size``, ... | ``ddp`` (``DistributedDataParallelConfig``) |
 | ``optimizer_impl``, ``log_num_zeros_in_grad`` + DeepSpeed's ``fp16`` / ``bf16`` / ``gradient_clipping`` | ``precision`` (``PrecisionConfig``) |
 | ``cuda_graph: {...}`` | ``cuda_graph`` (``CudaGraphConfig``) |
@@ -29,6 +29,7 @@ from .ddp import DistributedDataParallelConfig
 from .model import GPTConfig
 from .parallel import ParallelConfig
 from .parsing import SECTION, coerce, deepspeed_section, field_names, load_ds_config, parse_section
+from .pipeline import DeepSpeedBatchKeys, check_pipeline
 from .precision import PrecisionConfig, resolve_precision
 from .training import DataConfig, TrainConfig
 
@@ -50,6 +51,8 @@ class MegatronConfig:
     model: Optional[GPTConfig] = None  # None: the user builds the model
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    # DeepSpeed's batch / ZeRO / pipeline keys, which the pipeline rules depend on.
+    deepspeed_batch: DeepSpeedBatchKeys = field(default_factory=DeepSpeedBatchKeys)
 
     @property
     def optimizer_impl(self) -> str:
@@ -65,13 +68,15 @@ class MegatronConfig:
         layout = self.parallel.layout(world_size)
         if self.model is not None:
             self.model.check_layout(layout)
+        check_pipeline(self.parallel, self.model, self.deepspeed_batch, layout, self.optimizer_impl)
         return layout
 
     @classmethod
     def from_section(cls, section: Optional[Dict[str, Any]], ds_config: Dict[str, Any]) -> "MegatronConfig":
         """Parse the section (None: no section, a plain DeepSpeed job) against the rest of the DeepSpeed config."""
         if section is None:
-            return cls(precision=resolve_precision(ds_config, "deepspeed"))
+            return cls(precision=resolve_precision(ds_config, "deepspeed"),
+                       deepspeed_batch=DeepSpeedBatchKeys.from_ds_config(ds_config))
         if not isinstance(section, dict):
             raise ConfigError(f"{SECTION} must be a JSON object, got {type(section).__name__}")
         flat = {"parallel": {}, "ddp": {}, "path": {}}
@@ -105,7 +110,8 @@ class MegatronConfig:
                 model_section[key] = getattr(parallel, key)
             model = parse_section(GPTConfig, model_section, f"{SECTION}.model")
         nested["cuda_graph"].check_moe_settings(model)
-        return cls(parallel=parallel, ddp=ddp, precision=precision, model=model, **nested)
+        return cls(parallel=parallel, ddp=ddp, precision=precision, model=model,
+                   deepspeed_batch=DeepSpeedBatchKeys.from_ds_config(ds_config), **nested)
 
 
 def _check_gradient_reducer(ds_config: Dict[str, Any], precision: PrecisionConfig, ddp_keys, use_megatron_ddp) -> None:

@@ -138,9 +138,12 @@ class GPTConfig:
         """This model fits the ``ParallelLayout`` (ConfigError naming the fields otherwise)."""
         self.check_tensor_parallel(layout.tp)
         self.check_expert_parallel(layout.ep, layout.etp)
-        if layout.cp > 1 or layout.pp > 1:
-            raise ConfigError("GPTModel supports tensor, sequence, expert and data parallelism; set "
-                              "megatron.context_parallel_size and pipeline_model_parallel_size to 1 for it")
+        if layout.cp > 1:
+            raise ConfigError("GPTModel supports tensor, sequence, pipeline, expert and data parallelism; set "
+                              "megatron.context_parallel_size to 1 for it")
+        if layout.pp > self.num_layers:
+            raise ConfigError(f"model.num_layers={self.num_layers} is below megatron.pipeline_model_parallel_size="
+                              f"{layout.pp}: every stage needs a transformer layer; lower the pipeline size")
 
     def check_tensor_parallel(self, tp: int) -> None:
         for name in ("num_attention_heads", "ffn_hidden_size"):

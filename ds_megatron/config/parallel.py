@@ -8,7 +8,7 @@ the two spellings meet.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 from ..errors import ConfigError, check_positive_int
 from ..parallel.layout import ParallelLayout
@@ -28,6 +28,11 @@ class ParallelConfig:
     # Megatron's sequence parallelism inside TP (LayerNorm/dropout regions sharded along the sequence).
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128
+    # Pipeline: how the transformer layers split into stages (config.pipeline); the interleaved
+    # (virtual) schedule is refused (DeepSpeed's engine runs one model chunk per stage).
+    pipeline_partition_method: str = "uniform"  # uniform | parameters
+    pipeline_num_layers_per_stage: Optional[List[int]] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = None
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -35,6 +40,9 @@ class ParallelConfig:
             check_positive_int(f"{SECTION}.{name}", getattr(self, name))
         if self.expert_tensor_parallel_size is not None:
             check_positive_int(f"{SECTION}.expert_tensor_parallel_size", self.expert_tensor_parallel_size)
+        if self.pipeline_partition_method not in ("uniform", "parameters"):
+            raise ConfigError(f"{SECTION}.pipeline_partition_method={self.pipeline_partition_method!r} is unknown; "
+                              "use \"uniform\" or \"parameters\"")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError(f"{SECTION}.sequence_parallel is true but tensor_model_parallel_size is 1; "
                               "sequence parallelism shards along TP ranks: set tensor_model_parallel_size > 1 "

@@ -9,7 +9,13 @@ gradient, in this order:
 2. the all-reduces across model-parallel copies: gradients of parameters that
    are replicated over tensor parallelism but saw only this rank's slice of the
    sequence (``sequence_parallel``: LayerNorm weights, row-parallel biases, the
-   router under sequence parallelism) are summed over TP.
+   router under sequence parallelism) are summed over TP;
+3. under pipeline parallelism, the two copies of the tied word embedding
+   (first stage's input, last stage's output layer; marked ``shared_embedding``)
+   sum their gradients over the ``embedding`` group, so that both apply the
+   gradient of the one weight they stand for.  With the distributed optimizer
+   each copy sits alone in its bucket, whose shards are then the same slice of
+   the weight on both stages, so the reduced shard is summed with its peer.
 
 The Megatron optimizer wrappers call it at the start of ``step()``, the one
 point of a DeepSpeed loop that every rank reaches once per accumulation window.
@@ -22,7 +28,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..parallel_state import ParallelState
-from ..tensor_parallel.params import allreduce_sequence_parallel_grads, sequence_parallel_params
+from ..tensor_parallel.params import allreduce_sequence_parallel_grads, grad_of, sequence_parallel_params
+from ..utils.collectives import all_reduce
 from .distributed_data_parallel import DistributedDataParallel
 
 
@@ -32,4 +39,10 @@ def finalize_model_grads(model_chunks: Sequence[DistributedDataParallel], parall
         chunk.finish_grad_sync()
     for chunk in chunks:
         allreduce_sequence_parallel_grads(sequence_parallel_params(chunk.module), parallel_state.tp)
+    if parallel_state.pp.size > 1:
+        tied = [p for chunk in chunks for p in chunk.module.parameters()
+                if getattr(p, "shared_embedding", False) and grad_of(p) is not None]
+        for p in tied:  # only first and last stage hold them, and those are in the embedding group
+            all_reduce(grad_of(p), parallel_state["embedding"])
+    for chunk in chunks:
         chunk.grads_finalized = True

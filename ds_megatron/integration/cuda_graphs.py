@@ -1,8 +1,9 @@
 """CUDA graphs inside DeepSpeed's loop: a forward pre-hook on ``engine.module`` that captures, then replays.
 
 DeepSpeed seams: ``engine.module`` (``register_forward_pre_hook``),
-``engine.global_steps``, ``engine.micro_steps``, ``engine.gradient_accumulation_steps()``
-and ``engine.device`` (graphs need the engine on a CUDA device).
+``engine.global_steps``, ``engine.micro_steps``, ``engine.gradient_accumulation_steps()``,
+``engine.device`` (graphs need the engine on a CUDA device) and, for the
+pipeline engine, ``engine.num_stages`` / ``engine.stage_id``.
 
 ``ds_megatron.initialize`` calls ``attach_cuda_graphs(engine, config.cuda_graph)``.
 The loop stays ``loss = engine(batch); engine.backward(loss); engine.step()``:
@@ -17,6 +18,14 @@ The loop stays ``loss = engine(batch); engine.backward(loss); engine.step()``:
 * if the model's inputs change shape (or a layer sees another shape), the
   graphs are dropped, never replayed on wrong shapes, and recaptured after
   ``warmup_steps`` more steps at the new shape.
+
+With DeepSpeed's ``PipelineEngine`` (``engine.num_stages > 1``) each stage
+captures its own layers for every in-flight micro-batch, in the order its
+1F1B schedule runs them (``convert_schedule_table_to_order`` for one model
+chunk with ``pp - stage - 1`` warm-up forwards, which is exactly the order of
+DeepSpeed's ``TrainSchedule``); the micro-batch index is the number of
+training forwards since the step began (the pipeline engine does not advance
+``engine.micro_steps`` per micro-batch).
 
 Where graphs cannot run (the engine is not on a CUDA device) one log line says so and why, and
 training proceeds eagerly; with ``required: true`` the job stops at start instead.
@@ -51,9 +60,17 @@ class CudaGraphEngineHook:
         self._warmup_start_step = engine.global_steps
         self._signature: Optional[Tuple[Any, ...]] = None
         self.num_captures = 0
+        self.pipeline = getattr(engine, "num_stages", 1) > 1
+        self._forwards_in_step: Tuple[int, int] = (engine.global_steps, 0)  # (step, training forwards in it)
         self._handle = engine.module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
 
     def _microbatch_index(self) -> int:
+        if self.pipeline:
+            step, count = self._forwards_in_step
+            if step != self.engine.global_steps:
+                step, count = self.engine.global_steps, 0
+            self._forwards_in_step = (step, count + 1)
+            return count
         return self.engine.micro_steps % self.engine.gradient_accumulation_steps()
 
     def _before_forward(self, module, args, kwargs) -> None:
@@ -100,7 +117,10 @@ def attach_cuda_graphs(engine, config: CudaGraphConfig, capturer: Optional[Captu
             return None
         logger.info("CUDA graphs: %s", why)
     layers = list(engine.module.modules())
+    stages = getattr(engine, "num_stages", 1)
     helper = CudaGraphHelper(layers, config, capturer, num_microbatches=engine.gradient_accumulation_steps(),
+                             pipeline_parallel_size=stages,
+                             pipeline_parallel_rank=engine.stage_id if stages > 1 else 0,
                              num_warmup_iters=num_warmup_iters)
     return CudaGraphEngineHook(engine, helper, config)
 

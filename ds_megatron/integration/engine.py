@@ -14,6 +14,12 @@ optimizer, precision and clipping; every rank data parallel): the mpu only
 names the groups DeepSpeed would have made.  Any section, even ``{}``, selects
 the Megatron optimizer path, whose gradients our buffers reduce
 (``integration.gradients``).  ``engine.megatron`` holds what was built.
+
+With ``pipeline_model_parallel_size > 1`` the model is a ``GPTPipelineModule``
+(or any DeepSpeed ``PipelineModule`` built on ``pipeline_topology``) and
+``initialize`` returns DeepSpeed's ``PipelineEngine``: ``engine.train_batch(it)``
+runs ``gradient_accumulation_steps`` micro-batches through the stages and
+steps (``integration.pipeline``).
 """
 from __future__ import annotations
 
@@ -34,6 +40,8 @@ from .gradients import MegatronDDPInEngine, complete_sequence_parallel_grads_in_
 from .moe import mark_engine_has_moe, moe_layers, register_expert_groups
 from .mpu import MegatronMPU
 from .optimizer import prepare_optimizer_path
+from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, pipeline_deepspeed_config,
+                       prepare_pipeline_module, set_routing_loss_scale)
 from .rng import install_rng_tracker
 from .runtime import adopt_existing_process_group, init_distributed_from_env
 
@@ -121,10 +129,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if mpu is not None:
         raise ConfigError("mpu= was given to ds_megatron.initialize, which builds its own from the "
                           "\"megatron\" section; drop mpu= or call deepspeed.initialize directly")
-    if mcfg.parallel.pipeline_model_parallel_size > 1:
-        raise ConfigError("megatron.pipeline_model_parallel_size > 1: the groups are built (see "
-                          "`ds-megatron groups`) but no pipeline schedule is wired into the engine yet; set it to 1")
-
+    if model is not None:  # before any group exists
+        check_model_stages(model, mcfg.parallel.pipeline_model_parallel_size)
     _init_distributed(dist_init_required)
     layout = mcfg.layout(dist.get_world_size())
     if parallel_state is None:
@@ -132,20 +138,30 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     elif parallel_state.layout != layout:
         raise ConfigError(f"parallel_state was built for {parallel_state.layout} but the config asks for {layout}; "
                           "build it from the same config")
+    pipeline = layout.pp > 1
+    if pipeline or isinstance(model, PipelineModule):
+        # Before the buffers are built: the tied embedding's copies are marked for their layout.
+        prepare_pipeline_module(model, parallel_state)
+        ds_config = pipeline_deepspeed_config(ds_config)
     rng_tracker = getattr(model, "rng_tracker", None)
     if rng_tracker is not None:
         install_rng_tracker(rng_tracker)
     our_mpu = MegatronMPU(parallel_state, rng_tracker=rng_tracker)
-    opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, parallel_state)
+    is_last_stage = parallel_state.pp.rank == parallel_state.pp.size - 1
+    opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, parallel_state,
+                                      outputs_feed_the_loss=is_last_stage)
     has_moe = model is not None and bool(moe_layers(model))
     if has_moe:
         # DeepSpeed's own expert groups need EP to divide DP (folding breaks that): hand it ours.
         register_expert_groups(parallel_state)
 
+    # A PipelineModule brings DeepSpeed its grid (our groups, check_topology_matches); DeepSpeed refuses an mpu then.
     engine, opt, loader, sched = deepspeed.initialize(
         args=args, model=model, optimizer=opt_path.optimizer, model_parameters=opt_path.model_parameters,
-        training_data=training_data, lr_scheduler=lr_scheduler, mpu=our_mpu, dist_init_required=dist_init_required,
-        collate_fn=collate_fn, config=opt_path.ds_config, **deepspeed_kwargs)
+        training_data=training_data, lr_scheduler=lr_scheduler, mpu=None if pipeline else our_mpu,
+        dist_init_required=dist_init_required, collate_fn=collate_fn, config=opt_path.ds_config, **deepspeed_kwargs)
+    if pipeline and isinstance(model, GPTPipelineModule):
+        set_routing_loss_scale(model, opt_path.optimizer, engine.gradient_accumulation_steps())
     context = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu, ddp=opt_path.ddp, has_moe=has_moe)
     engine.megatron = context
     if opt_path.ddp is not None:  # our buffers are the reducer: DeepSpeed's own reduction off

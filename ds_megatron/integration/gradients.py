@@ -13,6 +13,17 @@
   optimizer wrapper finishes the sync in ``step()`` (``finalize_model_grads``).
   ``engine.backward`` already divides the loss by the accumulation steps, so the
   buffers accumulate the mean DeepSpeed would.
+  With DeepSpeed's ``PipelineEngine`` the schedule runs the backwards of a step
+  after (and between) its forwards, so the forward pre-hook only starts the
+  window and marks every micro-batch "not last"; a forward hook on
+  ``engine.module`` puts a gradient hook on each training output, which runs
+  when that micro-batch's backward reaches the stage, before any parameter
+  gradient: it counts the backwards and marks the last one
+  (``engine.micro_batches``-th), so that overlapped reductions start during the
+  last backward and never before its gradients are in.  The engine's own
+  reduction there is ``engine.pipeline_enable_backward_allreduce``, switched
+  off likewise; its tied-weight all-reduce reads ``.grad``, which the buffers
+  leave empty (``finalize_model_grads`` sums the tied embedding instead).
 * DeepSpeed path: DeepSpeed's all-reduce over the mpu's data-parallel group (and,
   for MoE layers, its expert path over our expert groups, ``integration.moe``).
   Gradients of sequence-parallel parameters are partial sums over TP, which
@@ -22,6 +33,9 @@
 from __future__ import annotations
 
 from typing import List
+
+import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config.ddp import DistributedDataParallelConfig
 from ..distributed import DistributedDataParallel
@@ -66,8 +80,13 @@ class MegatronDDPInEngine:
         self.ddp = ddp
         self.params = list(ddp.param_to_bucket_group)
         self._zeroed_at_step = engine.global_steps
+        self.pipeline = isinstance(engine, PipelineEngine)
+        self._backwards = 0  # backward passes in this window (pipeline)
         engine.enable_backward_allreduce = False  # the seam: DeepSpeed's own reduction off
-        self._forward_pre_hook = engine.module.register_forward_pre_hook(self._before_forward)
+        self._handles = [engine.module.register_forward_pre_hook(self._before_forward)]
+        if self.pipeline:
+            engine.pipeline_enable_backward_allreduce = False
+            self._handles.append(engine.module.register_forward_hook(self._hook_backward_start))
 
     def _before_forward(self, module, inputs) -> None:
         engine = self.engine
@@ -77,13 +96,32 @@ class MegatronDDPInEngine:
             for p in self.params:
                 p.grad = None
             self._zeroed_at_step = engine.global_steps
-        self.ddp.set_is_last_microbatch(engine.is_gradient_accumulation_boundary()
-                                        and not engine.inside_no_sync_ctxt)
+            self._backwards = 0
+        if self.pipeline:
+            self.ddp.set_is_last_microbatch(False)  # the backward pre-hook says which one is
+        else:
+            self.ddp.set_is_last_microbatch(engine.is_gradient_accumulation_boundary()
+                                            and not engine.inside_no_sync_ctxt)
+
+    def _hook_backward_start(self, module, inputs, output) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        flat, _ = torch.utils._pytree.tree_flatten(output)
+        first = next((t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is not None:
+            first.register_hook(self._before_backward)
+
+    def _before_backward(self, grad):
+        self._backwards += 1
+        self.ddp.set_is_last_microbatch(self._backwards == self.engine.micro_batches)
 
     def detach(self) -> None:
         """Give reduction back to DeepSpeed (tests, or swapping the wrapper)."""
-        self._forward_pre_hook.remove()
+        for handle in self._handles:
+            handle.remove()
         self.engine.enable_backward_allreduce = True
+        if self.pipeline:
+            self.engine.pipeline_enable_backward_allreduce = True
         self.ddp.remove_hooks()
 
 

@@ -66,12 +66,13 @@ def _cast_model_params(model: torch.nn.Module, dtype: torch.dtype, device) -> No
 def prepare_optimizer_path(ds_config: Dict[str, Any], megatron_config: MegatronConfig,
                            model: Optional[torch.nn.Module], optimizer, model_parameters,
                            parallel_state: Optional[ParallelState] = None,
-                           expert_group: Optional[Callable[[torch.nn.Parameter], ParallelGroup]] = None
-                           ) -> OptimizerPath:
+                           expert_group: Optional[Callable[[torch.nn.Parameter], ParallelGroup]] = None,
+                           outputs_feed_the_loss: bool = True) -> OptimizerPath:
     """Decide what ``deepspeed.initialize`` gets; with our path, cast the model, build the buffers, wrap the optimizer.
 
     ``parallel_state``: the job's groups (None: one rank).  ``expert_group``: the reduction group of expert
-    params that are not ours (DeepSpeed's MoE layer).
+    params that are not ours (DeepSpeed's MoE layer).  ``outputs_feed_the_loss``: False on a pipeline stage
+    before the last (its outputs go to the next stage, unscaled, in the model's dtype).
     """
     parallel_state = parallel_state if parallel_state is not None else ParallelState.single()
     precision = megatron_config.precision
@@ -105,5 +106,6 @@ def prepare_optimizer_path(ds_config: Dict[str, Any], megatron_config: MegatronC
         wrapped = get_megatron_optimizer(optimizer, precision, parallel_state, model_chunks=[ddp])
     hooks = []
     if params_dtype != torch.float32:
-        hooks = attach_float16_hooks(model, params_dtype, wrapped.grad_scaler if wrapped is not None else None)
+        hooks = attach_float16_hooks(model, params_dtype, wrapped.grad_scaler if wrapped is not None else None,
+                                     outputs_feed_the_loss)
     return OptimizerPath(precision.deepspeed_view(ds_config), wrapped, model_parameters, ddp, hooks)

@@ -9,13 +9,16 @@ and the loss does not depend on the TP size.
 
 Construction draws every full (master) weight from the default torch RNG in
 the same order whatever the TP size, so TP=1, 2, 4 built after the same seed
-hold the same full model.
+hold the same full model.  ``build_gpt_modules`` is that order, piece by
+piece: ``GPTModel`` keeps every piece, a pipeline stage
+(``integration.pipeline``) keeps its own, so any PP size built after the same
+seed holds the same full model too.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +26,114 @@ import torch.nn.functional as F
 from ..config.model import GPTConfig
 from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer, MoELayer
-from ..parallel_state import ParallelState
-from ..tensor_parallel import (RNGStatesTracker, VocabParallelEmbedding, checkpoint,
-                               copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
-                               init_method_normal, mark_sequence_parallel, pad_vocab_size, scaled_init_method_normal,
-                               scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
+from ..parallel_state import ParallelGroup, ParallelState
+from ..tensor_parallel import (RNGStatesTracker, VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
+                               gather_from_sequence_parallel_region, init_method_normal, mark_sequence_parallel,
+                               pad_vocab_size, scaled_init_method_normal, scatter_to_sequence_parallel_region,
+                               vocab_parallel_cross_entropy)
 from ..transformer import ParallelMLP, ParallelTransformerLayer
+
+
+class PositionEmbedding(torch.nn.Module):
+    """The input embedding after the vocab lookup: learned positions added, [b, s, h] -> [s, b, h], dropout.
+
+    Under sequence parallelism the result is this rank's slice of the sequence.
+    A module of its own so that a pipeline's first stage runs it after the
+    (tied) word embedding; ``GPTModel`` holds it as ``position_embeddings``.
+    """
+
+    def __init__(self, config: GPTConfig, tp: ParallelGroup, rng_tracker: Optional[RNGStatesTracker], init_method):
+        super().__init__()
+        self.config, self.tp, self.rng_tracker = config, tp, rng_tracker
+        self.weight = torch.nn.Parameter(torch.empty(config.seq_length, config.hidden_size))
+        # N(0, 1) first, as the torch.nn.Embedding this replaces drew at construction: the RNG stream, and
+        # so every later weight, stays that of earlier versions (same seed, same model).
+        torch.nn.init.normal_(self.weight)
+        init_method(self.weight)
+
+    def forward(self, word_embedded: torch.Tensor) -> torch.Tensor:
+        s = word_embedded.size(1)
+        if s > self.config.seq_length:
+            raise ValueError(f"input has {s} tokens but model.seq_length is {self.config.seq_length}")
+        hidden = (word_embedded + self.weight[:s]).transpose(0, 1).contiguous()  # [s, b, h]
+        if self.config.sequence_parallel:
+            hidden = scatter_to_sequence_parallel_region(hidden, self.tp)
+        if self.training and self.config.hidden_dropout > 0:
+            # Outside the TP region every TP rank holds the same values and must drop the same
+            # entries (default RNG); a sequence-parallel slice is rank-specific (tracker RNG).
+            fork = self.rng_tracker.fork() if (self.config.sequence_parallel and self.rng_tracker) \
+                else contextlib.nullcontext()
+            with fork:
+                hidden = F.dropout(hidden, p=self.config.hidden_dropout)
+        return hidden
+
+
+def output_logits(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, config: GPTConfig,
+                  tp: ParallelGroup) -> torch.Tensor:
+    """Final hidden states [s(/tp), b, h] -> this rank's vocab-parallel logits [s, b, V/tp] (the tied output layer)."""
+    if config.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden, tp, tensor_parallel_output_grad=True)
+    else:
+        hidden = copy_to_tensor_model_parallel_region(hidden, tp)
+    return F.linear(hidden, word_embeddings_weight)
+
+
+def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
+                        config: GPTConfig, tp: ParallelGroup) -> torch.Tensor:
+    """Mean vocab-parallel cross entropy of ``logits [s, b, V/tp]`` against ``labels [b, s]`` over the masked tokens."""
+    losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), tp, label_smoothing=config.label_smoothing,
+                                          vocab_size=config.vocab_size).transpose(0, 1)
+    if loss_mask is None:
+        return losses.mean()
+    loss_mask = loss_mask.to(losses.dtype)
+    return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+
+
+def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_tracker: Optional[RNGStatesTracker],
+                      aux_loss_tracker: Optional[MoEAuxLossTracker]) -> Iterator[Tuple[str, torch.nn.Module]]:
+    """Every piece of the GPT in construction (RNG) order, as ``(name in GPTModel, module)``.
+
+    ``word_embeddings``, ``position_embeddings``, ``layers.0`` ... ``layers.N-1``,
+    ``final_layernorm``.  A generator: a caller that keeps only some pieces
+    drops the others as they come (peak memory: what it keeps plus one piece).
+    """
+    tp = parallel_state.tp
+    padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp.size)
+    init = init_method_normal(config.init_method_std)
+    out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
+
+    def embedding_init(weight):
+        # Only the real rows are drawn, so the RNG stream (and every later
+        # weight) does not depend on how much padding this TP size needs.
+        init(weight[:config.vocab_size])
+        with torch.no_grad():
+            weight[config.vocab_size:].zero_()
+
+    yield "word_embeddings", VocabParallelEmbedding(padded_vocab_size, config.hidden_size, tp=tp,
+                                                    init_method=embedding_init)
+    yield "position_embeddings", PositionEmbedding(config, tp, rng_tracker, init)
+
+    def mlp(layer_number: int) -> torch.nn.Module:
+        if config.is_moe_layer(layer_number):
+            return MoELayer(config, parallel_state, layer_number=layer_number, init_method=init,
+                            output_init_method=out_init, aux_loss_tracker=aux_loss_tracker)
+        return ParallelMLP(config.hidden_size, config.ffn_hidden_size, tp=tp, init_method=init,
+                           output_init_method=out_init, sequence_parallel=config.sequence_parallel)
+
+    for i in range(config.num_layers):
+        yield f"layers.{i}", ParallelTransformerLayer(config, tp=tp, build_mlp=functools.partial(mlp, i),
+                                                      init_method=init, output_init_method=out_init,
+                                                      rng_tracker=rng_tracker)
+    final_layernorm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+    if config.sequence_parallel:
+        mark_sequence_parallel(final_layernorm)
+    yield "final_layernorm", final_layernorm
+
+
+def moe_aux_loss_sum(layers) -> torch.Tensor:
+    """The routing losses (load balancing, z) of the last forward of ``layers``, summed; 0 without MoE layers."""
+    return sum((sum(layer.mlp.aux_losses.values(), 0.0) for layer in layers
+                if isinstance(getattr(layer, "mlp", None), BaseMoELayer)), 0.0)
 
 
 class GPTModel(torch.nn.Module):
@@ -48,92 +153,37 @@ class GPTModel(torch.nn.Module):
         super().__init__()
         state = parallel_state if parallel_state is not None else ParallelState.single()
         config.check_layout(state.layout)
-        tp = state.tp
+        if state.layout.pp > 1:
+            raise ValueError(f"GPTModel is the whole model on every rank but the layout has pp={state.layout.pp}; "
+                             "build the stages with ds_megatron.GPTPipelineModule")
         self.moe_aux_loss_tracker = MoEAuxLossTracker() if config.num_experts else None
         self.config = config
-        self.tp = tp
+        self.tp = state.tp
         self.rng_tracker = rng_tracker
-        self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp.size)
-        init = init_method_normal(config.init_method_std)
-        out_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
-
-        def embedding_init(weight):
-            # Only the real rows are drawn, so the RNG stream (and every later
-            # weight) does not depend on how much padding this TP size needs.
-            init(weight[:config.vocab_size])
-            with torch.no_grad():
-                weight[config.vocab_size:].zero_()
-
-        self.word_embeddings = VocabParallelEmbedding(self.padded_vocab_size, config.hidden_size, tp=tp,
-                                                      init_method=embedding_init)
-        self.position_embeddings = torch.nn.Embedding(config.seq_length, config.hidden_size)
-        init(self.position_embeddings.weight)
-
-        def mlp(layer_number: int) -> torch.nn.Module:
-            if config.is_moe_layer(layer_number):
-                return MoELayer(config, state, layer_number=layer_number, init_method=init,
-                                output_init_method=out_init, aux_loss_tracker=self.moe_aux_loss_tracker)
-            return ParallelMLP(config.hidden_size, config.ffn_hidden_size, tp=tp, init_method=init,
-                               output_init_method=out_init, sequence_parallel=config.sequence_parallel)
-
-        self.layers = torch.nn.ModuleList(
-            ParallelTransformerLayer(config, tp=tp, build_mlp=functools.partial(mlp, i), init_method=init,
-                                     output_init_method=out_init, rng_tracker=rng_tracker)
-            for i in range(config.num_layers))
-        self.final_layernorm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        if config.sequence_parallel:
-            mark_sequence_parallel(self.final_layernorm)
-
-    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        s = tokens.size(1)
-        if s > self.config.seq_length:
-            raise ValueError(f"input has {s} tokens but model.seq_length is {self.config.seq_length}")
-        positions = torch.arange(s, device=tokens.device)
-        hidden = self.word_embeddings(tokens) + self.position_embeddings(positions)
-        hidden = hidden.transpose(0, 1).contiguous()  # [s, b, h]
-        if self.config.sequence_parallel:
-            hidden = scatter_to_sequence_parallel_region(hidden, self.tp)
-        if self.training and self.config.hidden_dropout > 0:
-            # Outside the TP region every TP rank holds the same values and must drop the same
-            # entries (default RNG); a sequence-parallel slice is rank-specific (tracker RNG).
-            fork = self.rng_tracker.fork() if (self.config.sequence_parallel and self.rng_tracker) \
-                else contextlib.nullcontext()
-            with fork:
-                hidden = F.dropout(hidden, p=self.config.hidden_dropout)
-        return hidden
+        self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, state.tp.size)
+        for name, module in build_gpt_modules(config, state, rng_tracker, self.moe_aux_loss_tracker):
+            if name.startswith("layers."):
+                self.layers.append(module)
+            else:
+                setattr(self, name, module)
+            if name == "position_embeddings":
+                self.layers = torch.nn.ModuleList()  # registered here: parameters() follow the build order
 
     def forward(self, tokens, labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):
         if isinstance(tokens, dict):
             batch = tokens
             tokens, labels, loss_mask = batch["tokens"], batch.get("labels"), batch.get("loss_mask")
-        hidden = self._embed(tokens)
-        recompute = self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled()
+        hidden = self.position_embeddings(self.word_embeddings(tokens))
         for layer in self.layers:
-            # Full recomputation: each layer keeps only its input and reruns in backward, replaying the
-            # default generator and this model's tracker streams (the same dropout masks).
-            hidden = checkpoint(layer, self.rng_tracker, hidden) if recompute else layer(hidden)
+            hidden = layer(hidden)
         hidden = self.final_layernorm(hidden)
-        if self.config.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, self.tp, tensor_parallel_output_grad=True)
-        else:
-            hidden = copy_to_tensor_model_parallel_region(hidden, self.tp)
-        # Tied output layer: this rank's vocab rows of the embedding.
-        logits = F.linear(hidden, self.word_embeddings.weight)  # [s, b, V/tp]
+        logits = output_logits(hidden, self.word_embeddings.weight, self.config, self.tp)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp,
-                                              label_smoothing=self.config.label_smoothing,
-                                              vocab_size=self.config.vocab_size).transpose(0, 1)
-        if loss_mask is None:
-            loss = losses.mean()
-        else:
-            loss_mask = loss_mask.to(losses.dtype)
-            loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
-        return loss + self.moe_aux_loss()
+        return language_model_loss(logits, labels, loss_mask, self.config, self.tp) + self.moe_aux_loss()
 
     def moe_aux_loss(self):
         """The routing losses (load balancing, z) of the last forward, summed over MoE layers; 0 without MoE."""
         if self.moe_aux_loss_tracker is None:
             return 0.0
-        return sum(sum(layer.mlp.aux_losses.values(), 0.0) for layer in self.layers
-                   if isinstance(layer.mlp, BaseMoELayer))
+        return moe_aux_loss_sum(self.layers)

@@ -4,7 +4,11 @@ Each TP rank holds a shard of the split parameters and a full copy of the
 replicated ones.  The global L2 norm counts every shard once and every
 replicated parameter once (on TP rank 0 only), then sums the squares over the
 model-parallel group.  A parameter shared by two modules (the tied
-embedding) appears once in ``model.parameters()`` and is counted once.
+embedding) appears once in ``model.parameters()`` and is counted once; under
+pipeline parallelism the last stage's copy of the tied embedding is a
+parameter of its own, marked ``shared``, and is not counted (Megatron's
+``param_is_not_shared``): the first stage's copy, with the same summed
+gradient, is.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ def grads_for_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
         if g is None or id(p) in seen:
             continue
         seen.add(id(p))
+        if getattr(p, "shared", False):
+            continue
         if expert is not None and is_expert_param(p) != expert:
             continue
         if param_is_not_tensor_parallel_duplicate(p, tp_rank):

@@ -51,8 +51,13 @@ def _map_tensors(value: Any, fn) -> Any:
 
 
 def attach_float16_hooks(module: torch.nn.Module, params_dtype: torch.dtype,
-                         grad_scaler: Optional[MegatronGradScaler]) -> List[Any]:
-    """Install the input cast, output cast and loss-scale hooks; returns the handles (``.remove()`` undoes)."""
+                         grad_scaler: Optional[MegatronGradScaler], outputs_feed_the_loss: bool = True) -> List[Any]:
+    """Install the input cast, output cast and loss-scale hooks; returns the handles (``.remove()`` undoes).
+
+    ``outputs_feed_the_loss``: False for a pipeline stage before the last, whose outputs are the next
+    stage's inputs: they stay in the model's dtype and get no scaling (the gradient that comes back from
+    the last stage is scaled already), as Megatron's ``Float16Module`` casts only on the last stage.
+    """
 
     def cast_inputs(_module, args, kwargs):
         def to_model_dtype(t: torch.Tensor) -> torch.Tensor:
@@ -68,5 +73,7 @@ def attach_float16_hooks(module: torch.nn.Module, params_dtype: torch.dtype,
             return t.float() if t.dtype in _FLOAT16 else t
         return _map_tensors(output, wrap)
 
-    return [module.register_forward_pre_hook(cast_inputs, with_kwargs=True),
-            module.register_forward_hook(scale_outputs)]
+    handles = [module.register_forward_pre_hook(cast_inputs, with_kwargs=True)]
+    if outputs_feed_the_loss:
+        handles.append(module.register_forward_hook(scale_outputs))
+    return handles

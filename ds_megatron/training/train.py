@@ -3,7 +3,9 @@
 Data (embedded stdlib corpus or a preprocessed ``.bin/.idx``), the TP GPT
 model, ``ds_megatron.initialize``, then for every step
 ``engine(batch)`` / ``engine.backward(loss)`` / ``engine.step()`` over the
-gradient-accumulation micro-batches; LR warmup + cosine decay, periodic
+gradient-accumulation micro-batches (with pipeline parallelism
+``engine.train_batch(micro_batches)`` on DeepSpeed's ``PipelineEngine``, the
+model a ``GPTPipelineModule``); LR warmup + cosine decay, periodic
 validation, checkpoints every ``save_interval`` steps and ``--resume`` from
 the latest one, a rank-0 progress bar, ``metrics.jsonl`` and ``loss_curve.png``
 in the output directory.
@@ -24,6 +26,7 @@ from ..data.corpus import build_default_dataset
 from ..data.gpt_dataset import build_train_valid_datasets
 from ..data.sampler import build_data_loader
 from ..integration.engine import initialize, initialize_model_parallel
+from ..integration.pipeline import GPTPipelineModule
 from ..integration.runtime import accelerator_device_type
 from ..models.gpt import GPTModel
 from ..optimizer import MegatronOptimizer, get_grad_norm_fp32, get_param_groups, grads_for_norm
@@ -55,8 +58,11 @@ class _PendingSteps:
     one host sync per log interval instead of several per step.
     """
 
-    def __init__(self, group, size: int):
+    def __init__(self, group, size: int, pipeline_group=None):
         self.group, self.size = group, size
+        # Pipeline: each stage tracks its own layers' routing losses (summed over the stages at flush), and
+        # the logged loss adds them, as the PP=1 model's loss does.
+        self.pipeline_group = pipeline_group
         self.steps: List[int] = []
         self.values: List[Any] = []  # one 1-D device tensor per step: [loss, *moe losses]
         self.names: List[str] = []
@@ -74,6 +80,10 @@ class _PendingSteps:
         if not self.steps:
             return []
         stacked = torch.stack(self.values)
+        if self.pipeline_group is not None and self.names:
+            moe = stacked[:, 1:].contiguous()
+            dist.all_reduce(moe, group=self.pipeline_group)
+            stacked = torch.cat([stacked[:, :1] + moe.sum(dim=1, keepdim=True), moe], dim=1)
         if self.size > 1:
             dist.all_reduce(stacked, group=self.group)
         rows = (stacked / self.size).tolist()
@@ -91,9 +101,8 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     tcfg, out_dir = job.train, job.train.output_dir
     state = initialize_model_parallel(job.megatron)
     rank, dp = dist.get_rank(), state.dp
-    tracker = model_parallel_seed(tcfg.seed, state.tp.rank, state.pp.rank, state.ep.rank, state.etp.rank,
-                                  tracker=RNGStatesTracker(accelerator_device_type()))
-    model = GPTModel(job.model, state, rng_tracker=tracker)
+    pipeline = state.pp.size > 1
+    model, tracker = build_model(job, state)
 
     ds_config = job.ds_config
     mbs = ds_config["train_micro_batch_size_per_gpu"]
@@ -129,6 +138,10 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     train_iter = iter(train_loader)
 
     def evaluate() -> float:
+        if pipeline:  # the mean over the micro-batches and DP, on every stage
+            batches = list(build_data_loader(valid_ds, mbs, dp.rank, dp.size, 0, pin_memory=pin_memory))
+            return float(engine.eval_batch(pipeline_micro_batches(iter(batches), len(batches)),
+                                           num_micro_batches=len(batches)))
         engine.eval()
         total, n = torch.zeros((), dtype=torch.float64, device=device), 0
         with torch.no_grad():
@@ -151,8 +164,8 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     # Our optimizer path (and DeepSpeed's own fp16/bf16/ZeRO optimizers) report the true global norm
     # through engine.get_global_grad_norm(); only DeepSpeed's plain fp32 path leaves it to the loop.
     own_grad_norm = not (isinstance(engine.optimizer, MegatronOptimizer) or engine.fp16_enabled()
-                         or engine.bfloat16_enabled() or engine.zero_optimization())
-    pending = _PendingSteps(dp.group, dp.size)
+                         or engine.bfloat16_enabled() or engine.zero_optimization() or pipeline)
+    pending = _PendingSteps(dp.group, dp.size, state.pp.group if pipeline else None)
     records: Dict[int, Dict[str, Any]] = {}  # host-side fields of the steps not flushed yet
     last = start_step
     interval_start, interval_steps = time.perf_counter(), 0
@@ -192,7 +205,9 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
         is_log_step = (step + 1) % tcfg.log_interval == 0 or step == start_step
         step_loss = torch.zeros((), dtype=torch.float64, device=device)
         gnorm = None
-        for micro in range(gas):
+        if pipeline:  # the pipeline runs the step's micro-batches and steps; its loss is the DP mean already
+            step_loss += engine.train_batch(pipeline_micro_batches(train_iter, gas)).double()
+        for micro in range(0 if pipeline else gas):
             loss = engine(batch_to_device(next(train_iter), device))
             engine.backward(loss)
             if micro == gas - 1 and own_grad_norm and is_log_step:
@@ -209,6 +224,9 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
         if model.moe_aux_loss_tracker is not None:
             moe_losses = model.moe_aux_loss_tracker.averages()  # device tensors, no sync
             model.moe_aux_loss_tracker.reset()
+            if pipeline:  # the same names on every stage (a stage may hold no MoE layer), summed at flush
+                zero = torch.zeros((), device=device)
+                moe_losses = {name: moe_losses.get(name, zero) for name in routing_loss_names(job.model)}
         pending.add(step + 1, step_loss, moe_losses)
         records[step + 1] = {"lr": engine.get_lr()[0], "consumed_samples": consumed}
         done = step + 1 == tcfg.train_iters or step + 1 == stop_after
@@ -247,6 +265,41 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
                   flush=True)
     engine.megatron.state.destroy()
     return result
+
+
+def build_model(job: JobConfig, state):
+    """The job's model and its RNG tracker: ``GPTModel``, or this rank's ``GPTPipelineModule`` stage with PP.
+
+    Every weight is drawn from ``seed`` alone, so any TP / PP layout holds the
+    same full model; the dropout streams are seeded afterwards, Megatron's way
+    (``seed + 100 * pp_rank`` for the default generator, a TP-rank offset for the
+    tracker), so that no two stages or TP ranks draw the same masks.
+    """
+    seed = job.train.seed
+    tracker = RNGStatesTracker(accelerator_device_type())
+    torch.manual_seed(seed)
+    if state.pp.size > 1:
+        parallel = job.megatron.parallel
+        model = GPTPipelineModule(job.model, state, rng_tracker=tracker,
+                                  partition_method=parallel.pipeline_partition_method,
+                                  layers_per_stage=parallel.pipeline_num_layers_per_stage)
+    else:
+        model = GPTModel(job.model, state, rng_tracker=tracker)
+    model_parallel_seed(seed, state.tp.rank, state.pp.rank, state.ep.rank, state.etp.rank, tracker=tracker)
+    return model, tracker
+
+
+def routing_loss_names(config) -> List[str]:
+    """The routing losses an MoE model records, in the order its routers record them."""
+    return [name for name, coeff in (("z_loss", config.moe_z_loss_coeff),
+                                     ("load_balancing_loss", config.moe_aux_loss_coeff)) if coeff > 0]
+
+
+def pipeline_micro_batches(batches, count: int):
+    """``count`` loader batches as the pipeline engine takes them: ``(tokens, (labels, loss_mask))``."""
+    for _ in range(count):
+        batch = next(batches)
+        yield batch["tokens"], (batch["labels"], batch["loss_mask"])
 
 
 def shutdown() -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel_state import ParallelGroup
-from ..tensor_parallel import mark_sequence_parallel
+from ..tensor_parallel import checkpoint, mark_sequence_parallel
 from .attention import ParallelAttention
 
 
@@ -61,6 +61,8 @@ class ParallelTransformerLayer(GraphableLayer):
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel
         self.rng_tracker = rng_tracker
+        # Megatron's full activation recomputation ("full"): the layer keeps only its input.
+        self.recompute = config.recompute_granularity == "full"
         self.input_layernorm = torch.nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.self_attention = ParallelAttention(h, config.num_attention_heads, tp=tp, init_method=init_method,
                                                 output_init_method=output_init_method,
@@ -88,3 +90,10 @@ class ParallelTransformerLayer(GraphableLayer):
 
     def post_mlp(self, hidden: torch.Tensor, mlp_output: torch.Tensor) -> torch.Tensor:
         return hidden + self._dropout(mlp_output)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.recompute and self.training and torch.is_grad_enabled():
+            # Rerun in backward, replaying the default generator and the tracker's streams (the same
+            # dropout masks).  Inside the layer, so that every owner (GPTModel, a pipeline stage) gets it.
+            return checkpoint(super().forward, self.rng_tracker, hidden)
+        return super().forward(hidden)

@@ -1,0 +1,186 @@
+"""Pipeline parallel training equals the same training without PP: losses and updated full weights, step by step.
+
+Each case trains the same GPT (same seed, same global batch of 16 sequences
+per step, Adam with clipping at 1.0 so that the global norm matters; eps
+1e-4 keeps Adam from turning the float noise of gradients that are zero in
+exact arithmetic, such as the key bias's, into full-size steps) for 10
+steps twice on the same ranks: once with PP > 1 through DeepSpeed's
+``PipelineEngine`` (``engine.train_batch``), once with PP = 1 through the
+plain loop (``engine(batch)`` / ``backward`` / ``step``) with the ranks spent
+on data parallelism instead.  The per-step losses and the final weights,
+gathered to full GPT tensors, must agree.  The global batch is cut into the
+same 8 chunks of 2 sequences in both runs (only their assignment to ranks and
+micro-batches differs), so the mean loss is the same number.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_on_ranks
+
+import ds_megatron
+from ds_megatron.models import GPTConfig, GPTModel
+
+MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=8, vocab_size=60,
+             hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=4)
+MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+GLOBAL, MBS, STEPS = 16, 2, 10
+
+
+def _chunks(step):
+    """The step's global batch as 8 chunks of MBS sequences: (tokens, labels, loss_mask)."""
+    g = torch.Generator().manual_seed(100 + step % 2)  # two batches, seen in turn: the model can learn them
+    tokens = torch.randint(0, MODEL["vocab_size"], (GLOBAL, MODEL["seq_length"] + 1), generator=g)
+    mask = (torch.rand(GLOBAL, MODEL["seq_length"], generator=g) > 0.25).float()
+    return [(tokens[i:i + MBS, :-1], tokens[i:i + MBS, 1:], mask[i:i + MBS]) for i in range(0, GLOBAL, MBS)]
+
+
+def _my_chunks(step, dp, dp_rank):
+    chunks = _chunks(step)
+    per_rank = len(chunks) // dp
+    return chunks[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+
+
+def _config(pp, tp, dp, precision, distopt, sp, moe, ep):
+    gas = GLOBAL // (MBS * dp)
+    cfg = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+           "steps_per_print": 10 ** 6, "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-4}},
+           "megatron": {"pipeline_model_parallel_size": pp, "tensor_model_parallel_size": tp,
+                        "sequence_parallel": sp}}
+    if moe:
+        cfg["megatron"]["expert_model_parallel_size"] = ep
+    if distopt:
+        cfg["megatron"].update(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=400)
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 1000}
+    return cfg
+
+
+def _full(param, tp):
+    """The whole tensor of a TP-split parameter (gathered along its partition dim), in fp32."""
+    p = param.detach().float()
+    if not getattr(param, "tensor_model_parallel", False) or tp.size == 1 or getattr(param, "is_expert", False):
+        return p
+    parts = [torch.empty_like(p) for _ in range(tp.size)]
+    dist.all_gather(parts, p.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def _gathered_weights(named_params, state):
+    """{GPTModel name: full fp32 tensor} over the whole job (every stage, TP gathered), the same on every rank."""
+    mine = {}
+    for name, p in named_params:
+        full = _full(p, state.tp)
+        if name == "word_embeddings.weight":
+            full = full[:MODEL["vocab_size"]]
+        if getattr(p, "is_expert", False):
+            name = f"{name}@ep{state.ep.rank}.etp{state.etp.rank}"  # expert shards keyed by their owner
+        mine[name] = full
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out = {}
+    for d in everyone:
+        for name, t in d.items():
+            if name in out:
+                assert torch.equal(out[name], t), f"{name} differs between the ranks holding it"
+            out[name] = t
+    return out
+
+
+def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1):
+    world = dist.get_world_size()
+    dp = world // (pp * tp)
+    cfg = _config(pp, tp, dp, precision, distopt, sp, moe, ep)
+    state = ds_megatron.initialize_model_parallel(cfg)
+    config = GPTConfig(**MODEL, **(MOE if moe else {}), sequence_parallel=sp)
+    torch.manual_seed(7)
+    if pp > 1:
+        model = ds_megatron.GPTPipelineModule(config, state)
+    else:
+        model = GPTModel(config, state)
+    engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
+    losses, norms, tied_equal = [], [], []
+    for step in range(STEPS):
+        chunks = _my_chunks(step, state.dp.size, state.dp.rank)
+        if pp > 1:
+            loss = engine.train_batch(iter([(t, (l, m)) for t, l, m in chunks]))
+            if moe:  # the pipeline's loss is the LM loss; PP=1's adds the routing losses of every layer
+                loss = loss + _routing_losses(model, state)
+        else:
+            total = 0.0
+            for t, l, m in chunks:
+                micro = engine(t, l, m)
+                engine.backward(micro)
+                engine.step()
+                total = total + micro.detach().float() / len(chunks)
+            dist.all_reduce(total, group=state.dp.group)
+            loss = total / state.dp.size
+        losses.append(float(loss))
+        norms.append(float(engine.get_global_grad_norm()))
+        if pp > 1:
+            tied_equal.append(_tied_copies_equal(model, state))
+    named = model.named_gpt_parameters() if pp > 1 else model.named_parameters()
+    weights = _gathered_weights(list(named), state)
+    if engine.megatron.ddp_in_engine is not None:
+        engine.megatron.ddp_in_engine.detach()
+    state.destroy()
+    return losses, norms, weights, tied_equal
+
+
+def _routing_losses(model, state):
+    """This step's routing losses as PP=1's loss contains them: summed over the stages' layers, averaged over DP."""
+    tracker = model.moe_aux_loss_tracker
+    total = torch.stack(list(tracker.averages().values())).sum() if tracker.averages() else torch.zeros(())
+    tracker.reset()
+    dist.all_reduce(total, group=state.pp.group)
+    dist.all_reduce(total, group=state.dp.group)
+    return total / state.dp.size
+
+
+def _tied_copies_equal(model, state):
+    """The word embedding's two copies (first and last stage) hold the same weight."""
+    if state.pp.rank not in (0, state.pp.size - 1):
+        return True
+    emb = state["embedding"]
+    w = model.tied_modules.word_embeddings.weight.detach().float().clone()
+    other = w.clone()
+    dist.broadcast(other, src=emb.ranks[0], group=emb.group)
+    return torch.equal(w, other)
+
+
+def _pp_and_reference(pp_case, ref_case):
+    return _train(**pp_case), _train(**ref_case)
+
+
+CASES = {
+    # name: (world, pipeline case, PP=1 case with the same TP, tolerance)
+    "pp2": (2, dict(pp=2, tp=1), dict(pp=1, tp=1), 1e-5),
+    "pp4": (4, dict(pp=4, tp=1), dict(pp=1, tp=1), 1e-5),
+    "pp2-dp2": (4, dict(pp=2, tp=1), dict(pp=1, tp=1), 1e-5),
+    "pp2-tp2": (4, dict(pp=2, tp=2), dict(pp=1, tp=2), 1e-5),
+    "pp2-tp2-sp": (4, dict(pp=2, tp=2, sp=True), dict(pp=1, tp=2, sp=True), 1e-5),
+    "pp2-dp2-distopt": (4, dict(pp=2, tp=1, distopt=True), dict(pp=1, tp=1, distopt=True), 1e-5),
+    "pp2-dp2-bf16": (4, dict(pp=2, tp=1, precision="bf16"), dict(pp=1, tp=1, precision="bf16"), 2e-2),
+    "pp2-dp2-fp16": (4, dict(pp=2, tp=1, precision="fp16"), dict(pp=1, tp=1, precision="fp16"), 5e-3),
+    "pp2-tp2-dp2": (8, dict(pp=2, tp=2), dict(pp=1, tp=2), 1e-5),
+    "pp2-moe-ep2-folded": (4, dict(pp=2, tp=1, moe=True, ep=2), dict(pp=1, tp=1, moe=True, ep=2), 1e-5),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipeline_training_equals_no_pipeline(case):
+    world, pp_case, ref_case, tol = CASES[case]
+    results = run_on_ranks(world, _pp_and_reference, pp_case, ref_case, timeout=300)
+    (losses, norms, weights, tied_equal), (ref_losses, ref_norms, ref_weights, _) = results[0]
+    for rank_result in results:
+        assert rank_result[0][0] == losses, "every rank reports the same pipeline loss"
+    assert all(all(r[0][3]) for r in results), "tied embedding copies diverged between first and last stage"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol, atol=tol)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=max(tol, 1e-4), atol=tol)
+    assert max(norms) > 1.0, "clipping never engaged: the test would not see a wrong global norm"
+    assert weights.keys() == ref_weights.keys()
+    for name in weights:
+        torch.testing.assert_close(weights[name], ref_weights[name], rtol=tol, atol=tol, msg=name)
+    assert losses[-1] < losses[0], "the model did not train"

@@ -1,0 +1,58 @@
+"""``ds-megatron train`` through the ``deepspeed`` launcher: TP=2 x PP=2 follows TP=2 x DP=2 step for step.
+
+Both jobs take the shipped configs (``gpt_tp2_pp2.json``, ``gpt_cpu_tp2_dp2.json``)
+with a shorter run: 4 ranks each, the same model from the same seed, the same
+16 sequences per step (PP: 4 micro-batches of 4 on one pipeline; DP: 8 on
+each of two replicas) and the same 32 validation sequences.  The training and
+validation losses must agree.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 10
+
+
+def _short(name, tmp_path):
+    with open(os.path.join(ROOT, "ds_configs", name)) as f:
+        cfg = json.load(f)
+    cfg["megatron"]["model"].update(num_layers=4, hidden_size=64, seq_length=64)
+    dp = 4 // (cfg["megatron"]["tensor_model_parallel_size"] * cfg["megatron"].get("pipeline_model_parallel_size", 1))
+    # The same 32 validation sequences for both layouts: eval_iters x micro-batch x DP.
+    eval_iters = 32 // (cfg["train_micro_batch_size_per_gpu"] * dp)
+    cfg["megatron"]["train"].update(train_iters=STEPS, eval_interval=STEPS, eval_iters=eval_iters, save_interval=0,
+                                    log_interval=5)
+    cfg["megatron"]["data"].update(default_corpus_bytes=1_000_000, split="90,10")
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _launch(config, out, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "launch/deepspeed_cpu.sh", "4", "-m", "ds_megatron.cli", "train", "--config",
+                           config, "--output-dir", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    return losses, val
+
+
+def test_tp2_pp2_follows_tp2_dp2_through_the_launcher(tmp_path):
+    pp_losses, pp_val = _launch(_short("gpt_tp2_pp2.json", tmp_path), tmp_path / "pp", tmp_path)
+    dp_losses, dp_val = _launch(_short("gpt_cpu_tp2_dp2.json", tmp_path), tmp_path / "dp", tmp_path)
+    assert sorted(pp_losses) == sorted(dp_losses) == list(range(1, STEPS + 1))
+    for step in pp_losses:
+        assert pp_losses[step] == pytest.approx(dp_losses[step], rel=2e-4), step
+    assert sorted(pp_val) == sorted(dp_val) == [0, STEPS]
+    for step in pp_val:
+        assert pp_val[step] == pytest.approx(dp_val[step], rel=2e-4), step
+    assert pp_losses[STEPS] < pp_losses[1]
