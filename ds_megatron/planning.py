@@ -28,11 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Sequence
 
 from .config import ConfigError
 from .config.model import pad_vocab_size
+from .config.pipeline import stage_layer_counts, stage_layer_ranges
 from .training.job import parse_job_config
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -109,17 +110,21 @@ def optimizer_state_bytes_per_param(optimizer_type: str, momentum: float = 0.0) 
     raise ConfigError(f"optimizer.type={optimizer_type!r} cannot be planned; use Adam, AdamW or SGD")
 
 
-def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str) -> int:
-    """Estimated activation memory of one micro-batch (see the module docstring for the formula)."""
-    s, b, h, a, L = cfg.seq_length, micro_batch, cfg.hidden_size, cfg.num_attention_heads, cfg.num_layers
+def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
+                     logits: bool = True) -> int:
+    """Estimated activation memory of one micro-batch (see the module docstring for the formula).
+
+    ``num_layers`` / ``logits``: a pipeline stage's share (its layers; the logits on the last stage only)."""
+    s, b, h, a = cfg.seq_length, micro_batch, cfg.hidden_size, cfg.num_attention_heads
+    L = cfg.num_layers if num_layers is None else num_layers
     if cfg.sequence_parallel:
         per_layer = s * b * h * (34 / tp + 5 * a * s / (h * tp))
     else:
         per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     per_layer *= BYTES[params_dtype] / 2
     vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
-    logits = s * b * (vocab // tp) * (BYTES[params_dtype] + 4)
-    return int(L * per_layer + logits)
+    logit_bytes = s * b * (vocab // tp) * (BYTES[params_dtype] + 4) if logits else 0
+    return int(L * per_layer + logit_bytes)
 
 
 @dataclass(frozen=True)
@@ -137,7 +142,9 @@ class RankMemory:
     main_param_bytes: int
     main_grad_bytes: int  # fp32 main grads, alive during the optimizer step only
     optimizer_state_bytes: int
-    activation_bytes: int
+    activation_bytes: int  # of all micro-batches in flight at once
+    in_flight_micro_batches: int = 1  # 1F1B: min(pp - stage, micro-batches); 1 without PP
+    layers: List[int] = field(default_factory=list)  # the transformer layers these ranks hold
 
     @property
     def total_bytes(self) -> int:
@@ -146,34 +153,51 @@ class RankMemory:
 
 
 def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "adamw", momentum: float = 0.0,
-                micro_batch: int = 1, distributed_optimizer: bool = False) -> List[RankMemory]:
-    """One ``RankMemory`` per TP rank index (the ranks holding the same shards).
+                micro_batch: int = 1, distributed_optimizer: bool = False, micro_batches: int = 1,
+                partition_method: str = "uniform", layers_per_stage: Optional[Sequence[int]] = None
+                ) -> List[RankMemory]:
+    """One ``RankMemory`` per (pipeline stage, TP rank index): the ranks holding the same shards.
 
     ``distributed_optimizer``: fp32 main params, main grads and optimizer states
     are this rank's shard, ``1/DP`` of the dense params and ``1/EDP`` of the
     expert ones (the buffers' alignment padding, at most 63 elements per param
-    plus a bucket's ``lcm(DP, 128)``, is left out).
+    plus a bucket's ``lcm(DP, 128)``, is left out).  With PP, each stage holds
+    its layers (split as ``config.pipeline`` does: ``partition_method``,
+    ``layers_per_stage``), the embedding on the first and the final norm and
+    tied output copy on the last, and keeps the activations of up to
+    ``pp - stage`` of the step's ``micro_batches`` (1F1B's in-flight count).
     """
-    if layout.pp != 1 or layout.cp != 1:
-        raise ConfigError("ds-megatron plan covers tensor/data parallel GPT jobs; set "
-                          "pipeline_model_parallel_size and context_parallel_size to 1")
-    counts = gpt_param_counts(cfg, layout.tp, layout.ep, layout.etp)
-    n = counts.total
-    # Parameters whose fp32 copies and optimizer state this rank keeps.
-    owned = (-(-(counts.sharded + counts.replicated) // layout.dp) + -(-counts.expert // layout.edp)
-             if distributed_optimizer else n)
+    if layout.cp != 1:
+        raise ConfigError("ds-megatron plan covers tensor/pipeline/data parallel GPT jobs; set "
+                          "context_parallel_size to 1")
+    pp = layout.pp
+    weights = [layer_param_count(cfg, i, layout.tp, layout.ep, layout.etp) for i in range(cfg.num_layers)]
+    ranges = stage_layer_ranges(stage_layer_counts(cfg.num_layers, pp, partition_method, layers_per_stage, weights))
     low = BYTES[params_dtype]
     mixed = params_dtype != "fp32"
+    groups = layout.group_ranks()
     plans = []
-    for tp_rank in range(layout.tp):
-        ranks = sorted(g[tp_rank] for g in layout.group_ranks()["tp"])
-        plans.append(RankMemory(
-            role=f"tp rank {tp_rank}", ranks=ranks, params=n, params_sharded=counts.sharded,
-            params_replicated=counts.replicated, params_expert=counts.expert, model_param_bytes=n * low,
-            grad_bytes=n * low, main_param_bytes=4 * owned if mixed else 0,
-            main_grad_bytes=4 * owned if mixed else 0,
-            optimizer_state_bytes=owned * optimizer_state_bytes_per_param(optimizer_type, momentum),
-            activation_bytes=activation_bytes(cfg, layout.tp, micro_batch, params_dtype)))
+    for stage, layers in enumerate(ranges):
+        counts = gpt_param_counts(cfg, layout.tp, layout.ep, layout.etp, layers, first_stage=stage == 0,
+                                  last_stage=stage == pp - 1)
+        n = counts.total
+        # Parameters whose fp32 copies and optimizer state this rank keeps.
+        owned = (-(-(counts.sharded + counts.replicated) // layout.dp) + -(-counts.expert // layout.edp)
+                 if distributed_optimizer else n)
+        in_flight = min(pp - stage, micro_batches) if pp > 1 else 1
+        activations = in_flight * activation_bytes(cfg, layout.tp, micro_batch, params_dtype, len(layers),
+                                                   logits=stage == pp - 1)
+        for tp_rank in range(layout.tp):
+            ranks = sorted(g[tp_rank] for g in groups["tp"] if g[tp_rank] in
+                           {p[stage] for p in groups["pp"]})
+            role = f"stage {stage} tp rank {tp_rank}" if pp > 1 else f"tp rank {tp_rank}"
+            plans.append(RankMemory(
+                role=role, ranks=ranks, params=n, params_sharded=counts.sharded,
+                params_replicated=counts.replicated, params_expert=counts.expert, model_param_bytes=n * low,
+                grad_bytes=n * low, main_param_bytes=4 * owned if mixed else 0,
+                main_grad_bytes=4 * owned if mixed else 0,
+                optimizer_state_bytes=owned * optimizer_state_bytes_per_param(optimizer_type, momentum),
+                activation_bytes=activations, in_flight_micro_batches=in_flight, layers=list(layers)))
     return plans
 
 
@@ -182,18 +206,20 @@ def _gib(n: int) -> str:
 
 
 def format_plan(plans: Sequence[RankMemory], header: str) -> str:
-    rows = [["role", "ranks", "params", "model params", "grads", "fp32 main params", "fp32 main grads*",
-             "optimizer states", "activations/mb", "total"]]
+    rows = [["role", "ranks", "layers", "params", "model params", "grads", "fp32 main params", "fp32 main grads*",
+             "optimizer states", "activations**", "total"]]
     for p in plans:
-        rows.append([p.role, ",".join(map(str, p.ranks)), f"{p.params:,}", _gib(p.model_param_bytes),
+        layers = f"{p.layers[0]}-{p.layers[-1]}" if p.layers else "-"
+        rows.append([p.role, ",".join(map(str, p.ranks)), layers, f"{p.params:,}", _gib(p.model_param_bytes),
                      _gib(p.grad_bytes), _gib(p.main_param_bytes), _gib(p.main_grad_bytes),
-                     _gib(p.optimizer_state_bytes), _gib(p.activation_bytes), _gib(p.total_bytes)])
+                     _gib(p.optimizer_state_bytes), f"{_gib(p.activation_bytes)} ({p.in_flight_micro_batches} mb)"
+                     if p.in_flight_micro_batches > 1 else _gib(p.activation_bytes), _gib(p.total_bytes)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [header, ""]
     for r in rows:
-        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-    lines += ["", "* alive during the optimizer step only; activations: Korthikanti et al. 2022 estimate, "
-                  "no recomputation, per micro-batch"]
+        lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    lines += ["", "* alive during the optimizer step only; ** Korthikanti et al. 2022 estimate, no recomputation, "
+                  "of the micro-batches a stage holds at once (1F1B keeps up to pp - stage in flight)"]
     return "\n".join(lines)
 
 
@@ -209,9 +235,14 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
     momentum = section.get("params", {}).get("momentum", 0.0)
     mb = micro_batch or job.ds_config.get("train_micro_batch_size_per_gpu", 1)
     distributed = job.megatron.ddp.use_distributed_optimizer
-    plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb, distributed)
+    parallel = job.megatron.parallel
+    micro_batches = job.megatron.deepspeed_batch.micro_batches(layout.dp) or 1
+    plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb, distributed,
+                        micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage)
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
-    header = (f"world size {world_size}: tp={layout.tp} dp={layout.dp}{experts}; params {precision.params_dtype}, "
+    pipeline = f" pp={layout.pp} ({micro_batches} micro-batches per step)" if layout.pp > 1 else ""
+    header = (f"world size {world_size}: tp={layout.tp}{pipeline} dp={layout.dp}{experts}; "
+              f"params {precision.params_dtype}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
     return header, plans

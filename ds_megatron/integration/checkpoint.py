@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from .moe import expert_checkpoint_name, moe_layers
+from .moe import checkpointed_moe_layers, expert_checkpoint_name
 
 
 def _check_expert_file_names_unique(parallel_state) -> None:
@@ -46,12 +46,12 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     """``engine.save_checkpoint`` plus our experts and the gathered distributed-optimizer state (collective)."""
     state = engine.megatron.state
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    layers = moe_layers(engine.module)
-    if layers:
+    layers = checkpointed_moe_layers(engine.module)
+    if engine.megatron.has_moe:  # every rank of the job, also a pipeline stage without MoE layers (barrier)
         _check_expert_file_names_unique(state)
         if state.edp.rank == 0:
             os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
-            for layer_id, (name, layer) in enumerate(layers):
+            for layer_id, name, layer in layers:
                 experts = layer.experts
                 for local, global_id in enumerate(experts.local_expert_indices):
                     weights = {f"{name}.experts.local_experts.{global_id}.{k}": v.detach().clone().contiguous()
@@ -79,7 +79,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, **kwargs) 
 @torch.no_grad()
 def _load_experts(engine, load_dir: str, tag: str) -> None:
     etp_rank = engine.megatron.state.etp.rank
-    for layer_id, (name, layer) in enumerate(moe_layers(engine.module)):
+    for layer_id, name, layer in checkpointed_moe_layers(engine.module):
         experts = layer.experts
         for local, global_id in enumerate(experts.local_expert_indices):
             path = expert_checkpoint_name(load_dir, tag, layer_id, global_id, etp_rank)

@@ -59,12 +59,26 @@ class MegatronContext:
     ddp_in_engine: Optional[MegatronDDPInEngine] = None
     cuda_graphs: Optional[CudaGraphEngineHook] = None  # when graphs are captured and replayed
     has_moe: bool = False
+    pipeline_module: Optional[PipelineModule] = None  # the stage this rank runs, with pp > 1
 
     def finalize_model_grads(self) -> None:
         """Finish this window's gradient sync now (the optimizer step would): for a loop that reads the reduced
         gradients (``tensor_parallel.grad_of(param)``) between the last ``engine.backward`` and ``engine.step``."""
         if self.ddp is not None:
             finalize_model_grads([self.ddp], self.state)
+
+    def destroy(self) -> None:
+        """End of the job (collective): engine hooks detached, the pipeline module's own groups and ours destroyed.
+
+        A process that builds engine after engine (tests, notebooks) keeps no groups or threads of the old ones.
+        """
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.detach()
+        if self.ddp_in_engine is not None:
+            self.ddp_in_engine.detach()
+        if isinstance(self.pipeline_module, GPTPipelineModule):
+            self.pipeline_module.destroy_process_groups()
+        self.state.destroy()
 
 
 def _config_source(args, config, config_params) -> Tuple[Optional[ConfigLike], Any]:
@@ -150,7 +164,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     is_last_stage = parallel_state.pp.rank == parallel_state.pp.size - 1
     opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, parallel_state,
                                       outputs_feed_the_loss=is_last_stage)
-    has_moe = model is not None and bool(moe_layers(model))
+    # The whole model's question (a pipeline stage may hold no MoE layer): it decides collectives at checkpoints.
+    has_moe = model is not None and (bool(model.config.num_experts) if isinstance(model, GPTPipelineModule)
+                                     else bool(moe_layers(model)))
     if has_moe:
         # DeepSpeed's own expert groups need EP to divide DP (folding breaks that): hand it ours.
         register_expert_groups(parallel_state)
@@ -162,7 +178,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         dist_init_required=dist_init_required, collate_fn=collate_fn, config=opt_path.ds_config, **deepspeed_kwargs)
     if pipeline and isinstance(model, GPTPipelineModule):
         set_routing_loss_scale(model, opt_path.optimizer, engine.gradient_accumulation_steps())
-    context = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu, ddp=opt_path.ddp, has_moe=has_moe)
+    context = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu, ddp=opt_path.ddp, has_moe=has_moe,
+                              pipeline_module=model if pipeline else None)
     engine.megatron = context
     if opt_path.ddp is not None:  # our buffers are the reducer: DeepSpeed's own reduction off
         context.ddp_in_engine = MegatronDDPInEngine(engine, opt_path.ddp)

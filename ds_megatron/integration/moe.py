@@ -18,8 +18,9 @@ and DeepSpeed is handed them.  Seams (DeepSpeed 0.19.8):
   DeepSpeed write the optimizer state per expert rank
   (``expp_rank_<ep>_mp_rank_<tp>_optim_states.pt``) at checkpoints.
 * ``expert_checkpoint_name``: DeepSpeed's file name for one expert's weights
-  (``DeepSpeedEngine._get_expert_ckpt_name``); the training job's checkpointing
-  writes and reads our experts under it (``training.checkpointing``).
+  (``DeepSpeedEngine._get_expert_ckpt_name``); ``integration.checkpoint``
+  writes and reads our experts under it, with the layer ids of
+  ``checkpointed_moe_layers``.
 """
 from __future__ import annotations
 
@@ -37,6 +38,23 @@ from ..tensor_parallel.params import expert_group_name
 def moe_layers(module: torch.nn.Module) -> List[Tuple[str, BaseMoELayer]]:
     """(name, layer) of every MoE layer of ours in ``module``, in module order (the checkpoint layer ids)."""
     return [(n, m) for n, m in module.named_modules() if isinstance(m, BaseMoELayer)]
+
+
+def checkpointed_moe_layers(module: torch.nn.Module) -> List[Tuple[int, str, BaseMoELayer]]:
+    """``(layer id, name, layer)`` of every MoE layer of ours, as checkpoints name them.
+
+    Ids count the whole model's MoE layers from 0 and names are the whole
+    model's (``layers.5.mlp``), also on a pipeline stage (a ``GPTPipelineModule``
+    says which layers it holds), so that every stage writes distinct expert
+    files and a checkpoint does not depend on the pipeline split.
+    """
+    layers = moe_layers(module)
+    to_model_name = getattr(module, "gpt_name", None)
+    if to_model_name is None:
+        return [(i, name, layer) for i, (name, layer) in enumerate(layers)]
+    config = module.config
+    return [(sum(config.is_moe_layer(j) for j in range(layer.layer_number)), to_model_name(name), layer)
+            for name, layer in layers]
 
 
 def register_expert_groups(parallel_state: ParallelState) -> str:

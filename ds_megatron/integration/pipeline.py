@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.pipe import PipelineModule, ProcessTopology, TiedLayerSpec
 
 from ..config.model import GPTConfig
@@ -197,8 +198,8 @@ class GPTPipelineModule(PipelineModule):
                                "the engine with ds_megatron.initialize (or call set_aux_loss_gradient_scale)")
         return self._aux_loss_grad_scale()
 
-    def gpt_parameter_name(self, name: str) -> str:
-        """This module's parameter name as ``GPTModel`` names it (``3.mlp.fc1.weight`` -> ``layers.1.mlp.fc1.weight``)."""
+    def gpt_name(self, name: str) -> str:
+        """A parameter or submodule name of this stage as ``GPTModel`` names it (``3.mlp.fc1`` -> ``layers.1.mlp.fc1``)."""
         head, _, rest = name.partition(".")
         if head == "tied_modules":
             return rest  # word_embeddings.weight
@@ -212,10 +213,34 @@ class GPTPipelineModule(PipelineModule):
     def named_gpt_parameters(self):
         """``(GPTModel name, param)`` of this stage's parameters (the last stage's tied copy included, once)."""
         for name, param in self.named_parameters():
-            yield self.gpt_parameter_name(name), param
+            yield self.gpt_name(name), param
 
     def local_moe_layers(self) -> List[BaseMoELayer]:
         return [m for m in self.modules() if isinstance(m, BaseMoELayer)]
+
+    def destroy_process_groups(self) -> None:
+        """Tear down the groups DeepSpeed's ``PipelineModule`` made for itself (never freed by DeepSpeed).
+
+        Its grid and tied layers hold copies of our groups' ranks as groups of their own; a process
+        that builds several pipeline engines (tests, notebooks) would otherwise keep every one of
+        them and their threads alive.  The module is unusable for communication afterwards.
+        """
+        grid = getattr(self, "_grid", None)
+        groups = [getattr(self, "world_group", None)]
+        groups += [getattr(grid, name, None) for name in
+                   ("ds_model_proc_group", "dp_proc_group", "pp_proc_group", "slice_proc_group")]
+        groups += [comm.get("group") for comm in getattr(self, "tied_comms", {}).values()]
+        seen = set()
+        for group in groups:
+            if group is None or group is dist.GroupMember.WORLD or group is dist.GroupMember.NON_GROUP_MEMBER \
+                    or id(group) in seen:
+                continue
+            seen.add(id(group))
+            dist.destroy_process_group(group)
+        self.world_group = None
+        if grid is not None:
+            for name in ("ds_model_proc_group", "dp_proc_group", "pp_proc_group", "slice_proc_group"):
+                setattr(grid, name, None)
 
 
 def check_model_stages(model, pp: int) -> None:

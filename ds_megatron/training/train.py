@@ -263,7 +263,7 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
             first, last_step = min(vals), max(vals)
             print(f"validation loss: {vals[first]:.4f} at step {first} -> {vals[last_step]:.4f} at step {last_step}",
                   flush=True)
-    engine.megatron.state.destroy()
+    engine.megatron.destroy()
     return result
 
 

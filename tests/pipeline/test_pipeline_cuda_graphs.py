@@ -77,10 +77,7 @@ def _train(graphs):
         losses.append(float(engine.train_batch(_batches(step))))
     out = dict(losses=losses, stage=state.pp.rank, calls=capturer.calls,
                order=hook.helper.plan.order if hook else None, replays=replays)
-    if hook is not None:
-        hook.detach()
-    engine.megatron.ddp_in_engine.detach()
-    state.destroy()
+    engine.megatron.destroy()
     return out
 
 

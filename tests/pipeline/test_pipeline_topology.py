@@ -81,6 +81,7 @@ def _grid_against_state(order, tp):
         "tied": sorted(model.tied_comms["word_embeddings"]["ranks"]) == sorted(state["embedding"].ranks),
         "layers": list(model.stage_layers) == [state.pp.rank],
     }
+    model.destroy_process_groups()
     state.destroy()
     return out
 
@@ -147,6 +148,7 @@ def _gpt_model_refuses_pp():
                                                    "gradient_accumulation_steps": 2,
                                                    "megatron": {"pipeline_model_parallel_size": 2}})
     cfg = GPTConfig(num_layers=2, hidden_size=8, num_attention_heads=2, seq_length=4, vocab_size=16)
+    model = None
     try:
         with pytest.raises(ValueError, match="build the stages with ds_megatron.GPTPipelineModule"):
             GPTModel(cfg, state)
@@ -154,8 +156,47 @@ def _gpt_model_refuses_pp():
         with pytest.raises(ConfigError, match="has 2 stages but megatron.pipeline_model_parallel_size is 1"):
             ds_megatron.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "megatron": {}})
     finally:
+        if model is not None:
+            model.destroy_process_groups()
         state.destroy()
 
 
 def test_pipeline_models_and_layouts_must_agree():
     run_on_ranks(2, _gpt_model_refuses_pp)
+
+
+def _stage_param_counts():
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+           "megatron": {"pipeline_model_parallel_size": 2, "tensor_model_parallel_size": 2,
+                        "pipeline_num_layers_per_stage": [1, 2]}}
+    state = ds_megatron.initialize_model_parallel(cfg)
+    model = ds_megatron.GPTPipelineModule(GPTConfig(**PLAN_MODEL), state, layers_per_stage=[1, 2])
+    out = (state.pp.rank, state.tp.rank, sum(p.numel() for p in model.parameters()))
+    model.destroy_process_groups()
+    state.destroy()
+    return out
+
+
+PLAN_MODEL = dict(num_layers=3, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=50,
+                  make_vocab_size_divisible_by=4, num_experts=None)
+
+
+def test_plan_per_stage_matches_the_built_stages_and_deepspeeds_schedule():
+    from deepspeed.runtime.pipe import schedule as ds_schedule
+    from ds_megatron.planning import plan_memory
+    layout = ParallelLayout(world_size=4, tp=2, pp=2)
+    plans = plan_memory(GPTConfig(**PLAN_MODEL), layout, micro_batches=4, layers_per_stage=[1, 2])
+    for stage, tp_rank, params in run_on_ranks(4, _stage_param_counts):
+        plan = next(p for p in plans if p.role == f"stage {stage} tp rank {tp_rank}")
+        assert plan.params == params and plan.layers == ([0] if stage == 0 else [1, 2])
+    # In-flight micro-batches: the most forwards whose backward has not run yet, in DeepSpeed's schedule.
+    for pp, m in ((2, 4), (4, 8), (4, 2), (3, 3)):
+        layout = ParallelLayout(world_size=pp, pp=pp)
+        plans = plan_memory(GPTConfig(**dict(PLAN_MODEL, num_layers=pp)), layout, micro_batches=m)
+        for stage, plan in enumerate(plans):
+            live, peak = 0, 0
+            for step in ds_schedule.TrainSchedule(micro_batches=m, stages=pp, stage_id=stage):
+                for cmd in step:
+                    live += isinstance(cmd, ds_schedule.ForwardPass) - isinstance(cmd, ds_schedule.BackwardPass)
+                    peak = max(peak, live)
+            assert plan.in_flight_micro_batches == peak, (pp, m, stage)

@@ -1,0 +1,150 @@
+"""Pipeline parallelism on CPU/gloo at a fixed world size: step time, peak memory per rank, measured bubble vs 1F1B.
+
+    python launch/bench/bench_pipeline.py [--world-size 4 --pp 1 2 4 --micro-batches 1 2 4 8 16
+                                           --layers 8 --hidden 256 --seq 128 --micro-batch 2 --steps 3]
+
+For each PP size (DP = world / PP) and each number of micro-batches m >= PP,
+one fresh gloo job (spawned here, one thread per rank) trains the same GPT
+(``layers`` x ``hidden``, fp32, Adam) through ``ds_megatron.initialize``:
+PP = 1 with the plain loop (``engine(batch)`` / ``backward`` / ``step``),
+PP > 1 with DeepSpeed's pipeline engine (``train_batch``, 1F1B).  Per row:
+
+* step ms: the median over ``steps`` timed steps (after one warm-up), max over ranks;
+* tokens/s: tokens of the global batch (m x micro-batch x DP x seq) / step time;
+* peak RSS MiB: each rank's resident-set high-water mark (``ru_maxrss``, a
+  fresh process per row), max over ranks and its growth over the rank's
+  footprint before the model was built;
+* bubble: on each rank, the share of the pipelined part of a step (from the
+  first instruction to the gradient reduction) not spent in forward or backward
+  compute, averaged over ranks, next to 1F1B's ``(p - 1) / (m + p - 1)``.
+
+The formula assumes one device per stage.  When ranks outnumber cores (4 ranks
+on a 2-core box) stages also wait for a core, which shows up as bubble too;
+the header prints the core count.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+from ds_megatron.utils.local_job import run_local_job  # noqa: E402
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _measure(args, pp: int, m: int):
+    import torch
+    import torch.distributed as dist
+    import ds_megatron
+    from ds_megatron.models import GPTConfig, GPTModel
+
+    base_rss = _rss_mib()
+    world = dist.get_world_size()
+    dp = world // pp
+    cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": m,
+           "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+           "megatron": {"pipeline_model_parallel_size": pp}}
+    model_cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
+                          seq_length=args.seq, vocab_size=1024, hidden_dropout=0.0, attention_dropout=0.0)
+    state = ds_megatron.initialize_model_parallel(cfg)
+    torch.manual_seed(0)
+    model = ds_megatron.GPTPipelineModule(model_cfg, state) if pp > 1 else GPTModel(model_cfg, state)
+    engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
+    g = torch.Generator().manual_seed(state.dp.rank)
+    data = torch.randint(0, 1024, (m, args.micro_batch, args.seq + 1), generator=g)
+    ones = torch.ones(args.micro_batch, args.seq)
+
+    compute, span_end = [0.0], [None]
+    if pp > 1:
+        def timed(method):
+            def run(*a, **k):
+                t0 = time.perf_counter()
+                out = method(*a, **k)
+                compute[0] += time.perf_counter() - t0
+                return out
+            return run
+        engine._exec_forward_pass = timed(engine._exec_forward_pass)
+        engine._exec_backward_pass = timed(engine._exec_backward_pass)
+        reduce_tied = engine._exec_reduce_tied_grads
+
+        def mark_end(*a, **k):
+            span_end[0] = time.perf_counter()
+            return reduce_tied(*a, **k)
+        engine._exec_reduce_tied_grads = mark_end
+
+    def step():
+        compute[0], span_end[0] = 0.0, None
+        t0 = time.perf_counter()
+        if pp > 1:
+            engine.train_batch(iter([(t[:, :-1], (t[:, 1:], ones)) for t in data]))
+        else:
+            for t in data:
+                t1 = time.perf_counter()
+                loss = engine(t[:, :-1], t[:, 1:], ones)
+                engine.backward(loss)
+                compute[0] += time.perf_counter() - t1
+                span_end[0] = time.perf_counter()
+                engine.step()
+        total = time.perf_counter() - t0
+        return total, 1.0 - compute[0] / (span_end[0] - t0)
+
+    step()  # warm-up
+    totals, bubbles = [], []
+    for _ in range(args.steps):
+        dist.barrier()
+        total, bubble = step()
+        totals.append(total)
+        bubbles.append(bubble)
+    peak = _rss_mib()
+    out = torch.tensor([statistics.median(totals), statistics.median(bubbles), peak, peak - base_rss],
+                       dtype=torch.float64)
+    gathered = [torch.zeros_like(out) for _ in range(world)]
+    dist.all_gather(gathered, out)
+    if engine.megatron.ddp_in_engine is not None:
+        engine.megatron.ddp_in_engine.detach()
+    state.destroy()
+    rows = torch.stack(gathered)
+    return dict(step_s=float(rows[:, 0].max()), bubble=float(rows[:, 1].mean()), peak=float(rows[:, 2].max()),
+                growth=float(rows[:, 3].max()), dp=dp)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--pp", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args(argv)
+    print(f"world size {args.world_size} on {os.cpu_count()} cores (gloo, one thread per rank); GPT {args.layers} "
+          f"layers x hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro_batch}, fp32 Adam; "
+          f"median of {args.steps} steps")
+    print(f"{'PP':>3s} {'DP':>3s} {'m':>3s} {'step ms':>9s} {'tokens/s':>9s} {'peak RSS MiB':>13s} "
+          f"{'(+ training)':>12s} {'bubble':>7s} {'1F1B (p-1)/(m+p-1)':>19s}")
+    for pp in args.pp:
+        if args.world_size % pp:
+            continue
+        for m in args.micro_batches:
+            if pp > 1 and m < pp:
+                continue  # refused: fewer micro-batches than stages
+            r = run_local_job(args.world_size, _measure, args, pp, m)
+            tokens = m * args.micro_batch * r["dp"] * args.seq
+            formula = (pp - 1) / (m + pp - 1)
+            print(f"{pp:3d} {r['dp']:3d} {m:3d} {r['step_s'] * 1e3:9.1f} {tokens / r['step_s']:9.0f} "
+                  f"{r['peak']:13.0f} {r['growth']:12.0f} {r['bubble']:7.2f} {formula:19.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
