@@ -121,9 +121,10 @@ class GPTModel(torch.nn.Module):
         logits = F.linear(hidden, self.word_embeddings.weight)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
+        # The logits are this forward's own and read by nothing else: the loss may overwrite them.
         losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.tp,
                                               label_smoothing=self.config.label_smoothing,
-                                              vocab_size=self.config.vocab_size).transpose(0, 1)
+                                              vocab_size=self.config.vocab_size, inplace=True).transpose(0, 1)
         if loss_mask is None:
             loss = losses.mean()
         else:
