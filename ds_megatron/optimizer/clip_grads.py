@@ -9,16 +9,24 @@ pipeline parallelism the last stage's copy of the tied embedding is a
 parameter of its own, marked ``shared``, and is not counted (Megatron's
 ``param_is_not_shared``): the first stage's copy, with the same summed
 gradient, is.
+
+Every pass over the gradients is one multi-tensor op (``torch._foreach_norm``,
+``torch._foreach_mul_``), as in megatron-core's multi-tensor path: one
+dispatch per step instead of one per parameter.  The squares of the
+per-tensor norms are summed in float64, so a finite fp32 gradient never
+overflows the sum.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 
 from ..parallel_state import ParallelGroup
 from ..tensor_parallel.params import grad_of, is_expert_param, param_is_not_tensor_parallel_duplicate
 from ..utils.collectives import MAX, all_reduce
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def grads_for_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
@@ -39,6 +47,23 @@ def grads_for_norm(params: Iterable[torch.nn.Parameter], tp_rank: int,
         if param_is_not_tensor_parallel_duplicate(p, tp_rank):
             out.append(g)
     return out
+
+
+def per_tensor_norms(grads: Sequence[torch.Tensor], norm_type: float = 2.0) -> List[torch.Tensor]:
+    """Each gradient's norm, from multi-tensor passes; 16-bit gradients are normed in fp32."""
+    wide = [g.detach() for g in grads if g.dtype not in _LOW_PRECISION]
+    narrow = [g.detach() for g in grads if g.dtype in _LOW_PRECISION]
+    norms = list(torch._foreach_norm(wide, norm_type)) if wide else []
+    if narrow:
+        norms += torch._foreach_norm(narrow, norm_type, dtype=torch.float32)
+    return norms
+
+
+def sum_of_squares(grads: Sequence[torch.Tensor], device=None) -> torch.Tensor:
+    """Sum over ``grads`` of their squared L2 norms, a float64 scalar tensor (one multi-tensor pass)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(per_tensor_norms(grads)).double().pow(2).sum()
 
 
 # MoE: expert params are summed over the expert-model-parallel group, the rest over model parallel
@@ -70,28 +95,38 @@ def get_grad_norm_fp32(grads: List[torch.Tensor], model_parallel_group: Optional
     """Norm of ``grads`` from every model-parallel rank; inf-norm or p-norm, computed in fp32 or wider."""
     device = grads[0].device if grads else torch.device("cpu")
     if norm_type == float("inf"):
-        local = max((g.detach().abs().max().float() for g in grads), default=torch.zeros((), device=device))
-        total = torch.as_tensor(local, dtype=torch.float32, device=device).clone()
+        norms = per_tensor_norms(grads, norm_type)
+        total = torch.stack(norms).float().max() if norms else torch.zeros((), device=device)
         if model_parallel_group is not None:
             all_reduce(total, model_parallel_group, op=MAX)
         return float(total)
-    acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    total = torch.zeros((), dtype=acc_dtype, device=device)
-    for g in grads:
-        total += torch.linalg.vector_norm(g.detach().to(acc_dtype), norm_type) ** norm_type
+    if norm_type == 2.0:
+        total = sum_of_squares(grads, device)
+    else:
+        norms = per_tensor_norms(grads, norm_type)
+        total = torch.stack(norms).double().pow(norm_type).sum() if norms else \
+            torch.zeros((), dtype=torch.float64, device=device)
     if model_parallel_group is not None:
         all_reduce(total, model_parallel_group)
     return float(total) ** (1.0 / norm_type)
 
 
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """What the gradients are multiplied by (Megatron's ``max_norm / (total_norm + 1e-6)``); >= 1 means no clipping."""
+    return max_norm / (total_norm + 1.0e-6)
+
+
+def clip_grads_by_total_norm(grads: Sequence[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    """Scale ``grads`` in place by ``max_norm / total_norm`` when that is below 1 (one multi-tensor op)."""
+    clip_coeff = clip_coefficient(max_norm, total_norm)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(list(grads), clip_coeff)
+
+
 def clip_grad_by_total_norm_fp32(params: Iterable[torch.nn.Parameter], max_norm: float, total_norm: float) -> None:
     """Scale every gradient by ``max_norm / total_norm`` when that is below 1."""
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0:
-        for p in params:
-            g = grad_of(p)
-            if g is not None:
-                g.detach().mul_(clip_coeff)
+    clip_grads_by_total_norm([g.detach() for p in params for g in (grad_of(p),) if g is not None],
+                             max_norm, total_norm)
 
 
 def count_zeros_fp32(params: Iterable[torch.nn.Parameter], model_parallel_group: Optional[ParallelGroup] = None,

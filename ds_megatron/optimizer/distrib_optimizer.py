@@ -48,8 +48,10 @@ import torch.distributed as dist
 
 from ..distributed.buffer_layout import Range, bucket_shard_param_ranges
 from ..parallel_state import ParallelState
+from ..parallel_state import ParallelGroup
+from ..tensor_parallel.params import param_is_not_tensor_parallel_duplicate
 from ..utils.collectives import all_gather_into
-from .clip_grads import count_zeros_fp32, get_grad_norm_fp32, grads_for_norm
+from .clip_grads import count_zeros_fp32
 from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import _FLOAT16, _PARAM_ATTRIBUTES, MegatronOptimizer
 
@@ -108,7 +110,24 @@ class DistributedOptimizer(MegatronOptimizer):
 
         device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        self._scale_one = torch.ones(1, dtype=torch.float32, device=device)
+        # Fixed views for the multi-tensor ops of a step: each shard's slice of its param's grad
+        # (main_grad) and of its bucket's param buffer (where the updated 16-bit shard is written).
+        self._shard_grad_view: Dict[int, torch.Tensor] = {}
+        self._model_shard_views: List[torch.Tensor] = []
+        self._main_shards: List[torch.Tensor] = []
+        self._model_param_shard_views: List[torch.Tensor] = []
+        for model_param, shard in self._local_pairs():
+            r = self._get_model_param_range_map(model_param)["param"]
+            self._shard_grad_view[id(shard)] = model_param.main_grad.view(-1)[r.start:r.end]
+        for model_group, shard_group in zip(self.model_float16_groups, self.shard_fp32_from_float16_groups):
+            for model_param, shard_main_param in zip(model_group, shard_group):
+                world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+                gbuf_index, _, bucket_index = self.model_param_gbuf_map[model_param]
+                bucket_param_data = self.buffers[gbuf_index].buckets[bucket_index].param_data
+                self._model_shard_views.append(bucket_param_data[world_range.start:world_range.end])
+                self._main_shards.append(shard_main_param)
+                r = self._get_model_param_range_map(model_param)["param"]
+                self._model_param_shard_views.append(model_param.detach().view(-1)[r.start:r.end])
 
     # -- construction --------------------------------------------------------------------------------
     def _check_params_match_buffers(self) -> None:
@@ -239,9 +258,10 @@ class DistributedOptimizer(MegatronOptimizer):
         return [p for group in self.shard_fp32_from_float16_groups for p in group]
 
     # -- norm, zeros: over shards, so over the whole job --------------------------------------------------
-    def get_grad_norm(self) -> float:
-        grads = grads_for_norm(self.get_parameters(), self.tp_rank)
-        return get_grad_norm_fp32(grads, self.grad_stats_parallel_group)
+    def _norm_partitions(self, params: List[torch.Tensor]) -> List[Tuple[ParallelGroup, List[int]]]:
+        # Each element is owned by one DP rank of its model-parallel coordinate: sum over the whole job.
+        counted = [i for i, p in enumerate(params) if param_is_not_tensor_parallel_duplicate(p, self.tp_rank)]
+        return [(self.grad_stats_parallel_group, counted)]
 
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_parameters(), self.grad_stats_parallel_group, self.tp_rank)
@@ -255,38 +275,32 @@ class DistributedOptimizer(MegatronOptimizer):
                     t.grad = None
                 elif t.grad is not None:
                     t.grad.detach_().zero_()
+        self._grads_bound = False
 
-    def _copy_model_grads_to_main_grads(self) -> None:
-        """Point each main shard's grad at this rank's reduced slice of its param's ``main_grad``.
+    def _fixed_main_grads(self, params: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """Each shard's grad is this rank's reduced slice of its param's ``main_grad`` (after the DDP's
+        reduce-scatter only this rank's shard of each bucket holds reduced values, which is what is read)."""
+        views = [self._shard_grad_view[id(p)] for p in params]
+        return views if all(v.dtype == torch.float32 for v in views) else None
 
-        Runs after the DDP's reduce-scatter: only this rank's shard of each
-        bucket holds reduced values, and that is exactly what is read here.
-        """
-        for model_param, shard in self._local_pairs():
-            r = self._get_model_param_range_map(model_param)["param"]
-            shard.grad = model_param.main_grad.view(-1)[r.start:r.end].float()
+    def _rebind_indices(self, params: List[torch.Tensor]) -> List[int]:
+        return []  # shards are this wrapper's own tensors: nobody else clears their .grad
 
-    def _prepare_grads(self) -> bool:
-        self._copy_model_grads_to_main_grads()
-        self.found_inf.fill_(0.0)
-        inv_scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else self._scale_one
-        grads = [p.grad for p in self.get_parameters() if p.grad is not None]
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
-        return self._reduce_found_inf(self.found_inf)
+    def _gather_main_grads(self, params: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        for p in params:  # 16-bit grads reduced in 16 bits: fp32 copies every step
+            p.grad = self._shard_grad_view[id(p)].float()
+        return [p.grad for p in params]
 
     def _release_main_grads(self) -> None:
-        for p in self.get_parameters():
-            p.grad = None
+        if self._plan().fixed_grads is None:
+            for p in self.get_parameters():
+                p.grad = None
 
+    @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
         """Write the updated fp32 main shards of fp16/bf16 params into this rank's shard of the param buffer."""
-        for model_group, shard_group in zip(self.model_float16_groups, self.shard_fp32_from_float16_groups):
-            for model_param, shard_main_param in zip(model_group, shard_group):
-                world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
-                gbuf_index, _, bucket_index = self.model_param_gbuf_map[model_param]
-                bucket_param_data = self.buffers[gbuf_index].buckets[bucket_index].param_data
-                bucket_param_data[world_range.start:world_range.end].copy_(shard_main_param)
+        if self._main_shards:
+            torch._foreach_copy_(self._model_shard_views, self._main_shards)
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """All-gather every bucket's updated shards (async with ``overlap_param_gather`` unless ``force_sync``)."""
@@ -305,12 +319,11 @@ class DistributedOptimizer(MegatronOptimizer):
             self.start_param_sync()
         return update_successful, grad_norm, num_zeros
 
+    @torch.no_grad()
     def reload_model_params(self) -> None:
         """Refresh the fp32 main shards from the model params (after loading model weights only)."""
-        for model_group, shard_group in zip(self.model_float16_groups, self.shard_fp32_from_float16_groups):
-            for model_param, shard_main_param in zip(model_group, shard_group):
-                r = self._get_model_param_range_map(model_param)["param"]
-                shard_main_param.data.copy_(model_param.detach().view(-1)[r.start:r.end])
+        if self._main_shards:
+            torch._foreach_copy_(self._main_shards, self._model_param_shard_views)
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def _flat_index(self) -> Dict[torch.nn.Parameter, int]:

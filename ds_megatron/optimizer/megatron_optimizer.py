@@ -9,14 +9,25 @@ model-parallel mixed-precision step needs, in Megatron's order:
 1. copy the model grads (``.grad``, or ``.main_grad`` when a grad buffer owns
    them) into fp32 main grads;
 2. unscale them by ``inv_scale`` and check for inf/nan; ``found_inf`` is
-   all-reduced (MAX) over the model-parallel group (and the expert one under
-   MoE folding), so every rank takes the same decision;
+   summed over the model-parallel group (and the expert one under MoE
+   folding), so every rank takes the same decision;
 3. update the grad scaler; on overflow skip: nothing else changes (params,
    optimizer state and step counters stay bit-identical);
 4. compute the true global L2 norm (each TP shard once, replicated and shared
    params once) and clip by it when ``clip_grad > 0``; optionally count zeros;
 5. step the inner optimizer on the fp32 main params, then copy them back into
    the fp16/bf16 model params.
+
+Every pass over the gradients and params is one multi-tensor op
+(``torch._foreach_*``, megatron-core's multi-tensor path): the unscale with its
+inf/nan check, the per-tensor norms, the clipping, the main-to-model copy.
+Without a loss scaler the inf/nan check needs no pass of its own: a non-finite
+gradient has a non-finite norm, so the norm pass answers both, and the flag and
+the squared norms travel in one all-reduce per group (one host read per step).
+What a step reads is fixed when the gradients live in the model's buffers: the
+lists of main grads (views of the buffers) are built once (``_StepPlan``), so the
+hot path runs no per-parameter Python, except binding ``.grad`` of fp32 model
+params, which DeepSpeed clears after every step.
 
 The wrappers are ``torch.optim.Optimizer`` instances so that DeepSpeed uses
 them as client optimizers as they are; they expose DeepSpeed's ``overflow``
@@ -25,17 +36,18 @@ them as client optimizers as they are; they expose DeepSpeed's ``overflow``
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..distributed import DistributedDataParallel, finalize_model_grads
 from ..parallel_state import ParallelGroup, ParallelState
-from ..tensor_parallel.params import grad_of, is_expert_param
-from ..utils.collectives import MAX, all_reduce
-from .clip_grads import (clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32,
-                         get_grad_norm_with_experts, grads_for_norm)
+from ..tensor_parallel.params import grad_of, is_expert_param, param_is_not_tensor_parallel_duplicate
+from ..utils.collectives import all_reduce
+from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, sum_of_squares
 from .grad_scaler import MegatronGradScaler
 
 # Attributes that say how a parameter is split or shared; main params inherit them
@@ -43,6 +55,34 @@ from .grad_scaler import MegatronGradScaler
 _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel", "shared",
                      "allreduce", "is_expert")  # MoE: expert marks, so norms treat main params of experts as experts
 _FLOAT16 = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class _StepPlan:
+    """What a step reads, fixed as long as the param groups are (``MegatronOptimizer._plan``).
+
+    ``params``: what the inner optimizer steps; ``parts``: per norm partition, the
+    group its squares are summed over and the indices (into ``params``) counted
+    in it; ``rest``: indices counted in no partition (TP duplicates), read only
+    for the inf/nan check; ``reductions``: each distinct group of the step's
+    collectives and the partitions summed over it (the inf/nan flag rides along
+    on every one); ``fixed_grads``: the main grads when they are fixed fp32
+    tensors (views of the gradient buffers), else None (gathered every step);
+    ``rebind``: indices whose ``.grad`` others clear between steps (model params).
+    """
+
+    key: tuple
+    params: List[torch.Tensor]
+    parts: List[Tuple[ParallelGroup, List[int]]]
+    rest: List[int]
+    reductions: List[Tuple[ParallelGroup, List[int]]]
+    fixed_grads: Optional[List[torch.Tensor]]
+    rebind: List[int]
+
+    def __post_init__(self):
+        fixed = self.fixed_grads
+        self.part_grads = None if fixed is None else [[fixed[i] for i in idx] for _, idx in self.parts]
+        self.rest_grads = None if fixed is None else [fixed[i] for i in self.rest]
 
 
 class MegatronOptimizer(torch.optim.Optimizer):
@@ -82,8 +122,11 @@ class MegatronOptimizer(torch.optim.Optimizer):
         # found_inf must agree on every rank; the model-parallel group covers ranks whose dense
         # grads differ (DP peers share reduced grads); under MoE folding the expert one spans others.
         self.found_inf_groups: List[ParallelGroup] = [state.mp]
-        if state.expert_mp.ranks != state.mp.ranks and any(is_expert_param(p) for p in self.get_parameters()):
+        self.has_experts = any(is_expert_param(p) for p in self.get_parameters())
+        if state.expert_mp.ranks != state.mp.ranks and self.has_experts:
             self.found_inf_groups.append(state.expert_mp)
+        self._step_plan: Optional[_StepPlan] = None
+        self._grads_bound = False  # fixed main grads bound to .grad (until zero_grad clears them)
         self.grad_scaler: Optional[MegatronGradScaler] = None
         self.overflow = False  # DeepSpeed skips its LR-scheduler step when this is True
         self._global_grad_norm: Optional[float] = None  # what engine.get_global_grad_norm() returns
@@ -136,38 +179,149 @@ class MegatronOptimizer(torch.optim.Optimizer):
         """The current loss scale as a float (DeepSpeed's name), None when no scaler is used."""
         return None if self.grad_scaler is None else float(self.grad_scaler.scale)
 
+    # -- what a step reads ---------------------------------------------------------------------------
+    def _plan(self) -> _StepPlan:
+        """The step plan, rebuilt only when the param groups change (a group added or replaced)."""
+        key = tuple((id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups)
+        if self._step_plan is None or self._step_plan.key != key:
+            self._step_plan = self._build_plan(key)
+        return self._step_plan
+
+    def _build_plan(self, key: tuple) -> _StepPlan:
+        seen, params = set(), []
+        for p in self.get_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        parts = self._norm_partitions(params)
+        counted = {i for _, idx in parts for i in idx}
+        reductions: List[Tuple[ParallelGroup, List[int]]] = []
+        for group in list(self.found_inf_groups) + [g for g, _ in parts]:
+            if group.size > 1 and all(group.ranks != g.ranks for g, _ in reductions):
+                reductions.append((group, []))
+        for j, (group, _) in enumerate(parts):
+            for g, members in reductions:
+                if g.ranks == group.ranks:
+                    members.append(j)
+        self._grads_bound = False
+        return _StepPlan(key, params, parts, [i for i in range(len(params)) if i not in counted], reductions,
+                         self._fixed_main_grads(params), self._rebind_indices(params))
+
+    def _norm_partitions(self, params: List[torch.Tensor]) -> List[Tuple[ParallelGroup, List[int]]]:
+        """(group, indices) whose squared norms are summed over that group: TP duplicates are counted on
+        TP rank 0 only, and a ``shared`` copy (PP: the last stage's tied embedding) not at all; MoE: expert params
+        over the expert-model-parallel group (see ``get_grad_norm_with_experts``)."""
+        counted = [i for i, p in enumerate(params)
+                   if param_is_not_tensor_parallel_duplicate(p, self.tp_rank) and not getattr(p, "shared", False)]
+        if not self.has_experts:
+            return [(self.model_parallel_group, counted)]
+        return [(self.model_parallel_group, [i for i in counted if not is_expert_param(params[i])]),
+                (self.expert_model_parallel_group, [i for i in counted if is_expert_param(params[i])])]
+
+    def _fixed_main_grads(self, params: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """The fp32 main grads of ``params`` when all are fixed tensors (buffer views), else None."""
+        grads = [getattr(p, "main_grad", None) for p in params]
+        return grads if all(g is not None and g.dtype == torch.float32 for g in grads) else None
+
+    def _rebind_indices(self, params: List[torch.Tensor]) -> List[int]:
+        """Params whose ``.grad`` the engine clears after a step (model params): bound again every step."""
+        return list(range(len(params)))
+
+    def _copy_model_grads_to_main_grads(self) -> List[Optional[torch.Tensor]]:
+        """Bind each stepped param's ``.grad`` to its main grad; the main grads, aligned with the plan's params."""
+        plan = self._plan()
+        if plan.fixed_grads is None:
+            return self._gather_main_grads(plan.params)
+        if not self._grads_bound:
+            for p, g in zip(plan.params, plan.fixed_grads):
+                p.grad = g
+            self._grads_bound = True
+        else:
+            for i in plan.rebind:
+                plan.params[i].grad = plan.fixed_grads[i]
+        return plan.fixed_grads
+
+    def _gather_main_grads(self, params: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        """Per step, when the main grads are not fixed tensors: bind and return them (copies where cast)."""
+        for p in params:
+            if getattr(p, "main_grad", None) is not None:
+                p.grad = p.main_grad
+        return [p.grad for p in params]
+
+    def _release_main_grads(self) -> None:
+        """Unbind what the step bound: fixed grads of model params (backward must find ``.grad`` empty)."""
+        plan = self._plan()
+        if plan.fixed_grads is not None:
+            for i in plan.rebind:
+                plan.params[i].grad = None
+
     # -- norm, clipping, zeros --------------------------------------------------------------------
+    def _grad_stats(self, grads: List[Optional[torch.Tensor]], found_inf: Optional[torch.Tensor],
+                    check: bool = True) -> Tuple[bool, float]:
+        """(some rank found inf/nan, the true global L2 norm): one norm pass, one scalar all-reduce per group.
+
+        ``found_inf``: this rank's flag from the unscale pass (None: the norms are the check, so the
+        TP duplicates, counted in no partition, are normed too).  ``check=False``: the norm only.
+        The flag travels inside the squared norm: a rank that found inf/nan adds inf, which makes the
+        sum over the group non-finite, and a non-finite sum is carried into the next group's sum as
+        ``0 * sum`` (nan) while a finite one adds 0.  Every rank of a group thus reads the same
+        answer from one float64 scalar, as a MAX of the flags over the same groups would give.
+        """
+        plan = self._plan()
+        device = plan.params[0].device if plan.params else torch.device("cpu")
+        if plan.part_grads is not None:
+            part_grads, rest_grads = plan.part_grads, plan.rest_grads
+        else:
+            part_grads = [[grads[i] for i in idx if grads[i] is not None] for _, idx in plan.parts]
+            rest_grads = [grads[i] for i in plan.rest if grads[i] is not None]
+        part_sq = [sum_of_squares(g, device) for g in part_grads]
+        carry = torch.zeros((), dtype=torch.float64, device=device)
+        if check:
+            if found_inf is not None:
+                carry = carry + torch.where(found_inf.sum() > 0, float("inf"), 0.0)
+            elif rest_grads:
+                carry = carry + sum_of_squares(rest_grads, device) * 0.0  # nan when a duplicate is non-finite
+        reduced = {j for _, members in plan.reductions for j in members}
+        total = sum((part_sq[j] for j in range(len(part_sq)) if j not in reduced),
+                    torch.zeros((), dtype=torch.float64, device=device))
+        if not plan.reductions:
+            total = total + carry
+        for group, members in plan.reductions:
+            value = sum((part_sq[j] for j in members), carry)
+            all_reduce(value, group)
+            total = total + value
+            carry = value * 0.0
+        total = float(total)
+        if check and not math.isfinite(total):
+            return True, float("nan")
+        return False, math.sqrt(total)
+
     def get_grad_norm(self) -> float:
-        # MoE: expert params counted once, over the expert-model-parallel group
-        params = self.get_parameters()
-        if any(is_expert_param(p) for p in params):
-            return get_grad_norm_with_experts(params, self.tp_rank, self.model_parallel_group,
-                                              self.expert_model_parallel_group)
-        return get_grad_norm_fp32(grads_for_norm(params, self.tp_rank), self.model_parallel_group)
+        """The true global L2 norm of the current main grads (collectives over the model-parallel groups)."""
+        plan = self._plan()
+        return self._grad_stats([grad_of(p) for p in plan.params], None, check=False)[1]
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """The true global norm of the main grads; clips them to ``clip_grad`` when that is > 0."""
-        params = self.get_parameters()
         total_norm = self.get_grad_norm()
         if clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(params, clip_grad, total_norm)
+            plan = self._plan()
+            clip_grads_by_total_norm([g for p in plan.params for g in (grad_of(p),) if g is not None],
+                                     clip_grad, total_norm)
         return total_norm
 
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_parameters(), self.model_parallel_group, self.tp_rank)
 
-    def _reduce_found_inf(self, found_inf: torch.Tensor) -> bool:
-        for group in self.found_inf_groups:
-            all_reduce(found_inf, group, op=MAX)
-        return bool(found_inf.item() > 0)
-
     # -- the step ---------------------------------------------------------------------------------
-    def _prepare_grads(self) -> bool:
-        """Make the main grads ready (copied, unscaled); True when some rank found inf/nan."""
-        raise NotImplementedError
-
-    def _release_main_grads(self) -> None:
-        pass
+    def _unscale(self, grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """With a loss scaler: multiply by ``inv_scale`` and flag inf/nan in one pass; None without one."""
+        if self.grad_scaler is None:
+            return None
+        self.found_inf.fill_(0.0)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, self.grad_scaler.inv_scale)
+        return self.found_inf
 
     def _copy_main_params_to_model_params(self) -> None:
         pass
@@ -180,7 +334,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
                              "before step(); call step() without arguments")
         if self.model_chunks:
             finalize_model_grads(self.model_chunks, self.parallel_state)
-        found_inf = self._prepare_grads()
+        grads = self._copy_model_grads_to_main_grads()
+        present = grads if self._plan().fixed_grads is not None else [g for g in grads if g is not None]
+        found_inf, grad_norm = self._grad_stats(grads, self._unscale(present))
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
         self.overflow = found_inf
@@ -188,7 +344,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self._global_grad_norm, self.num_zeros_in_grad = None, None
             self._release_main_grads()
             return False, None, None
-        grad_norm = self.clip_grad_norm(self.clip_grad)
+        if self.clip_grad > 0.0:
+            clip_grads_by_total_norm(present, self.clip_grad, grad_norm)
         self.num_zeros_in_grad = self.count_zeros() if self.log_num_zeros_in_grad else None
         self.optimizer.step()
         self._copy_main_params_to_model_params()
@@ -242,7 +399,6 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         self.grad_scaler = grad_scaler
         device = params[0].device if params else torch.device("cpu")
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-        self._scale_one = torch.ones(1, dtype=torch.float32, device=device)
 
         # float16_groups: the model's fp16/bf16 params; fp32_from_float16_groups: their
         # fp32 main params (what the inner optimizer now holds); fp32_from_fp32_groups:
@@ -275,6 +431,11 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             self.fp32_from_fp32_groups.append(fp32_params)
         # Round-trip the state so any pre-existing per-param state is recast to the fp32 main params.
         optimizer.load_state_dict(optimizer.state_dict())
+        # Flat lists for the multi-tensor copies; a main param's model param (the source of its grad).
+        self._model_params_flat = [p for group in self.float16_groups for p in group]
+        self._main_params_flat = [p for group in self.fp32_from_float16_groups for p in group]
+        self._model_param_of = {id(main): model for model, main in zip(self._model_params_flat,
+                                                                       self._main_params_flat)}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model params' grads (the main grads are released after every step)."""
@@ -288,51 +449,44 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     def main_param_tensors(self) -> List[torch.Tensor]:
         return [p for group in self.fp32_from_float16_groups for p in group]
 
-    def _main_grads(self) -> List[torch.Tensor]:
-        return [p.grad for group in self.fp32_from_float16_groups + self.fp32_from_fp32_groups
-                for p in group if p.grad is not None]
-
-    def _copy_model_grads_to_main_grads(self) -> None:
+    def _fixed_main_grads(self, params: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         # An fp32 main_grad (the buffers' default for 16-bit params) is used as it is, no copy.
-        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for model_param, main_param in zip(model_group, main_group):
-                grad = grad_of(model_param)
-                main_param.grad = None if grad is None else grad.float()
-        for group in self.fp32_from_fp32_groups:
-            for param in group:
-                if getattr(param, "main_grad", None) is not None:
-                    param.grad = param.main_grad
+        return super()._fixed_main_grads([self._model_param_of.get(id(p), p) for p in params])
 
-    def _prepare_grads(self) -> bool:
-        self._copy_model_grads_to_main_grads()
-        self.found_inf.fill_(0.0)
-        inv_scale = self.grad_scaler.inv_scale if self.grad_scaler is not None else self._scale_one
-        main_grads = self._main_grads()
-        if main_grads:
-            # One fused pass: multiply by inv_scale and flag any inf/nan.
-            torch._amp_foreach_non_finite_check_and_unscale_(main_grads, self.found_inf, inv_scale)
-        return self._reduce_found_inf(self.found_inf)
+    def _rebind_indices(self, params: List[torch.Tensor]) -> List[int]:
+        # Main params are this wrapper's own tensors: bound once.  fp32 model params: every step.
+        return [i for i, p in enumerate(params) if id(p) not in self._model_param_of]
+
+    def _gather_main_grads(self, params: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        grads = []
+        for p in params:
+            model_param = self._model_param_of.get(id(p))
+            if model_param is None:  # an fp32 model param
+                if getattr(p, "main_grad", None) is not None:
+                    p.grad = p.main_grad
+            else:
+                grad = grad_of(model_param)
+                p.grad = None if grad is None else grad.float()
+            grads.append(p.grad)
+        return grads
 
     def _release_main_grads(self) -> None:
-        for group in self.fp32_from_float16_groups:
-            for main_param in group:
-                main_param.grad = None
+        if self._plan().fixed_grads is not None:
+            super()._release_main_grads()
+            return
+        for main_param in self._main_params_flat:  # per-step fp32 copies of 16-bit grads: free them
+            main_param.grad = None
 
-    def _model_and_main_data(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        model_data = [p.data for group in self.float16_groups for p in group]
-        main_data = [p.data for group in self.fp32_from_float16_groups for p in group]
-        return model_data, main_data
-
+    @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
-        model_data, main_data = self._model_and_main_data()
-        if model_data:
-            torch._foreach_copy_(model_data, main_data)
+        if self._model_params_flat:
+            torch._foreach_copy_(self._model_params_flat, self._main_params_flat)
 
+    @torch.no_grad()
     def reload_model_params(self) -> None:
         """Refresh the main params from the model params (after loading model weights only)."""
-        model_data, main_data = self._model_and_main_data()
-        if model_data:
-            torch._foreach_copy_(main_data, model_data)
+        if self._model_params_flat:
+            torch._foreach_copy_(self._main_params_flat, self._model_params_flat)
 
     def state_dict(self) -> Dict[str, Any]:
         state = super().state_dict()
@@ -374,22 +528,3 @@ class FP32Optimizer(MegatronOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def _prepare_grads(self) -> bool:
-        grads = []
-        for p in self.get_parameters():
-            if getattr(p, "main_grad", None) is not None:
-                p.grad = p.main_grad
-            if p.grad is not None:
-                grads.append(p.grad)
-        self.found_inf.fill_(0.0)
-        if grads:
-            if self.grad_scaler is not None:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, self.grad_scaler.inv_scale)
-            else:
-                # Check only (read-only pass): a grad holding inf/nan has an inf/nan 2-norm.  The
-                # 2-norm, not the max-norm: on CPU the fused max-norm is ~4x slower.  A finite grad
-                # whose 2-norm overflows fp32 is skipped too, which is what its clipping would need.
-                norms = torch.stack(torch._foreach_norm(grads, 2.0))
-                self.found_inf.fill_(float(not bool(torch.isfinite(norms).all())))
-        return self._reduce_found_inf(self.found_inf)

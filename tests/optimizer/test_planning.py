@@ -4,7 +4,9 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from harness import run_on_ranks
 
@@ -12,7 +14,7 @@ import ds_megatron
 from ds_megatron.models.gpt import GPTModel
 from ds_megatron.config import GPTConfig
 from ds_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, get_param_groups
-from ds_megatron.planning import plan_memory
+from ds_megatron.planning import activation_bytes, plan_memory
 
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=300,
              hidden_dropout=0.0, attention_dropout=0.0)
@@ -138,3 +140,39 @@ def test_plan_shards_main_params_and_states_with_the_distributed_optimizer():
         planned = plan.main_param_bytes + plan.optimizer_state_bytes
         assert abs(measured["total"] - planned) <= slack, (measured, planned, slack)
         assert measured["total"] < 0.75 * (full.main_param_bytes + full.optimizer_state_bytes)
+
+
+ACTIVATION_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=512,
+                        make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _measured_activations(tp, extra, dtype_name):
+    """The highest point allocations reach in one forward + backward of a GPT (over the params alive before)."""
+    from ds_megatron.parallel.layout import ParallelLayout
+    from ds_megatron.parallel_state import ParallelState
+    from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
+    from ds_megatron.utils.memory import peak_allocated_bytes
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp))
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**{**ACTIVATION_MODEL, **extra}), state,
+                     rng_tracker=model_parallel_seed(0, state.tp.rank, tracker=RNGStatesTracker()))
+    model.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name])
+    tokens = torch.randint(0, 512, (4, 65), generator=torch.Generator().manual_seed(1))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+    model(batch).backward()  # warm: lazily made state (RNG, caches) is not an activation
+    for p in model.parameters():
+        p.grad = None
+    peak, _, _ = peak_allocated_bytes(lambda: model(batch).backward())
+    state.destroy()
+    return peak
+
+
+@pytest.mark.parametrize("tp,extra,dtype_name", [
+    (1, {}, "fp32"), (1, {}, "bf16"), (1, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, "fp32"),
+    (1, {"recompute_granularity": "full"}, "fp32"), (2, {}, "fp32"), (2, {"sequence_parallel": True}, "fp32")],
+    ids=["fp32", "bf16", "dropout", "recompute", "tp2", "tp2-sp"])
+def test_activation_plan_is_within_ten_percent_of_the_measured_peak(tp, extra, dtype_name):
+    cfg = GPTConfig(**{**ACTIVATION_MODEL, **extra})
+    planned = activation_bytes(cfg, tp, 4, dtype_name)
+    for measured in run_on_ranks(2, _measured_activations, tp, extra, dtype_name):
+        assert abs(planned / measured - 1) < 0.10, (planned, measured)

@@ -17,7 +17,7 @@ S, B, VP = 3, 2, 16  # [seq, batch, padded vocab]
 ONE = ParallelGroup.single("tp")
 
 
-def _check(tp, label_smoothing, vocab_size):
+def _check(tp, label_smoothing, vocab_size, inplace=False):
     with tp_group(tp) as (g, r, n):
         true_v = vocab_size or VP
         L = 3.0 * randn(1, S, B, VP)
@@ -34,7 +34,10 @@ def _check(tp, label_smoothing, vocab_size):
 
         local = part(L, -1, r, n).clone().requires_grad_()
         before = local.detach().clone()
-        loss = vocab_parallel_cross_entropy(local, target, g, label_smoothing=label_smoothing, vocab_size=vocab_size)
+        # In place: the logits handed over are a product made just before (as the GPT's output layer).
+        logits = local * 1.0 if inplace else local
+        loss = vocab_parallel_cross_entropy(logits, target, g, label_smoothing=label_smoothing, vocab_size=vocab_size,
+                                            inplace=inplace)
         assert loss.shape == target.shape
         close(loss, ref.detach(), "per-token loss")
         (loss * w).sum().backward()
@@ -47,6 +50,36 @@ def _check(tp, label_smoothing, vocab_size):
 @pytest.mark.parametrize("vocab_size", [None, 11])  # 11 of 16: at TP=4 the last rank holds only padding
 def test_matches_torch_cross_entropy(tp, label_smoothing, vocab_size):
     run_on_ranks(tp, _check, tp, label_smoothing, vocab_size)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("vocab_size", [None, 11])
+def test_in_place_matches_torch_cross_entropy(label_smoothing, vocab_size):
+    run_on_ranks(4, _check, 4, label_smoothing, vocab_size, True)
+
+
+def test_in_place_computes_the_gradient_in_the_logits_storage():
+    leaf = randn(3, S, B, VP).requires_grad_()
+    logits = leaf * 1.0
+    seen = []
+    logits.register_hook(lambda grad: seen.append(grad.data_ptr()))
+    target = torch.randint(0, VP, (S, B), generator=torch.Generator().manual_seed(2))
+    vocab_parallel_cross_entropy(logits, target, ONE, inplace=True).sum().backward()
+    assert seen == [logits.data_ptr()], "the gradient was made in another [.., V] buffer"
+    ref = leaf.detach().clone().requires_grad_()
+    F.cross_entropy(ref.view(-1, VP), target.view(-1), reduction="sum").backward()
+    torch.testing.assert_close(leaf.grad, ref.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_second_backward_through_the_same_graph_fails_loudly(inplace):
+    # backward turns the saved softmax into the gradient in place; torch's saved-tensor check refuses reuse.
+    leaf = randn(4, S, B, VP).requires_grad_()
+    target = torch.randint(0, VP, (S, B), generator=torch.Generator().manual_seed(2))
+    loss = vocab_parallel_cross_entropy(leaf * 1.0, target, ONE, inplace=inplace).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 def _communication_volume():

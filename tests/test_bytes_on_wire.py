@@ -1,0 +1,167 @@
+"""Bytes on the wire per training step, per rank, against the minimum of each layout.
+
+Every data collective of the package goes through ``ds_megatron.utils.collectives``,
+which counts them inside ``count_bytes()`` (payload, and bus bytes the nccl-tests
+way).  One step (forward, backward, ``engine.step()``) of a small GPT on 2 gloo
+ranks is counted after a warm-up step, and the records must be exactly the
+layout's formula; what the formula adds to the textbook minimum is named next
+to it and bounded:
+
+* DP: one all-reduce of the gradient bytes; with the distributed optimizer one
+  reduce-scatter of the fp32 gradients and one all-gather of the bf16 params,
+  over buffers padded to 64-element param starts and 128-element bucket ends.
+* TP: two all-reduces of b*s*h per layer forward and two backward; besides them the
+  vocab-parallel embedding's forward all-reduce and the output layer's backward
+  one (b*s*h each), the cross entropy's per-token scalars (3*b*s floats) and the
+  optimizer's one float64 (inf flag and squared norm).
+* TP with sequence parallelism: per layer the same bus bytes as TP as all-gathers
+  and reduce-scatters; besides them the learned position embeddings are added to
+  the full sequence and then scattered (megatron-core does the same; its backward
+  all-gather is (n-1)/n*b*s*h above a reduce-scatter of the embeddings), and the
+  sequence-parallel params' grads are summed over TP once.
+* Expert parallelism: per MoE layer, forward and backward, the dispatch and the
+  combine all-to-alls move tokens*topk rows of h (each rank sends its own tokens*topk
+  in the dispatch, and what it received in the combine); besides them the routing
+  probabilities (one float per row of the dispatch, 1/(2h) of the rows' bytes) and
+  the all-gather of the per-expert counts.
+
+Pipeline sends are not counted here yet (no pipeline schedule in the engine).
+"""
+import collections
+
+import pytest
+import torch
+
+from harness import run_on_ranks
+
+import ds_megatron
+from ds_megatron.models import GPTConfig, GPTModel
+from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
+from ds_megatron.utils.collectives import count_bytes
+
+L, H, S, B, V = 2, 32, 16, 2, 64
+MODEL = dict(num_layers=L, hidden_size=H, num_attention_heads=4, ffn_hidden_size=64, seq_length=S, vocab_size=V,
+             hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
+MOE = dict(num_experts=4, moe_router_topk=2)
+F32, BF16, F64 = 4, 2, 8
+N = 2  # ranks
+
+
+def _step_records(megatron, precision, model_extra):
+    cfg = {"train_micro_batch_size_per_gpu": B, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "megatron": dict(megatron), **precision}
+    state = ds_megatron.initialize_model_parallel(cfg)
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**MODEL, **model_extra), state,
+                     rng_tracker=model_parallel_seed(0, state.tp.rank, tracker=RNGStatesTracker()))
+    engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
+    g = torch.Generator().manual_seed(10 + state.dp.rank)
+    for step in range(2):
+        tokens = torch.randint(0, V, (B, S + 1), generator=g)
+        with count_bytes() as counter:
+            loss = engine({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+            engine.backward(loss)
+            engine.step()
+    info = {"params": sum(p.numel() for p in model.parameters()),
+            "sequence_parallel_params": sum(p.numel() for p in model.parameters()
+                                            if getattr(p, "sequence_parallel", False)),
+            "dense_params": sum(p.numel() for p in model.parameters() if not getattr(p, "is_expert", False)),
+            "buffer_numel": sum(b.numel for b in engine.megatron.ddp.all_buffers),
+            "buffered_params": sum(len(b.params) for b in engine.megatron.ddp.all_buffers)}
+    if engine.megatron.ddp_in_engine is not None:
+        engine.megatron.ddp_in_engine.detach()
+    state.destroy()
+    return [(r.op, r.group, r.payload_bytes, r.shape, r.bus_bytes) for r in counter.records], info
+
+
+def _calls(records):
+    return collections.Counter((op, group, payload) for op, group, payload, _, _ in records)
+
+
+def _bus(records, **where):
+    return sum(bus for op, group, _, _, bus in records
+               if all({"op": op, "group": group}[k] == v for k, v in where.items()))
+
+
+def test_data_parallel_is_one_all_reduce_of_the_gradients():
+    for records, info in run_on_ranks(N, _step_records, {}, {}, {}):
+        assert _calls(records) == {("all_reduce", "dp-cp", info["params"] * F32): 1}, records
+        assert _bus(records) == 2 * (N - 1) / N * info["params"] * F32
+
+
+def test_distributed_optimizer_is_one_reduce_scatter_and_one_all_gather():
+    for records, info in run_on_ranks(N, _step_records, {"use_distributed_optimizer": True},
+                                      {"bf16": {"enabled": True}}, {}):
+        numel = info["buffer_numel"]
+        assert _calls(records) == {("reduce_scatter", "dp-cp", numel * F32): 1,  # fp32 grads
+                                   ("all_gather", "dp-cp", numel * BF16): 1,  # bf16 params
+                                   ("all_reduce", "world", F64): 1}, records  # inf flag + squared norm
+        # Above the minimum only the buffer's padding: < 64 elements per param start, < 128 at the end.
+        padding = numel - info["params"]
+        assert 0 <= padding < 64 * info["buffered_params"] + 128, padding
+
+
+def _tensor_parallel_expectation(seq_parallel_params):
+    bsh = B * S * H * F32
+    per_layer = 4 * L  # two all-reduces forward, two backward, per layer
+    if not seq_parallel_params:
+        return {("all_reduce", "tp", bsh): per_layer + 2,  # + embedding forward, output layer backward
+                ("all_reduce", "tp", B * S * F32): 1,  # cross entropy: the max
+                ("all_reduce", "tp", 2 * B * S * F32): 1,  # cross entropy: target logit and sum of exp
+                ("all_reduce", "model-parallel", F64): 1}  # optimizer: inf flag + squared norm
+    return {("all_gather", "tp", bsh): per_layer + 2,  # + the embeddings' scatter (backward), the output layer's input
+            ("reduce_scatter", "tp", bsh): per_layer + 1,  # + the output layer's input gradient
+            ("all_reduce", "tp", bsh): 1,  # embedding forward
+            ("all_reduce", "tp", B * S * F32): 1,
+            ("all_reduce", "tp", 2 * B * S * F32): 1,
+            ("all_reduce", "tp", seq_parallel_params * F32): 1,  # sequence-parallel grads, once per step
+            ("all_reduce", "model-parallel", F64): 1}
+
+
+def test_tensor_parallel_is_two_all_reduces_per_layer_each_way():
+    for records, info in run_on_ranks(N, _step_records, {"tensor_model_parallel_size": N}, {}, {}):
+        assert _calls(records) == _tensor_parallel_expectation(0), records
+        layers = _calls(records)[("all_reduce", "tp", B * S * H * F32)] - 2
+        assert layers == 2 * L * 2  # the textbook count
+
+
+def test_sequence_parallel_moves_the_bytes_of_tensor_parallel():
+    tp = run_on_ranks(N, _step_records, {"tensor_model_parallel_size": N}, {}, {})
+    sp = run_on_ranks(N, _step_records, {"tensor_model_parallel_size": N, "sequence_parallel": True}, {},
+                      {"sequence_parallel": True})
+    for (tp_records, _), (sp_records, info) in zip(tp, sp):
+        assert info["sequence_parallel_params"] > 0
+        assert _calls(sp_records) == _tensor_parallel_expectation(info["sequence_parallel_params"]), sp_records
+        bsh = B * S * H * F32
+        # Equal volume: every all-gather / reduce-scatter pair stands for one all-reduce; the only additions
+        # are the embeddings' scatter (its backward all-gather) and the sequence-parallel grads' all-reduce.
+        extra = (N - 1) / N * bsh + 2 * (N - 1) / N * info["sequence_parallel_params"] * F32
+        assert _bus(sp_records) == pytest.approx(_bus(tp_records) + extra, rel=1e-12)
+
+
+def test_expert_all_to_all_moves_tokens_times_topk_rows():
+    results = run_on_ranks(N, _step_records, {"expert_model_parallel_size": N}, {}, MOE)
+    rows, topk = B * S, MOE["moe_router_topk"]
+    total_hidden = 0
+    for records, info in results:
+        hidden = [payload for op, _, payload, shape, _ in records if op == "all_to_all" and shape[-1:] == (H,)]
+        probs = [payload for op, _, payload, shape, _ in records if op == "all_to_all" and len(shape) == 1]
+        # Dispatch forward and combine backward send this rank's tokens*topk rows; the combine forward and
+        # dispatch backward send back what the other ranks routed here (data-dependent, summed below).
+        assert len(hidden) == 4 * L and len(probs) == 2 * L, records
+        sent = rows * topk  # rows this rank routes (dropless), to itself included
+        received = [probs[3] // F32, probs[2] // F32]  # per layer: rows routed here (dispatch backward)
+        assert probs[:2] == [sent * F32] * 2
+        # forward: dispatch 0, combine 0, dispatch 1, combine 1; backward in reverse, each the other's size
+        assert hidden == [r * H * F32 for r in (sent, received[0], sent, received[1],
+                                                sent, received[1], sent, received[0])], hidden
+        total_hidden += sum(hidden)
+        # Probabilities travel with the dispatch only (forward and backward): one float per row, so
+        # 1/(2h) of the rows' bytes.
+        assert 2 * H * sum(probs) == sum(hidden)
+        counts = _calls(records)
+        assert counts[("all_gather", "ep", N * MOE["num_experts"] * 8)] == L  # int64 per-expert counts
+        assert counts[("all_reduce", "dp-cp", info["dense_params"] * F32)] == 1  # dense grads; experts: edp = 1
+        assert counts[("all_reduce", "expert-model-parallel", F64)] == 1  # optimizer: flag + squared norm
+        assert sum(counts.values()) == 4 * L + 2 * L + L + 2, records  # nothing else
+    assert total_hidden == 4 * L * N * rows * topk * H * F32
