@@ -29,7 +29,9 @@ from ..config import MegatronConfig, split_config, world_size_from_env
 from ..distributed import DistributedDataParallel, finalize_model_grads
 from ..errors import ConfigError
 from ..parallel_state import ParallelState
+from .checks import check_model_uses_layout
 from .cuda_graphs import CudaGraphEngineHook, attach_cuda_graphs
+from .deepspeed_moe import prepare_deepspeed_moe
 from .gradients import MegatronDDPInEngine, complete_sequence_parallel_grads_in_backward
 from .moe import mark_engine_has_moe, moe_layers, register_expert_groups
 from .mpu import MegatronMPU
@@ -136,7 +138,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if rng_tracker is not None:
         install_rng_tracker(rng_tracker)
     our_mpu = MegatronMPU(parallel_state, rng_tracker=rng_tracker)
-    opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, parallel_state)
+    # DeepSpeed's own MoE layers: their expert groups, made before our buffers are built.
+    optimizer_state = prepare_deepspeed_moe(model, parallel_state, mcfg, ds_config, our_mpu)
+    check_model_uses_layout(model, parallel_state)
+    opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, optimizer_state)
     has_moe = model is not None and bool(moe_layers(model))
     if has_moe:
         # DeepSpeed's own expert groups need EP to divide DP (folding breaks that): hand it ours.
