@@ -8,12 +8,15 @@ loads the training loop (``training.train``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from ..config import SECTION, ConfigError, DataConfig, GPTConfig, MegatronConfig, TrainConfig, split_config
 from ..config.parsing import world_size_from_env
+from ..errors import NonFiniteLossError
+from .run_dir import check_resume
 
 
 @dataclass
@@ -55,6 +58,7 @@ def load_job(config, world_size: int, train_iters: Optional[int] = None,
     """Parse and validate every section for ``world_size`` ranks; creates nothing."""
     job = parse_job_config(config)
     job.megatron.layout(world_size)  # the layout fits the world and the model fits the layout
+    job.data.check_vocab(job.model.vocab_size)  # every token id has a logit
     if train_iters is not None:
         if train_iters < 1:
             raise ConfigError(f"--train-iters must be >= 1, got {train_iters}")
@@ -77,14 +81,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Exit codes: 0 trained (or stopped gracefully, checkpoint saved), 2 bad config or a checkpoint that does
+    not fit it, 3 the loss stayed non-finite (``megatron.train.check_for_nan_in_loss_and_grad``)."""
     args, _ = build_parser().parse_known_args(argv)
     try:
         job = load_job(args.config, world_size_from_env() or 1, args.train_iters, args.output_dir)
+        if args.resume:
+            check_resume(job, job.train.output_dir)
     except ConfigError as e:
         print(f"ds-megatron train: error: {e}", file=sys.stderr)
         return 2
     # The config is valid: only now load torch, DeepSpeed and the loop.
     from . import train as loop
-    loop.train(job, args.config, resume=args.resume)
+    try:
+        loop.train(job, args.config, resume=args.resume)
+    except NonFiniteLossError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ds-megatron train: error: {e}", file=sys.stderr, flush=True)
+        loop.shutdown(e.exit_code)
     loop.shutdown()
     return 0
