@@ -12,6 +12,7 @@ give a wrong result when the model does not take part in them:
   DeepSpeed's ``allreduce=False``): the expert groups shard nothing.
 
 Both raise a ``ConfigError`` naming the setting and the fix, before the engine exists.
+So does an ``lr_scheduler=`` given together with a ``"scheduler"`` section.
 """
 from __future__ import annotations
 
@@ -42,4 +43,12 @@ def check_model_uses_layout(model: Optional[torch.nn.Module], state: ParallelSta
                           "layers or set expert_model_parallel_size to 1")
 
 
-__all__ = ["check_model_uses_layout"]
+def check_one_scheduler(ds_config, lr_scheduler) -> None:
+    """``lr_scheduler=`` and a ``"scheduler"`` section: DeepSpeed would silently use the section
+    (``runtime/engine.py`` ``_configure_lr_scheduler``); refuse instead."""
+    if lr_scheduler is not None and "scheduler" in ds_config:
+        raise ConfigError("lr_scheduler= was given together with a \"scheduler\" config section, and DeepSpeed would "
+                          "silently use the section; keep one of them")
+
+
+__all__ = ["check_model_uses_layout", "check_one_scheduler"]

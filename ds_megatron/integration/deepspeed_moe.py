@@ -114,7 +114,7 @@ def prepare_deepspeed_moe(model: Optional[torch.nn.Module], state: ParallelState
                           "pipeline_model_parallel_size and context_parallel_size 1; set them to 1")
     clear_stale_expert_groups()
     groups.mpu = mpu  # what the engine sets later; the group builder reads the pipeline size from it
-    data_before_expert = bool(ds_config.get("use_data_before_expert_parallel_", False))
+    data_before_expert = bool(ds_config.get("use_data_before_expert_parallelism", False))
     for _, layer in layers:
         _create_groups(layer, data_before_expert)
     name = layers[0][1].expert_group_name

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -29,9 +30,10 @@ from ..config import MegatronConfig, split_config, world_size_from_env
 from ..distributed import DistributedDataParallel, finalize_model_grads
 from ..errors import ConfigError
 from ..parallel_state import ParallelState
-from .checks import check_model_uses_layout
+from .checks import check_model_uses_layout, check_one_scheduler
 from .cuda_graphs import CudaGraphEngineHook, attach_cuda_graphs
 from .deepspeed_moe import prepare_deepspeed_moe
+from .engine_queries import report_precision
 from .gradients import MegatronDDPInEngine, complete_sequence_parallel_grads_in_backward
 from .moe import mark_engine_has_moe, moe_layers, register_expert_groups
 from .mpu import MegatronMPU
@@ -40,6 +42,7 @@ from .rng import install_rng_tracker
 from .runtime import adopt_existing_process_group, init_distributed_from_env
 
 ConfigLike = Union[str, Dict[str, Any]]
+logger = logging.getLogger("ds_megatron")
 
 
 @dataclass
@@ -120,6 +123,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError("no DeepSpeed config given; pass config= (a path or a dict) or args with "
                           "--deepspeed_config")
     ds_config, mcfg = validate_config(source)
+    check_one_scheduler(ds_config, lr_scheduler)
     if mpu is not None:
         raise ConfigError("mpu= was given to ds_megatron.initialize, which builds its own from the "
                           "\"megatron\" section; drop mpu= or call deepspeed.initialize directly")
@@ -159,6 +163,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         complete_sequence_parallel_grads_in_backward(model, parallel_state)
     if has_moe:
         mark_engine_has_moe(engine)
+    if mcfg.precision.owns_optimizer and model is not None:
+        report_precision(engine, mcfg.precision)  # engine.bfloat16_enabled(), gradient_clipping(), ... tell the truth
+    if dist.get_rank() == 0:
+        for notice in mcfg.notices:  # DeepSpeed keys without effect on our path, named once
+            logger.warning(notice)
     if mcfg.cuda_graph.enabled:  # capture after warmup_steps, then replay; without CUDA: one log line
         context.cuda_graphs = attach_cuda_graphs(engine, mcfg.cuda_graph)
     return engine, opt, loader, sched

@@ -39,12 +39,75 @@ class JobConfig:
         return self.megatron.data
 
 
+# megatron.train fields that DeepSpeed's optimizer / scheduler sections replace.
+OPTIMIZER_FIELDS = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+SCHEDULE_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style")
+# DeepSpeed activation_checkpointing keys our recomputation (torch's checkpoint per layer) has no equivalent for.
+_AC_UNSUPPORTED = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                   "synchronize_checkpoint_boundary", "profile")
+
+
+def check_one_lr_source(ds_config: Dict[str, Any], mcfg: MegatronConfig) -> None:
+    """The job's one rule for the optimizer and learning rate (see README, "Guards").
+
+    Without DeepSpeed ``optimizer`` / ``scheduler`` sections, ``megatron.train`` builds AdamW (lr, weight_decay,
+    adam_*) and the warmup + decay schedule (lr, min_lr, lr_warmup_iters, lr_decay_style).  A DeepSpeed section
+    takes over what it names (DeepSpeed's own precedence), and the ``megatron.train`` fields it replaces must then
+    be left out: given both, the job stops here naming both instead of silently using one.
+    """
+    given = set(mcfg.train_keys_set)
+    for section, fields in (("optimizer", OPTIMIZER_FIELDS), ("scheduler", SCHEDULE_FIELDS)):
+        both = [f for f in fields if f in given]
+        if section in ds_config and both:
+            raise ConfigError(f"{SECTION}.train.{both[0]} and DeepSpeed's \"{section}\" section are both given, and the "
+                              f"section would silently win; set the learning rate in one place: remove "
+                              f"{', '.join(f'{SECTION}.train.{f}' for f in both)} or the \"{section}\" section")
+    if "optimizer" in ds_config and "scheduler" not in ds_config:
+        schedule = [f for f in SCHEDULE_FIELDS if f in given]
+        if schedule:
+            raise ConfigError(f"{SECTION}.train.{schedule[0]} is set, but with DeepSpeed's \"optimizer\" section and no "
+                              "\"scheduler\" section the learning rate stays at optimizer.params.lr; add a \"scheduler\" "
+                              "section, or drop the \"optimizer\" section to use megatron.train's optimizer and schedule")
+
+
+def map_activation_checkpointing(ds_config: Dict[str, Any], mcfg: MegatronConfig) -> None:
+    """DeepSpeed's ``activation_checkpointing`` section onto the job's recomputation, or a ConfigError.
+
+    The job's GPT recomputes each layer in backward (``megatron.model.recompute_granularity: "full"``,
+    torch's checkpoint with the model's RNG tracker); the section turns that on.  Its options that
+    have no equivalent there are refused naming the key.
+    """
+    section = ds_config.get("activation_checkpointing")
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        raise ConfigError(f"activation_checkpointing must be a JSON object, got {section!r}")
+    for key in _AC_UNSUPPORTED:
+        if section.get(key):
+            raise ConfigError(f"activation_checkpointing.{key} is true, but ds-megatron train recomputes with "
+                              f"{SECTION}.model.recompute_granularity \"full\" (every layer, activations kept on the "
+                              f"device, not partitioned), which has no such option; remove the key")
+    if section.get("number_checkpoints") is not None:
+        raise ConfigError(f"activation_checkpointing.number_checkpoints={section['number_checkpoints']!r}: "
+                          f"ds-megatron train recomputes every layer ({SECTION}.model.recompute_granularity "
+                          "\"full\"); remove the key")
+    if mcfg.model.num_experts:
+        raise ConfigError(f"activation_checkpointing is given but {SECTION}.model.num_experts is set; activation "
+                          "recomputation is not supported for MoE models yet: remove the section")
+    if mcfg.model.recompute_granularity is None:
+        mcfg.model.recompute_granularity = "full"
+        mcfg.notices.append(f"activation_checkpointing: ds-megatron train recomputes every layer in backward "
+                            f"({SECTION}.model.recompute_granularity \"full\")")
+
+
 def parse_job_config(config) -> JobConfig:
     """Every section of a job config, validated; raises ConfigError naming the field."""
     ds_config, mcfg = split_config(config)
     if mcfg.model is None:
         mcfg.model = GPTConfig(sequence_parallel=mcfg.parallel.sequence_parallel,
                                make_vocab_size_divisible_by=mcfg.parallel.make_vocab_size_divisible_by)
+    check_one_lr_source(ds_config, mcfg)
+    map_activation_checkpointing(ds_config, mcfg)
     if "train_micro_batch_size_per_gpu" not in ds_config:
         raise ConfigError("train_micro_batch_size_per_gpu is missing from the DeepSpeed config; set it (e.g. 4)")
     if "train_batch_size" in ds_config:

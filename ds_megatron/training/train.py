@@ -119,6 +119,9 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     # Pinned host memory lets the copy to the GPU run asynchronously (non_blocking).
     pin_memory = torch.device(device).type == "cuda"
     say = print if rank == 0 and show_progress else (lambda *a, **k: None)
+    for notice in job.megatron.notices:
+        if notice not in engine.megatron.config.notices:  # the job's own (initialize logged the others)
+            say(notice, flush=True)
 
     start_step, consumed = 0, 0
     if resume_tag is not None:
