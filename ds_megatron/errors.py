@@ -24,3 +24,11 @@ def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
     if value not in allowed:
         raise ConfigError(f"{name}={value!r} is unknown; use one of {', '.join(map(repr, allowed))}")
     return value
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss stayed non-finite (or, outside fp16 loss scaling, every update was skipped for
+    non-finite gradients) for ``megatron.train.max_consecutive_nonfinite_steps`` steps: the job stops
+    with ``exit_code`` instead of reporting success."""
+
+    exit_code = 3

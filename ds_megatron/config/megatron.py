@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..errors import ConfigError
 from ..parallel.layout import ParallelLayout
 from .cuda_graph import CudaGraphConfig
+from .deepspeed_keys import check_deepspeed_keys
 from .ddp import DistributedDataParallelConfig
 from .model import GPTConfig
 from .parallel import ParallelConfig
@@ -53,6 +54,10 @@ class MegatronConfig:
     data: DataConfig = field(default_factory=DataConfig)
     # DeepSpeed's batch / ZeRO / pipeline keys, which the pipeline rules depend on.
     deepspeed_batch: DeepSpeedBatchKeys = field(default_factory=DeepSpeedBatchKeys)
+    # DeepSpeed keys without effect on our path, or unknown to DeepSpeed: logged once at initialize.
+    notices: List[str] = field(default_factory=list)
+    # The megatron.train keys the section sets explicitly (ds-megatron train's one rule for the LR).
+    train_keys_set: Tuple[str, ...] = ()
 
     @property
     def optimizer_impl(self) -> str:
@@ -96,6 +101,7 @@ class MegatronConfig:
         precision = resolve_precision(ds_config, path.get("optimizer_impl", "megatron"),
                                       path.get("log_num_zeros_in_grad", False))
         _check_gradient_reducer(ds_config, precision, sorted(flat["ddp"]), path.get("use_megatron_ddp"))
+        notices = check_deepspeed_keys(ds_config) if precision.owns_optimizer else []
         nested = {name: parse_section(tp, section.get(name, {}), f"{SECTION}.{name}")
                   for name, tp in _NESTED.items() if name != "model"}
         model = None
@@ -110,8 +116,9 @@ class MegatronConfig:
                 model_section[key] = getattr(parallel, key)
             model = parse_section(GPTConfig, model_section, f"{SECTION}.model")
         nested["cuda_graph"].check_moe_settings(model)
-        return cls(parallel=parallel, ddp=ddp, precision=precision, model=model,
-                   deepspeed_batch=DeepSpeedBatchKeys.from_ds_config(ds_config), **nested)
+        train_keys = tuple(section.get("train", {})) if isinstance(section.get("train"), dict) else ()
+        return cls(parallel=parallel, ddp=ddp, precision=precision, model=model, notices=notices,
+                   train_keys_set=train_keys, deepspeed_batch=DeepSpeedBatchKeys.from_ds_config(ds_config), **nested)
 
 
 def _check_gradient_reducer(ds_config: Dict[str, Any], precision: PrecisionConfig, ddp_keys, use_megatron_ddp) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..data.indexed_dataset import dataset_exists
-from ..data.tokenizer import TOKENIZERS
+from ..data.indexed_dataset import dataset_exists, max_token_id, token_dtype_code
+from ..data.tokenizer import TOKENIZERS, build_tokenizer
 from ..errors import ConfigError
 from .parsing import SECTION
 
@@ -30,14 +30,30 @@ class TrainConfig:
     log_interval: int = 1
     seed: int = 1234
     output_dir: str = "runs/default"
+    # Only the newest N checkpoints are kept (0: all); the one `latest` names is never removed.
+    keep_last_n_checkpoints: int = 0
+    # Graceful stop (Megatron's names): on SIGTERM / SIGUSR1, every exit_interval steps, or after
+    # exit_duration_in_mins, every rank stops at the same step boundary, saves, flushes and exits 0.
+    exit_signal_handler: bool = True
+    exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None
+    # Megatron's switch: a non-finite loss (or, outside fp16 loss scaling, a step skipped for
+    # non-finite gradients) in this many consecutive steps stops the job with exit code 3.
+    check_for_nan_in_loss_and_grad: bool = True
+    max_consecutive_nonfinite_steps: int = 1
 
     def __post_init__(self):
-        for name in ("train_iters", "eval_interval", "eval_iters", "log_interval"):
+        for name in ("train_iters", "eval_interval", "eval_iters", "log_interval", "max_consecutive_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{SECTION}.train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr_warmup_iters", "save_interval"):
+        for name in ("lr_warmup_iters", "save_interval", "keep_last_n_checkpoints"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{SECTION}.train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.exit_interval is not None and self.exit_interval < 1:
+            raise ConfigError(f"{SECTION}.train.exit_interval must be >= 1 (steps) or null, got {self.exit_interval}")
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
+            raise ConfigError(f"{SECTION}.train.exit_duration_in_mins must be > 0 or null, "
+                              f"got {self.exit_duration_in_mins}")
         if self.lr_decay_style not in ("cosine", "linear", "constant"):
             raise ConfigError(f"{SECTION}.train.lr_decay_style {self.lr_decay_style!r} is unknown; "
                               "use cosine, linear or constant")
@@ -61,9 +77,33 @@ class DataConfig:
             raise ConfigError(f"{where}.data_path={self.data_path!r} has no {self.data_path}.bin / .idx; make them "
                               "with `ds-megatron preprocess --input FILE --output-prefix PREFIX`, or drop data_path "
                               "to train on the built-in corpus")
+        if self.data_path is not None:
+            try:
+                token_dtype_code(self.data_path)
+            except ValueError as e:
+                raise ConfigError(f"{where}.data_path={self.data_path!r}: {e}") from None
         if self.tokenizer not in TOKENIZERS:
             raise ConfigError(f"{where}.tokenizer={self.tokenizer!r} is unknown; use one of: {', '.join(TOKENIZERS)}")
         if self.dataloader_type not in ("single", "cyclic"):
             raise ConfigError(f"{where}.dataloader_type={self.dataloader_type!r} is unknown; use single or cyclic")
         if self.num_workers < 0:
             raise ConfigError(f"{where}.num_workers must be >= 0, got {self.num_workers}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every token id the job can read is below ``vocab_size`` (model.vocab_size); else a ConfigError with both.
+
+        An id at or above it has no logit: its loss is infinite at every step.  The dataset's largest id
+        comes from its ``.stats.json`` (written by ``preprocess``) or is read from the ``.bin`` once.
+        """
+        where = f"{SECTION}.data"
+        if self.data_path is None:  # the built-in corpus, tokenized now with the configured tokenizer
+            ids = build_tokenizer(self.tokenizer).vocab_size
+            if ids > vocab_size:
+                raise ConfigError(f"{where}.tokenizer={self.tokenizer!r} has {ids} token ids but "
+                                  f"{SECTION}.model.vocab_size={vocab_size}; set vocab_size to at least {ids}")
+            return
+        largest = max_token_id(self.data_path)
+        if largest >= vocab_size:
+            raise ConfigError(f"{where}.data_path={self.data_path!r} holds token id {largest} but "
+                              f"{SECTION}.model.vocab_size={vocab_size} (ids must be below it); set vocab_size to at "
+                              f"least {largest + 1} or rebuild the data with the model's tokenizer")

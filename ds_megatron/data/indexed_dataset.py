@@ -24,6 +24,16 @@ A document is one or more consecutive sequences; ``doc_idx`` starts with 0 and
 ends with N, so there are D - 1 documents.  ``IndexedDatasetBuilder`` writes
 one sequence per document.
 
+Token files hold integers: the float codes (6 float64, 7 float32) are refused
+when reading, naming the file and the code.  DeepSpeed's data-efficiency
+``MMapIndexedDataset`` writes 6 for uint16, 7 for uint32 and 8 for uint64, so
+its files cannot be told apart from Megatron's by the header alone.
+
+``P.stats.json`` (ours, optional) records the largest token id, so the job can
+check a dataset against the model's vocabulary at start without reading the
+``.bin``; it is trusted only while the ``.bin`` has the size it records
+(``max_token_id`` computes it from the ``.bin`` otherwise).
+
 Writes are crash-safe: the builder fills temporary files next to the final
 ones and only renames them into place in ``finalize``.  The ``.idx`` acts as the
 commit marker (the old one is removed first and the new one renamed last), so
@@ -31,6 +41,7 @@ a complete ``.bin``/``.idx`` pair under a prefix always belongs together.
 """
 from __future__ import annotations
 
+import json
 import os
 import struct
 import uuid
@@ -46,6 +57,8 @@ DTYPE_CODES: Dict[int, type] = {
     5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
 }
 _CODE_OF_DTYPE = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+# Codes whose dtype can hold token ids.
+TOKEN_DTYPE_CODES = {c for c, t in DTYPE_CODES.items() if np.dtype(t).kind in "iu"}
 # magic + version + dtype code + N + D
 _HEADER_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8
 
@@ -60,8 +73,53 @@ def index_file_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
+def stats_file_path(prefix: str) -> str:
+    return prefix + ".stats.json"
+
+
 def dataset_exists(prefix: str) -> bool:
     return os.path.isfile(data_file_path(prefix)) and os.path.isfile(index_file_path(prefix))
+
+
+def token_dtype_code(prefix: str) -> int:
+    """The dtype code in ``prefix.idx``'s header; a ValueError naming the file unless it is an integer type."""
+    path = index_file_path(prefix)
+    with open(path, "rb") as f:
+        header = f.read(_HEADER_BYTES)
+    if len(header) < _HEADER_BYTES or header[:len(INDEX_HEADER)] != INDEX_HEADER:
+        raise ValueError(f"indexed dataset index {path!r} is not a Megatron mmap index (bad header); rebuild it: "
+                         + PREPROCESS_HINT.format(prefix=prefix))
+    (code,) = struct.unpack_from("<B", header, len(INDEX_HEADER) + 8)
+    if code not in DTYPE_CODES:
+        raise ValueError(f"indexed dataset index {path!r} has dtype code {code}, which is unknown; rebuild it: "
+                         + PREPROCESS_HINT.format(prefix=prefix))
+    if code not in TOKEN_DTYPE_CODES:
+        raise ValueError(f"indexed dataset index {path!r} has dtype code {code} ({np.dtype(DTYPE_CODES[code]).name} "
+                         "in Megatron's format); token ids must be integers (DeepSpeed's data-efficiency "
+                         "MMapIndexedDataset writes code 6 for uint16 and 7 for uint32, which read as floats here): "
+                         + PREPROCESS_HINT.format(prefix=prefix))
+    return code
+
+
+def max_token_id(prefix: str) -> int:
+    """The largest token id in ``prefix.bin`` (-1 when empty): from ``prefix.stats.json`` while it matches the
+    ``.bin``, else read from the ``.bin`` with numpy."""
+    code = token_dtype_code(prefix)
+    bin_path = data_file_path(prefix)
+    bin_bytes = os.path.getsize(bin_path)
+    try:
+        with open(stats_file_path(prefix)) as f:
+            stats = json.load(f)
+        if stats.get("bin_bytes") == bin_bytes and stats.get("dtype_code") == code:
+            return int(stats["max_token_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    dtype = np.dtype(DTYPE_CODES[code])
+    if bin_bytes < dtype.itemsize:
+        return -1
+    data = np.memmap(bin_path, mode="r", dtype=dtype)
+    chunk = 1 << 26
+    return int(max(int(data[i:i + chunk].max()) for i in range(0, len(data), chunk)))
 
 
 def best_dtype(vocab_size: int) -> np.dtype:
@@ -96,11 +154,12 @@ class IndexedDatasetBuilder:
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
         self._code = _dtype_code(self.dtype)
-        if self.dtype.kind in "iu":
-            info = np.iinfo(self.dtype)
-            self._bounds = (int(info.min), int(info.max))
-        else:
-            self._bounds = None
+        if self._code not in TOKEN_DTYPE_CODES:
+            raise ValueError(f"dtype {self.dtype.name} cannot hold token ids; use an integer dtype "
+                             "(best_dtype(vocab_size))")
+        info = np.iinfo(self.dtype)
+        self._bounds = (int(info.min), int(info.max))
+        self._max_id = -1
         parent = os.path.dirname(os.path.abspath(prefix))
         os.makedirs(parent, exist_ok=True)
         # Unique names in the final directory: rename is then atomic and two
@@ -108,6 +167,7 @@ class IndexedDatasetBuilder:
         tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._bin_tmp = data_file_path(prefix) + tag
         self._idx_tmp = index_file_path(prefix) + tag
+        self._stats_tmp = stats_file_path(prefix) + tag
         self._bin = open(self._bin_tmp, "wb")
         self._sizes = []
         self._done = False
@@ -120,12 +180,13 @@ class IndexedDatasetBuilder:
         arr = np.asarray(ids)
         if arr.ndim != 1:
             raise ValueError(f"document ids must be one-dimensional, got shape {arr.shape}")
-        if arr.size and self._bounds is not None:
+        if arr.size:
             lo, hi = int(arr.min()), int(arr.max())
             if lo < self._bounds[0] or hi > self._bounds[1]:
                 raise ValueError(f"token ids span [{lo}, {hi}], outside dtype {self.dtype.name} "
                                  f"[{self._bounds[0]}, {self._bounds[1]}]; build with a wider dtype "
                                  f"(best_dtype(vocab_size))")
+            self._max_id = max(self._max_id, hi)
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes(order="C"))
         self._sizes.append(int(arr.size))
 
@@ -154,11 +215,16 @@ class IndexedDatasetBuilder:
                 f.write(doc_idx.astype("<i8").tobytes())
                 f.flush()
                 os.fsync(f.fileno())
+            with open(self._stats_tmp, "w") as f:
+                json.dump({"max_token_id": self._max_id, "num_tokens": int(sizes.sum(dtype=np.int64)),
+                           "bin_bytes": os.path.getsize(self._bin_tmp),
+                           "dtype_code": self._code}, f)
             # .idx is the commit marker: drop the old one before the .bin changes,
             # rename the new one last, so no mismatched pair is ever visible.
             if os.path.exists(index_file_path(self.prefix)):
                 os.remove(index_file_path(self.prefix))
             os.replace(self._bin_tmp, data_file_path(self.prefix))
+            os.replace(self._stats_tmp, stats_file_path(self.prefix))
             os.replace(self._idx_tmp, index_file_path(self.prefix))
         except BaseException:
             self._remove_temporaries()
@@ -173,7 +239,7 @@ class IndexedDatasetBuilder:
     def _remove_temporaries(self) -> None:
         if not self._bin.closed:
             self._bin.close()
-        for path in (self._bin_tmp, self._idx_tmp):
+        for path in (self._bin_tmp, self._idx_tmp, self._stats_tmp):
             if os.path.exists(path):
                 os.remove(path)
 
@@ -226,6 +292,7 @@ class IndexedDataset:
                              f"rebuild it: {hint}")
         if code not in DTYPE_CODES:
             raise ValueError(f"{corrupt}: dtype code {code} is unknown; rebuild it: {hint}")
+        token_dtype_code(prefix)  # integers only (float codes: a ValueError naming the file and the code)
         expected = _HEADER_BYTES + count * (4 + 8) + doc_count * 8
         # Megatron's multimodal indexes append one int8 mode per sequence; the
         # token layout is the same, so such files read fine here.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -35,7 +36,10 @@ from ..config import MegatronConfig, split_config, world_size_from_env
 from ..distributed import DistributedDataParallel, finalize_model_grads
 from ..errors import ConfigError
 from ..parallel_state import ParallelState
+from .checks import check_model_uses_layout, check_one_scheduler
 from .cuda_graphs import CudaGraphEngineHook, attach_cuda_graphs
+from .deepspeed_moe import prepare_deepspeed_moe
+from .engine_queries import report_precision
 from .gradients import MegatronDDPInEngine, complete_sequence_parallel_grads_in_backward
 from .moe import mark_engine_has_moe, moe_layers, register_expert_groups
 from .mpu import MegatronMPU
@@ -46,6 +50,7 @@ from .rng import install_rng_tracker
 from .runtime import adopt_existing_process_group, init_distributed_from_env
 
 ConfigLike = Union[str, Dict[str, Any]]
+logger = logging.getLogger("ds_megatron")
 
 
 @dataclass
@@ -140,6 +145,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError("no DeepSpeed config given; pass config= (a path or a dict) or args with "
                           "--deepspeed_config")
     ds_config, mcfg = validate_config(source)
+    check_one_scheduler(ds_config, lr_scheduler)
     if mpu is not None:
         raise ConfigError("mpu= was given to ds_megatron.initialize, which builds its own from the "
                           "\"megatron\" section; drop mpu= or call deepspeed.initialize directly")
@@ -161,8 +167,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if rng_tracker is not None:
         install_rng_tracker(rng_tracker)
     our_mpu = MegatronMPU(parallel_state, rng_tracker=rng_tracker)
+    # DeepSpeed's own MoE layers: their expert groups, made before our buffers are built.
+    optimizer_state = prepare_deepspeed_moe(model, parallel_state, mcfg, ds_config, our_mpu)
+    if not isinstance(model, GPTPipelineModule):  # a stage may hold no MoE layer; ours use every size they get
+        check_model_uses_layout(model, parallel_state)
     is_last_stage = parallel_state.pp.rank == parallel_state.pp.size - 1
-    opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, parallel_state,
+    opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, optimizer_state,
                                       outputs_feed_the_loss=is_last_stage)
     # The whole model's question (a pipeline stage may hold no MoE layer): it decides collectives at checkpoints.
     has_moe = model is not None and (bool(model.config.num_experts) if isinstance(model, GPTPipelineModule)
@@ -187,6 +197,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         complete_sequence_parallel_grads_in_backward(model, parallel_state)
     if has_moe:
         mark_engine_has_moe(engine)
+    if mcfg.precision.owns_optimizer and model is not None:
+        report_precision(engine, mcfg.precision)  # engine.bfloat16_enabled(), gradient_clipping(), ... tell the truth
+    if dist.get_rank() == 0:
+        for notice in mcfg.notices:  # DeepSpeed keys without effect on our path, named once
+            logger.warning(notice)
     if mcfg.cuda_graph.enabled:  # capture after warmup_steps, then replay; without CUDA: one log line
         context.cuda_graphs = attach_cuda_graphs(engine, mcfg.cuda_graph)
     return engine, opt, loader, sched

@@ -427,7 +427,7 @@ class DistributedOptimizer(MegatronOptimizer):
             out["grad_scaler"] = self.grad_scaler.state_dict()
         return out
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any], load_optimizer_states: bool = True) -> None:
         """Load a gathered checkpoint (any DP size, distributed or not) and cut out this rank's shards."""
         inner = state_dict["optimizer"]
         saved_groups = inner["param_groups"]

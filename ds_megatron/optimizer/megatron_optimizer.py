@@ -367,7 +367,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any], load_optimizer_states: bool = True) -> None:
+        """``load_optimizer_states``: DeepSpeed's keyword (passed with fp16 / bf16 on); it calls this only when
+        it is True."""
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None:
             if "grad_scaler" not in state_dict:
@@ -493,8 +495,8 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         state["fp32_from_fp16_params"] = [[p.detach() for p in group] for group in self.fp32_from_float16_groups]
         return state
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+    def load_state_dict(self, state_dict: Dict[str, Any], load_optimizer_states: bool = True) -> None:
+        super().load_state_dict(state_dict, load_optimizer_states)
         saved = state_dict["fp32_from_fp16_params"]
         if [len(g) for g in saved] != [len(g) for g in self.fp32_from_float16_groups]:
             raise ValueError("the checkpoint's fp32 main params do not match this model's param groups "

@@ -27,25 +27,11 @@ import torch
 import torch.distributed as dist
 
 from ..integration import checkpoint as engine_checkpoint
-
-LATEST = "latest"
-
-
-def tag_for(step: int) -> str:
-    return f"iter_{step:07d}"
+from .run_dir import LATEST, latest_tag, prune_checkpoints, tag_for, write_atomic, write_job_meta
 
 
 def _rng_path(save_dir: str, tag: str, rank: int) -> str:
     return os.path.join(save_dir, tag, f"rng_state_rank{rank:05d}.pt")
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def rng_states(rng_tracker=None) -> Dict[str, Any]:
@@ -67,24 +53,21 @@ def set_rng_states(states: Dict[str, Any], rng_tracker=None) -> None:
         rng_tracker.set_states(states["tracker"])
 
 
-def save_checkpoint(engine, save_dir: str, step: int, client_state: Dict[str, Any], rng_tracker=None) -> str:
-    """Save through DeepSpeed, then this rank's RNG states, then (rank 0) flip ``latest``."""
+def save_checkpoint(engine, save_dir: str, step: int, client_state: Dict[str, Any], rng_tracker=None,
+                    job_meta: Optional[Dict[str, Any]] = None, keep_last_n: int = 0) -> str:
+    """Save through DeepSpeed, then this rank's RNG states and (rank 0) the job's record
+    (``run_dir.JOB_META``), then (rank 0) flip ``latest`` and prune to the ``keep_last_n`` newest."""
     tag = tag_for(step)
     engine_checkpoint.save_checkpoint(engine, save_dir, tag=tag, client_state=client_state, save_latest=False)
     torch.save(rng_states(rng_tracker), _rng_path(save_dir, tag, dist.get_rank()))
+    if dist.get_rank() == 0 and job_meta is not None:
+        write_job_meta(save_dir, tag, job_meta)
     dist.barrier()
     if dist.get_rank() == 0:
-        _write_atomic(os.path.join(save_dir, LATEST), tag)
+        write_atomic(os.path.join(save_dir, LATEST), tag)
+        prune_checkpoints(save_dir, keep_last_n)
     dist.barrier()
     return tag
-
-
-def latest_tag(save_dir: str) -> Optional[str]:
-    path = os.path.join(save_dir, LATEST)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return f.read().strip() or None
 
 
 def load_checkpoint(engine, save_dir: str, rng_tracker=None) -> Optional[Dict[str, Any]]:

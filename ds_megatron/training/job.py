@@ -8,12 +8,15 @@ loads the training loop (``training.train``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
 from ..config import SECTION, ConfigError, DataConfig, GPTConfig, MegatronConfig, TrainConfig, split_config
 from ..config.parsing import world_size_from_env
+from ..errors import NonFiniteLossError
+from .run_dir import check_resume
 
 
 @dataclass
@@ -36,12 +39,75 @@ class JobConfig:
         return self.megatron.data
 
 
+# megatron.train fields that DeepSpeed's optimizer / scheduler sections replace.
+OPTIMIZER_FIELDS = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
+SCHEDULE_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style")
+# DeepSpeed activation_checkpointing keys our recomputation (torch's checkpoint per layer) has no equivalent for.
+_AC_UNSUPPORTED = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                   "synchronize_checkpoint_boundary", "profile")
+
+
+def check_one_lr_source(ds_config: Dict[str, Any], mcfg: MegatronConfig) -> None:
+    """The job's one rule for the optimizer and learning rate (see README, "Guards").
+
+    Without DeepSpeed ``optimizer`` / ``scheduler`` sections, ``megatron.train`` builds AdamW (lr, weight_decay,
+    adam_*) and the warmup + decay schedule (lr, min_lr, lr_warmup_iters, lr_decay_style).  A DeepSpeed section
+    takes over what it names (DeepSpeed's own precedence), and the ``megatron.train`` fields it replaces must then
+    be left out: given both, the job stops here naming both instead of silently using one.
+    """
+    given = set(mcfg.train_keys_set)
+    for section, fields in (("optimizer", OPTIMIZER_FIELDS), ("scheduler", SCHEDULE_FIELDS)):
+        both = [f for f in fields if f in given]
+        if section in ds_config and both:
+            raise ConfigError(f"{SECTION}.train.{both[0]} and DeepSpeed's \"{section}\" section are both given, and the "
+                              f"section would silently win; set the learning rate in one place: remove "
+                              f"{', '.join(f'{SECTION}.train.{f}' for f in both)} or the \"{section}\" section")
+    if "optimizer" in ds_config and "scheduler" not in ds_config:
+        schedule = [f for f in SCHEDULE_FIELDS if f in given]
+        if schedule:
+            raise ConfigError(f"{SECTION}.train.{schedule[0]} is set, but with DeepSpeed's \"optimizer\" section and no "
+                              "\"scheduler\" section the learning rate stays at optimizer.params.lr; add a \"scheduler\" "
+                              "section, or drop the \"optimizer\" section to use megatron.train's optimizer and schedule")
+
+
+def map_activation_checkpointing(ds_config: Dict[str, Any], mcfg: MegatronConfig) -> None:
+    """DeepSpeed's ``activation_checkpointing`` section onto the job's recomputation, or a ConfigError.
+
+    The job's GPT recomputes each layer in backward (``megatron.model.recompute_granularity: "full"``,
+    torch's checkpoint with the model's RNG tracker); the section turns that on.  Its options that
+    have no equivalent there are refused naming the key.
+    """
+    section = ds_config.get("activation_checkpointing")
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        raise ConfigError(f"activation_checkpointing must be a JSON object, got {section!r}")
+    for key in _AC_UNSUPPORTED:
+        if section.get(key):
+            raise ConfigError(f"activation_checkpointing.{key} is true, but ds-megatron train recomputes with "
+                              f"{SECTION}.model.recompute_granularity \"full\" (every layer, activations kept on the "
+                              f"device, not partitioned), which has no such option; remove the key")
+    if section.get("number_checkpoints") is not None:
+        raise ConfigError(f"activation_checkpointing.number_checkpoints={section['number_checkpoints']!r}: "
+                          f"ds-megatron train recomputes every layer ({SECTION}.model.recompute_granularity "
+                          "\"full\"); remove the key")
+    if mcfg.model.num_experts:
+        raise ConfigError(f"activation_checkpointing is given but {SECTION}.model.num_experts is set; activation "
+                          "recomputation is not supported for MoE models yet: remove the section")
+    if mcfg.model.recompute_granularity is None:
+        mcfg.model.recompute_granularity = "full"
+        mcfg.notices.append(f"activation_checkpointing: ds-megatron train recomputes every layer in backward "
+                            f"({SECTION}.model.recompute_granularity \"full\")")
+
+
 def parse_job_config(config) -> JobConfig:
     """Every section of a job config, validated; raises ConfigError naming the field."""
     ds_config, mcfg = split_config(config)
     if mcfg.model is None:
         mcfg.model = GPTConfig(sequence_parallel=mcfg.parallel.sequence_parallel,
                                make_vocab_size_divisible_by=mcfg.parallel.make_vocab_size_divisible_by)
+    check_one_lr_source(ds_config, mcfg)
+    map_activation_checkpointing(ds_config, mcfg)
     if "train_micro_batch_size_per_gpu" not in ds_config:
         raise ConfigError("train_micro_batch_size_per_gpu is missing from the DeepSpeed config; set it (e.g. 4)")
     if "train_batch_size" in ds_config:
@@ -55,6 +121,7 @@ def load_job(config, world_size: int, train_iters: Optional[int] = None,
     """Parse and validate every section for ``world_size`` ranks; creates nothing."""
     job = parse_job_config(config)
     job.megatron.layout(world_size)  # the layout fits the world and the model fits the layout
+    job.data.check_vocab(job.model.vocab_size)  # every token id has a logit
     if train_iters is not None:
         if train_iters < 1:
             raise ConfigError(f"--train-iters must be >= 1, got {train_iters}")
@@ -77,14 +144,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Exit codes: 0 trained (or stopped gracefully, checkpoint saved), 2 bad config or a checkpoint that does
+    not fit it, 3 the loss stayed non-finite (``megatron.train.check_for_nan_in_loss_and_grad``)."""
     args, _ = build_parser().parse_known_args(argv)
     try:
         job = load_job(args.config, world_size_from_env() or 1, args.train_iters, args.output_dir)
+        if args.resume:
+            check_resume(job, job.train.output_dir)
     except ConfigError as e:
         print(f"ds-megatron train: error: {e}", file=sys.stderr)
         return 2
     # The config is valid: only now load torch, DeepSpeed and the loop.
     from . import train as loop
-    loop.train(job, args.config, resume=args.resume)
+    try:
+        loop.train(job, args.config, resume=args.resume)
+    except NonFiniteLossError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ds-megatron train: error: {e}", file=sys.stderr, flush=True)
+        loop.shutdown(e.exit_code)
     loop.shutdown()
     return 0

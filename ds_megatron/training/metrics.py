@@ -1,13 +1,32 @@
-"""Training metrics: a JSONL log, the rank-0 progress bar text, and the loss-curve plot."""
+"""Training metrics: a JSONL log that strict JSON readers accept, the progress-line text, and the loss-curve plot."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Dict, List, Optional
 
 
+def strict_json_record(record: Dict[str, Any]) -> Dict[str, Any]:
+    """``record`` with every non-finite float replaced by null and named under ``"nonfinite"``.
+
+    ``json.dumps`` would write ``Infinity`` / ``NaN``, which no strict JSON parser accepts.
+    """
+    out: Dict[str, Any] = {}
+    nonfinite: Dict[str, str] = {}
+    for key, value in record.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key] = None
+            nonfinite[key] = repr(value)  # "inf", "-inf", "nan"
+        else:
+            out[key] = value
+    if nonfinite:
+        out["nonfinite"] = nonfinite
+    return out
+
+
 class MetricsLog:
-    """Appends one JSON object per line; the file survives restarts (``--resume`` continues it)."""
+    """Appends one strict-JSON object per line; ``--resume`` continues the file of the run it resumes."""
 
     def __init__(self, path: str):
         self.path = path
@@ -15,7 +34,7 @@ class MetricsLog:
 
     def write(self, record: Dict[str, Any]) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(strict_json_record(record), allow_nan=False) + "\n")
 
     def read(self) -> List[Dict[str, Any]]:
         if not os.path.isfile(self.path):
@@ -24,13 +43,33 @@ class MetricsLog:
             return [json.loads(line) for line in f if line.strip()]
 
 
+def format_duration(seconds: float) -> str:
+    """``2h05m``, ``4m12s``, ``9s``."""
+    seconds = max(int(round(seconds)), 0)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def format_bytes(n: int) -> str:
+    return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.0f} MiB"
+
+
 def progress_text(step: int, loss: float, lr: float, tokens_per_s: float, grad_norm: Optional[float],
-                  loss_scale: Optional[float] = None) -> str:
+                  loss_scale: Optional[float] = None, eta_s: Optional[float] = None,
+                  peak_memory: Optional[int] = None) -> str:
+    """One log line's fields: loss, lr, tokens/s, grad norm, loss scale (when scaling), peak memory, ETA."""
     parts = [f"loss {loss:.4f}", f"lr {lr:.2e}", f"{tokens_per_s:,.0f} tok/s"]
     if grad_norm is not None:
         parts.append(f"gnorm {grad_norm:.3f}")
     if loss_scale is not None:
         parts.append(f"scale {loss_scale:g}")
+    if peak_memory is not None:
+        parts.append(f"peak mem {format_bytes(peak_memory)}")
+    if eta_s is not None:
+        parts.append(f"ETA {format_duration(eta_s)}")
     return " | ".join(parts)
 
 
@@ -43,8 +82,8 @@ def plot_loss_curve(records: List[Dict[str, Any]], path: str) -> Optional[str]:
     except ImportError:
         return "matplotlib is not installed (pip install 'ds-megatron[plot]'); no plot written"
     # A resumed run appends again from its checkpoint step: keep the last record per step.
-    train = {r["step"]: r["loss"] for r in records if "loss" in r}
-    valid = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    train = {r["step"]: r["loss"] for r in records if r.get("loss") is not None}
+    valid = {r["step"]: r["val_loss"] for r in records if r.get("val_loss") is not None}
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(sorted(train), [train[s] for s in sorted(train)], label="train loss", lw=1)
     if valid:

@@ -20,7 +20,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from ..data.corpus import build_default_dataset
 from ..data.gpt_dataset import build_train_valid_datasets
@@ -34,7 +33,10 @@ from ..tensor_parallel import RNGStatesTracker, model_parallel_seed
 from .checkpointing import load_checkpoint, save_checkpoint
 from .job import JobConfig, load_job, main  # noqa: F401  (the job's entry points, re-exported)
 from .lr_schedule import build_lr_scheduler
-from .metrics import MetricsLog, plot_loss_curve, progress_text
+from .metrics import MetricsLog, plot_loss_curve
+from .monitoring import NonFiniteGuard, ProgressOutput, Reporter
+from .run_dir import LATEST, METRICS, check_resume, job_meta, start_fresh_metrics, tag_for
+from .signals import StopRequest
 
 
 @dataclass
@@ -42,6 +44,7 @@ class TrainResult:
     losses: Dict[int, float] = field(default_factory=dict)  # step -> DP-averaged train loss
     val_losses: Dict[int, float] = field(default_factory=dict)
     start_step: int = 0
+    stop_reason: Optional[str] = None  # why the run ended before train_iters (a signal, exit_interval, ...)
 
 
 def batch_to_device(batch: Dict[str, Any], device) -> Dict[str, Any]:
@@ -96,9 +99,12 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
           show_progress: bool = True) -> TrainResult:
     """Run the job on an already launched set of ranks; returns the losses it saw.
 
-    ``stop_after``: end after this step (simulates an interruption; tests use it).
+    ``stop_after``: end after this step (simulates an interruption; tests use it).  A non-finite
+    loss raises ``NonFiniteLossError`` (``monitoring.NonFiniteGuard``); a signal, ``exit_interval`` or
+    ``exit_duration_in_mins`` ends the run early with a checkpoint (``signals.StopRequest``).
     """
     tcfg, out_dir = job.train, job.train.output_dir
+    resume_tag = check_resume(job, out_dir) if resume else None  # a mismatched checkpoint fails here, first
     state = initialize_model_parallel(job.megatron)
     rank, dp = dist.get_rank(), state.dp
     pipeline = state.pp.size > 1
@@ -113,20 +119,29 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     else:
         optimizer = torch.optim.AdamW(get_param_groups(model), lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2),
                                       eps=tcfg.adam_eps, weight_decay=tcfg.weight_decay)
-        scheduler = build_lr_scheduler(optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters, tcfg.train_iters,
-                                       tcfg.lr_decay_style)
+        scheduler = None if "scheduler" in ds_config else build_lr_scheduler(
+            optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters, tcfg.train_iters, tcfg.lr_decay_style)
     engine, _, _, scheduler = initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config_source,
         model_parameters=get_param_groups(model) if optimizer is None else None, parallel_state=state)
     device = engine.device
     # Pinned host memory lets the copy to the GPU run asynchronously (non_blocking).
     pin_memory = torch.device(device).type == "cuda"
+    say = print if rank == 0 and show_progress else (lambda *a, **k: None)
+    for notice in job.megatron.notices:
+        if notice not in engine.megatron.config.notices:  # the job's own (initialize logged the others)
+            say(notice, flush=True)
 
     start_step, consumed = 0, 0
-    if resume:
+    if resume_tag is not None:
         client = load_checkpoint(engine, out_dir, tracker)
-        if client is not None:
-            start_step, consumed = client["step"], client["consumed_train_samples"]
+        start_step, consumed = client["step"], client["consumed_train_samples"]
+    elif resume:
+        say(f"--resume: no checkpoint in {out_dir} (no {LATEST} file); starting at step 0", flush=True)
+    if start_step == 0 and rank == 0:
+        moved = start_fresh_metrics(out_dir)
+        if moved:
+            say(f"a new run starts in {out_dir}: the earlier {METRICS} is now {moved}", flush=True)
 
     prefix = job.data.data_path or build_default_dataset(max_bytes=job.data.default_corpus_bytes,
                                                          tokenizer=job.data.tokenizer)
@@ -154,13 +169,14 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
             dist.all_reduce(total, group=dp.group)
         return float(total) / dp.size
 
-    log = MetricsLog(os.path.join(out_dir, "metrics.jsonl")) if rank == 0 else None
+    log = MetricsLog(os.path.join(out_dir, METRICS)) if rank == 0 else None
     result = TrainResult(start_step=start_step)
-    bar = None
-    if rank == 0 and show_progress and sys.stdout.isatty():
-        bar = tqdm(total=tcfg.train_iters, initial=start_step, desc="train", dynamic_ncols=True, file=sys.stdout,
-                   mininterval=0.5)
-    tokens_per_step = global_batch * job.model.seq_length
+    progress = ProgressOutput(tcfg.train_iters, start_step, enabled=rank == 0 and show_progress)
+    reporter = Reporter(engine, log, progress, NonFiniteGuard(
+        tcfg.check_for_nan_in_loss_and_grad, tcfg.max_consecutive_nonfinite_steps,
+        loss_scaling=job.megatron.precision.uses_loss_scaling), tcfg.train_iters,
+        global_batch * job.model.seq_length, device)
+    stop = StopRequest(tcfg, state.world, device).start()
     # Our optimizer path (and DeepSpeed's own fp16/bf16/ZeRO optimizers) report the true global norm
     # through engine.get_global_grad_norm(); only DeepSpeed's plain fp32 path leaves it to the loop.
     own_grad_norm = not (isinstance(engine.optimizer, MegatronOptimizer) or engine.fp16_enabled()
@@ -171,94 +187,88 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     interval_start, interval_steps = time.perf_counter(), 0
 
     def flush() -> None:
-        """Bring the pending steps to the host: log, print and record them (the one sync per interval)."""
+        """Bring the pending steps to the host and report them (the one sync per interval)."""
         nonlocal interval_start, interval_steps
         rows = pending.flush()
-        if not rows:
-            return
-        tok_s = tokens_per_step * interval_steps / (time.perf_counter() - interval_start)
-        interval_start, interval_steps = time.perf_counter(), 0
-        for step, loss_value, moe_losses in rows:
+        seconds = time.perf_counter() - interval_start
+        for step, loss_value, _ in rows:
             result.losses[step] = loss_value
-            record = {"step": step, "loss": loss_value, **records.pop(step), **moe_losses}
-            if step == rows[-1][0]:
-                record["tokens_per_s"] = tok_s
-            if log is not None:
-                log.write(record)
-        step, loss_value, moe_losses = rows[-1]
-        text = progress_text(step, loss_value, record["lr"], tok_s, record.get("grad_norm"), record.get("loss_scale"))
-        if bar is not None:
-            bar.update(step - bar.n)
-            bar.set_postfix_str(text)
-        elif rank == 0 and show_progress:
-            moe_text = "".join(f" | {k} {v:.4f}" for k, v in moe_losses.items())
-            print(f"step {step}/{tcfg.train_iters} | " + text + moe_text, flush=True)
+        try:
+            reporter.report(rows, records, seconds, interval_steps)
+        finally:
+            interval_start, interval_steps = time.perf_counter(), 0
 
-    if valid_ds is not None and start_step == 0:
-        val = evaluate()  # the starting point of the validation curve
-        result.val_losses[0] = val
-        if log is not None:
-            log.write({"step": 0, "val_loss": val})
-        if rank == 0 and show_progress:
-            print(f"step 0: validation loss {val:.4f}", flush=True)
-    for step in range(start_step, tcfg.train_iters):
-        is_log_step = (step + 1) % tcfg.log_interval == 0 or step == start_step
-        step_loss = torch.zeros((), dtype=torch.float64, device=device)
-        gnorm = None
-        if pipeline:  # the pipeline runs the step's micro-batches and steps; its loss is the DP mean already
-            step_loss += engine.train_batch(pipeline_micro_batches(train_iter, gas)).double()
-        for micro in range(0 if pipeline else gas):
-            loss = engine(batch_to_device(next(train_iter), device))
-            engine.backward(loss)
-            if micro == gas - 1 and own_grad_norm and is_log_step:
-                # Grads are DP-reduced now and still unclipped: Megatron's true global norm.
-                gnorm = get_grad_norm_fp32(grads_for_norm(model.parameters(), state.tp.rank), state.mp.group)
-            engine.step()
-            step_loss += loss.detach().double() / gas
-            # Keep no reference to this micro-batch's autograd graph: it would hold the parameters'
-            # AccumulateGrad nodes alive into the next forward (a CUDA graph capture there needs them fresh).
-            del loss
-        consumed += global_batch
-        interval_steps += 1
-        moe_losses = {}
-        if model.moe_aux_loss_tracker is not None:
-            moe_losses = model.moe_aux_loss_tracker.averages()  # device tensors, no sync
-            model.moe_aux_loss_tracker.reset()
-            if pipeline:  # the same names on every stage (a stage may hold no MoE layer), summed at flush
-                zero = torch.zeros((), device=device)
-                moe_losses = {name: moe_losses.get(name, zero) for name in routing_loss_names(job.model)}
-        pending.add(step + 1, step_loss, moe_losses)
-        records[step + 1] = {"lr": engine.get_lr()[0], "consumed_samples": consumed}
-        done = step + 1 == tcfg.train_iters or step + 1 == stop_after
-        evaluating = valid_ds is not None and ((step + 1) % tcfg.eval_interval == 0 or step + 1 == tcfg.train_iters)
-        saving = (tcfg.save_interval and (step + 1) % tcfg.save_interval == 0) or done
-        if is_log_step or done or evaluating or saving:
-            if gnorm is None and engine.get_global_grad_norm() is not None:
-                gnorm = float(engine.get_global_grad_norm())
-            records[step + 1].update(grad_norm=gnorm, loss_scale=getattr(engine.optimizer, "cur_scale", None),
-                                     skipped_steps=engine.skipped_steps)
-            flush()
-        if evaluating:
-            val = evaluate()
-            result.val_losses[step + 1] = val
-            if log is not None:
-                log.write({"step": step + 1, "val_loss": val})
-            if rank == 0 and show_progress:
-                (bar.write if bar is not None else print)(f"step {step + 1}: validation loss {val:.4f}")
-        if saving:
-            save_checkpoint(engine, out_dir, step + 1, {"step": step + 1, "consumed_train_samples": consumed},
-                            tracker)
-        if evaluating or saving:
-            interval_start = time.perf_counter()  # tokens/s counts training steps only
-        last = step + 1
-        if step + 1 == stop_after:
-            break
-    if bar is not None:
-        bar.close()
-    if rank == 0 and last == tcfg.train_iters:
+    def validate(step: int) -> None:
+        val = evaluate()
+        result.val_losses[step] = val
+        reporter.report_validation(step, val, consumed)
+
+    try:
+        if valid_ds is not None and start_step == 0:
+            validate(0)  # the starting point of the validation curve
+        for step in range(start_step, tcfg.train_iters):
+            is_log_step = (step + 1) % tcfg.log_interval == 0 or step == start_step
+            step_loss = torch.zeros((), dtype=torch.float64, device=device)
+            gnorm = None
+            skipped_before = engine.skipped_steps
+            if pipeline:  # the pipeline runs the step's micro-batches and steps; its loss is the DP mean already
+                step_loss += engine.train_batch(pipeline_micro_batches(train_iter, gas)).double()
+            for micro in range(0 if pipeline else gas):
+                loss = engine(batch_to_device(next(train_iter), device))
+                engine.backward(loss)
+                if micro == gas - 1 and own_grad_norm and is_log_step:
+                    # Grads are DP-reduced now and still unclipped: Megatron's true global norm.
+                    gnorm = get_grad_norm_fp32(grads_for_norm(model.parameters(), state.tp.rank), state.mp.group)
+                engine.step()
+                step_loss += loss.detach().double() / gas
+                # Keep no reference to this micro-batch's autograd graph: it would hold the parameters'
+                # AccumulateGrad nodes alive into the next forward (a CUDA graph capture there needs them fresh).
+                del loss
+            consumed += global_batch
+            interval_steps += 1
+            moe_losses = {}
+            if model.moe_aux_loss_tracker is not None:
+                moe_losses = model.moe_aux_loss_tracker.averages()  # device tensors, no sync
+                model.moe_aux_loss_tracker.reset()
+                if pipeline:  # the same names on every stage (a stage may hold no MoE layer), summed at flush
+                    zero = torch.zeros((), device=device)
+                    moe_losses = {name: moe_losses.get(name, zero) for name in routing_loss_names(job.model)}
+            pending.add(step + 1, step_loss, moe_losses)
+            records[step + 1] = {"lr": engine.get_lr()[0], "consumed_samples": consumed,
+                                 "skipped": engine.skipped_steps != skipped_before}
+            stop_reason = stop.check(step + 1)  # the same on every rank
+            done = step + 1 == tcfg.train_iters or step + 1 == stop_after or stop_reason is not None
+            evaluating = valid_ds is not None and ((step + 1) % tcfg.eval_interval == 0
+                                                   or step + 1 == tcfg.train_iters)
+            saving = (tcfg.save_interval and (step + 1) % tcfg.save_interval == 0) or done
+            if is_log_step or done or evaluating or saving:
+                if gnorm is None and engine.get_global_grad_norm() is not None:
+                    gnorm = float(engine.get_global_grad_norm())
+                records[step + 1].update(grad_norm=gnorm, loss_scale=getattr(engine.optimizer, "cur_scale", None),
+                                         skipped_steps=engine.skipped_steps)
+                flush()
+            if evaluating:
+                validate(step + 1)
+            if saving:
+                save_checkpoint(engine, out_dir, step + 1, {"step": step + 1, "consumed_train_samples": consumed},
+                                tracker, job_meta(job), tcfg.keep_last_n_checkpoints)
+            if evaluating or saving:
+                interval_start = time.perf_counter()  # tokens/s counts training steps only
+            last = step + 1
+            if stop_reason is not None:
+                result.stop_reason = stop_reason
+                progress.message(f"stopping after step {step + 1} ({stop_reason}): checkpoint {tag_for(step + 1)} "
+                                 f"saved; continue with --resume")
+                break
+            if step + 1 == stop_after:
+                break
+    finally:
+        stop.close()
+        progress.close()
+    if rank == 0 and last == tcfg.train_iters and show_progress:
         why_not = plot_loss_curve(log.read(), os.path.join(out_dir, "loss_curve.png"))
         print(why_not or f"loss curve: {os.path.join(out_dir, 'loss_curve.png')}", flush=True)
-        vals = {r["step"]: r["val_loss"] for r in log.read() if "val_loss" in r}
+        vals = {r["step"]: r["val_loss"] for r in log.read() if r.get("val_loss") is not None}
         if len(vals) > 1:
             first, last_step = min(vals), max(vals)
             print(f"validation loss: {vals[first]:.4f} at step {first} -> {vals[last_step]:.4f} at step {last_step}",
@@ -302,7 +312,7 @@ def pipeline_micro_batches(batches, count: int):
         yield batch["tokens"], (batch["labels"], batch["loss_mask"])
 
 
-def shutdown() -> None:
+def shutdown(exit_code: int = 0) -> None:
     """Leave the job cleanly: barrier, destroy the default group, then skip interpreter teardown.
 
     Interpreter teardown under gloo sometimes aborts ("terminate called without
@@ -313,4 +323,4 @@ def shutdown() -> None:
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(exit_code)

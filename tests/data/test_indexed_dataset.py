@@ -1,4 +1,5 @@
 """Megatron .bin/.idx: round trips, the byte layout parsed by hand, crash-safe writes, clear errors."""
+import json
 import os
 import struct
 
@@ -98,7 +99,7 @@ def test_unfinished_build_never_shows_final_name(tmp_path):
     assert not os.path.exists(prefix + ".bin") and not os.path.exists(prefix + ".idx")
     b.finalize()
     assert IndexedDataset(prefix)[0].tolist() == [1, 2, 3]
-    assert sorted(os.listdir(tmp_path)) == ["ds.bin", "ds.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["ds.bin", "ds.idx", "ds.stats.json"]
 
 
 def test_crash_keeps_existing_dataset(tmp_path):
@@ -110,7 +111,7 @@ def test_crash_keeps_existing_dataset(tmp_path):
             raise KeyboardInterrupt
     after = {ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx")}
     assert after == before
-    assert sorted(os.listdir(tmp_path)) == ["ds.bin", "ds.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["ds.bin", "ds.idx", "ds.stats.json"]
 
 
 def test_rebuild_replaces_dataset(tmp_path):
@@ -186,3 +187,35 @@ def test_files_are_byte_identical_to_megatron_core(tmp_path):
     for ext in (".bin", ".idx"):
         assert open(ours + ext, "rb").read() == open(str(tmp_path / "theirs") + ext, "rb").read()
     assert [x.tolist() for x in mcore.IndexedDataset(ours)] == [d.tolist() for d in docs]
+
+
+# --- token ids: integers only, and the largest one known at start -------------------------------------
+
+def _with_dtype_code(prefix, code):
+    """Rewrite the header's dtype code (as DeepSpeed's data-efficiency writer would have put it)."""
+    raw = bytearray(open(prefix + ".idx", "rb").read())
+    raw[17] = code
+    open(prefix + ".idx", "wb").write(bytes(raw))
+    return prefix
+
+
+@pytest.mark.parametrize("code,name", [(6, "float64"), (7, "float32")])
+def test_float_dtype_codes_are_refused_naming_the_file_and_the_code(tmp_path, code, name):
+    """DeepSpeed's MMapIndexedDataset writes code 6 for uint16: read as float64 the ids were garbage."""
+    prefix = _with_dtype_code(_write(str(tmp_path / "ds"), [[1, 2, 3, 4]], np.uint16), code)
+    with pytest.raises(ValueError, match=rf"{prefix}\.idx.* has dtype code {code} \({name}.*token ids must be "
+                                         "integers"):
+        IndexedDataset(prefix)
+    with pytest.raises(ValueError, match="cannot hold token ids"):
+        IndexedDatasetBuilder(str(tmp_path / "f"), np.float32)
+
+
+def test_max_token_id_from_the_stats_file_or_the_bin(tmp_path):
+    from ds_megatron.data.indexed_dataset import max_token_id
+    prefix = _write(str(tmp_path / "ds"), [[1, 700, 3], [], [9]], np.uint16)
+    assert json.load(open(prefix + ".stats.json"))["max_token_id"] == 700
+    assert max_token_id(prefix) == 700
+    os.remove(prefix + ".stats.json")  # e.g. a Megatron-made dataset: read from the .bin
+    assert max_token_id(prefix) == 700
+    open(prefix + ".stats.json", "w").write(json.dumps({"max_token_id": 5, "bin_bytes": 2, "dtype_code": 8}))
+    assert max_token_id(prefix) == 700  # a stale record (another .bin size) is not trusted

@@ -1,9 +1,11 @@
 """Megatron DDP inside the DeepSpeed engine: same training as DeepSpeed's own path, and no double reduction.
 
-The DDP runs use ``"gradient_allreduce_op": "sum"`` in the DeepSpeed config:
-if DeepSpeed's all-reduce also ran on top of ours, every gradient would be
-DP times too large and the parameters would drift from the reference (the
-guard run shows that this data does tell the difference).
+A second reduction on top of ours would be caught twice: DeepSpeed's reducer
+(``buffered_allreduce_fallback``) is counted and must never run, and the
+parameters must equal DeepSpeed's own path.  (The DDP runs used to add
+``"gradient_allreduce_op": "sum"``, which the Megatron path now refuses as a
+key it does not apply; the guard run, on DeepSpeed's path, still shows that a
+summed instead of averaged reduction changes the result on this data.)
 """
 import pytest
 import torch
@@ -82,7 +84,7 @@ def _compare_with_deepspeed():
     out["moved"] = not torch.allclose(refs[1], torch.cat([p.detach().flatten() for p in start.parameters()]))
     for overlap in (False, True):
         for gas in (1, 4):
-            flat, info = _train(_config(gas, {"overlap_grad_reduce": overlap, "bucket_size": 200}, op="sum"))
+            flat, info = _train(_config(gas, {"overlap_grad_reduce": overlap, "bucket_size": 200}))
             out[(overlap, gas)] = (torch.allclose(flat, refs[gas], atol=1e-6, rtol=1e-5),
                                    float((flat - refs[gas]).abs().max()), info)
     return out

@@ -1,0 +1,143 @@
+"""A training job's output directory, torch-free: checkpoint tags, what a checkpoint records about its job,
+the checks ``--resume`` makes before anything starts, a fresh run's metrics file, and pruning old checkpoints.
+
+``checkpointing.save_checkpoint`` writes ``JOB_META`` into every checkpoint directory (rank 0,
+before ``latest`` moves to it): the model's shape fields, the parallel sizes that name the
+checkpoint's files and the parameter dtype.  ``check_resume`` compares them with the job that
+resumes and raises a ``ConfigError`` naming the first field that differs, before any process
+group exists and before any file is written.  The data-parallel size may differ (the optimizer
+states are saved DP-independent).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any, Dict, List, Optional
+
+from ..config import SECTION, ConfigError
+
+LATEST = "latest"
+JOB_META = "ds_megatron_job.json"
+METRICS = "metrics.jsonl"
+_TAG = re.compile(r"^iter_(\d{7})$")
+
+# Model fields that change a parameter's shape or name; a checkpoint only loads into the same values.
+MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
+                      "vocab_size", "make_vocab_size_divisible_by", "num_experts", "moe_ffn_hidden_size",
+                      "moe_layer_freq", "moe_shared_expert_ffn_hidden_size", "moe_grouped_gemm")
+# The parallel sizes a checkpoint's files are named and cut by (Megatron's names, as in the section).
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size")
+
+
+def tag_for(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def step_of(tag: str) -> Optional[int]:
+    match = _TAG.match(tag)
+    return int(match.group(1)) if match else None
+
+
+def latest_tag(save_dir: str) -> Optional[str]:
+    path = os.path.join(save_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def job_meta(job) -> Dict[str, Any]:
+    """What a checkpoint records about the job that wrote it (``job``: a ``JobConfig``)."""
+    parallel = job.megatron.parallel
+    return {"model": {f: getattr(job.model, f) for f in MODEL_SHAPE_FIELDS},
+            "layout": {"tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+                       "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+                       "expert_model_parallel_size": parallel.expert_model_parallel_size,
+                       "expert_tensor_parallel_size": (parallel.expert_tensor_parallel_size
+                                                       or parallel.tensor_model_parallel_size)},
+            "params_dtype": job.megatron.precision.params_dtype}
+
+
+def write_job_meta(save_dir: str, tag: str, meta: Dict[str, Any]) -> None:
+    write_atomic(os.path.join(save_dir, tag, JOB_META), json.dumps(meta, indent=1, sort_keys=True))
+
+
+def read_job_meta(save_dir: str, tag: str) -> Optional[Dict[str, Any]]:
+    path = os.path.join(save_dir, tag, JOB_META)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_resume(job, save_dir: str) -> Optional[str]:
+    """The tag ``--resume`` will load (None: there is no checkpoint); a ConfigError when it does not fit ``job``."""
+    tag = latest_tag(save_dir)
+    if tag is None:
+        return None
+    where = os.path.join(save_dir, tag)
+    if not os.path.isdir(where):
+        raise ConfigError(f"{os.path.join(save_dir, LATEST)} names {tag!r}, which does not exist; point it at a "
+                          "checkpoint directory in the output dir, or use another --output-dir")
+    saved = read_job_meta(save_dir, tag)
+    if saved is None:  # written before ds_megatron recorded its job: nothing to compare
+        return tag
+    now = job_meta(job)
+    for name in MODEL_SHAPE_FIELDS:
+        if name in saved["model"] and saved["model"][name] != now["model"][name]:
+            raise ConfigError(f"{SECTION}.model.{name}={now['model'][name]!r} but the checkpoint {where} was saved "
+                              f"with {name}={saved['model'][name]!r}; resume with the same value, or use another "
+                              "--output-dir to start a new run")
+    for name in LAYOUT_FIELDS:
+        if name in saved["layout"] and saved["layout"][name] != now["layout"][name]:
+            raise ConfigError(f"{SECTION}.{name}={now['layout'][name]} but the checkpoint {where} was saved with "
+                              f"{saved['layout'][name]} (its files are cut by it); resume with the same size (the "
+                              "data-parallel size may change), or use another --output-dir")
+    if saved.get("params_dtype", now["params_dtype"]) != now["params_dtype"]:
+        raise ConfigError(f"this config trains {now['params_dtype']} params (fp16.enabled / bf16.enabled) but the "
+                          f"checkpoint {where} holds {saved['params_dtype']} ones with their optimizer state; resume "
+                          "with the same precision, or use another --output-dir")
+    return tag
+
+
+def start_fresh_metrics(out_dir: str) -> Optional[str]:
+    """A run that starts at step 0 gets an empty ``metrics.jsonl``: an older one is renamed to
+    ``metrics.jsonl.N`` (the first free N), never appended to.  Returns the new name of the old file."""
+    path = os.path.join(out_dir, METRICS)
+    if not os.path.exists(path):
+        return None
+    n = 1
+    while os.path.exists(f"{path}.{n}"):
+        n += 1
+    os.replace(path, f"{path}.{n}")
+    return f"{path}.{n}"
+
+
+def prune_checkpoints(save_dir: str, keep: int) -> List[str]:
+    """Remove all but the ``keep`` newest ``iter_*`` checkpoints (never the one ``latest`` names); returns
+    the removed tags.  ``keep`` 0 keeps everything."""
+    if keep < 1:
+        return []
+    protected = latest_tag(save_dir)
+    tags = sorted((t for t in os.listdir(save_dir) if step_of(t) is not None and
+                   os.path.isdir(os.path.join(save_dir, t))), key=step_of)
+    removed = [t for t in tags[:-keep] if t != protected]
+    for tag in removed:
+        shutil.rmtree(os.path.join(save_dir, tag), ignore_errors=True)
+    return removed
+
+
+__all__ = ["JOB_META", "LATEST", "METRICS", "check_resume", "job_meta", "latest_tag", "prune_checkpoints",
+           "read_job_meta", "start_fresh_metrics", "step_of", "tag_for", "write_atomic", "write_job_meta"]

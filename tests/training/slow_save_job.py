@@ -1,0 +1,31 @@
+"""`ds-megatron train` whose save of checkpoint $BLOCK_TAG stops half way on rank 0 (test_stop_and_kill.py).
+
+Rank 0 writes the first bytes of DeepSpeed's model-states file for that tag, creates $BLOCK_MARKER
+and waits forever: the test then kills the whole job, as a lost node would, mid-save.
+"""
+import os
+import sys
+import time
+
+import torch.distributed as dist
+
+import ds_megatron.training.checkpointing as checkpointing
+from ds_megatron.training.job import main
+
+real_save = checkpointing.engine_checkpoint.save_checkpoint
+
+
+def save_checkpoint(engine, save_dir, tag=None, **kwargs):
+    if tag == os.environ["BLOCK_TAG"] and dist.get_rank() == 0:
+        def partial_write(state_dict, path):
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04 half a checkpoint")
+            open(os.environ["BLOCK_MARKER"], "w").close()
+            while True:
+                time.sleep(1)
+        engine.checkpoint_engine.save = partial_write
+    return real_save(engine, save_dir, tag=tag, **kwargs)
+
+
+checkpointing.engine_checkpoint.save_checkpoint = save_checkpoint
+sys.exit(main(sys.argv[1:]))
