@@ -26,20 +26,22 @@ PARTITION_METHODS = ("uniform", "parameters")
 
 @dataclass(frozen=True)
 class DeepSpeedBatchKeys:
-    """The DeepSpeed keys a pipeline depends on: the batch triple, the ZeRO stage and the ``pipeline`` section."""
+    """The DeepSpeed keys a pipeline depends on: the batch triple, the ZeRO stage, the ``pipeline`` section and
+    ``gradient_clipping``."""
 
     train_batch_size: Optional[int] = None
     train_micro_batch_size_per_gpu: Optional[int] = None
     gradient_accumulation_steps: Optional[int] = None
     zero_stage: int = 0
     pipeline: Optional[Dict[str, Any]] = None
+    gradient_clipping: float = 0.0
 
     @classmethod
     def from_ds_config(cls, ds_config: Dict[str, Any]) -> "DeepSpeedBatchKeys":
         return cls(ds_config.get("train_batch_size"), ds_config.get("train_micro_batch_size_per_gpu"),
                    ds_config.get("gradient_accumulation_steps"),
                    int(deepspeed_section(ds_config, "zero_optimization").get("stage", 0) or 0),
-                   ds_config.get("pipeline"))
+                   ds_config.get("pipeline"), float(ds_config.get("gradient_clipping", 0.0) or 0.0))
 
     def micro_batches(self, dp: int) -> Optional[int]:
         """Micro-batches per optimizer step (DeepSpeed's ``gradient_accumulation_steps``), derived as DeepSpeed does.
@@ -141,6 +143,13 @@ def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer
         raise ConfigError(f"gradient_accumulation_steps={micro_batches} is below {SECTION}.pipeline_model_parallel_size="
                           f"{pp}: each optimizer step runs that many micro-batches through the pipeline, and fewer "
                           f"than the stages leaves some idle for the whole step; set gradient_accumulation_steps >= {pp}")
+    if optimizer_impl != "megatron" and batch.gradient_clipping > 0:
+        # Measured: DeepSpeed's clip_grad_norm_ counts replicated params on model-parallel rank 0 of its grid only,
+        # i.e. on the first stage, so later stages' norms go missing (PP=2 drifted 1e-3 from PP=1 in 10 steps).
+        raise ConfigError(f"gradient_clipping={batch.gradient_clipping} with {SECTION}.pipeline_model_parallel_size="
+                          f"{pp} and {SECTION}.optimizer_impl \"{optimizer_impl}\": DeepSpeed's pipeline clipping "
+                          "leaves out the replicated parameters of every stage but the first; use optimizer_impl "
+                          "\"megatron\" (the true global norm over all stages) or set gradient_clipping to 0")
     pipe = batch.pipeline or {}
     if parallel.sequence_parallel and (pipe.get("pipe_partitioned") or pipe.get("grad_partitioned")):
         raise ConfigError("pipeline.pipe_partitioned / grad_partitioned with sequence_parallel: DeepSpeed would split "

@@ -98,7 +98,7 @@ def _job(**megatron):
            "megatron": {"pipeline_model_parallel_size": 2,
                         "model": {"num_layers": 4, "hidden_size": 16, "num_attention_heads": 2}}}
     for key, value in megatron.items():
-        if key in ("gradient_accumulation_steps", "zero_optimization", "pipeline", "bf16"):
+        if key in ("gradient_accumulation_steps", "zero_optimization", "pipeline", "bf16", "gradient_clipping"):
             cfg[key] = value
         elif key == "model":
             cfg["megatron"]["model"].update(value)
@@ -120,6 +120,8 @@ def _job(**megatron):
     (dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline={"pipe_partitioned": True}),
      "pipe_partitioned / grad_partitioned with sequence_parallel"),
     (dict(pipeline_partition_method="profile"), "pipeline_partition_method='profile' is unknown"),
+    (dict(gradient_clipping=1.0, optimizer_impl="deepspeed"),
+     "gradient_clipping=1.0 with megatron.pipeline_model_parallel_size=2 and megatron.optimizer_impl \"deepspeed\""),
 ])
 def test_bad_pipeline_layouts_fail_at_start(change, message):
     with pytest.raises(ConfigError, match=message):
