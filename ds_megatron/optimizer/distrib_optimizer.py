@@ -259,8 +259,10 @@ class DistributedOptimizer(MegatronOptimizer):
 
     # -- norm, zeros: over shards, so over the whole job --------------------------------------------------
     def _norm_partitions(self, params: List[torch.Tensor]) -> List[Tuple[ParallelGroup, List[int]]]:
-        # Each element is owned by one DP rank of its model-parallel coordinate: sum over the whole job.
-        counted = [i for i, p in enumerate(params) if param_is_not_tensor_parallel_duplicate(p, self.tp_rank)]
+        # Each element is owned by one DP rank of its model-parallel coordinate: sum over the whole job
+        # (a ``shared`` copy, PP's last-stage tied embedding, not at all: the first stage's counts).
+        counted = [i for i, p in enumerate(params)
+                   if param_is_not_tensor_parallel_duplicate(p, self.tp_rank) and not getattr(p, "shared", False)]
         return [(self.grad_stats_parallel_group, counted)]
 
     def count_zeros(self) -> int:
