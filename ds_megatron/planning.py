@@ -67,8 +67,8 @@ def layer_counts(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> ParamCo
     if cfg.is_moe_layer(layer):
         replicated += cfg.num_experts * h  # router
         expert += (cfg.num_experts // ep) * 2 * h * (cfg.moe_ffn_hidden_size // etp)  # bias-free fc1, fc2
-        if cfg.moe_shared_expert_ffn_hidden_size:
-            shared = _mlp_counts(h, cfg.moe_shared_expert_ffn_hidden_size, tp)
+        if cfg.moe_shared_expert_intermediate_size:
+            shared = _mlp_counts(h, cfg.moe_shared_expert_intermediate_size, tp)
             sharded, replicated = sharded + shared.sharded, replicated + shared.replicated
     else:
         mlp = _mlp_counts(h, cfg.ffn_hidden_size, tp)
