@@ -83,7 +83,7 @@ class HFSource:
                                    "config.json); convert the model it belongs to")
 
     def dtype_of(self, target: Target) -> torch.dtype:
-        dtypes = {self.table[p.source][1] for p in target.pieces if p.source is not None}
+        dtypes = {self.table[p.source or p.like][1] for p in target.pieces}
         if len(dtypes) != 1:
             raise ConvertError(f"{self.dir}: the tensors making {target.name} have dtypes {sorted(map(str, dtypes))}; "
                                "they must share one")
@@ -281,3 +281,26 @@ def convert(src: str, dst: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: Opti
     if is_hf_dir(src):
         return hf_to_ours(src, dst, tp, pp, ep, etp)
     raise ConvertError(f"{src}: neither a Hugging Face checkpoint (config.json) nor ours ({METADATA})")
+
+
+def main(argv=None) -> int:
+    """``ds-megatron convert SRC DST [--tp N] [--pp N] [--ep N] [--etp N]``."""
+    import argparse
+    import sys
+    p = argparse.ArgumentParser(prog="ds-megatron convert",
+                                description="Hugging Face -> ds_megatron at a layout, or ds_megatron -> Hugging Face "
+                                            "(the direction follows from SRC)")
+    p.add_argument("src", help=f"a Hugging Face directory (config.json) or ours ({METADATA})")
+    p.add_argument("dst", help="a new directory (an existing non-empty one is refused)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (import)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (import; uniform split)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (import)")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (import; default --tp)")
+    args = p.parse_args(argv)
+    try:
+        out = convert(args.src, args.dst, args.tp, args.pp, args.ep, args.etp)
+    except ConfigError as e:
+        print(f"ds-megatron convert: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0

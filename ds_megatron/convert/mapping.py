@@ -33,6 +33,7 @@ class Piece:
     source: Optional[str]  # a Hugging Face tensor name; None: zeros
     rows: Range  # rows of the source (of the zeros block: (0, n))
     cols: Optional[Range] = None  # columns of a 2-D source; None: all
+    like: Optional[str] = None  # zeros: the tensor whose dtype they take
 
     @property
     def num_rows(self) -> int:
@@ -176,7 +177,7 @@ class Mapping:
         if a < c.vocab_size:
             pieces.append(_rows(source, (a, min(b, c.vocab_size))))
         if b > c.vocab_size:
-            pieces.append(Piece(None, (0, b - max(a, c.vocab_size))))
+            pieces.append(Piece(None, (0, b - max(a, c.vocab_size)), like=source))
         return Target(name, (b - a, c.hidden_size), tuple(pieces))
 
     def _column(self, name: str, sources: Sequence[str], width: int, parts: int, rank: int, inner: int,
