@@ -28,11 +28,10 @@ import torch
 from ..config.model import GPTConfig
 from ..errors import ConfigError
 from .hf_config import ConvertError, hf_from_model, model_from_hf
-from .mapping import Layout, Mapping, Target
+from .mapping import METADATA, Layout, Mapping, Target
 from .safetensors_io import (DTYPES, TORCH_DTYPES, SliceReader, StreamingWriter, hf_weight_files, read_header,
                              tensor_table)
 
-METADATA = "ds_megatron_checkpoint.json"
 HF_FILES = "hf_files"
 _WEIGHT_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
 # Buffers some older checkpoints carry; recomputed, never weights.

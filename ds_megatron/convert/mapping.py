@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..config.model import GPTConfig, pad_vocab_size
 
 Range = Tuple[int, int]
+METADATA = "ds_megatron_checkpoint.json"  # marks our directory (family, model, layout, the original config.json)
 
 
 @dataclass(frozen=True)

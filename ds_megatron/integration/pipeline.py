@@ -130,6 +130,7 @@ class GPTPipelineModule(PipelineModule):
         # Item i+2 is transformer layer i; 0, 1 (embedding) go with stage 0; the last two with the last stage.
         self._megatron_parts = [0] + [2 + r.stop for r in ranges[:-1]] + [n_items]
         self.stage_layers = ranges[stage]
+        self.all_stage_layers = [list(r) for r in ranges]
         self.is_first_stage, self.is_last_stage = stage == 0, stage == pp - 1
         self.config, self.tp, self.rng_tracker = config, parallel_state.tp, rng_tracker
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, layout.tp)
