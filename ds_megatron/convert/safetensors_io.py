@@ -2,8 +2,7 @@
 
 * ``read_header(path)``: the JSON header (names, dtypes, shapes) without reading any tensor data, so a whole
   checkpoint is validated before anything is converted.
-* ``SliceReader``: rows / columns of a tensor through ``safe_open(...).get_slice``, which reads only those
-  bytes from the memory-mapped file.
+* ``SliceReader``: rows / columns of a tensor, reading only those rows from the file.
 * ``StreamingWriter``: a file whose header (every name, dtype and shape) is written first; each tensor's bytes
   then go to their offset as soon as the tensor exists, so a converter holds one tensor at a time instead of
   a whole file's worth (``safetensors.torch.save_file`` needs them all at once).
@@ -16,7 +15,6 @@ import struct
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from safetensors import safe_open
 
 from .hf_config import ConvertError
 from .mapping import Range
@@ -40,23 +38,42 @@ def read_header(path: str) -> Dict[str, Dict]:
 
 
 class SliceReader:
-    """Open files once; ``read(file, name, rows, cols)`` returns that block of the tensor."""
+    """``read(file, name, rows, cols)``: that block of a tensor, read with plain positioned reads.
+
+    Only the rows asked for are read (a column range reads its rows, then keeps the columns).  No memory map:
+    a mapped checkpoint's pages would count towards the process's memory as they are touched, whole files of
+    them, while a read holds just the block."""
 
     def __init__(self):
-        self._open: Dict[str, object] = {}
+        self._files: Dict[str, Tuple[object, int, Dict[str, Dict]]] = {}
+
+    def _file(self, path: str):
+        if path not in self._files:
+            f = open(path, "rb")
+            (size,) = struct.unpack("<Q", f.read(8))
+            self._files[path] = (f, 8 + size, json.loads(f.read(size)))
+        return self._files[path]
 
     def read(self, path: str, name: str, rows: Optional[Range] = None, cols: Optional[Range] = None) -> torch.Tensor:
-        if path not in self._open:
-            self._open[path] = safe_open(path, framework="pt")
-        sl = self._open[path].get_slice(name)
-        ndim = len(sl.get_shape())
-        r = slice(*rows) if rows is not None else slice(None)
-        if ndim == 1:
-            return sl[r]
-        return sl[r, slice(*cols) if cols is not None else slice(None)]
+        f, data_start, header = self._file(path)
+        entry = header[name]
+        dtype, shape = TORCH_DTYPES[entry["dtype"]], entry["shape"]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        row_bytes = itemsize * int(torch.Size(shape[1:]).numel())
+        a, b = rows if rows is not None else (0, shape[0])
+        f.seek(data_start + entry["data_offsets"][0] + a * row_bytes)
+        buf = bytearray((b - a) * row_bytes)
+        f.readinto(buf)
+        block = torch.frombuffer(buf, dtype=dtype).reshape([b - a] + list(shape[1:])) if buf else \
+            torch.empty([0] + list(shape[1:]), dtype=dtype)
+        if cols is not None:
+            block = block[:, cols[0]:cols[1]].clone()  # frees the other columns with ``buf``
+        return block
 
     def close(self) -> None:
-        self._open.clear()
+        for f, _, _ in self._files.values():
+            f.close()
+        self._files.clear()
 
 
 class StreamingWriter:
