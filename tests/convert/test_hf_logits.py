@@ -66,7 +66,6 @@ LAYOUTS = [  # tp, pp, ep, sequence parallel, load from
 ]
 MOE_LAYOUTS = [(1, 1, 2, False, "hf"), (2, 1, 2, True, "ours"), (1, 2, 2, False, "hf")]
 CASES = [(f, *lay) for f in hf_models.FAMILIES for lay in LAYOUTS + (MOE_LAYOUTS if f in hf_models.MOE else [])]
-ERRORS = {}
 
 
 @pytest.mark.parametrize("family,tp,pp,ep,sp,via", CASES,
@@ -81,7 +80,7 @@ def test_logits_equal_transformers(tmp_path, family, tp, pp, ep, sp, via):
     assert results
     for got in results:
         err = hf_models.max_relative_error(got, ref)
-        ERRORS[(family, tp, pp, ep, sp)] = max(err, ERRORS.get((family, tp, pp, ep, sp), 0.0))
+        print(f"max relative logits error {family} tp={tp} pp={pp} ep={ep} sp={sp} via {via}: {err:.1e}")
         assert err < 1e-10, (family, tp, pp, ep, sp, err)
 
 
