@@ -9,6 +9,7 @@ or DeepSpeed, and each subcommand's options live next to the code they drive.
     ds-megatron groups --world-size 16 --tp 4 --pp 2 --ep 4 --etp 1
     ds-megatron groups --world-size 16 --tp 4 --pp 2 --rank 5 --json
     ds-megatron train --config ds_configs/gpt_cpu_tp2_dp2.json
+    ds-megatron convert hf/Llama-tiny ckpt/llama_tp2 --tp 2
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ DELEGATED: Dict[str, tuple] = {
     "train": ("ds_megatron.training.job", "train a model from a DeepSpeed JSON config with a \"megatron\" section"),
     "preprocess": ("ds_megatron.data.preprocess", "turn text/JSONL into Megatron-style .bin/.idx datasets"),
     "plan": ("ds_megatron.planning", "plan a layout: memory and communication per rank for given sizes"),
+    "convert": ("ds_megatron.convert.checkpoint", "Hugging Face <-> ds_megatron checkpoints at any TP/PP/EP layout"),
 }
 
 COORDINATES = ("tp", "cp", "dp", "pp", "etp", "ep", "edp")

@@ -69,25 +69,34 @@ class ParamCounts:
         return self.sharded + self.replicated + self.expert
 
 
-def _mlp_counts(h: int, ffn: int, tp: int) -> ParamCounts:
-    """A ``ParallelMLP``: column h->ffn (weight + bias split), row ffn->h (weight split, bias replicated)."""
-    return ParamCounts(sharded=(ffn // tp) * (h + 1) + h * (ffn // tp), replicated=h)
+def _mlp_counts(h: int, ffn: int, tp: int, gated: bool = False, bias: bool = True) -> ParamCounts:
+    """A ``ParallelMLP``: column h->ffn (x2 gated; weight + bias split), row ffn->h (weight split, bias replicated)."""
+    fc1 = (2 if gated else 1) * (ffn // tp)
+    return ParamCounts(sharded=fc1 * (h + int(bias)) + h * (ffn // tp), replicated=h if bias else 0)
+
+
+def _norm(cfg, h: int) -> int:
+    return h if cfg.normalization == "RMSNorm" else 2 * h
 
 
 def layer_counts(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> ParamCounts:
     """Transformer layer ``layer``'s parameters on one rank (dense or MoE, as ``cfg.is_moe_layer`` says)."""
-    h = cfg.hidden_size
-    sharded = (3 * h // tp) * (h + 1) + h * (h // tp)  # QKV (weight + bias), output projection
-    replicated = 2 * h + h + 2 * h  # two LayerNorms, the output projection's bias
+    h, d, n, g = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
+    qkv_rows = (n // tp + 2 * max(g // tp, 1)) * d  # KV heads split over TP, or one group's replicated
+    sharded = qkv_rows * (h + int(cfg.qkv_bias)) + h * (n * d // tp)  # QKV (weight + bias), output projection
+    replicated = 2 * _norm(cfg, h) + (h if cfg.add_bias_linear else 0) + (2 * _norm(cfg, d) if cfg.qk_layernorm else 0)
     expert = 0
     if cfg.is_moe_layer(layer):
         replicated += cfg.num_experts * h  # router
-        expert += (cfg.num_experts // ep) * 2 * h * (cfg.moe_ffn_hidden_size // etp)  # bias-free fc1, fc2
-        if cfg.moe_shared_expert_ffn_hidden_size:
-            shared = _mlp_counts(h, cfg.moe_shared_expert_ffn_hidden_size, tp)
+        fc1 = 2 if cfg.gated_linear_unit else 1
+        expert += (cfg.num_experts // ep) * (fc1 + 1) * h * (cfg.moe_ffn_hidden_size // etp)  # bias-free fc1, fc2
+        if cfg.moe_shared_expert_intermediate_size:
+            shared = _mlp_counts(h, cfg.moe_shared_expert_intermediate_size, tp, cfg.gated_linear_unit,
+                                 cfg.add_bias_linear)
             sharded, replicated = sharded + shared.sharded, replicated + shared.replicated
+            replicated += h if cfg.moe_shared_expert_gate else 0
     else:
-        mlp = _mlp_counts(h, cfg.ffn_hidden_size, tp)
+        mlp = _mlp_counts(h, cfg.ffn_hidden_size, tp, cfg.gated_linear_unit, cfg.add_bias_linear)
         sharded, replicated = sharded + mlp.sharded, replicated + mlp.replicated
     return ParamCounts(sharded, replicated, expert)
 
@@ -104,12 +113,14 @@ def gpt_param_counts(cfg, tp: int, ep: int = 1, etp: int = 1, layers: Optional[S
     h = cfg.hidden_size
     vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
     sharded, replicated, expert = 0, 0, 0
-    if first_stage or last_stage:
-        sharded += (vocab // tp) * h  # the word embedding (a copy on each end of a pipeline)
-    if first_stage:
+    untied = cfg.untie_embeddings_and_output_weights
+    if first_stage or (last_stage and not untied):
+        sharded += (vocab // tp) * h  # the word embedding (a copy on each end of a pipeline when tied)
+    if first_stage and cfg.position_embedding_type == "learned_absolute":
         replicated += cfg.seq_length * h  # learned positions
     if last_stage:
-        replicated += 2 * h  # final LayerNorm
+        replicated += _norm(cfg, h)  # final norm
+        sharded += (vocab // tp) * h if untied else 0  # the output layer
     for layer in (range(cfg.num_layers) if layers is None else layers):
         counts = layer_counts(cfg, layer, tp, ep, etp)
         sharded, replicated, expert = (sharded + counts.sharded, replicated + counts.replicated,

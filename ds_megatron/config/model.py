@@ -39,13 +39,27 @@ class GPTConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
-    layernorm_epsilon: float = 1e-5
+    norm_epsilon: float = 1e-5
+    layernorm_epsilon: Optional[float] = None  # Megatron's older name of norm_epsilon; sets it when given
     make_vocab_size_divisible_by: int = 128
     sequence_parallel: bool = False
     label_smoothing: float = 0.0
     # Megatron's activation recomputation: None, or "full" (every layer's activations are
     # recomputed in backward, through DeepSpeed's activation checkpointing).
     recompute_granularity: Optional[str] = None
+    # Architecture (Megatron-LM's argument names); the defaults are GPT-2's.
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # the fraction of each head's channels RoPE rotates (the first ones)
+    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
+    gated_linear_unit: bool = False  # fc1 -> [gate; up], act(gate) * up (SwiGLU with activation "silu")
+    activation: str = "gelu"  # gelu | silu
+    num_query_groups: Optional[int] = None  # grouped-query attention; None: num_attention_heads (MHA)
+    kv_channels: Optional[int] = None  # per-head width; None: hidden_size / num_attention_heads
+    add_bias_linear: bool = True  # biases of every linear layer (QKV, attention output, MLP)
+    add_qkv_bias: bool = False  # biases of QKV alone (Qwen2); QKV has a bias when either is set
+    untie_embeddings_and_output_weights: bool = False  # a separate output layer instead of the word embedding
+    qk_layernorm: bool = False  # a norm (of `normalization`) over each head's query and key
     # MoE (ds_megatron/moe; Megatron-LM's argument names)
     num_experts: Optional[int] = None  # None: a dense model
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
@@ -59,7 +73,9 @@ class GPTConfig:
     moe_token_drop_policy: str = "probs"  # probs | position
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
-    moe_shared_expert_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None  # a dense shared expert of this width (Qwen2-MoE)
+    moe_shared_expert_ffn_hidden_size: Optional[int] = None  # the earlier name of the field above; sets it
+    moe_shared_expert_gate: bool = False  # shared expert output x sigmoid(x . w) (Qwen2-MoE)
     # GroupedMLP / SequentialMLP; None: the faster for the device (grouped with CUDA, sequential on CPU:
     # launch/bench/bench_moe.py)
     moe_grouped_gemm: Optional[bool] = None
@@ -67,25 +83,86 @@ class GPTConfig:
     def __post_init__(self):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        self._resolve_aliases()
         self._check_moe()
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
                      "vocab_size", "make_vocab_size_divisible_by"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"model.{name} must be a positive integer, got {v!r}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by "
-                              f"model.num_attention_heads={self.num_attention_heads}; pick sizes that divide")
+                              f"model.num_attention_heads={self.num_attention_heads}; pick sizes that divide, or set "
+                              "model.kv_channels")
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.recompute_granularity not in (None, "full"):
             raise ConfigError(f"model.recompute_granularity={self.recompute_granularity!r} is not supported; "
                               "use \"full\" or null")
+        self._check_architecture()
         if self.recompute_granularity and self.num_experts:
             # The MoE layer keeps its routing losses from the forward; a recomputed forward would replace them.
             raise ConfigError("model.recompute_granularity is set together with model.num_experts; activation "
                               "recomputation is not supported for MoE models yet: set it to null")
+
+    def _resolve_aliases(self) -> None:
+        for old, new, default in (("layernorm_epsilon", "norm_epsilon", 1e-5),
+                                  ("moe_shared_expert_ffn_hidden_size", "moe_shared_expert_intermediate_size", None)):
+            value = getattr(self, old)
+            if value is None:
+                continue
+            if getattr(self, new) not in (default, value):
+                raise ConfigError(f"model.{old}={value!r} and model.{new}={getattr(self, new)!r} disagree; {old} is "
+                                  f"the older name of {new}: set only {new}")
+            setattr(self, new, value)
+        self.layernorm_epsilon = self.norm_epsilon  # both names read the same value afterwards
+        self.moe_shared_expert_ffn_hidden_size = self.moe_shared_expert_intermediate_size
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head (``kv_channels``, or hidden_size / num_attention_heads)."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many channels of each head RoPE rotates."""
+        return int(self.head_dim * self.rotary_percent)
+
+    def _check_architecture(self) -> None:
+        choices = {"position_embedding_type": ("learned_absolute", "rope", "none"),
+                   "normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "silu")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} is unknown; use one of {', '.join(allowed)}")
+        for name in ("num_query_groups", "kv_channels"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"model.{name} must be a positive integer or null, got {v!r}")
+        if self.num_attention_heads % self.query_groups:
+            raise ConfigError(f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                              f"model.num_query_groups={self.query_groups}; every query group needs the same number "
+                              "of heads: pick a divisor of num_attention_heads")
+        if self.norm_epsilon <= 0:
+            raise ConfigError(f"model.norm_epsilon must be > 0, got {self.norm_epsilon!r}")
+        if self.position_embedding_type == "rope":
+            if not 0.0 < self.rotary_percent <= 1.0:
+                raise ConfigError(f"model.rotary_percent={self.rotary_percent!r} is outside (0, 1]; it is the "
+                                  "fraction of each head RoPE rotates: use a value in (0, 1]")
+            if self.rotary_base <= 0:
+                raise ConfigError(f"model.rotary_base must be > 0, got {self.rotary_base!r}")
+            if self.rotary_dim < 2 or self.rotary_dim % 2:
+                raise ConfigError(f"model.rotary_percent={self.rotary_percent} of head_dim={self.head_dim} rotates "
+                                  f"{self.rotary_dim} channels; RoPE rotates pairs: choose sizes that make "
+                                  "head_dim * rotary_percent an even number >= 2")
 
     # MoE
     def _check_moe(self) -> None:
@@ -111,6 +188,9 @@ class GPTConfig:
         if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
             raise ConfigError(f"model.moe_capacity_factor must be > 0 (or null for no dropping), "
                               f"got {self.moe_capacity_factor!r}")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise ConfigError("model.moe_shared_expert_gate is true but model.moe_shared_expert_intermediate_size is "
+                              "not set; the gate scales the shared expert: set its size or turn the gate off")
         if self.moe_pad_expert_input_to_capacity and self.moe_capacity_factor is None:
             raise ConfigError("model.moe_pad_expert_input_to_capacity is true but model.moe_capacity_factor is null; "
                               "padding fills experts to their capacity: set a capacity factor or turn padding off")
@@ -150,6 +230,15 @@ class GPTConfig:
             if getattr(self, name) % tp:
                 raise ConfigError(f"model.{name}={getattr(self, name)} is not divisible by "
                                   f"tensor_model_parallel_size={tp}; choose a TP size that divides it")
+        groups = self.query_groups
+        if groups % tp and tp % groups:
+            # KV heads either split over TP or each is replicated on tp / groups ranks.
+            raise ConfigError(f"model.num_query_groups={groups} and tensor_model_parallel_size={tp} do not divide one "
+                              "another; the KV heads must split evenly over TP or be replicated evenly: choose a TP "
+                              "size that divides num_query_groups or is a multiple of it")
+        if self.moe_shared_expert_intermediate_size and self.moe_shared_expert_intermediate_size % tp:
+            raise ConfigError(f"model.moe_shared_expert_intermediate_size={self.moe_shared_expert_intermediate_size} "
+                              f"is not divisible by tensor_model_parallel_size={tp}; choose a TP size that divides it")
         if self.sequence_parallel and self.seq_length % tp:
             raise ConfigError(f"model.seq_length={self.seq_length} is not divisible by tensor_model_parallel_size={tp}, "
                               "which sequence parallelism needs")

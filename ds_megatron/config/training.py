@@ -41,6 +41,10 @@ class TrainConfig:
     # non-finite gradients) in this many consecutive steps stops the job with exit code 3.
     check_for_nan_in_loss_and_grad: bool = True
     max_consecutive_nonfinite_steps: int = 1
+    # A Hugging Face directory (or one `ds-megatron convert` wrote) to start from: the model section comes from
+    # its config, each rank loads its own shards, and every checkpoint also holds the model in our layout
+    # (`iter_*/ds_megatron_model`, which `ds-megatron convert` exports back to Hugging Face).
+    load_hf: Optional[str] = None
 
     def __post_init__(self):
         for name in ("train_iters", "eval_interval", "eval_iters", "log_interval", "max_consecutive_nonfinite_steps"):
@@ -57,6 +61,8 @@ class TrainConfig:
         if self.lr_decay_style not in ("cosine", "linear", "constant"):
             raise ConfigError(f"{SECTION}.train.lr_decay_style {self.lr_decay_style!r} is unknown; "
                               "use cosine, linear or constant")
+        if not self.lr > 0:
+            raise ConfigError(f"{SECTION}.train.lr must be > 0, got {self.lr} (the schedule is relative to it)")
         if not 0 <= self.min_lr <= self.lr:
             raise ConfigError(f"{SECTION}.train.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
 

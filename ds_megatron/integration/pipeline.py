@@ -15,7 +15,9 @@ Two things come from here:
   ``[word embedding (tied), positions, layer 0 ... layer N-1, final LayerNorm, output layer (tied)]``,
 
   split by ``config.pipeline`` (embedding with the first stage's layers, norm
-  and output with the last's).  Every stage builds every piece in
+  and output with the last's).  With ``untie_embeddings_and_output_weights``
+  the two ends are plain modules: the first stage owns the word embedding, the
+  last its own ``output_layer``, and nothing is tied.  Every stage builds every piece in
   ``build_gpt_modules`` order and keeps its own, so any PP size built after
   the same seed holds the same full model as ``GPTModel``.  The output layer
   is a ``TiedLayerSpec`` of the word embedding: the first and last stage each
@@ -128,6 +130,7 @@ class GPTPipelineModule(PipelineModule):
         # Item i+2 is transformer layer i; 0, 1 (embedding) go with stage 0; the last two with the last stage.
         self._megatron_parts = [0] + [2 + r.stop for r in ranges[:-1]] + [n_items]
         self.stage_layers = ranges[stage]
+        self.all_stage_layers = [list(r) for r in ranges]
         self.is_first_stage, self.is_last_stage = stage == 0, stage == pp - 1
         self.config, self.tp, self.rng_tracker = config, parallel_state.tp, rng_tracker
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, layout.tp)
@@ -138,7 +141,8 @@ class GPTPipelineModule(PipelineModule):
         word_embeddings = None
         for name, module in build_gpt_modules(config, parallel_state, rng_tracker, self.moe_aux_loss_tracker):
             if name == "word_embeddings":
-                word_embeddings = module if (self.is_first_stage or self.is_last_stage) else None
+                keep = self.is_first_stage or (self.is_last_stage and not config.untie_embeddings_and_output_weights)
+                word_embeddings = module if keep else None
                 embedding_type = type(module)
             elif name == "position_embeddings":
                 specs[1] = module if self.is_first_stage else None
@@ -147,12 +151,18 @@ class GPTPipelineModule(PipelineModule):
                 specs[2 + index] = module if index in self.stage_layers else None
             elif name == "final_layernorm":
                 specs[n_items - 2] = module if self.is_last_stage else None
+            elif name == "output_layer":
+                specs[n_items - 1] = module if self.is_last_stage else None
             del module  # pieces of other stages are dropped as they come
-        specs[0] = _BuiltTiedLayer(TIED_EMBEDDING, embedding_type, word_embeddings if self.is_first_stage else None)
-        specs[n_items - 1] = _BuiltTiedLayer(TIED_EMBEDDING, embedding_type,
-                                             word_embeddings if self.is_last_stage else None,
-                                             forward_fn=self._output_layer)
-        if word_embeddings is not None and pp > 1:
+        tied = not config.untie_embeddings_and_output_weights
+        if tied:
+            specs[0] = _BuiltTiedLayer(TIED_EMBEDDING, embedding_type, word_embeddings if self.is_first_stage else None)
+            specs[n_items - 1] = _BuiltTiedLayer(TIED_EMBEDDING, embedding_type,
+                                                 word_embeddings if self.is_last_stage else None,
+                                                 forward_fn=self._output_layer)
+        else:
+            specs[0] = word_embeddings if self.is_first_stage else None
+        if tied and word_embeddings is not None and pp > 1:
             # One bucket of its own on both stages (aligned distributed-optimizer shards), counted once in norms.
             word_embeddings.weight.shared_embedding = True
             if self.is_last_stage:
@@ -208,6 +218,10 @@ class GPTPipelineModule(PipelineModule):
             return f"position_embeddings.{rest}"
         if index == self.config.num_layers + 2:
             return f"final_layernorm.{rest}"
+        if index == self.config.num_layers + 3:
+            return f"output_layer.{rest}"
+        if index == 0:
+            return f"word_embeddings.{rest}"
         return f"layers.{index - 2}.{rest}"
 
     def named_gpt_parameters(self):

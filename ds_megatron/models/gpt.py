@@ -1,4 +1,9 @@
-"""Megatron's GPT: vocab-parallel embedding + learned positions, N pre-LN layers, final LN, tied output.
+"""Megatron's GPT: vocab-parallel embedding (+ learned positions), N pre-norm layers, final norm, output layer.
+
+The defaults are GPT-2 (learned positions, LayerNorm, GELU, biases, output
+tied to the word embedding); ``GPTConfig``'s architecture fields give Llama,
+Mistral, Qwen2 and the Mixtral / Qwen-MoE shapes (RoPE, RMSNorm, SwiGLU, GQA,
+a separate ``output_layer``).
 
 Tensors flow as [sequence, batch, hidden] inside the model, as in Megatron.
 The output layer reuses the word-embedding shard, so the logits come out
@@ -28,14 +33,19 @@ from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer, MoELayer
 from ..parallel_state import ParallelGroup, ParallelState
 from ..tensor_parallel import (RNGStatesTracker, VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
-                               gather_from_sequence_parallel_region, init_method_normal, mark_sequence_parallel,
+                               gather_from_sequence_parallel_region, init_method_normal,
                                pad_vocab_size, scaled_init_method_normal, scatter_to_sequence_parallel_region,
                                vocab_parallel_cross_entropy)
-from ..transformer import ParallelMLP, ParallelTransformerLayer
+from ..tensor_parallel import ColumnParallelLinear
+from ..transformer import ParallelTransformerLayer
+from ..transformer.mlp import build_mlp
+from ..transformer.norm import build_norm
 
 
 class PositionEmbedding(torch.nn.Module):
     """The input embedding after the vocab lookup: learned positions added, [b, s, h] -> [s, b, h], dropout.
+
+    With ``position_embedding_type`` "rope" or "none" it has no weight (RoPE turns q and k in attention).
 
     Under sequence parallelism the result is this rank's slice of the sequence.
     A module of its own so that a pipeline's first stage runs it after the
@@ -45,17 +55,21 @@ class PositionEmbedding(torch.nn.Module):
     def __init__(self, config: GPTConfig, tp: ParallelGroup, rng_tracker: Optional[RNGStatesTracker], init_method):
         super().__init__()
         self.config, self.tp, self.rng_tracker = config, tp, rng_tracker
-        self.weight = torch.nn.Parameter(torch.empty(config.seq_length, config.hidden_size))
-        # N(0, 1) first, as the torch.nn.Embedding this replaces drew at construction: the RNG stream, and
-        # so every later weight, stays that of earlier versions (same seed, same model).
-        torch.nn.init.normal_(self.weight)
-        init_method(self.weight)
+        self.weight = None
+        if config.position_embedding_type == "learned_absolute":
+            self.weight = torch.nn.Parameter(torch.empty(config.seq_length, config.hidden_size))
+            # N(0, 1) first, as the torch.nn.Embedding this replaces drew at construction: the RNG stream, and
+            # so every later weight, stays that of earlier versions (same seed, same model).
+            torch.nn.init.normal_(self.weight)
+            init_method(self.weight)
 
     def forward(self, word_embedded: torch.Tensor) -> torch.Tensor:
         s = word_embedded.size(1)
         if s > self.config.seq_length:
             raise ValueError(f"input has {s} tokens but model.seq_length is {self.config.seq_length}")
-        hidden = (word_embedded + self.weight[:s]).transpose(0, 1).contiguous()  # [s, b, h]
+        if self.weight is not None:
+            word_embedded = word_embedded + self.weight[:s]
+        hidden = word_embedded.transpose(0, 1).contiguous()  # [s, b, h]
         if self.config.sequence_parallel:
             hidden = scatter_to_sequence_parallel_region(hidden, self.tp)
         if self.training and self.config.hidden_dropout > 0:
@@ -66,6 +80,14 @@ class PositionEmbedding(torch.nn.Module):
             with fork:
                 hidden = F.dropout(hidden, p=self.config.hidden_dropout)
         return hidden
+
+
+class OutputLayer(ColumnParallelLinear):
+    """The untied output layer (``untie_embeddings_and_output_weights``): column-parallel over the padded vocab,
+    no bias; ``forward(hidden [s(/tp), b, h])`` -> this rank's vocab-parallel logits [s, b, V/tp]."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().forward(hidden)[0]
 
 
 def output_logits(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, config: GPTConfig,
@@ -98,7 +120,7 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
     """Every piece of the GPT in construction (RNG) order, as ``(name in GPTModel, module)``.
 
     ``word_embeddings``, ``position_embeddings``, ``layers.0`` ... ``layers.N-1``,
-    ``final_layernorm``.  A generator: a caller that keeps only some pieces
+    ``final_layernorm``, and ``output_layer`` when it is not tied to the word embedding.  A generator: a caller that keeps only some pieces
     drops the others as they come (peak memory: what it keeps plus one piece).
     """
     tp = parallel_state.tp
@@ -121,17 +143,17 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
         if config.is_moe_layer(layer_number):
             return MoELayer(config, parallel_state, layer_number=layer_number, init_method=init,
                             output_init_method=out_init, aux_loss_tracker=aux_loss_tracker)
-        return ParallelMLP(config.hidden_size, config.ffn_hidden_size, tp=tp, init_method=init,
-                           output_init_method=out_init, sequence_parallel=config.sequence_parallel)
+        return build_mlp(config, config.hidden_size, config.ffn_hidden_size, tp=tp, init_method=init,
+                         output_init_method=out_init, sequence_parallel=config.sequence_parallel)
 
     for i in range(config.num_layers):
         yield f"layers.{i}", ParallelTransformerLayer(config, tp=tp, build_mlp=functools.partial(mlp, i),
                                                       init_method=init, output_init_method=out_init,
                                                       rng_tracker=rng_tracker)
-    final_layernorm = torch.nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-    if config.sequence_parallel:
-        mark_sequence_parallel(final_layernorm)
-    yield "final_layernorm", final_layernorm
+    yield "final_layernorm", build_norm(config, config.hidden_size, sequence_parallel=config.sequence_parallel)
+    if config.untie_embeddings_and_output_weights:
+        yield "output_layer", OutputLayer(config.hidden_size, padded_vocab_size, tp=tp, bias=False,
+                                          init_method=embedding_init, sequence_parallel=config.sequence_parallel)
 
 
 def moe_aux_loss_sum(layers) -> torch.Tensor:
@@ -181,7 +203,10 @@ class GPTModel(torch.nn.Module):
         for layer in self.layers:
             hidden = layer(hidden)
         hidden = self.final_layernorm(hidden)
-        logits = output_logits(hidden, self.word_embeddings.weight, self.config, self.tp)  # [s, b, V/tp]
+        if self.config.untie_embeddings_and_output_weights:
+            logits = self.output_layer(hidden)
+        else:
+            logits = output_logits(hidden, self.word_embeddings.weight, self.config, self.tp)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)
         # The logits are this forward's own and read by nothing else: the loss may overwrite them.

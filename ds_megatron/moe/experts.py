@@ -1,7 +1,9 @@
 """The local experts of one MoE layer: ``SequentialMLP`` (one MLP per expert) and ``GroupedMLP``.
 
-Each expert is ``fc2(gelu(fc1(x)) * prob)`` without biases (the routing weight
-is applied before the second GEMM, so un-permuting is a plain sum).  Weights
+Each expert is ``fc2(act(fc1(x)) * prob)`` without biases (the routing weight
+is applied before the second GEMM, so un-permuting is a plain sum); with
+``gated_linear_unit`` fc1 gives ``[gate; up]`` and ``act`` is ``act(gate) * up``
+(SwiGLU for Mixtral and Qwen-MoE), each ETP rank holding its gate and up rows.  Weights
 are split over the expert-tensor-parallel (ETP) group like a column-parallel
 fc1 and a row-parallel fc2; the dispatcher's ETP all-gather / reduce-scatter
 does the communication, so the experts themselves never communicate.
@@ -32,15 +34,16 @@ from ..parallel_state import ParallelGroup
 from ..tensor_parallel.init import InitMethod, init_method_normal
 from ..tensor_parallel.params import mark_expert_param
 from ..tensor_parallel.utils import divide
+from ..transformer.mlp import activation_func
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def draw_expert_master_weights(num_experts: int, hidden_size: int, ffn_hidden_size: int,
-                               init_method: InitMethod, output_init_method: InitMethod):
-    """Full (fc1 [ffn, h], fc2 [h, ffn]) float32 masters of every expert, drawn in the fixed order."""
+                               init_method: InitMethod, output_init_method: InitMethod, gated: bool = False):
+    """Full (fc1 [ffn (x2 gated: [gate; up]), h], fc2 [h, ffn]) float32 masters of every expert, in the fixed order."""
     for _ in range(num_experts):
-        fc1 = torch.empty(ffn_hidden_size, hidden_size)
+        fc1 = torch.empty(ffn_hidden_size * (2 if gated else 1), hidden_size)
         init_method(fc1)
         fc2 = torch.empty(hidden_size, ffn_hidden_size)
         output_init_method(fc2)
@@ -107,8 +110,10 @@ def _cumsum(values: Sequence[int]):
 class _ExpertsBase(torch.nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, ep: ParallelGroup,
                  etp: ParallelGroup, init_method: Optional[InitMethod] = None,
-                 output_init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32):
+                 output_init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32,
+                 gated_linear_unit: bool = False, activation: str = "gelu"):
         super().__init__()
+        self.activation_func = activation_func(activation, gated_linear_unit)
         ep_size, ep_rank, etp_size, etp_rank = ep.size, ep.rank, etp.size, etp.rank
         self.num_experts = num_experts
         self.num_local_experts = divide(num_experts, ep_size, what="num_experts")
@@ -123,12 +128,13 @@ class _ExpertsBase(torch.nn.Module):
         cols = slice(etp_rank * f, (etp_rank + 1) * f)
         self._local_masters = []  # (fc1 slice [f, h], fc2 slice [h, f]) of each local expert
         for e, (fc1, fc2) in enumerate(draw_expert_master_weights(num_experts, hidden_size, ffn_hidden_size,
-                                                                  init_method, output_init_method)):
+                                                                  init_method, output_init_method, gated_linear_unit)):
             if e in self.local_expert_indices:
-                self._local_masters.append((fc1[cols].clone(), fc2[:, cols].clone()))
+                fc1 = torch.cat([half[cols] for half in fc1.chunk(2)]) if gated_linear_unit else fc1[cols]
+                self._local_masters.append((fc1.clone(), fc2[:, cols].clone()))
 
     def _activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        return F.gelu(intermediate) * probs.unsqueeze(-1).to(intermediate.dtype)
+        return self.activation_func(intermediate) * probs.unsqueeze(-1).to(intermediate.dtype)
 
 
 class _ExpertLinear(torch.nn.Module):

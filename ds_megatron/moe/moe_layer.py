@@ -28,11 +28,13 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from ..parallel_state import ParallelState
-from ..tensor_parallel.init import InitMethod
+from ..tensor_parallel.init import InitMethod, init_method_normal
 from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from ..tensor_parallel.utils import divide
+from ..tensor_parallel import mark_sequence_parallel
 from ..transformer.mlp import ParallelMLP
 from .aux_loss_tracker import MoEAuxLossTracker
 from .experts import experts_class
@@ -90,6 +92,29 @@ class BaseMoELayer(torch.nn.Module):
         return self.combine(output, shared_expert_output)
 
 
+class SharedExpertMLP(ParallelMLP):
+    """The dense expert every token goes through (a TP MLP); with ``moe_shared_expert_gate`` its output is scaled
+    by ``sigmoid(x . gate_weight)`` per token (Qwen2-MoE), ``gate_weight [1, h]`` replicated over TP."""
+
+    def __init__(self, config, tp, *, init_method, output_init_method, sequence_parallel: bool):
+        super().__init__(config.hidden_size, config.moe_shared_expert_intermediate_size, tp=tp,
+                         init_method=init_method, output_init_method=output_init_method,
+                         sequence_parallel=sequence_parallel, gated_linear_unit=config.gated_linear_unit,
+                         activation=config.activation, bias=config.add_bias_linear)
+        self.gate_weight = None
+        if config.moe_shared_expert_gate:
+            self.gate_weight = torch.nn.Parameter(torch.empty(1, config.hidden_size))
+            (init_method or init_method_normal(0.02))(self.gate_weight.data)
+            if sequence_parallel:  # each rank gates its own tokens: the gradient is a partial sum over TP
+                mark_sequence_parallel([self.gate_weight])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = super().forward(hidden)
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(hidden, self.gate_weight))
+        return out
+
+
 class MoELayer(BaseMoELayer):
     """``forward(hidden [s, b, h]) -> [s, b, h]``; ``aux_loss`` is the last forward's routing loss.
 
@@ -125,7 +150,8 @@ class MoELayer(BaseMoELayer):
         experts_cls = experts_class(config.moe_grouped_gemm)
         self.experts = experts_cls(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size,
                                    ep=state.ep, etp=state.etp, init_method=init_method,
-                                   output_init_method=output_init_method)
+                                   output_init_method=output_init_method,
+                                   gated_linear_unit=config.gated_linear_unit, activation=config.activation)
         dispatch_kwargs = dict(ep=state.ep, etp=state.etp, router_topk=config.moe_router_topk,
                                capacity_factor=config.moe_capacity_factor,
                                pad_to_capacity=config.moe_pad_expert_input_to_capacity)
@@ -135,11 +161,10 @@ class MoELayer(BaseMoELayer):
             self.token_dispatcher = MoEAllGatherTokenDispatcher(config.num_experts, etp_ep=state.etp_ep,
                                                                 **dispatch_kwargs)
         self.shared_experts = None
-        if config.moe_shared_expert_ffn_hidden_size:
-            self.shared_experts = ParallelMLP(config.hidden_size, config.moe_shared_expert_ffn_hidden_size,
-                                              tp=self.tp, init_method=init_method,
-                                              output_init_method=output_init_method,
-                                              sequence_parallel=self.sequence_parallel)
+        if config.moe_shared_expert_intermediate_size:
+            self.shared_experts = SharedExpertMLP(config, self.tp, init_method=init_method,
+                                                  output_init_method=output_init_method,
+                                                  sequence_parallel=self.sequence_parallel)
 
     @property
     def aux_loss(self) -> torch.Tensor:

@@ -100,9 +100,55 @@ def map_activation_checkpointing(ds_config: Dict[str, Any], mcfg: MegatronConfig
                             f"({SECTION}.model.recompute_granularity \"full\")")
 
 
-def parse_job_config(config) -> JobConfig:
+# Model keys a job may still set when the architecture comes from a checkpoint (load_hf).
+RUNTIME_MODEL_KEYS = ("seq_length", "hidden_dropout", "attention_dropout", "recompute_granularity", "label_smoothing",
+                      "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
+                      "moe_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity")
+
+
+def model_from_checkpoint(path: str, section: Dict[str, Any], mcfg: MegatronConfig) -> GPTConfig:
+    """The model section of a job that starts from ``path``: the checkpoint's architecture plus the job's runtime keys."""
+    import json
+    import os
+    from ..convert.mapping import METADATA
+    from ..convert.hf_config import model_from_hf
+    for key in section:
+        if key not in RUNTIME_MODEL_KEYS:
+            raise ConfigError(f"{SECTION}.model.{key} is set but {SECTION}.train.load_hf={path!r} defines the "
+                              f"architecture; keep only {', '.join(RUNTIME_MODEL_KEYS)} in the model section")
+    if os.path.isfile(os.path.join(path, METADATA)):
+        with open(os.path.join(path, METADATA)) as f:
+            model = dict(json.load(f)["model"])
+    elif os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json")) as f:
+            model = model_from_hf(json.load(f))[1]
+    else:
+        raise ConfigError(f"{SECTION}.train.load_hf={path!r} has no config.json ({METADATA}); give a Hugging Face "
+                          "checkpoint directory or one `ds-megatron convert` wrote")
+    if "seq_length" in section and section["seq_length"] > model["seq_length"]:
+        raise ConfigError(f"{SECTION}.model.seq_length={section['seq_length']} exceeds the {model['seq_length']} "
+                          f"positions the model at {path} supports; lower it")
+    model.update(section, sequence_parallel=mcfg.parallel.sequence_parallel,
+                 make_vocab_size_divisible_by=mcfg.parallel.make_vocab_size_divisible_by)
+    for alias in ("layernorm_epsilon", "moe_shared_expert_ffn_hidden_size"):
+        model.pop(alias, None)
+    return GPTConfig(**model)
+
+
+def parse_job_config(config, load_hf: Optional[str] = None) -> JobConfig:
     """Every section of a job config, validated; raises ConfigError naming the field."""
     ds_config, mcfg = split_config(config)
+    if load_hf is not None:
+        mcfg.train.load_hf = load_hf
+    if mcfg.train.load_hf is not None:
+        from ..config.parsing import load_ds_config
+        section = (load_ds_config(config).get(SECTION) or {}).get("model") or {}
+        mcfg.model = model_from_checkpoint(mcfg.train.load_hf, section, mcfg)
+        tokens = 257  # the byte tokenizer's ids
+        if mcfg.model.vocab_size < tokens:
+            raise ConfigError(f"the model at {mcfg.train.load_hf} has vocab_size={mcfg.model.vocab_size} but the "
+                              f"{mcfg.data.tokenizer} tokenizer emits ids up to {tokens - 1}; use a model whose vocab "
+                              "covers the tokenizer")
     if mcfg.model is None:
         mcfg.model = GPTConfig(sequence_parallel=mcfg.parallel.sequence_parallel,
                                make_vocab_size_divisible_by=mcfg.parallel.make_vocab_size_divisible_by)
@@ -117,9 +163,9 @@ def parse_job_config(config) -> JobConfig:
 
 
 def load_job(config, world_size: int, train_iters: Optional[int] = None,
-             output_dir: Optional[str] = None) -> JobConfig:
+             output_dir: Optional[str] = None, load_hf: Optional[str] = None) -> JobConfig:
     """Parse and validate every section for ``world_size`` ranks; creates nothing."""
-    job = parse_job_config(config)
+    job = parse_job_config(config, load_hf)
     job.megatron.layout(world_size)  # the layout fits the world and the model fits the layout
     job.data.check_vocab(job.model.vocab_size)  # every token id has a logit
     if train_iters is not None:
@@ -139,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", help="where checkpoints, metrics.jsonl and loss_curve.png go "
                                         f"(default: {SECTION}.train.output_dir)")
     p.add_argument("--train-iters", type=int, help=f"override {SECTION}.train.train_iters")
+    p.add_argument("--load-hf", help=f"start from this Hugging Face checkpoint (sets {SECTION}.train.load_hf)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # from the deepspeed launcher
     return p
 
@@ -148,7 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     not fit it, 3 the loss stayed non-finite (``megatron.train.check_for_nan_in_loss_and_grad``)."""
     args, _ = build_parser().parse_known_args(argv)
     try:
-        job = load_job(args.config, world_size_from_env() or 1, args.train_iters, args.output_dir)
+        job = load_job(args.config, world_size_from_env() or 1, args.train_iters, args.output_dir, args.load_hf)
         if args.resume:
             check_resume(job, job.train.output_dir)
     except ConfigError as e:

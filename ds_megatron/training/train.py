@@ -252,6 +252,8 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
             if saving:
                 save_checkpoint(engine, out_dir, step + 1, {"step": step + 1, "consumed_train_samples": consumed},
                                 tracker, job_meta(job), tcfg.keep_last_n_checkpoints)
+                if tcfg.load_hf:  # the weights in our layout too, for `ds-megatron convert` back to Hugging Face
+                    save_model_for_export(model, job, state, os.path.join(out_dir, tag_for(step + 1)))
             if evaluating or saving:
                 interval_start = time.perf_counter()  # tokens/s counts training steps only
             last = step + 1
@@ -295,8 +297,33 @@ def build_model(job: JobConfig, state):
                                   layers_per_stage=parallel.pipeline_num_layers_per_stage)
     else:
         model = GPTModel(job.model, state, rng_tracker=tracker)
+    if job.train.load_hf:
+        # Before ds_megatron.initialize: the optimizer's fp32 main params are copied from these weights.
+        from ..convert.model_io import load_weights
+        load_weights(model, job.train.load_hf, state, stage_layers(model))
     model_parallel_seed(seed, state.tp.rank, state.pp.rank, state.ep.rank, state.etp.rank, tracker=tracker)
     return model, tracker
+
+
+def stage_layers(model) -> List[List[int]]:
+    """The transformer layers of every pipeline stage (one stage without PP)."""
+    return getattr(model, "all_stage_layers", None) or [list(range(model.config.num_layers))]
+
+
+def save_model_for_export(model, job: JobConfig, state, tag_dir: str) -> None:
+    """The trained weights in our layout next to the engine's checkpoint (``ds-megatron convert`` exports them)."""
+    from ..convert.checkpoint import HFSource, OurSource, is_hf_dir
+    from ..convert.model_io import save_weights
+    from ..convert.safetensors_io import DTYPES
+    if is_hf_dir(job.train.load_hf):
+        source = HFSource(job.train.load_hf)
+        family, hf_config = source.family, source.hf_config
+        hf_dtypes = {n: DTYPES[dt] for n, (_, dt, _) in source.table.items()}
+    else:
+        source = OurSource(job.train.load_hf)
+        family, hf_config, hf_dtypes = source.family, source.meta["hf_config"], source.meta.get("hf_dtypes")
+    save_weights(model, os.path.join(tag_dir, "ds_megatron_model"), state, stage_layers(model), family, hf_config,
+                 hf_dtypes)
 
 
 def routing_loss_names(config) -> List[str]:

@@ -1,10 +1,25 @@
-"""Causal self-attention with heads split across TP ranks (paper, Fig. 3b).
+"""Causal self-attention with heads split across TP ranks (paper, Fig. 3b), with grouped-query attention and RoPE.
 
 The fused QKV projection is column-parallel, so each rank owns
 ``num_heads / tp`` whole heads and computes their attention locally; the
 output projection is row-parallel.  Attention-probability dropout happens
 inside the TP region, so it runs under the model-parallel RNG tracker: each
 TP rank drops different entries of its own heads.
+
+Grouped-query attention (``num_query_groups`` g < heads n): the fused weight's
+output rows are Megatron's, per query group ``[q heads of the group (n/g x d),
+k (d), v (d)]``, groups in order; MHA is the case g = n (``[q, k, v]`` per head).
+When TP divides g, a contiguous column split hands every rank whole groups
+(``query_key_value``).  When g divides TP instead, each KV head is replicated on
+``tp / g`` consecutive TP ranks: the rank holds its query heads
+(``linear_q``, column-parallel) and its group's k and v (``linear_kv``).  Each
+copy of ``linear_kv`` only sees the gradient of its rank's query heads, so the
+copies' gradients are summed over the ranks sharing the group in backward
+(``_SumOverKVReplicas``): every copy gets the full gradient and stays identical.
+Norms count the copy of the first rank of each group once.
+
+The full fused weight is drawn once from the default RNG whatever the layout,
+so every TP size holds the same model.
 """
 from __future__ import annotations
 
@@ -14,38 +29,135 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel_state import ParallelGroup
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_tensor_model_parallel_region,
+                               gather_from_sequence_parallel_region, mark_sequence_parallel,
+                               set_tensor_model_parallel_attributes)
 from ..tensor_parallel.utils import divide
+from ..utils.collectives import all_reduce
+from .norm import build_norm
+from .rotary import RotaryEmbedding
+
+
+class _SumOverKVReplicas(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the TP ranks holding the same KV group.
+
+    One all-reduce over TP of a [groups, ...] buffer in which each rank fills
+    its own group's slot: needs no process group beyond TP."""
+
+    @staticmethod
+    def forward(ctx, weight, tp: ParallelGroup, group_index: int, num_groups: int):
+        ctx.tp, ctx.group_index, ctx.num_groups = tp, group_index, num_groups
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        slots = grad.new_zeros((ctx.num_groups,) + tuple(grad.shape))
+        slots[ctx.group_index] = grad
+        all_reduce(slots, ctx.tp)
+        return slots[ctx.group_index], None, None, None
+
+
+class ReplicatedKV(torch.nn.Module):
+    """One KV group's ``[k; v]`` projection, held by each of the ``replicas`` TP ranks sharing it."""
+
+    def __init__(self, weight: torch.Tensor, bias: bool, tp: ParallelGroup, replicas: int, num_groups: int):
+        super().__init__()
+        self.tp, self.num_groups = tp, num_groups
+        self.group_index = tp.rank // replicas
+        self.weight = torch.nn.Parameter(weight)
+        self.bias = torch.nn.Parameter(torch.zeros(weight.size(0))) if bias else None
+        for p in self.parameters():
+            # Counted in norms on the first rank of the group only (the others hold copies).
+            set_tensor_model_parallel_attributes(p, tp.rank % replicas == 0, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def shared(p):
+            return _SumOverKVReplicas.apply(p, self.tp, self.group_index, self.num_groups)
+        return F.linear(x, shared(self.weight), None if self.bias is None else shared(self.bias))
 
 
 class ParallelAttention(torch.nn.Module):
-    def __init__(self, hidden_size: int, num_attention_heads: int, *, tp: ParallelGroup, init_method,
-                 output_init_method, attention_dropout: float = 0.0, sequence_parallel: bool = False,
-                 rng_tracker=None):
+    """``config``: a ``GPTConfig`` (heads, query groups, kv_channels, biases, RoPE, qk norm, dropout, SP)."""
+
+    def __init__(self, config, *, tp: ParallelGroup, init_method, output_init_method, rng_tracker=None):
         super().__init__()
-        self.num_heads_per_partition = divide(num_attention_heads, tp.size)
-        self.head_dim = divide(hidden_size, num_attention_heads)
-        self.attention_dropout = attention_dropout
+        n, g, d, h = config.num_attention_heads, config.query_groups, config.head_dim, config.hidden_size
+        self.tp = tp
+        self.head_dim = d
+        self.num_heads_per_partition = divide(n, tp.size)
+        self.q_per_group = n // g
+        self.replicas = tp.size // g if tp.size > g else 1
+        self.groups_per_partition = max(g // tp.size, 1)
+        self.attention_dropout = config.attention_dropout
         self.rng_tracker = rng_tracker
-        # Output features are ordered [q | k | v] within each head, head-major, so a
-        # contiguous column split hands every rank complete heads.
-        self.query_key_value = ColumnParallelLinear(hidden_size, 3 * hidden_size, tp=tp,
-                                                    gather_output=False, init_method=init_method,
-                                                    sequence_parallel=sequence_parallel)
-        self.dense = RowParallelLinear(hidden_size, hidden_size, tp=tp, input_is_parallel=True,
-                                       init_method=output_init_method, sequence_parallel=sequence_parallel)
+        self.sequence_parallel = config.sequence_parallel and tp.size > 1
+        bias = config.qkv_bias
+        master = torch.empty(g * (self.q_per_group + 2) * d, h)
+        init_method(master)  # the full fused weight, in the order of every layout
+
+        def take(rows):
+            def init(weight):
+                with torch.no_grad():
+                    weight.copy_(rows)
+            return init
+
+        if self.replicas == 1:
+            self.query_key_value = ColumnParallelLinear(h, master.size(0), tp=tp, bias=bias, gather_output=False,
+                                                        init_method=take(master),
+                                                        sequence_parallel=config.sequence_parallel)
+        else:
+            per_group = master.view(g, self.q_per_group + 2, d, h)
+            self.linear_q = ColumnParallelLinear(h, n * d, tp=tp, bias=bias, gather_output=False,
+                                                 init_method=take(per_group[:, :-2].reshape(n * d, h)),
+                                                 sequence_parallel=config.sequence_parallel)
+            kv = per_group[tp.rank // self.replicas, -2:].reshape(2 * d, h).clone()
+            self.linear_kv = ReplicatedKV(kv, bias, tp, self.replicas, g)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = build_norm(config, d), build_norm(config, d)
+            if tp.size > 1:
+                # Shared by all heads, each TP rank sees only its heads: the gradient is a partial sum over TP.
+                mark_sequence_parallel(self.q_layernorm)
+                mark_sequence_parallel(self.k_layernorm)
+        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base)
+                       if config.position_embedding_type == "rope" else None)
+        self.dense = RowParallelLinear(n * d, h, tp=tp, bias=config.add_bias_linear, input_is_parallel=True,
+                                       init_method=output_init_method, sequence_parallel=config.sequence_parallel)
+
+    def _project(self, hidden: torch.Tensor):
+        """q [s, b, heads, d], k and v [s, b, groups, d] of this rank."""
+        s, b = hidden.shape[0] * (self.tp.size if self.sequence_parallel else 1), hidden.shape[1]
+        d = self.head_dim
+        if self.replicas == 1:
+            qkv, _ = self.query_key_value(hidden)
+            qkv = qkv.view(s, b, self.groups_per_partition, self.q_per_group + 2, d)
+            q = qkv[:, :, :, :self.q_per_group].reshape(s, b, self.num_heads_per_partition, d)
+            return q, qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(hidden, self.tp, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(hidden, self.tp)
+        q = F.linear(x, self.linear_q.weight, self.linear_q.bias).view(s, b, self.num_heads_per_partition, d)
+        kv = self.linear_kv(x).view(s, b, 1, 2, d)
+        return q, kv[:, :, :, 0], kv[:, :, :, 1]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [s, b, h] (the full sequence: sequence-parallel input was gathered by the QKV layer)
-        qkv, _ = self.query_key_value(hidden)
-        s, b = qkv.shape[0], qkv.shape[1]
-        qkv = qkv.view(s, b, self.num_heads_per_partition, 3, self.head_dim)
+        # hidden: [s, b, h] (or this rank's [s/tp, b, h] under sequence parallelism; the projection gathers it)
+        q, k, v = self._project(hidden)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         # -> [b, heads, s, d] for SDPA
-        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        heads_per_kv = q.size(1) // k.size(1)
+        if heads_per_kv > 1:
+            k, v = k.repeat_interleave(heads_per_kv, dim=1), v.repeat_interleave(heads_per_kv, dim=1)
         dropout = self.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (dropout > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
         with fork:
             ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        s, b = ctx.size(2), ctx.size(0)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_partition * self.head_dim)
         out, _ = self.dense(ctx)
         return out

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel_state import ParallelGroup
-from ..tensor_parallel import checkpoint, mark_sequence_parallel
+from ..tensor_parallel import checkpoint
 from .attention import ParallelAttention
+from .norm import build_norm
 
 
 class GraphableLayer(torch.nn.Module):
@@ -58,21 +59,17 @@ class ParallelTransformerLayer(GraphableLayer):
                  output_init_method, rng_tracker=None):
         super().__init__()
         h = config.hidden_size
+        sp = config.sequence_parallel
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel
         self.rng_tracker = rng_tracker
         # Megatron's full activation recomputation ("full"): the layer keeps only its input.
         self.recompute = config.recompute_granularity == "full"
-        self.input_layernorm = torch.nn.LayerNorm(h, eps=config.layernorm_epsilon)
-        self.self_attention = ParallelAttention(h, config.num_attention_heads, tp=tp, init_method=init_method,
-                                                output_init_method=output_init_method,
-                                                attention_dropout=config.attention_dropout,
-                                                sequence_parallel=config.sequence_parallel, rng_tracker=rng_tracker)
-        self.post_attention_layernorm = torch.nn.LayerNorm(h, eps=config.layernorm_epsilon)
+        self.input_layernorm = build_norm(config, h, sequence_parallel=sp)
+        self.self_attention = ParallelAttention(config, tp=tp, init_method=init_method,
+                                                output_init_method=output_init_method, rng_tracker=rng_tracker)
+        self.post_attention_layernorm = build_norm(config, h, sequence_parallel=sp)
         self.mlp = build_mlp()
-        if config.sequence_parallel:
-            mark_sequence_parallel(self.input_layernorm)
-            mark_sequence_parallel(self.post_attention_layernorm)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0:

@@ -1,0 +1,147 @@
+"""Hugging Face ``config.json`` <-> our ``model`` section (pure Python, no torch).
+
+``model_from_hf(hf)`` returns ``(family, GPTConfig keyword arguments)`` for the
+families we reproduce exactly (``FAMILIES``); anything that would change the
+model's arithmetic in a way we do not implement (scaled RoPE, sliding windows
+shorter than the sequence, dense layers between MoE layers, an unknown field)
+raises ``ConvertError`` naming ``config.json`` and the field.  ``hf_from_model``
+is the way back: the original ``config.json`` with the architecture fields
+written from the model section.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+from ..errors import ConfigError
+
+
+class ConvertError(ConfigError):
+    """A checkpoint or config that cannot be converted exactly (one line: the file, the field or tensor, the fix)."""
+
+
+# architecture (config.json "architectures"[0]) -> family
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+ARCHITECTURES = {family: arch for arch, family in FAMILIES.items()}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+# Fields that never change the forward pass (ids, caching, bookkeeping, training-only switches).
+_NEUTRAL = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "output_router_logits",
+    "router_aux_loss_coef", "pretraining_tp", "max_window_layers", "attention_dropout", "tie_word_embeddings",
+    "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "sliding_window", "use_sliding_window",
+    "layer_types", "head_dim", "rms_norm_eps", "hidden_act", "num_key_value_heads", "max_position_embeddings",
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "attention_bias", "mlp_bias", "qkv_bias", "num_experts", "num_local_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers", "router_jitter_noise", "output_attentions", "output_hidden_states", "return_dict",
+    "is_encoder_decoder", "chunk_size_feed_forward", "id2label", "label2id", "problem_type", "tokenizer_class",
+    "prefix", "sep_token_id", "decoder_start_token_id", "task_specific_params", "finetuning_task",
+    "attn_implementation", "_attn_implementation_autoset", "quantization_config_disabled", "cross_attention_hidden_size",
+    "add_cross_attention", "tf_legacy_loss", "use_bfloat16", "torchscript", "pruned_heads", "is_decoder",
+}
+
+
+def _fail(field: str, value: Any, fix: str) -> ConvertError:
+    return ConvertError(f"config.json: {field}={value!r} is not supported; {fix}")
+
+
+def _rope(hf: Dict[str, Any]) -> Tuple[float, float]:
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise _fail("rope_parameters.rope_type", rope_type, "only the plain RoPE (rope_type \"default\") is reproduced "
+                    "exactly: convert a model without RoPE scaling")
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    return float(theta), float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+
+
+def model_from_hf(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
+    """(family, GPTConfig kwargs) of a Hugging Face config; ConvertError for what we cannot reproduce."""
+    archs = hf.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in FAMILIES:
+        raise _fail("architectures", archs, f"supported: {', '.join(FAMILIES)}")
+    family = FAMILIES[archs[0]]
+    for key in hf:
+        if key not in _NEUTRAL:
+            raise _fail(key, hf[key], "ds_megatron does not know what this field changes: remove it if it does not "
+                        "change the model, or convert a supported model")
+    if hf.get("hidden_act") not in ("silu", "gelu"):
+        raise _fail("hidden_act", hf.get("hidden_act"), "use silu (SwiGLU) or gelu")
+    if hf.get("router_jitter_noise", 0.0):
+        raise _fail("router_jitter_noise", hf["router_jitter_noise"], "set it to 0 (training noise not implemented)")
+    if any(t != "full_attention" for t in hf.get("layer_types") or []):
+        raise _fail("layer_types", hf["layer_types"], "only full attention in every layer is supported")
+    theta, rotary_percent = _rope(hf)
+    h, n = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or h // n
+    seq_length = hf.get("max_position_embeddings", 2048)
+    window = hf.get("sliding_window")
+    if family == "qwen2" or family in MOE_FAMILIES and "use_sliding_window" in hf:
+        window = window if hf.get("use_sliding_window") else None
+    if window:
+        # Full causal attention equals sliding-window attention on sequences no longer than the window.
+        seq_length = min(seq_length, window)
+    if family == "llama":
+        if bool(hf.get("attention_bias")) != bool(hf.get("mlp_bias")):
+            raise _fail("attention_bias", hf.get("attention_bias"), "attention_bias and mlp_bias must be equal "
+                        "(add_bias_linear covers both)")
+        bias_linear, qkv_bias = bool(hf.get("attention_bias")), False
+    elif family == "qwen2":
+        bias_linear, qkv_bias = False, True
+    elif family == "qwen2_moe":
+        bias_linear, qkv_bias = False, bool(hf.get("qkv_bias", True))
+    elif family == "qwen3_moe":
+        bias_linear, qkv_bias = False, bool(hf.get("attention_bias", False))
+    else:
+        bias_linear, qkv_bias = False, False
+    model: Dict[str, Any] = dict(
+        num_layers=hf["num_hidden_layers"], hidden_size=h, num_attention_heads=n,
+        num_query_groups=hf.get("num_key_value_heads") or n,
+        kv_channels=head_dim if head_dim * n != h else None, ffn_hidden_size=hf["intermediate_size"],
+        seq_length=seq_length, vocab_size=hf["vocab_size"], hidden_dropout=0.0,
+        attention_dropout=float(hf.get("attention_dropout", 0.0)), init_method_std=hf.get("initializer_range", 0.02),
+        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), position_embedding_type="rope", rotary_base=theta,
+        rotary_percent=rotary_percent, normalization="RMSNorm", gated_linear_unit=True,
+        activation=hf["hidden_act"], add_bias_linear=bias_linear, add_qkv_bias=qkv_bias,
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        qk_layernorm=family == "qwen3_moe")
+    if family in MOE_FAMILIES:
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise _fail("decoder_sparse_step", hf.get("decoder_sparse_step"), "only models whose every layer is MoE "
+                        "(decoder_sparse_step 1, mlp_only_layers []) are supported")
+        experts = hf.get("num_local_experts") or hf.get("num_experts")
+        model.update(num_experts=experts, moe_router_topk=hf["num_experts_per_tok"],
+                     moe_ffn_hidden_size=hf["intermediate_size"] if family == "mixtral" else hf["moe_intermediate_size"],
+                     # Mixtral renormalizes the top-k softmax (= softmax over the k chosen logits); Qwen does when
+                     # norm_topk_prob, else it keeps the softmax over all experts (Megatron's pre-softmax).
+                     moe_router_pre_softmax=family != "mixtral" and not hf.get("norm_topk_prob", False),
+                     moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
+        if family == "qwen2_moe" and hf.get("shared_expert_intermediate_size"):
+            model.update(moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+                         moe_shared_expert_gate=True)
+    return family, model
+
+
+def hf_from_model(family: str, model: Dict[str, Any], base: Dict[str, Any]) -> Dict[str, Any]:
+    """``base`` (the config.json the model came from) with the architecture fields of ``model`` written back.
+
+    The model section must still be the one ``model_from_hf(base)`` gives (training changes weights, not shapes):
+    anything else is refused, since the fields we do not map would no longer describe it."""
+    _, expected = model_from_hf(base)
+    for key, value in expected.items():
+        if key in ("seq_length", "attention_dropout", "hidden_dropout", "moe_aux_loss_coeff", "init_method_std"):
+            continue  # training settings, not the architecture
+        if model.get(key, value) != value:
+            raise ConvertError(f"model.{key}={model.get(key)!r} differs from the Hugging Face model it came from "
+                               f"({value!r}); export a model with the original architecture")
+    if ARCHITECTURES.get(family) != (base.get("architectures") or [None])[0]:
+        raise ConvertError(f"family {family!r} does not match config.json architectures {base.get('architectures')}")
+    return dict(base)

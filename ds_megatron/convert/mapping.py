@@ -1,0 +1,287 @@
+"""Which Hugging Face tensors, sliced how, make each tensor of each rank (pure Python, no torch).
+
+A rank's tensor is a ``Target``: its name in our model (``GPTModel`` names, global
+layer index; experts by global expert index), its shape, and its ``pieces``, rows
+concatenated along dim 0, each a row range (and for row-parallel weights a column
+range) of one Hugging Face tensor, or zeros (vocab padding).  Import builds each
+target from its pieces; export puts every piece back where it came from.  Both
+directions, and loading a rank's own shards in a training job, read this one table.
+
+Our files, one per distinct set of tensors of a layout:
+
+* ``model_pp{p}_tp{t}.safetensors``: every non-expert tensor of pipeline stage p on TP rank t;
+* ``experts_pp{p}_ep{e}_etp{x}.safetensors``: the experts of stage p held by EP rank e, ETP rank x.
+
+Sharding (Megatron's layouts, see ``transformer/attention.py`` and ``transformer/mlp.py``):
+QKV per query group ``[q heads, k, v]``, groups split over TP (or, when TP exceeds
+the groups, ``linear_q`` split and ``linear_kv`` the rank's group); fc1 ``[gate; up]``
+rows per rank; row-parallel weights by columns; the vocab by rows, padded with
+zeros to the padded vocab; norms, the router and the shared-expert gate whole.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..config.model import GPTConfig, pad_vocab_size
+
+Range = Tuple[int, int]
+METADATA = "ds_megatron_checkpoint.json"  # marks our directory (family, model, layout, the original config.json)
+
+
+@dataclass(frozen=True)
+class Piece:
+    source: Optional[str]  # a Hugging Face tensor name; None: zeros
+    rows: Range  # rows of the source (of the zeros block: (0, n))
+    cols: Optional[Range] = None  # columns of a 2-D source; None: all
+    like: Optional[str] = None  # zeros: the tensor whose dtype they take
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    shape: Tuple[int, ...]
+    pieces: Tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout of a converted model: sizes and the transformer layers of each pipeline stage."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    stage_layers: Tuple[Tuple[int, ...], ...] = ()
+
+    @classmethod
+    def uniform(cls, num_layers: int, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
+                layers_per_stage: Optional[Sequence[int]] = None) -> "Layout":
+        from ..config.pipeline import stage_layer_counts, stage_layer_ranges
+        counts = stage_layer_counts(num_layers, pp, "uniform", layers_per_stage, None)
+        return cls(tp, pp, ep, tp if etp is None else etp, tuple(tuple(r) for r in stage_layer_ranges(counts)))
+
+    def to_json(self) -> Dict[str, object]:
+        return {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": self.etp,
+                "stage_layers": [list(s) for s in self.stage_layers]}
+
+    @classmethod
+    def from_json(cls, d: Dict[str, object]) -> "Layout":
+        return cls(d["tp"], d["pp"], d["ep"], d["etp"], tuple(tuple(s) for s in d["stage_layers"]))
+
+
+def dense_file(stage: int, tp_rank: int) -> str:
+    return f"model_pp{stage:03d}_tp{tp_rank:02d}.safetensors"
+
+
+def expert_file(stage: int, ep_rank: int, etp_rank: int) -> str:
+    return f"experts_pp{stage:03d}_ep{ep_rank:03d}_etp{etp_rank:02d}.safetensors"
+
+
+class _Names:
+    """The Hugging Face tensor names of a family."""
+
+    def __init__(self, family: str):
+        self.family = family
+
+    def layer(self, i: int, rest: str) -> str:
+        return f"model.layers.{i}.{rest}"
+
+    def moe(self, i: int, rest: str) -> str:
+        return self.layer(i, ("block_sparse_moe." if self.family == "mixtral" else "mlp.") + rest)
+
+    def expert(self, i: int, e: int, which: str) -> str:
+        if self.family == "mixtral":
+            return self.moe(i, f"experts.{e}.{ {'gate': 'w1', 'up': 'w3', 'down': 'w2'}[which]}.weight")
+        return self.moe(i, f"experts.{e}.{which}_proj.weight")
+
+
+def _split(n: int, parts: int, rank: int) -> Range:
+    size = n // parts
+    return rank * size, (rank + 1) * size
+
+
+def _rows(source: str, r: Range, cols: Optional[Range] = None) -> Piece:
+    return Piece(source, r, cols)
+
+
+class Mapping:
+    """The ``Target``s of every file of ``layout`` for a model of ``family`` (see the module docstring)."""
+
+    def __init__(self, family: str, config: GPTConfig, layout: Layout):
+        self.family, self.config, self.layout = family, config, layout
+        self.names = _Names(family)
+        self.padded_vocab = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, layout.tp)
+
+    # -- Hugging Face side ---------------------------------------------------------------------------
+    def hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """Every tensor the Hugging Face checkpoint holds, with its shape."""
+        c, nm = self.config, self.names
+        h, d, n, g = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups
+        out: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+        if c.untie_embeddings_and_output_weights:
+            out["lm_head.weight"] = (c.vocab_size, h)
+        for i in range(c.num_layers):
+            att = lambda rest: nm.layer(i, "self_attn." + rest)  # noqa: E731
+            out[nm.layer(i, "input_layernorm.weight")] = (h,)
+            out[nm.layer(i, "post_attention_layernorm.weight")] = (h,)
+            out.update({att("q_proj.weight"): (n * d, h), att("k_proj.weight"): (g * d, h),
+                        att("v_proj.weight"): (g * d, h), att("o_proj.weight"): (h, n * d)})
+            if c.qkv_bias:
+                out.update({att("q_proj.bias"): (n * d,), att("k_proj.bias"): (g * d,), att("v_proj.bias"): (g * d,)})
+            if c.add_bias_linear:
+                out[att("o_proj.bias")] = (h,)
+            if c.qk_layernorm:
+                out.update({att("q_norm.weight"): (d,), att("k_norm.weight"): (d,)})
+            if c.is_moe_layer(i):
+                f = c.moe_ffn_hidden_size
+                out[nm.moe(i, "gate.weight")] = (c.num_experts, h)
+                for e in range(c.num_experts):
+                    out.update({nm.expert(i, e, "gate"): (f, h), nm.expert(i, e, "up"): (f, h),
+                                nm.expert(i, e, "down"): (h, f)})
+                if c.moe_shared_expert_intermediate_size:
+                    s = c.moe_shared_expert_intermediate_size
+                    out.update({nm.moe(i, "shared_expert.gate_proj.weight"): (s, h),
+                                nm.moe(i, "shared_expert.up_proj.weight"): (s, h),
+                                nm.moe(i, "shared_expert.down_proj.weight"): (h, s)})
+                    if c.moe_shared_expert_gate:
+                        out[nm.moe(i, "shared_expert_gate.weight")] = (1, h)
+            else:
+                f = c.ffn_hidden_size
+                out.update({nm.layer(i, "mlp.gate_proj.weight"): (f, h), nm.layer(i, "mlp.up_proj.weight"): (f, h),
+                            nm.layer(i, "mlp.down_proj.weight"): (h, f)})
+                if c.add_bias_linear:
+                    out.update({nm.layer(i, "mlp.gate_proj.bias"): (f,), nm.layer(i, "mlp.up_proj.bias"): (f,),
+                                nm.layer(i, "mlp.down_proj.bias"): (h,)})
+        return out
+
+    # -- our side ------------------------------------------------------------------------------------
+    def files(self) -> Dict[str, List[Target]]:
+        """Every file of the layout with its targets (dense files first, then expert files)."""
+        lay, c = self.layout, self.config
+        out = {dense_file(p, t): self.dense_targets(p, t) for p in range(lay.pp) for t in range(lay.tp)}
+        if c.num_experts:
+            for p in range(lay.pp):
+                for e in range(lay.ep):
+                    for x in range(lay.etp):
+                        out[expert_file(p, e, x)] = self.expert_targets(p, e, x)
+        return out
+
+    def _vocab(self, name: str, source: str, t: int) -> Target:
+        c = self.config
+        a, b = _split(self.padded_vocab, self.layout.tp, t)
+        pieces = []
+        if a < c.vocab_size:
+            pieces.append(_rows(source, (a, min(b, c.vocab_size))))
+        if b > c.vocab_size:
+            pieces.append(Piece(None, (0, b - max(a, c.vocab_size)), like=source))
+        return Target(name, (b - a, c.hidden_size), tuple(pieces))
+
+    def _column(self, name: str, sources: Sequence[str], width: int, parts: int, rank: int, inner: int,
+                bias: bool = False) -> Target:
+        """``[s_0 rows of this rank; s_1 rows of this rank; ...]`` (fc1 ``[gate; up]``: sources gate, up)."""
+        r = _split(width, parts, rank)
+        shape = (len(sources) * (r[1] - r[0]),) + (() if bias else (inner,))
+        return Target(name, shape, tuple(_rows(s, r) for s in sources))
+
+    def _row_parallel(self, name: str, source: str, out_rows: int, width: int, parts: int, rank: int) -> Target:
+        cols = _split(width, parts, rank)
+        return Target(name, (out_rows, cols[1] - cols[0]), (_rows(source, (0, out_rows), cols),))
+
+    @staticmethod
+    def _whole(name: str, source: str, shape: Tuple[int, ...]) -> Target:
+        return Target(name, shape, (_rows(source, (0, shape[0])),))
+
+    def _attention(self, i: int, t: int) -> List[Target]:
+        c, nm, tp = self.config, self.names, self.layout.tp
+        h, d, n, g = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups
+        qpg = n // g
+        ours = f"layers.{i}.self_attention."
+        att = lambda rest: nm.layer(i, "self_attn." + rest)  # noqa: E731
+        out = []
+        kinds = [("weight", False)] + ([("bias", True)] if c.qkv_bias else [])
+        for kind, is_bias in kinds:
+            q, k, v = (att(f"{x}_proj.{kind}") for x in "qkv")
+            inner = () if is_bias else (h,)
+            if tp <= g:
+                pieces = []
+                for grp in range(*_split(g, tp, t)):
+                    pieces += [_rows(q, (grp * qpg * d, (grp + 1) * qpg * d)), _rows(k, (grp * d, (grp + 1) * d)),
+                               _rows(v, (grp * d, (grp + 1) * d))]
+                rows = sum(p.num_rows for p in pieces)
+                out.append(Target(ours + f"query_key_value.{kind}", (rows,) + inner, tuple(pieces)))
+            else:
+                grp = t // (tp // g)
+                qr = _split(n * d, tp, t)
+                out.append(Target(ours + f"linear_q.{kind}", (qr[1] - qr[0],) + inner, (_rows(q, qr),)))
+                out.append(Target(ours + f"linear_kv.{kind}", (2 * d,) + inner,
+                                  (_rows(k, (grp * d, (grp + 1) * d)), _rows(v, (grp * d, (grp + 1) * d)))))
+        if c.qk_layernorm:
+            out += [self._whole(ours + "q_layernorm.weight", att("q_norm.weight"), (d,)),
+                    self._whole(ours + "k_layernorm.weight", att("k_norm.weight"), (d,))]
+        out.append(self._row_parallel(ours + "dense.weight", att("o_proj.weight"), h, n * d, tp, t))
+        if c.add_bias_linear:
+            out.append(self._whole(ours + "dense.bias", att("o_proj.bias"), (h,)))
+        return out
+
+    def _mlp(self, ours: str, gate: str, up: str, down: str, width: int, t: int, biases: Optional[Tuple[str, ...]]):
+        c, tp, h = self.config, self.layout.tp, self.config.hidden_size
+        out = [self._column(ours + "dense_h_to_4h.weight", (gate, up), width, tp, t, h),
+               self._row_parallel(ours + "dense_4h_to_h.weight", down, h, width, tp, t)]
+        if biases:
+            out += [self._column(ours + "dense_h_to_4h.bias", biases[:2], width, tp, t, h, bias=True),
+                    self._whole(ours + "dense_4h_to_h.bias", biases[2], (h,))]
+        return out
+
+    def dense_targets(self, stage: int, t: int) -> List[Target]:
+        c, nm, lay = self.config, self.names, self.layout
+        h = c.hidden_size
+        first, last = stage == 0, stage == lay.pp - 1
+        out: List[Target] = []
+        if first or (last and not c.untie_embeddings_and_output_weights):
+            out.append(self._vocab("word_embeddings.weight", "model.embed_tokens.weight", t))
+        for i in lay.stage_layers[stage]:
+            out.append(self._whole(f"layers.{i}.input_layernorm.weight", nm.layer(i, "input_layernorm.weight"), (h,)))
+            out += self._attention(i, t)
+            out.append(self._whole(f"layers.{i}.post_attention_layernorm.weight",
+                                   nm.layer(i, "post_attention_layernorm.weight"), (h,)))
+            if c.is_moe_layer(i):
+                ours = f"layers.{i}.mlp."
+                out.append(self._whole(ours + "router.weight", nm.moe(i, "gate.weight"), (c.num_experts, h)))
+                if c.moe_shared_expert_intermediate_size:
+                    se = lambda rest: nm.moe(i, "shared_expert." + rest)  # noqa: E731
+                    out += self._mlp(ours + "shared_experts.", se("gate_proj.weight"), se("up_proj.weight"),
+                                     se("down_proj.weight"), c.moe_shared_expert_intermediate_size, t, None)
+                    if c.moe_shared_expert_gate:
+                        out.append(self._whole(ours + "shared_experts.gate_weight",
+                                               nm.moe(i, "shared_expert_gate.weight"), (1, h)))
+            else:
+                mlp = lambda rest: nm.layer(i, "mlp." + rest)  # noqa: E731
+                biases = tuple(mlp(f"{x}_proj.bias") for x in ("gate", "up", "down")) if c.add_bias_linear else None
+                out += self._mlp(f"layers.{i}.mlp.", mlp("gate_proj.weight"), mlp("up_proj.weight"),
+                                 mlp("down_proj.weight"), c.ffn_hidden_size, t, biases)
+        if last:
+            out.append(self._whole("final_layernorm.weight", "model.norm.weight", (h,)))
+            if c.untie_embeddings_and_output_weights:
+                out.append(self._vocab("output_layer.weight", "lm_head.weight", t))
+        return out
+
+    def expert_targets(self, stage: int, ep_rank: int, etp_rank: int) -> List[Target]:
+        c, nm, lay = self.config, self.names, self.layout
+        h, f = c.hidden_size, c.moe_ffn_hidden_size
+        per_rank = c.num_experts // lay.ep
+        out: List[Target] = []
+        for i in lay.stage_layers[stage]:
+            if not c.is_moe_layer(i):
+                continue
+            for e in range(ep_rank * per_rank, (ep_rank + 1) * per_rank):
+                ours = f"layers.{i}.mlp.experts.{e}."
+                out.append(self._column(ours + "linear_fc1.weight", (nm.expert(i, e, "gate"), nm.expert(i, e, "up")),
+                                        f, lay.etp, etp_rank, h))
+                out.append(self._row_parallel(ours + "linear_fc2.weight", nm.expert(i, e, "down"), h, f, lay.etp,
+                                              etp_rank))
+        return out

@@ -1,0 +1,138 @@
+"""A built model's own tensors in and out of a checkpoint, each rank only its shards.
+
+``model_tensors(model)``: this rank's tensors under the names of our files
+(``GPTModel`` names; experts by global index, whatever the experts class).
+``load_weights(model, path, parallel_state, stage_layers)`` fills them from a
+Hugging Face directory (converted on the fly: this rank reads only the rows and
+columns of its own shards) or from our directory of the same layout.
+``save_weights`` writes our directory from a job (each file by one rank) so
+that ``ds-megatron convert`` can export it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..moe.moe_layer import BaseMoELayer
+from .checkpoint import HFSource, OurSource, check_layout, is_hf_dir, is_our_dir, write_metadata, METADATA
+from .hf_config import ConvertError
+from .mapping import Layout, Mapping, Target, dense_file, expert_file
+from .safetensors_io import SliceReader, StreamingWriter
+
+
+def _gpt_named_parameters(model):
+    if hasattr(model, "named_gpt_parameters"):
+        return model.named_gpt_parameters()
+    return model.named_parameters()
+
+
+def model_tensors(model) -> Dict[str, torch.Tensor]:
+    """This rank's parameters (or views of them) under the names our files use."""
+    out: Dict[str, torch.Tensor] = {}
+    for name, p in _gpt_named_parameters(model):
+        if ".mlp.experts." not in name:
+            out[name] = p
+    for module in model.modules():
+        if isinstance(module, BaseMoELayer):
+            experts = module.experts
+            for local, e in enumerate(experts.local_expert_indices):
+                for key, tensor in experts.expert_weights(local).items():
+                    out[f"layers.{module.layer_number}.mlp.experts.{e}.{key}"] = tensor
+    return out
+
+
+def rank_layout(parallel_state, stage_layers: Sequence[Sequence[int]]) -> Layout:
+    lay = parallel_state.layout
+    return Layout(lay.tp, lay.pp, lay.ep, lay.etp, tuple(tuple(s) for s in stage_layers))
+
+
+def rank_targets(mapping: Mapping, parallel_state) -> List[Tuple[str, Target]]:
+    """(file, target) of every tensor this rank holds."""
+    s = parallel_state
+    stage = s.pp.rank
+    out = [(dense_file(stage, s.tp.rank), t) for t in mapping.dense_targets(stage, s.tp.rank)]
+    if mapping.config.num_experts:
+        f = expert_file(stage, s.ep.rank, s.etp.rank)
+        out += [(f, t) for t in mapping.expert_targets(stage, s.ep.rank, s.etp.rank)]
+    return out
+
+
+def _check_same_model(config, model_config, where: str) -> None:
+    skip = {"seq_length", "hidden_dropout", "attention_dropout", "sequence_parallel", "recompute_granularity",
+            "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
+            "moe_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "init_method_std",
+            "label_smoothing", "make_vocab_size_divisible_by"}
+    for key, value in vars(config).items():
+        if key not in skip and getattr(model_config, key) != value:
+            raise ConvertError(f"{where}: the checkpoint has model.{key}={value!r} but the model being loaded has "
+                               f"{getattr(model_config, key)!r}; build the model from the checkpoint's config")
+
+
+def load_weights(model, path: str, parallel_state, stage_layers: Sequence[Sequence[int]]) -> None:
+    """Copy this rank's shards from ``path`` (Hugging Face or ours) into ``model``; every tensor checked first."""
+    layout = rank_layout(parallel_state, stage_layers)
+    config = model.config
+    if is_hf_dir(path):
+        source = HFSource(path)
+        _check_same_model(source.gpt_config(), config, path)
+        mapping = Mapping(source.family, config, layout)
+        source.validate(mapping)
+        reader = SliceReader()
+
+        def read(fname, target):
+            return source.build(target, reader)
+    elif is_our_dir(path):
+        source = OurSource(path)
+        _check_same_model(source.config, config, path)
+        if source.layout != layout:
+            raise ConvertError(f"{os.path.join(path, METADATA)}: layout {source.layout.to_json()} differs from this "
+                               f"job's {layout.to_json()}; export it to Hugging Face and load that instead")
+        mapping = source.mapping
+        reader = SliceReader()
+
+        def read(fname, target):
+            return reader.read(os.path.join(path, fname), target.name)
+    else:
+        raise ConvertError(f"{path}: neither a Hugging Face checkpoint (config.json) nor ours ({METADATA})")
+    check_layout(config, layout)
+    targets = rank_targets(mapping, parallel_state)
+    if is_our_dir(path):
+        source.validate({f for f, _ in targets})
+    tensors = model_tensors(model)
+    names = [t.name for _, t in targets]
+    if sorted(names) != sorted(tensors):
+        missing = sorted(set(tensors) - set(names)) or sorted(set(names) - set(tensors))
+        raise ConvertError(f"{path}: this rank's tensors and the model's differ ({', '.join(missing[:3])}); a "
+                           "converter bug or a model built with another layout")
+    with torch.no_grad():
+        for fname, target in targets:
+            tensors[target.name].copy_(read(fname, target))
+    reader.close()
+
+
+def save_weights(model, directory: str, parallel_state, stage_layers: Sequence[Sequence[int]], family: str,
+                 hf_config: Dict, hf_dtypes: Optional[Dict[str, str]] = None) -> None:
+    """Write our directory from a job: each file by the first data-parallel replica holding it (collective)."""
+    layout = rank_layout(parallel_state, stage_layers)
+    mapping = Mapping(family, model.config, layout)
+    tensors = model_tensors(model)
+    s = parallel_state
+    by_file: Dict[str, List[Target]] = {}
+    for fname, t in rank_targets(mapping, s):
+        by_file.setdefault(fname, []).append(t)
+    os.makedirs(directory, exist_ok=True)
+    for fname, targets in by_file.items():
+        writer_rank = s.dp.rank == 0 if fname.startswith("model_") else s["edp"].rank == 0
+        if not writer_rank:
+            continue
+        writer = StreamingWriter(os.path.join(directory, fname), [(t.name, tensors[t.name].dtype, t.shape)
+                                                                  for t in targets], {"format": "pt"})
+        for t in targets:
+            writer.write(t.name, tensors[t.name].detach().cpu())
+        writer.close()
+    if dist.get_rank() == 0:
+        write_metadata(directory, family, model.config, layout, hf_config, hf_dtypes or {})
+    dist.barrier()
