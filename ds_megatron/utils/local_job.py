@@ -64,6 +64,9 @@ def _rank_main(rank: int, world: int, port: int, threads: int, fn: Callable, arg
     except BaseException:  # noqa: BLE001 - handed to the parent, which raises it
         results.put((False, f"rank {rank}:\n{traceback.format_exc()}"))
     finally:
+        # Queue.put hands the item to a feeder thread; os._exit would kill it before the item is written.
+        results.close()
+        results.join_thread()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

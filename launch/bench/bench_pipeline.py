@@ -65,21 +65,28 @@ def _measure(args, pp: int, m: int):
 
     compute, span_end = [0.0], [None]
     if pp > 1:
-        def timed(method):
-            def run(*a, **k):
+        # The engine runs each schedule instruction through its class-level _INSTRUCTION_MAP (bound per call),
+        # so the timers go into an instance copy of that map.
+        from deepspeed.runtime.pipe import schedule as ds_schedule
+        instructions = dict(engine._INSTRUCTION_MAP)
+
+        def timed(fn):
+            def run(self, *a, **k):
                 t0 = time.perf_counter()
-                out = method(*a, **k)
+                out = fn(self, *a, **k)
                 compute[0] += time.perf_counter() - t0
                 return out
             return run
-        engine._exec_forward_pass = timed(engine._exec_forward_pass)
-        engine._exec_backward_pass = timed(engine._exec_backward_pass)
-        reduce_tied = engine._exec_reduce_tied_grads
 
-        def mark_end(*a, **k):
-            span_end[0] = time.perf_counter()
-            return reduce_tied(*a, **k)
-        engine._exec_reduce_tied_grads = mark_end
+        def marks_end(fn):
+            def run(self, *a, **k):
+                span_end[0] = time.perf_counter()
+                return fn(self, *a, **k)
+            return run
+        instructions[ds_schedule.ForwardPass] = timed(instructions[ds_schedule.ForwardPass])
+        instructions[ds_schedule.BackwardPass] = timed(instructions[ds_schedule.BackwardPass])
+        instructions[ds_schedule.ReduceTiedGrads] = marks_end(instructions[ds_schedule.ReduceTiedGrads])
+        engine._INSTRUCTION_MAP = instructions
 
     def step():
         compute[0], span_end[0] = 0.0, None
@@ -109,9 +116,7 @@ def _measure(args, pp: int, m: int):
                        dtype=torch.float64)
     gathered = [torch.zeros_like(out) for _ in range(world)]
     dist.all_gather(gathered, out)
-    if engine.megatron.ddp_in_engine is not None:
-        engine.megatron.ddp_in_engine.detach()
-    state.destroy()
+    engine.megatron.destroy()
     rows = torch.stack(gathered)
     return dict(step_s=float(rows[:, 0].max()), bubble=float(rows[:, 1].mean()), peak=float(rows[:, 2].max()),
                 growth=float(rows[:, 3].max()), dp=dp)
