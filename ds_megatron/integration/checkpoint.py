@@ -24,6 +24,11 @@ DeepSpeed API, left untouched on the engine) and add what it cannot know:
   optimizer state (data-parallel rank 0's) is not loaded.  On DeepSpeed's path
   the layouts its MoE checkpoint cannot save are refused at ``initialize``
   (``integration.checks``).
+* Each tensor / pipeline rank's record of how its weights map to the whole model
+  (``convert.export_fp32.export_record``, under ``client_state["ds_megatron_export"]``):
+  ``ds-megatron export-fp32`` reads it.  Under PP it names the entries of DeepSpeed's
+  per-layer files (``PipelineModule.forward_funcs``, ``_local_start``: the files are
+  ``layer_<_local_start + i>``, ``runtime/pipe/module.py:588``, ``:607``).
 * A distributed optimizer gathers its shards on every rank before anything asks
   (the gather is a collective).
 * After a load our gradient buffers start a new window at the next forward
@@ -42,6 +47,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..convert.export_fp32 import RECORD_KEY, export_record
 from ..optimizer import MegatronOptimizer
 from .moe import checkpointed_moe_layers, expert_checkpoint_name
 
@@ -60,6 +66,15 @@ def _writes_optimizer_shard(state) -> bool:
 
 def _saves_moe_optimizer_itself(engine) -> bool:
     return engine.megatron.has_moe and isinstance(engine.optimizer, MegatronOptimizer)
+
+
+def _export_record(engine) -> Dict[str, Any]:
+    module = engine.module
+    layer_files = None
+    if hasattr(module, "forward_funcs"):  # a pipeline stage: DeepSpeed writes one file per layer
+        layer_files = {f"layer_{module._local_start + i:02d}": layer.state_dict(keep_vars=True)
+                       for i, layer in enumerate(module.forward_funcs) if isinstance(layer, torch.nn.Module)}
+    return export_record(module, engine.megatron.state, layer_files)
 
 
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict[str, Any]] = None,
@@ -87,7 +102,8 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
                 torch.save(optimizer_state, optimizer_shard_name(save_dir, tag, state.layout, dist.get_rank()))
         if has_moe:
             dist.barrier()  # every expert and optimizer file is on disk before DeepSpeed may write `latest`
-        return engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+        client_state = {**(client_state or {}), RECORD_KEY: _export_record(engine)}
+        return engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                       **kwargs)
 
 
