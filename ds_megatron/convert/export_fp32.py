@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..models import GPTConfig
 from ..moe.moe_layer import BaseMoELayer
 from ..tensor_parallel import VocabParallelEmbedding, pad_vocab_size
 from ..tensor_parallel.params import is_expert_param
@@ -47,11 +48,14 @@ class ExportError(ValueError):
 
 
 def export_record(module: torch.nn.Module, parallel_state, layer_files: Optional[Dict[str, Dict[str, Any]]] = None
-                  ) -> Dict[str, Any]:
-    """What ``export_fp32`` needs to know about this rank's weights (saved with its checkpoint).
+                  ) -> Optional[Dict[str, Any]]:
+    """What ``export_fp32`` needs to know about this rank's weights (saved with its checkpoint); None for a
+    model that is not our GPT (``GPTModel`` or a pipeline stage of it): the export writes ``GPTModel``'s names.
 
     ``layer_files`` (pipeline): ``{"layer_XX": {entry: tensor}}``, the entries DeepSpeed writes per layer.
     """
+    if not isinstance(getattr(module, "config", None), GPTConfig):
+        return None
     to_gpt = getattr(module, "gpt_name", lambda name: name)  # a pipeline stage names pieces its own way
     names = {}
     for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
@@ -112,7 +116,8 @@ def consolidate(tag_dir: str) -> Dict[str, torch.Tensor]:
         record = saved.get(RECORD_KEY)
         if record is None:
             raise ExportError(f"{path} has no {RECORD_KEY} record: the checkpoint was not saved by "
-                              "ds_megatron.save_checkpoint (the training job's checkpoints are)")
+                              "ds_megatron.save_checkpoint (the training job's checkpoints are) from a GPTModel "
+                              "or GPTPipelineModule")
         if record.get("version") != RECORD_VERSION:
             raise ExportError(f"{path}: {RECORD_KEY} version {record.get('version')}, this ds_megatron reads "
                               f"version {RECORD_VERSION}")

@@ -102,7 +102,8 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
                 torch.save(optimizer_state, optimizer_shard_name(save_dir, tag, state.layout, dist.get_rank()))
         if has_moe:
             dist.barrier()  # every expert and optimizer file is on disk before DeepSpeed may write `latest`
-        client_state = {**(client_state or {}), RECORD_KEY: _export_record(engine)}
+        record = _export_record(engine)
+        client_state = {**(client_state or {}), **({RECORD_KEY: record} if record is not None else {})}
         return engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                       **kwargs)
 
