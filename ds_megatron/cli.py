@@ -1,7 +1,7 @@
 """The ``ds-megatron`` console script.
 
 ``groups`` prints the rank groups of a job (pure Python, no torch, answers at
-once).  ``train``, ``preprocess`` and ``plan`` hand their arguments, untouched,
+once).  ``train``, ``preprocess``, ``plan`` and ``export-fp32`` hand their arguments, untouched,
 to the ``main(argv)`` of the module that owns them; those modules are imported
 only when their subcommand runs, so ``groups`` never pays for importing torch
 or DeepSpeed, and each subcommand's options live next to the code they drive.
@@ -30,6 +30,8 @@ DELEGATED: Dict[str, tuple] = {
     "preprocess": ("ds_megatron.data.preprocess", "turn text/JSONL into Megatron-style .bin/.idx datasets"),
     "plan": ("ds_megatron.planning", "plan a layout: memory and communication per rank for given sizes"),
     "convert": ("ds_megatron.convert.checkpoint", "Hugging Face <-> ds_megatron checkpoints at any TP/PP/EP layout"),
+    "export-fp32": ("ds_megatron.convert.export_fp32", "consolidate a training checkpoint (any TP / PP / EP / DP) "
+                                                       "into one fp32 state dict with GPTModel's names"),
 }
 
 COORDINATES = ("tp", "cp", "dp", "pp", "etp", "ep", "edp")

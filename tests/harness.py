@@ -37,7 +37,8 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "deepspeed", "ds_megatron"])
+        # torch._dynamo: the first torch.optim optimizer imports it (3-4 s), once here instead of in every worker.
+        _CTX.set_forkserver_preload(["torch", "torch._dynamo", "deepspeed", "ds_megatron"])
     return _CTX
 
 

@@ -5,27 +5,35 @@ Inputs, chosen by file extension:
 ``.txt``
     The whole file is one document.  With ``split_lines=True``
     (``--split-lines``) every non-blank line is its own document instead.
-``.jsonl``
+``.jsonl``, ``.jsonl.gz``
     One JSON object per line, the text under ``json_key`` (``--json-key``,
-    default ``text``).  Blank lines are skipped.
+    default ``text``).  Blank lines are skipped.  With ``json_keys``
+    (Megatron's ``--json-keys a b``) each key is a dataset of its own, written
+    as Megatron's ``preprocess_data.py`` names it: ``PREFIX_<key>_document``.
 
 Each document is tokenized, followed by the tokenizer's end-of-document id
-unless ``append_eod=False``; documents without any token are skipped.  The
-output is written atomically: an input error half way leaves no files under
-the output prefix (and keeps an older dataset there intact).
+unless ``append_eod=False``; documents without any token are skipped (per key).
+``workers > 1`` tokenizes in that many processes; documents keep their file
+order, so the output is byte-identical to one worker's.  The output is written
+atomically: an input error half way leaves no files under the output prefix
+(and keeps an older dataset there intact), with any number of keys or workers.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gzip
 import json
+import multiprocessing
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from .indexed_dataset import IndexedDatasetBuilder, best_dtype
 from .tokenizer import TOKENIZERS, build_tokenizer
 
-INPUT_EXTENSIONS = (".txt", ".jsonl")
+INPUT_EXTENSIONS = (".txt", ".jsonl", ".jsonl.gz")
+_CHUNK = 64  # lines handed to a worker at a time (Megatron's pool uses 32-100)
 
 
 @dataclass(frozen=True)
@@ -35,20 +43,26 @@ class PreprocessStats:
     num_tokens: int
 
 
+def _extension(input_path: str) -> str:
+    lower = input_path.lower()
+    return next((ext for ext in INPUT_EXTENSIONS if lower.endswith(ext)), os.path.splitext(lower)[1])
+
+
 def _check_input(input_path: str) -> str:
     if not os.path.isfile(input_path):
         what = "is a directory" if os.path.isdir(input_path) else "does not exist"
-        raise FileNotFoundError(f"--input {input_path!r} {what}; pass an existing .txt or .jsonl file")
-    ext = os.path.splitext(input_path)[1].lower()
+        raise FileNotFoundError(f"--input {input_path!r} {what}; pass an existing .txt, .jsonl or .jsonl.gz file")
+    ext = _extension(input_path)
     if ext not in INPUT_EXTENSIONS:
         raise ValueError(f"--input {input_path!r} has extension {ext or '(none)'!r}; use a .txt file "
-                         f"(plain text) or a .jsonl file (one JSON object per line)")
+                         f"(plain text) or a .jsonl / .jsonl.gz file (one JSON object per line)")
     return ext
 
 
-def _read_lines(input_path: str) -> Iterator[tuple]:
+def _read_lines(input_path: str) -> Iterator[Tuple[int, str]]:
     """(line number, line) pairs; undecodable bytes are an error naming the line."""
-    with open(input_path, "rb") as f:
+    opener = gzip.open if input_path.lower().endswith(".gz") else open
+    with opener(input_path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
                 yield lineno, raw.decode("utf-8")
@@ -57,69 +71,139 @@ def _read_lines(input_path: str) -> Iterator[tuple]:
                                  f"at byte {e.start}); re-encode the file as UTF-8") from None
 
 
+def _json_texts(input_path: str, lineno: int, line: str, keys: Sequence[str], flag: str) -> List[str]:
+    """The texts under ``keys`` of one .jsonl line (errors name the line and ``flag``)."""
+    where = f"--input {input_path!r} line {lineno}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not valid JSON ({e.msg}); fix the line or pass a .jsonl "
+                         f"file with one JSON object per line") from None
+    texts = []
+    for key in keys:
+        if not isinstance(record, dict) or key not in record:
+            found = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"{where} has no key {key!r} (found: {found}); pass {flag} with "
+                             f"the field that holds the text")
+        text = record[key]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: {flag} {key!r} holds a {type(text).__name__}, not a "
+                             f"string; pass {flag} with the field that holds the text")
+        texts.append(text)
+    return texts
+
+
+def _units(input_path: str, split_lines: bool) -> Iterator[Tuple[int, str]]:
+    """What one worker task turns into documents: a .jsonl line, a .txt line, or a whole .txt file."""
+    if _check_input(input_path) != ".txt":
+        return ((n, line) for n, line in _read_lines(input_path) if line.strip())
+    if split_lines:
+        return ((n, line.rstrip("\r\n")) for n, line in _read_lines(input_path) if line.strip())
+    return iter([(1, "".join(line for _, line in _read_lines(input_path)))])
+
+
 def iter_documents(input_path: str, json_key: str = "text", split_lines: bool = False) -> Iterator[str]:
     """The documents of ``input_path`` as text, in file order (rules in the module docstring)."""
-    ext = _check_input(input_path)
-    if ext == ".txt":
-        if split_lines:
-            for _, line in _read_lines(input_path):
-                if line.strip():
-                    yield line.rstrip("\r\n")
-        else:
-            yield "".join(line for _, line in _read_lines(input_path))
-        return
-    for lineno, line in _read_lines(input_path):
-        if not line.strip():
-            continue
-        where = f"--input {input_path!r} line {lineno}"
+    is_json = _check_input(input_path) != ".txt"
+    for lineno, unit in _units(input_path, split_lines):
+        yield _json_texts(input_path, lineno, unit, [json_key], "--json-key")[0] if is_json else unit
+
+
+class _Encoder:
+    """Texts -> token ids, the same in the main process and in every worker."""
+
+    def __init__(self, input_path: str, keys: Optional[Sequence[str]], flag: str, tokenizer: str, append_eod: bool):
+        self.input_path, self.keys, self.flag = input_path, keys, flag
+        self.tokenizer, self.append_eod = tokenizer, append_eod
+        self._tok = None
+
+    def __call__(self, unit: Tuple[int, str]):
+        """``(ids per key, None)`` or ``(None, error message)``: the error is raised in file order."""
+        if self._tok is None:
+            self._tok = build_tokenizer(self.tokenizer)
+        lineno, text = unit
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where} is not valid JSON ({e.msg}); fix the line or pass a .jsonl "
-                             f"file with one JSON object per line") from None
-        if not isinstance(record, dict) or json_key not in record:
-            keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{where} has no key {json_key!r} (found: {keys}); pass --json-key with "
-                             f"the field that holds the text")
-        text = record[json_key]
-        if not isinstance(text, str):
-            raise ValueError(f"{where}: --json-key {json_key!r} holds a {type(text).__name__}, not a "
-                             f"string; pass --json-key with the field that holds the text")
-        yield text
+            texts = [text] if self.keys is None else _json_texts(self.input_path, lineno, text, self.keys, self.flag)
+        except ValueError as e:
+            return None, str(e)
+        out = []
+        for t in texts:
+            ids = self._tok.tokenize(t)
+            if ids and self.append_eod:
+                ids.append(self._tok.eod)
+            out.append(ids)
+        return out, None
+
+
+def output_prefixes(output_prefix: str, json_keys: Sequence[str]) -> List[str]:
+    """Megatron's ``preprocess_data.py`` names: ``PREFIX_<key>_document`` per key."""
+    return [f"{output_prefix}_{key}_document" for key in json_keys]
+
+
+def preprocess_keys(input_path: str, output_prefix: str, json_keys: Optional[Sequence[str]] = None,
+                    tokenizer: str = "byte", json_key: str = "text", append_eod: bool = True,
+                    split_lines: bool = False, workers: int = 1) -> List[PreprocessStats]:
+    """Tokenize ``input_path`` into one dataset per key (``json_keys``), or one at ``output_prefix``."""
+    if workers < 1:
+        raise ValueError(f"--workers {workers}: give 1 or more processes")
+    ext = _check_input(input_path)
+    if json_keys is not None:
+        if not json_keys or len(set(json_keys)) != len(json_keys):
+            raise ValueError(f"--json-keys {' '.join(json_keys)!r}: give one or more distinct keys")
+        if ext == ".txt":
+            raise ValueError(f"--json-keys needs a .jsonl or .jsonl.gz input, got {input_path!r}")
+    keys, flag = (list(json_keys), "--json-keys") if json_keys is not None else ([json_key], "--json-key")
+    prefixes = output_prefixes(output_prefix, keys) if json_keys is not None else [output_prefix]
+    encoder = _Encoder(input_path, None if ext == ".txt" else keys, flag, tokenizer, append_eod)
+    dtype = best_dtype(build_tokenizer(tokenizer).vocab_size)
+    counts = [[0, 0] for _ in prefixes]
+    with contextlib.ExitStack() as stack:
+        builders = [stack.enter_context(IndexedDatasetBuilder(p, dtype)) for p in prefixes]
+        units = _units(input_path, split_lines)
+        if workers > 1:
+            # imap keeps the input order: the output is one worker's, byte for byte.
+            pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(workers))
+            encoded = pool.imap(encoder, units, chunksize=_CHUNK)
+        else:
+            encoded = map(encoder, units)
+        for ids_per_key, error in encoded:
+            if error is not None:
+                raise ValueError(error)
+            for builder, count, ids in zip(builders, counts, ids_per_key):
+                if ids:
+                    builder.add_document(ids)
+                    count[0] += 1
+                    count[1] += len(ids)
+    return [PreprocessStats(p, docs, tokens) for p, (docs, tokens) in zip(prefixes, counts)]
 
 
 def preprocess(input_path: str, output_prefix: str, tokenizer: str = "byte", json_key: str = "text",
-               append_eod: bool = True, split_lines: bool = False) -> PreprocessStats:
+               append_eod: bool = True, split_lines: bool = False, workers: int = 1) -> PreprocessStats:
     """Tokenize ``input_path`` into ``output_prefix.bin`` / ``output_prefix.idx``."""
-    tok = build_tokenizer(tokenizer)
-    _check_input(input_path)
-    num_documents = num_tokens = 0
-    with IndexedDatasetBuilder(output_prefix, best_dtype(tok.vocab_size)) as builder:
-        for text in iter_documents(input_path, json_key=json_key, split_lines=split_lines):
-            ids = tok.tokenize(text)
-            if not ids:
-                continue
-            if append_eod:
-                ids.append(tok.eod)
-            builder.add_document(ids)
-            num_documents += 1
-            num_tokens += len(ids)
-    return PreprocessStats(output_prefix, num_documents, num_tokens)
+    return preprocess_keys(input_path, output_prefix, None, tokenizer, json_key, append_eod, split_lines, workers)[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ds-megatron preprocess",
-        description="Tokenize a .txt or .jsonl corpus into a Megatron .bin/.idx dataset.")
-    p.add_argument("--input", required=True, help="a .txt file (one document) or .jsonl file "
+        description="Tokenize a .txt, .jsonl or .jsonl.gz corpus into a Megatron .bin/.idx dataset.")
+    p.add_argument("--input", required=True, help="a .txt file (one document) or a .jsonl / .jsonl.gz file "
                    "(one JSON object per line)")
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (with --json-keys: "
+                   "PREFIX_<key>_document.bin/.idx per key, as Megatron's preprocess_data.py)")
     p.add_argument("--tokenizer", default="byte", choices=TOKENIZERS)
-    p.add_argument("--json-key", default="text", help="field of each .jsonl object that holds the text")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--json-key", default="text", help="field of each .jsonl object that holds the text")
+    keys.add_argument("--json-keys", nargs="+", default=None, help="Megatron's flag: one dataset per field")
     p.add_argument("--split-lines", action="store_true", help=".txt only: every non-blank line "
                    "is a document")
-    p.add_argument("--no-append-eod", dest="append_eod", action="store_false",
-                   help="do not end each document with the end-of-document token")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes (the output does not depend on it)")
+    eod = p.add_mutually_exclusive_group()
+    eod.add_argument("--append-eod", dest="append_eod", action="store_true", default=True,
+                     help="end each document with the end-of-document token (the default here; Megatron's "
+                          "preprocess_data.py appends it only with this flag)")
+    eod.add_argument("--no-append-eod", dest="append_eod", action="store_false",
+                     help="do not end each document with the end-of-document token")
     return p
 
 
@@ -127,12 +211,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry of ``ds-megatron preprocess``; ``argv`` are the arguments after ``preprocess``."""
     args = build_parser().parse_args(argv)
     try:
-        stats = preprocess(args.input, args.output_prefix, tokenizer=args.tokenizer,
-                           json_key=args.json_key, append_eod=args.append_eod,
-                           split_lines=args.split_lines)
+        all_stats = preprocess_keys(args.input, args.output_prefix, json_keys=args.json_keys,
+                                    tokenizer=args.tokenizer, json_key=args.json_key, append_eod=args.append_eod,
+                                    split_lines=args.split_lines, workers=args.workers)
     except (ValueError, OSError) as e:
         raise SystemExit(f"ds-megatron preprocess: error: {e}") from None
-    print(f"wrote {stats.output_prefix}.bin/.idx: {stats.num_documents} documents, "
-          f"{stats.num_tokens} tokens")
+    for stats in all_stats:
+        print(f"wrote {stats.output_prefix}.bin/.idx: {stats.num_documents} documents, "
+              f"{stats.num_tokens} tokens")
     return 0
-

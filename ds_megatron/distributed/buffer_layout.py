@@ -18,6 +18,9 @@ The rules (Megatron-LM's ``_ParamAndGradBuffer``):
   >= ``bucket_size`` elements (``None``: one bucket for everything).
 * With the distributed optimizer a shared-embedding param gets a bucket of its
   own, so the first and last pipeline stages shard its optimizer state the same way.
+  The bucket before it closes at the shared param's 64-aligned start, so its
+  unpadded size includes that alignment padding (megatron-core 0.16's
+  ``numel_unpadded``, which ``tests/distributed/test_buffer_layout.py`` compares).
 """
 from __future__ import annotations
 
@@ -148,12 +151,13 @@ def build_buffer_layout(param_numels: Sequence[int], data_parallel_world_size: i
         numel = int(param_numels[i])
         if numel < 1:
             raise ValueError(f"param {i} has {numel} elements; every buffered param needs at least one")
-        if needs_own_bucket(i) and current:
-            # Close what came before at the previous param's end (so "unpadded" counts no
-            # alignment padding; the padded end is the same, as the divisor is a multiple
-            # of 64).  The new bucket begins where the padded old one ends, never inside it.
-            param_start = close_bucket(param_end)
         param_start = pad_param_start(param_start)
+        if needs_own_bucket(i) and current:
+            # Close what came before at this param's 64-aligned start, as megatron-core 0.16 does
+            # (so that bucket's "unpadded" size counts the alignment padding after its last param:
+            # numel_unpadded and per-bucket sizes equal megatron-core's).  The new bucket begins
+            # where the padded old one ends, never inside it.
+            param_start = close_bucket(param_start)
         param_end = param_start + numel
         param_index_map[i] = (param_start, param_end, len(bucket_indices))
         current.append(i)

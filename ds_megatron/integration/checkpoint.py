@@ -7,12 +7,33 @@ DeepSpeed API, left untouched on the engine) and add what it cannot know:
   rank 0 only, which under MoE folding does not hold every expert, and its own
   expert files come from ``deepspeed.moe`` layers only.  So each
   expert-data-parallel rank 0 writes its local experts first, under DeepSpeed's
-  expert file names (``integration.moe.expert_checkpoint_name``), and every rank
-  reads its local experts back after DeepSpeed loads.  Experts go first: the
-  caller's ``latest`` then never names a tag without them.
-* A distributed optimizer gathers its shards on every rank before DeepSpeed
-  asks (with MoE layers DeepSpeed asks only the expert-data-parallel writers,
-  and the gather is a collective).
+  expert file names (``integration.moe.expert_checkpoint_name``, one file per
+  expert and expert-tensor rank), and every rank reads its local experts back
+  after DeepSpeed loads.  Experts go first: the caller's ``latest`` then never
+  names a tag without them.
+* With our optimizer and MoE layers, the optimizer state too: a rank's state is
+  its dense part (set by its tensor / pipeline rank) and its experts' part (set by
+  its pipeline / expert / expert-tensor rank), so the lowest rank of each
+  (tp, pp, ep, etp) writes ``moe_optim_tp_XX_pp_XX_ep_XXX_etp_XX.pt`` and every
+  rank with those coordinates loads it (any data-parallel size).  DeepSpeed's
+  own per-expert-rank files, named by (ep rank, model-parallel rank) and written
+  by expert-data-parallel rank 0 only, would lose or overwrite the states of
+  layouts whose expert-data-parallel group spans tensor ranks (ETP < TP) or whose
+  expert-tensor ranks are not tensor ranks; so on our path the engine is not told
+  about our MoE layers (``integration.moe``) and writes a plain checkpoint, whose
+  optimizer state (data-parallel rank 0's) is not loaded.  On DeepSpeed's path
+  the layouts its MoE checkpoint cannot save are refused at ``initialize``
+  (``integration.checks``).
+* Each tensor / pipeline rank's record of how its weights map to the whole model
+  (``convert.export_fp32.export_record``, under ``client_state["ds_megatron_export"]``):
+  ``ds-megatron export-fp32`` reads it.  Under PP it names the entries of DeepSpeed's
+  per-layer files (``PipelineModule.forward_funcs``, ``_local_start``: the files are
+  ``layer_<_local_start + i>``, ``runtime/pipe/module.py:588``, ``:607``).
+* A distributed optimizer gathers its shards on every rank before anything asks
+  (the gather is a collective).
+* After a load our gradient buffers start a new window at the next forward
+  (``integration.gradients``), whether the load went through here or through
+  ``engine.load_checkpoint``.
 
 An engine without our MoE layers and without the distributed optimizer is
 saved exactly as ``engine.save_checkpoint`` saves it.
@@ -26,53 +47,90 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
+from ..convert.export_fp32 import RECORD_KEY, export_record
+from ..optimizer import MegatronOptimizer
 from .moe import checkpointed_moe_layers, expert_checkpoint_name
 
 
-def _check_expert_file_names_unique(parallel_state) -> None:
-    # DeepSpeed names the per-expert-rank optimizer file by (ep rank, tp rank): ETP ranks
-    # that are not TP ranks would write the same file.
-    etp, tp = parallel_state.etp, parallel_state.tp
-    if etp.size > 1 and etp.ranks != tp.ranks:
-        raise ConfigError(f"megatron.expert_tensor_parallel_size={etp.size} with a different group than "
-                          f"tensor_model_parallel_size={tp.size}: DeepSpeed's expert optimizer files are named "
-                          "by (ep rank, tp rank) and would collide; use expert_tensor_parallel_size 1 or equal "
-                          "to tensor_model_parallel_size to save checkpoints")
+def optimizer_shard_name(save_dir: str, tag: str, layout, rank: int) -> str:
+    """Our file for the optimizer state of every rank with ``rank``'s (tp, pp, ep, etp) coordinates."""
+    c = layout.coordinates(rank)
+    return os.path.join(save_dir, tag, f"moe_optim_tp_{c['tp']:02d}_pp_{c['pp']:02d}_ep_{c['ep']:03d}_"
+                                       f"etp_{c['etp']:02d}.pt")
+
+
+def _writes_optimizer_shard(state) -> bool:
+    # The ranks with this rank's dense state are its dp-cp group, those with its expert state its edp group.
+    return dist.get_rank() == min(set(state.dp_cp.ranks) & set(state.edp.ranks))
+
+
+def _saves_moe_optimizer_itself(engine) -> bool:
+    return engine.megatron.has_moe and isinstance(engine.optimizer, MegatronOptimizer)
+
+
+def _export_record(engine) -> Dict[str, Any]:
+    module = engine.module
+    layer_files = None
+    if hasattr(module, "forward_funcs"):  # a pipeline stage: DeepSpeed writes one file per layer
+        layer_files = {f"layer_{module._local_start + i:02d}": layer.state_dict(keep_vars=True)
+                       for i, layer in enumerate(module.forward_funcs) if isinstance(layer, torch.nn.Module)}
+    return export_record(module, engine.megatron.state, layer_files)
 
 
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict[str, Any]] = None,
                     save_latest: bool = True, **kwargs):
-    """``engine.save_checkpoint`` plus our experts and the gathered distributed-optimizer state (collective)."""
+    """``engine.save_checkpoint`` plus our experts, their optimizer states and the gathered distributed-optimizer
+    state (collective)."""
     state = engine.megatron.state
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     layers = checkpointed_moe_layers(engine.module)
-    if engine.megatron.has_moe:  # every rank of the job, also a pipeline stage without MoE layers (barrier)
-        _check_expert_file_names_unique(state)
+    has_moe = engine.megatron.has_moe  # every rank of the job, also a pipeline stage without MoE layers
+    if has_moe:
+        os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
         if state.edp.rank == 0:
-            os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
             for layer_id, name, layer in layers:
                 experts = layer.experts
                 for local, global_id in enumerate(experts.local_expert_indices):
                     weights = {f"{name}.experts.local_experts.{global_id}.{k}": v.detach().clone().contiguous()
                                for k, v in experts.expert_weights(local).items()}
                     torch.save(weights, expert_checkpoint_name(save_dir, tag, layer_id, global_id, state.etp.rank))
-        dist.barrier()
     gathered = getattr(engine.optimizer, "gathered_state_dict", None)
     with gathered() if gathered is not None else contextlib.nullcontext():
-        return engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+        if _saves_moe_optimizer_itself(engine):
+            optimizer_state = engine.optimizer.state_dict()  # the gathered one for the distributed optimizer
+            if _writes_optimizer_shard(state):
+                torch.save(optimizer_state, optimizer_shard_name(save_dir, tag, state.layout, dist.get_rank()))
+        if has_moe:
+            dist.barrier()  # every expert and optimizer file is on disk before DeepSpeed may write `latest`
+        record = _export_record(engine)
+        client_state = {**(client_state or {}), **({RECORD_KEY: record} if record is not None else {})}
+        return engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                       **kwargs)
 
 
 def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, **kwargs) -> Tuple[Optional[str], Any]:
-    """``engine.load_checkpoint`` plus our experts; ``(None, None)`` when DeepSpeed found nothing to load."""
-    path, client_state = engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+    """``engine.load_checkpoint`` plus our experts and their optimizer states; ``(None, None)`` when DeepSpeed
+    found nothing to load."""
+    ours = _saves_moe_optimizer_itself(engine)
+    load_optimizer = kwargs.pop("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
+    # With ours, DeepSpeed's file holds data-parallel rank 0's optimizer state, which is not every rank's.
+    path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer and not ours,
+                                                **kwargs)
     if path is None:
         return path, client_state
     if tag is None:
         with open(os.path.join(load_dir, "latest")) as f:
             tag = f.read().strip()
     _load_experts(engine, load_dir, str(tag))
+    if ours:
+        if load_optimizer:
+            shard = optimizer_shard_name(load_dir, str(tag), engine.megatron.state.layout, dist.get_rank())
+            if not os.path.isfile(shard):
+                raise FileNotFoundError(f"optimizer state {shard} is missing: the checkpoint was saved with another "
+                                        "tensor / pipeline / expert layout, or not by ds_megatron")
+            engine.optimizer.load_state_dict(torch.load(shard, map_location="cpu", weights_only=False))
+        else:
+            engine.optimizer.refresh_fp32_params()  # the weights just loaded, experts included, are the model
     return path, client_state
 
 

@@ -11,8 +11,9 @@ give a wrong result when the model does not take part in them:
 * ``expert_model_parallel_size > 1`` with no expert parameter (ours are marked ``is_expert``,
   DeepSpeed's ``allreduce=False``): the expert groups shard nothing.
 
-Both raise a ``ConfigError`` naming the setting and the fix, before the engine exists.
-So does an ``lr_scheduler=`` given together with a ``"scheduler"`` section.
+Both raise a ``ConfigError`` naming the setting and the fix, before the engine exists.  So do,
+on DeepSpeed's optimizer path, a layout of our MoE layers that DeepSpeed's MoE checkpoint cannot
+save, and an ``lr_scheduler=`` given together with a ``"scheduler"`` section.
 """
 from __future__ import annotations
 
@@ -43,6 +44,34 @@ def check_model_uses_layout(model: Optional[torch.nn.Module], state: ParallelSta
                           "layers or set expert_model_parallel_size to 1")
 
 
+def check_deepspeed_moe_checkpoint_layout(state: ParallelState) -> None:
+    """Refuse a layout of our MoE layers that DeepSpeed's own MoE checkpoint (its optimizer path) cannot save.
+
+    ``_save_moe_checkpoint`` (``runtime/engine.py:5040``, returning at ``:5274``) writes nothing
+    on a rank that is not expert-data-parallel rank 0; the others write the dense model (when
+    also data-parallel rank 0, ``mp_rank_XX_model_states.pt``) and an optimizer file named by
+    (ep rank, model-parallel rank) alone (``_get_optimizer_ckpt_name``, ``:4362``).  A layout is
+    saved right only if every data-parallel rank 0 writes, and the writers of each optimizer
+    file hold the state of every rank that loads it: the same expert-tensor rank.  (Our
+    optimizer path writes the optimizer states itself and saves every layout.)
+    """
+    layout = state.layout
+    coords = [layout.coordinates(r) for r in range(layout.world_size)]
+    writers = [c for c in coords if c["edp"] == 0]
+    dense_written = all(c["edp"] == 0 for c in coords if c["dp"] == 0)
+
+    def optimizer_file_right(c) -> bool:
+        same_name = [w for w in writers if (w["ep"], w["tp"], w["pp"]) == (c["ep"], c["tp"], c["pp"])]
+        return bool(same_name) and all(w["etp"] == c["etp"] for w in same_name)
+
+    if not (dense_written and all(optimizer_file_right(c) for c in coords)):
+        raise ConfigError(f"megatron.optimizer_impl \"deepspeed\" with MoE layers cannot save checkpoints of this "
+                          f"layout (tensor_model_parallel_size={layout.tp}, expert_model_parallel_size={layout.ep}, "
+                          f"expert_tensor_parallel_size={layout.etp}): DeepSpeed's MoE checkpoint writes from "
+                          "expert-data-parallel rank 0 only, which does not hold every rank's state here; use "
+                          "optimizer_impl \"megatron\" (it saves every layout) or other expert sizes")
+
+
 def check_one_scheduler(ds_config, lr_scheduler) -> None:
     """``lr_scheduler=`` and a ``"scheduler"`` section: DeepSpeed would silently use the section
     (``runtime/engine.py`` ``_configure_lr_scheduler``); refuse instead."""
@@ -51,4 +80,4 @@ def check_one_scheduler(ds_config, lr_scheduler) -> None:
                           "silently use the section; keep one of them")
 
 
-__all__ = ["check_model_uses_layout", "check_one_scheduler"]
+__all__ = ["check_deepspeed_moe_checkpoint_layout", "check_model_uses_layout", "check_one_scheduler"]

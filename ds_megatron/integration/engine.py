@@ -36,7 +36,7 @@ from ..config import MegatronConfig, split_config, world_size_from_env
 from ..distributed import DistributedDataParallel, finalize_model_grads
 from ..errors import ConfigError
 from ..parallel_state import ParallelState
-from .checks import check_model_uses_layout, check_one_scheduler
+from .checks import check_deepspeed_moe_checkpoint_layout, check_model_uses_layout, check_one_scheduler
 from .cuda_graphs import CudaGraphEngineHook, attach_cuda_graphs
 from .deepspeed_moe import prepare_deepspeed_moe
 from .engine_queries import report_precision
@@ -178,6 +178,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     has_moe = model is not None and (bool(model.config.num_experts) if isinstance(model, GPTPipelineModule)
                                      else bool(moe_layers(model)))
     if has_moe:
+        if not mcfg.precision.owns_optimizer:
+            check_deepspeed_moe_checkpoint_layout(parallel_state)
         # DeepSpeed's own expert groups need EP to divide DP (folding breaks that): hand it ours.
         register_expert_groups(parallel_state)
 
@@ -195,7 +197,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         context.ddp_in_engine = MegatronDDPInEngine(engine, opt_path.ddp)
     elif model is not None:  # DeepSpeed reduces over data parallel; TP-partial grads are completed in backward
         complete_sequence_parallel_grads_in_backward(model, parallel_state)
-    if has_moe:
+    if has_moe and not mcfg.precision.owns_optimizer:  # DeepSpeed reduces and checkpoints the experts: its path only
         mark_engine_has_moe(engine)
     if mcfg.precision.owns_optimizer and model is not None:
         report_precision(engine, mcfg.precision)  # engine.bfloat16_enabled(), gradient_clipping(), ... tell the truth

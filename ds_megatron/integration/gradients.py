@@ -6,7 +6,10 @@
   engine turns off for the same reason (``runtime/engine.py``,
   ``_backward_epilogue`` and ``step``).  A forward pre-hook on ``engine.module``
   (``register_forward_pre_hook``, a torch seam) starts each micro-batch: after an
-  optimizer step it zeroes the buffers (one op per buffer) and it tells them
+  optimizer step it zeroes the buffers (one op per buffer; "after a step" is
+  told by our optimizer's ``steps_called``, which only grows: ``engine.global_steps``
+  moves back when a checkpoint is loaded, and the grads of the steps taken since
+  must not survive the load) and it tells them
   whether this micro-batch ends the accumulation window
   (``engine.is_gradient_accumulation_boundary()`` and not inside
   ``engine.no_sync()``), so that overlapped reductions start only then.  The
@@ -79,7 +82,7 @@ class MegatronDDPInEngine:
         self.engine = engine
         self.ddp = ddp
         self.params = list(ddp.param_to_bucket_group)
-        self._zeroed_at_step = engine.global_steps
+        self._zeroed_at_step = self._steps_called()  # fresh buffers are zero
         self.pipeline = isinstance(engine, PipelineEngine)
         self._backwards = 0  # backward passes in this window (pipeline)
         engine.enable_backward_allreduce = False  # the seam: DeepSpeed's own reduction off
@@ -90,18 +93,22 @@ class MegatronDDPInEngine:
 
     def _before_forward(self, module, inputs) -> None:
         engine = self.engine
-        if engine.global_steps != self._zeroed_at_step:
+        steps = self._steps_called()
+        if steps != self._zeroed_at_step:
             # The optimizer consumed the grads of the last window: start a new one.
             self.ddp.zero_grad_buffer()
             for p in self.params:
                 p.grad = None
-            self._zeroed_at_step = engine.global_steps
+            self._zeroed_at_step = steps
             self._backwards = 0
         if self.pipeline:
             self.ddp.set_is_last_microbatch(False)  # the backward pre-hook says which one is
         else:
             self.ddp.set_is_last_microbatch(engine.is_gradient_accumulation_boundary()
                                             and not engine.inside_no_sync_ctxt)
+
+    def _steps_called(self) -> int:
+        return self.engine.optimizer.steps_called  # our optimizer: the Megatron path's only one
 
     def _hook_backward_start(self, module, inputs, output) -> None:
         if not (module.training and torch.is_grad_enabled()):

@@ -9,14 +9,16 @@ and DeepSpeed is handed them.  Seams (DeepSpeed 0.19.8):
   groups go into ``deepspeed.utils.groups._EXPERT_PARALLEL_GROUP`` /
   ``_EXPERT_DATA_PARALLEL_GROUP`` (and their ``*_RANKS``) under
   ``ep_size_<EP>``, the ``group_name`` our expert params carry.
-* ``mark_engine_has_moe`` (after): ``engine.has_moe_layers``, ``num_experts`` and
-  the engine's copies of those tables.  On DeepSpeed's optimizer path its
-  ``_reduce_expert_gradients`` then all-reduces params marked ``allreduce=False``
-  over our edp group, dividing by the dense data-parallel size (the mean over the
-  global batch, because an expert's local gradient already sums the tokens its
-  EP group routed to it); on ours its reduction is off and the flag only makes
-  DeepSpeed write the optimizer state per expert rank
-  (``expp_rank_<ep>_mp_rank_<tp>_optim_states.pt``) at checkpoints.
+* ``mark_engine_has_moe`` (after; DeepSpeed's optimizer path only):
+  ``engine.has_moe_layers``, ``num_experts`` and the engine's copies of those
+  tables.  Its ``_reduce_expert_gradients`` then all-reduces params marked
+  ``allreduce=False`` over our edp group, dividing by the dense data-parallel
+  size (the mean over the global batch, because an expert's local gradient
+  already sums the tokens its EP group routed to it), and its checkpoints write
+  the optimizer state per expert rank
+  (``expp_rank_<ep>_mp_rank_<mp>_optim_states.pt``).  On our path the flag stays
+  off: our buffers reduce, and ``integration.checkpoint`` writes the optimizer
+  states itself, for every layout.
 * ``expert_checkpoint_name``: DeepSpeed's file name for one expert's weights
   (``DeepSpeedEngine._get_expert_ckpt_name``); ``integration.checkpoint``
   writes and reads our experts under it, with the layer ids of

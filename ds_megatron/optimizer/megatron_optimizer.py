@@ -131,6 +131,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
         self.overflow = False  # DeepSpeed skips its LR-scheduler step when this is True
         self._global_grad_norm: Optional[float] = None  # what engine.get_global_grad_norm() returns
         self.num_zeros_in_grad: Optional[int] = None
+        # step() calls so far: a clock that never goes back (DeepSpeed's global_steps does, at a checkpoint load).
+        self.steps_called = 0
 
     # -- the inner optimizer seen through this one ---------------------------------------------------
     @property
@@ -332,6 +334,7 @@ class MegatronOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("closure is not supported: the loss is computed by the training loop "
                              "before step(); call step() without arguments")
+        self.steps_called += 1
         if self.model_chunks:
             finalize_model_grads(self.model_chunks, self.parallel_state)
         grads = self._copy_model_grads_to_main_grads()

@@ -57,8 +57,13 @@ def check_layout(numels, dp, bucket_size, use_do, high_busbw, shared):
                 assert bucket_size is None or end - b_start < bucket_size
                 assert not own_bucket[i]
         last_end = expected_start
-        unpadded += last_end - b_start
-        assert lay.per_bucket_numel_unpadded[b] == last_end - b_start
+        closed_for_next = (use_do and b < lay.num_buckets - 1 and own_bucket[lay.bucket_params[b + 1][0]]
+                           and not own_bucket[members[-1]]
+                           and not (bucket_size is not None and last_end - b_start >= bucket_size))
+        # A bucket closed for a shared embedding ends at that param's 64-aligned start (megatron-core 0.16).
+        counted_end = _ceil_to(last_end, 64) if closed_for_next else last_end
+        unpadded += counted_end - b_start
+        assert lay.per_bucket_numel_unpadded[b] == counted_end - b_start
         if use_do:
             assert b_end == _ceil_to(last_end, divisor) and b_start % divisor == 0
         else:
@@ -134,6 +139,53 @@ def test_shared_embedding_gets_its_own_bucket_without_overlap():
     lay = check_layout([70, 130, 64, 5], 2, None, True, False, [True, False, False, False])
     assert lay.bucket_params[-1] == (0,) and lay.num_buckets == 2
     assert lay.param_index_map[0] == (384, 454, 1) and lay.bucket_indices == ((0, 384), (384, 512))
+
+
+def _megatron_core_layout(numels, dp, bucket_size, shared, high_busbw):
+    """megatron-core 0.16's own _ParamAndGradBuffer on CPU: its index maps, from its own code."""
+    import types
+    from unittest import mock
+    pytest.importorskip("megatron.core")
+    from megatron.core.distributed import DistributedDataParallelConfig as McoreDDPConfig
+    from megatron.core.distributed import param_and_grad_buffer as mcore
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in numels]
+    for p, s in zip(params, shared):
+        if s:
+            p.shared_embedding = True
+    group = types.SimpleNamespace(size=lambda: dp, rank=lambda: 0)
+    cfg = McoreDDPConfig(use_distributed_optimizer=True, pad_buckets_for_high_nccl_busbw=high_busbw)
+    # It allocates on torch.cuda.current_device() and logs through torch.distributed: neither is the layout.
+    with mock.patch("torch.cuda.current_device", return_value="cpu"), \
+            mock.patch.object(mcore, "log_on_each_pipeline_stage"):
+        buf = mcore._ParamAndGradBuffer(cfg, torch.float32, torch.float32, params, group, bucket_size,
+                                        {p: str(i) for i, p in enumerate(params)}, 1.0, list(range(len(params))),
+                                        False, types.SimpleNamespace(tp=group, dp_cp=group))
+    return (buf.numel, buf.numel_unpadded, tuple(b.numel_unpadded for b in buf.buckets), tuple(buf.bucket_indices),
+            tuple(buf.param_index_map[p] for p in params))
+
+
+def _ours(numels, dp, bucket_size, shared, high_busbw):
+    lay = build_buffer_layout(numels, dp, bucket_size, True, high_busbw, shared)
+    return lay.numel, lay.numel_unpadded, lay.per_bucket_numel_unpadded, lay.bucket_indices, lay.param_index_map
+
+
+def test_shared_embedding_after_an_unaligned_param_matches_megatron_core():
+    # Reverse order: 5 at 0, 64 at 64, 130 at 128 (ends at 258, not a multiple of 64), then the shared
+    # embedding: megatron-core closes the bucket at pad64(258) = 320, so its unpadded size is 320, not 258.
+    ours = _ours([70, 130, 64, 5], 2, None, [True, False, False, False], False)
+    assert ours[:4] == (512, 390, (320, 70), ((0, 384), (384, 512)))
+    assert ours == _megatron_core_layout([70, 130, 64, 5], 2, None, [True, False, False, False], False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts)
+def test_distributed_optimizer_layouts_equal_megatron_core(case):
+    numels, dp, bucket_size, _, high_busbw, seed = case
+    if not numels:
+        return
+    shared = [(seed >> (i % 30)) & 3 == 0 for i in range(len(numels))]
+    assert _ours(numels, dp, bucket_size, shared, high_busbw) == \
+        _megatron_core_layout(numels, dp, bucket_size, shared, high_busbw)
 
 
 def test_default_bucket_size():

@@ -66,11 +66,13 @@ def test_pipeline_resume_is_bit_exact(case, tmp_path):
     assert open(os.path.join(run_dir, "latest")).read() == "iter_0000006"
     files = os.listdir(os.path.join(run_dir, "iter_0000006"))
     if kwargs.get("moe"):
-        # DeepSpeed's MoE path saves each stage's dense module whole (mp_rank_<pipe x tp index>); the experts of
-        # all 4 MoE layers go to distinct files whichever stage holds them (whole-model layer ids).
+        # The experts of all 4 MoE layers go to distinct files whichever stage holds them (whole-model layer ids);
+        # the optimizer state to one file per (tp, pp, ep, etp); DeepSpeed writes each stage's layers.
         assert sorted(f for f in files if "_expert_" in f) == sorted(
             f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in range(4) for e in range(4))
-        assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= set(files)
+        assert sorted(f for f in files if f.startswith("moe_optim_")) == sorted(
+            f"moe_optim_tp_00_pp_{pp:02d}_ep_{ep:03d}_etp_00.pt" for pp in range(2) for ep in range(2))
+        assert len([f for f in files if f.startswith("layer_") and f.endswith("-model_states.pt")]) == 7
     else:
         # DeepSpeed's per-layer files, one per TP rank: word embedding, positions, 4 layers, final norm.  The
         # last stage's tied copy has no file: DeepSpeed broadcasts it from the first stage after loading.

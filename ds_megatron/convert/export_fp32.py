@@ -1,0 +1,210 @@
+"""``ds-megatron export-fp32 CHECKPOINT OUT``: a training checkpoint as one fp32 state dict of ``GPTModel``.
+
+DeepSpeed's ``zero_to_fp32.py`` consolidates ZeRO partitions; it knows nothing of tensor or expert
+parallelism, and DeepSpeed writes it only next to ZeRO checkpoints (``_save_zero_checkpoint``,
+``runtime/engine.py:5567``), which our optimizer path never writes.  This is its counterpart for
+our checkpoints, at any TP / PP / EP / ETP / DP:
+
+* ``ds_megatron.save_checkpoint`` records, in each tensor / pipeline rank's
+  ``mp_rank_XX_model_states.pt``, how that rank's weights map to the whole model
+  (``export_record``): each parameter's ``GPTModel`` name and the dimension TP splits
+  it along, which entries are experts (their own files hold them), and, under PP,
+  which entry of which ``layer_XX-model_YY-model_states.pt`` file is which parameter.
+* Dense weights are concatenated over the tensor ranks; experts come from the
+  expert files (``layer_L_expert_E_mp_rank_T``, T the expert-tensor rank),
+  concatenated over the expert-tensor ranks, under ``SequentialMLP``'s names.
+* The word embedding keeps the rows of a TP=1 model (the rows added for a larger
+  TP's padding are zero and never read), every floating tensor becomes fp32.
+
+The result loads into a TP=1 ``GPTModel`` of the same config (``load_state_dict``, strict).
+``OUT`` ending in ``.safetensors`` is written with safetensors, anything else with ``torch.save``.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..models import GPTConfig
+from ..models.gpt import OutputLayer
+from ..moe.moe_layer import BaseMoELayer
+from ..tensor_parallel import VocabParallelEmbedding, pad_vocab_size
+from ..tensor_parallel.params import is_expert_param
+
+RECORD_KEY = "ds_megatron_export"
+RECORD_VERSION = 1
+# SequentialMLP's expert weights as the expert files name them ([out, in]): fc1 is split over the
+# expert-tensor ranks along its output rows, fc2 along its input columns (column- / row-parallel).
+EXPERT_PARTITION_DIMS = {"linear_fc1.weight": 0, "linear_fc2.weight": 1}
+_EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported; the message names the file and what is wrong."""
+
+
+def export_record(module: torch.nn.Module, parallel_state, layer_files: Optional[Dict[str, Dict[str, Any]]] = None
+                  ) -> Optional[Dict[str, Any]]:
+    """What ``export_fp32`` needs to know about this rank's weights (saved with its checkpoint); None for a
+    model that is not our GPT (``GPTModel`` or a pipeline stage of it): the export writes ``GPTModel``'s names.
+
+    ``layer_files`` (pipeline): ``{"layer_XX": {entry: tensor}}``, the entries DeepSpeed writes per layer.
+    """
+    if not isinstance(getattr(module, "config", None), GPTConfig):
+        return None
+    config = module.config
+    tp, etp = parallel_state.tp.size, parallel_state.etp.size
+    # Shards that do not concatenate into the TP=1 tensor: each rank's fc1 holds its own [gate; up] rows, and
+    # KV heads replicated over TP ranks are separate parameters.  The record says so; the export refuses them.
+    unsupported = []
+    if config.gated_linear_unit and (tp > 1 or (config.num_experts and etp > 1)):
+        unsupported.append(f"model.gated_linear_unit with tensor_model_parallel_size={tp} / "
+                           f"expert_tensor_parallel_size={etp}")
+    if config.query_groups < tp:
+        unsupported.append(f"model.num_query_groups={config.query_groups} below tensor_model_parallel_size={tp}")
+    to_gpt = getattr(module, "gpt_name", lambda name: name)  # a pipeline stage names pieces its own way
+    names = {}
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        names.setdefault(id(tensor), to_gpt(name))
+    params = dict(module.named_parameters())
+    record = {
+        "unsupported": unsupported,
+        "version": RECORD_VERSION,
+        "tp": parallel_state.tp.size, "tp_rank": parallel_state.tp.rank,
+        "pp": parallel_state.pp.size, "pp_rank": parallel_state.pp.rank,
+        "etp": parallel_state.etp.size,
+        "partition_dims": {to_gpt(n): int(getattr(p, "partition_dim", -1)) for n, p in params.items()
+                           if getattr(p, "tensor_model_parallel", False) and not is_expert_param(p)},
+        "experts": sorted(to_gpt(n) for n, p in params.items() if is_expert_param(p)),
+        "moe_layers": sum(1 for m in module.modules() if isinstance(m, BaseMoELayer)),
+        "vocab_params": sorted(to_gpt(f"{n}.weight") for n, m in module.named_modules()
+                               if isinstance(m, (VocabParallelEmbedding, OutputLayer))),
+        "vocab_rows": pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, 1),
+    }
+    if layer_files is not None:
+        record["layer_files"] = {layer: {entry: names[id(t)] for entry, t in entries.items()}
+                                 for layer, entries in layer_files.items()}
+    return record
+
+
+def resolve_tag_dir(checkpoint: str, tag: Optional[str] = None) -> str:
+    """``checkpoint`` is a run directory (with ``latest``) or one tag's directory."""
+    if tag is not None:
+        return os.path.join(checkpoint, tag)
+    latest = os.path.join(checkpoint, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return os.path.join(checkpoint, f.read().strip())
+    return checkpoint
+
+
+def _load(path: str) -> Dict[str, Any]:
+    # DeepSpeed's model-state files hold Python objects besides tensors (its config, our record).
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _cat(pieces: Dict[int, torch.Tensor], size: int, dim: int, what: str) -> torch.Tensor:
+    if sorted(pieces) != list(range(size)):
+        raise ExportError(f"{what}: the checkpoint holds ranks {sorted(pieces)} of {size}; files are missing")
+    return pieces[0] if dim < 0 else torch.cat([pieces[r] for r in range(size)], dim=dim)
+
+
+def consolidate(tag_dir: str) -> Dict[str, torch.Tensor]:
+    """The whole model's weights in ``tag_dir``, fp32, under ``GPTModel``'s names."""
+    rank_files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    if not rank_files:
+        raise ExportError(f"{tag_dir} holds no mp_rank_*_model_states.pt: not a DeepSpeed checkpoint directory "
+                          "(give the run directory with 'latest', or one checkpoint's directory)")
+    shards: Dict[str, Dict[int, torch.Tensor]] = {}
+    records: List[Dict[str, Any]] = []
+    for path in rank_files:
+        saved = _load(path)
+        record = saved.get(RECORD_KEY)
+        if record is None:
+            raise ExportError(f"{path} has no {RECORD_KEY} record: the checkpoint was not saved by "
+                              "ds_megatron.save_checkpoint (the training job's checkpoints are) from a GPTModel "
+                              "or GPTPipelineModule")
+        if record.get("version") != RECORD_VERSION:
+            raise ExportError(f"{path}: {RECORD_KEY} version {record.get('version')}, this ds_megatron reads "
+                              f"version {RECORD_VERSION}")
+        if record.get("unsupported"):
+            raise ExportError(f"{path}: export-fp32 cannot join this layout's shards ({'; '.join(record['unsupported'])}); "
+                              "export a job started with --load-hf through `ds-megatron convert "
+                              "iter_*/ds_megatron_model DST`, or train at tensor_model_parallel_size 1")
+        records.append(record)
+        if "layer_files" in record:  # pipeline: DeepSpeed wrote this stage's layers to files of their own
+            module = {}
+            for layer, entries in record["layer_files"].items():
+                layer_state = _load(os.path.join(tag_dir, f"{layer}-model_{record['tp_rank']:02d}-model_states.pt"))
+                module.update({name: layer_state[entry] for entry, name in entries.items()})
+        else:
+            module = saved["module"]
+        experts = set(record["experts"])
+        for name, tensor in module.items():
+            if name not in experts:
+                shards.setdefault(name, {})[record["tp_rank"]] = tensor
+    first = records[0]
+    partition_dims = {k: v for r in records for k, v in r["partition_dims"].items()}
+    stages = {r["pp_rank"] for r in records}
+    if stages != set(range(first["pp"])):
+        raise ExportError(f"{tag_dir}: pipeline stages {sorted(stages)} of {first['pp']} have files; some are missing")
+    full = {name: _cat(pieces, first["tp"], partition_dims.get(name, -1), name) for name, pieces in shards.items()}
+    full.update(_experts(tag_dir, first["etp"], sum(r["moe_layers"] for r in records if r["tp_rank"] == 0)))
+    for name in first["vocab_params"]:
+        full[name] = full[name][:first["vocab_rows"]]  # TP=1's padding; the rows beyond are zero, never read
+    return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in full.items()}
+
+
+def _experts(tag_dir: str, etp: int, moe_layers: int) -> Dict[str, torch.Tensor]:
+    pieces: Dict[str, Dict[int, torch.Tensor]] = {}
+    layers = set()
+    for path in glob.glob(os.path.join(tag_dir, "layer_*_expert_*_mp_rank_*_model_states.pt")):
+        match = _EXPERT_FILE.search(os.path.basename(path))
+        layers.add(int(match.group(1)))
+        for key, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
+            pieces.setdefault(key, {})[int(match.group(3))] = tensor
+    if len(layers) != moe_layers:
+        raise ExportError(f"{tag_dir}: expert files of {len(layers)} MoE layers, the model has {moe_layers}")
+    out = {}
+    for key, by_rank in pieces.items():
+        leaf = ".".join(key.split(".")[-2:])
+        if leaf not in EXPERT_PARTITION_DIMS:
+            raise ExportError(f"{tag_dir}: expert weight {key} is not one of {sorted(EXPERT_PARTITION_DIMS)}")
+        out[key] = _cat(by_rank, etp, EXPERT_PARTITION_DIMS[leaf], key)
+    return out
+
+
+def save_state_dict(state: Dict[str, torch.Tensor], out: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    if out.endswith(".safetensors"):
+        from safetensors.torch import save_file  # optional: only for this output format
+        save_file(state, out)
+    else:
+        torch.save(state, out)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ds-megatron export-fp32",
+                                     description="Consolidate a ds_megatron training checkpoint (any TP / PP / EP / "
+                                                 "DP) into one fp32 state dict with GPTModel's parameter names.")
+    parser.add_argument("checkpoint", help="run directory (its 'latest' is read) or one checkpoint's directory")
+    parser.add_argument("out", help="output file: .safetensors for safetensors, anything else torch.save")
+    parser.add_argument("--tag", default=None, help="checkpoint tag inside CHECKPOINT (default: its 'latest')")
+    args = parser.parse_args(argv)
+    try:
+        state = consolidate(resolve_tag_dir(args.checkpoint, args.tag))
+    except ExportError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    save_state_dict(state, args.out)
+    print(f"{args.out}: {len(state)} tensors, {sum(t.numel() for t in state.values()):,} parameters (fp32)")
+    return 0
+
+
+__all__ = ["EXPERT_PARTITION_DIMS", "ExportError", "RECORD_KEY", "consolidate", "export_record", "main",
+           "resolve_tag_dir", "save_state_dict"]
