@@ -70,6 +70,8 @@ HONOURED: Dict[str, str] = {
     "compression_training": "DeepSpeed: read by deepspeed.compression.init_compression, which the user calls",
     "nebula": "DeepSpeed: checkpoint engine",
     "weight_quantization": "DeepSpeed: inference-time weight quantization",
+    "pipeline": "DeepSpeed's PipelineEngine, with megatron.pipeline_model_parallel_size > 1 (pipe_partitioned and "
+                "grad_partitioned default to false there; partitioning with sequence_parallel is refused)",
 }
 
 # key -> (is the value "off"?, what to do instead); refused unless off.
@@ -102,7 +104,6 @@ UNUSED: Dict[str, str] = {
     "aio": "ZeRO-Infinity swapping only",
     "disable_allgather": "ZeRO only",
     "seq_parallel_communication_data_type": "DeepSpeed-Ulysses only (megatron.sequence_parallel is inside TP)",
-    "pipeline": "DeepSpeed's PipelineEngine only (deepspeed.initialize refuses a PipelineModule with an mpu)",
 }
 
 # zero_optimization keys that mean something at stage 0 (the rest tune ZeRO's partitioning).
