@@ -13,7 +13,8 @@ also counts them: inside ``with count_bytes() as counter:`` every collective
 that communicates is recorded with its group and payload, and
 ``CollectiveRecord.bus_bytes`` converts the payload the way nccl-tests does
 (all-reduce x 2(n-1)/n; all-gather, reduce-scatter and all-to-all x (n-1)/n,
-of the gathered output, the reduced input and the sent buffer), so figures
+of the gathered output, the reduced input and the sent buffer; a ring exchange x 1 of what each
+rank sends), so figures
 compare with the layout's formula whatever the machine.  Outside such a block
 the cost is one list test per call.
 """
@@ -36,7 +37,8 @@ SUM, MAX, AVG = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG
 
 # nccl-tests' bus-bandwidth factors: what crosses each rank's link per byte of payload.
 _BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n}
+               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+               "ring_exchange": lambda n: 1.0}
 
 
 @dataclass(frozen=True)
@@ -149,3 +151,17 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_s
     _record("all_to_all", group, tensor)
     dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
                            input_split_sizes=input_split_sizes, group=_torch_group(group))
+
+
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: ParallelGroup, tag: int = 0) -> List:
+    """Start sending ``send`` to the next rank of ``group`` and receiving ``recv`` from the previous one.
+
+    Returns the work handles to wait on (none for a group of one, where ``recv`` gets ``send``).  The
+    tag keeps two exchanges in flight to the same neighbour apart (context parallelism's K/V and dK/dV)."""
+    if group.size == 1:
+        recv.copy_(send)
+        return []
+    _record("ring_exchange", group, send)
+    pg = _torch_group(group)
+    nxt, prev = group.ranks[(group.rank + 1) % group.size], group.ranks[(group.rank - 1) % group.size]
+    return [dist.isend(send, nxt, group=pg, tag=tag), dist.irecv(recv, prev, group=pg, tag=tag)]

@@ -1,0 +1,291 @@
+"""Context parallelism's attention core: exact attention over a sequence split across the ``cp`` group.
+
+Layout (Megatron's load balancing for causal masks): the sequence is cut into
+``2 * cp`` equal chunks and CP rank ``i`` holds chunks ``i`` and ``2cp-1-i``,
+in that order, so every rank has the same share of the causal triangle.
+``zigzag_chunk_indices`` gives a rank's token positions (also its RoPE
+position ids); ``zigzag_split`` / ``zigzag_unsplit`` move tensors between the
+full and the split layout.
+
+``context_parallel_attention(q, k, v, cp_group, comm_type)`` takes this rank's
+``q [b, heads, s/cp, d]`` and ``k, v [b, kv_heads, s/cp, d]`` and returns the
+exact attention of its queries over the whole sequence:
+
+- ``"p2p"`` (ring): K/V of ``kv_heads`` heads go round the group, the next
+  block's exchange started before the current block is computed.  Each block
+  gives a partial output and per-row log-sum-exp, merged exactly
+  (``o = o_a e^(lse_a - lse) + o_b e^(lse_b - lse)``, ``lse = logaddexp``).
+  With the zigzag layout a (query chunk, key chunk) pair is either full,
+  causal on its diagonal, or masked out and skipped.  Backward (flash-attention
+  formulas, recomputing the probabilities from the saved log-sum-exp) sends K/V
+  round again with a dK/dV accumulator travelling beside it, which arrives back
+  at its owner after ``cp`` hops.
+- ``"all_gather"``: K/V all-gathered over ``cp``, one masked attention of the
+  local queries against the whole sequence; dK/dV reduce-scattered back.
+
+Scores are accumulated in float32 for 16-bit inputs and in the input dtype
+otherwise (float64 stays float64).  Grouped-query K/V are expanded per block
+on the rank that computes it; only ``kv_heads`` heads are communicated.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import ConfigError
+from ..parallel_state import ParallelGroup
+from ..utils.collectives import all_gather_into, reduce_scatter_into, ring_exchange
+
+COMM_TYPES = ("p2p", "all_gather")
+_KV_TAG, _DKV_TAG = 0, 1  # both flow to the same neighbour during backward
+
+
+def check_context_parallel_seq_length(seq_length: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
+    """Refuse a sequence the zigzag layout cannot cut: ``2 * cp`` equal chunks (each split over TP with SP)."""
+    if cp <= 1:
+        return
+    divisor = 2 * cp * (tp if sequence_parallel else 1)
+    if seq_length % divisor:
+        what = (f"2 * context_parallel_size * tensor_model_parallel_size = 2 * {cp} * {tp} = {divisor} "
+                "(sequence_parallel is on)" if sequence_parallel else f"2 * context_parallel_size = 2 * {cp} = {divisor}")
+        raise ConfigError(f"model.seq_length {seq_length} is not divisible by {what}; "
+                          "choose a seq_length that is a multiple of it or change context_parallel_size")
+
+
+# ---------------------------------------------------------------- layout (pure index maps)
+
+def zigzag_chunk_ids(cp: int, cp_rank: int) -> Tuple[int, int]:
+    """The two of the ``2 * cp`` chunks CP rank ``cp_rank`` holds, in its local order."""
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def zigzag_chunk_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """Positions (0-based, int64) of the tokens CP rank ``cp_rank`` holds: its RoPE position ids too."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 * cp = {2 * cp}")
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in zigzag_chunk_ids(cp, cp_rank)])
+
+
+def zigzag_split(x: torch.Tensor, cp: int, cp_rank: int, seq_dim: int = 1) -> torch.Tensor:
+    """This rank's two chunks of the full-sequence ``x`` along ``seq_dim`` (1 for [b, s, ...], 0 for [s, b, ...])."""
+    c = x.size(seq_dim) // (2 * cp)
+    if c * 2 * cp != x.size(seq_dim):
+        raise ValueError(f"sequence length {x.size(seq_dim)} is not divisible by 2 * cp = {2 * cp}")
+    return torch.cat([x.narrow(seq_dim, i * c, c) for i in zigzag_chunk_ids(cp, cp_rank)], dim=seq_dim)
+
+
+def zigzag_unsplit(parts: Sequence[torch.Tensor], seq_dim: int = 1) -> torch.Tensor:
+    """The full sequence from every CP rank's ``zigzag_split`` part, ``parts[i]`` being rank i's."""
+    cp = len(parts)
+    chunks: List[Optional[torch.Tensor]] = [None] * (2 * cp)
+    for r, part in enumerate(parts):
+        first, second = part.chunk(2, dim=seq_dim)
+        a, b = zigzag_chunk_ids(cp, r)
+        chunks[a], chunks[b] = first, second
+    return torch.cat(chunks, dim=seq_dim)
+
+
+# ---------------------------------------------------------------- one block of attention
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    g = heads // t.size(1)
+    return t if g == 1 else t.repeat_interleave(g, dim=1)
+
+
+def _fold_kv_grad(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum an expanded [b, heads, n, d] gradient back onto its ``kv_heads`` (each shared by heads/kv_heads)."""
+    b, heads, n, d = grad.shape
+    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, n, d).sum(2)
+
+
+def _scores(q, k, scale, allowed):
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
+
+
+def _block_forward(q, k, v, scale, allowed):
+    """Softmax attention of q against one K/V block: output normalised within the block, and per-row lse."""
+    s = _scores(q, _expand_kv(k, q.size(1)), scale, allowed)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _expand_kv(v, q.size(1))), lse
+
+
+def _block_backward(q, k, v, dout, lse, delta, scale, allowed):
+    """dq, dk, dv of one block given the final lse and delta = rowsum(dout * out) (flash-attention's backward)."""
+    heads, kv_heads = q.size(1), k.size(1)
+    ke, ve = _expand_kv(k, heads), _expand_kv(v, heads)
+    p = torch.exp(_scores(q, ke, scale, allowed) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p * (torch.matmul(dout, ve.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, ke) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q) * scale
+    return dq, _fold_kv_grad(dk, kv_heads), _fold_kv_grad(dv, kv_heads)
+
+
+def _merge(out, lse, block_out, block_lse) -> None:
+    """Fold a block's (output, lse) into the running ones, in place."""
+    new = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _chunk_pairs(cp: int, rank: int, src: int, causal: bool):
+    """(query chunk slot, key chunk slot, allowed-mask kind) for rank's queries against src's keys.
+
+    Slots are 0/1 within the local two chunks; kind is "full" or "diagonal"; masked-out pairs are left out."""
+    pairs = []
+    for qi, qc in enumerate(zigzag_chunk_ids(cp, rank)):
+        for ki, kc in enumerate(zigzag_chunk_ids(cp, src)):
+            if not causal or kc < qc:
+                pairs.append((qi, ki, "full"))
+            elif kc == qc:
+                pairs.append((qi, ki, "diagonal"))
+    return pairs
+
+
+def _halves(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return t.chunk(2, dim=2)
+
+
+# ---------------------------------------------------------------- the ring (p2p)
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float):
+        cdt = _compute_dtype(q.dtype)
+        qc, kv = q.to(cdt), torch.stack((k, v)).to(cdt)  # K and V travel as one message
+        c = q.size(2) // 2
+        diagonal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        out = torch.zeros_like(qc)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=cdt, device=q.device)
+        cp, rank = cp_group.size, cp_group.rank
+        q_h, out_h, lse_h = _halves(qc), _halves(out), lse.chunk(2, dim=2)
+        for step in range(cp):
+            src = (rank - step) % cp
+            if step + 1 < cp:  # start the next block's exchange before computing this one
+                incoming = torch.empty_like(kv)
+                works = ring_exchange(kv, incoming, cp_group, tag=_KV_TAG)
+            k_h, v_h = _halves(kv[0]), _halves(kv[1])
+            for qi, ki, kind in _chunk_pairs(cp, rank, src, causal):
+                o, l = _block_forward(q_h[qi], k_h[ki], v_h[ki], scale, diagonal if kind == "diagonal" else None)
+                _merge(out_h[qi], lse_h[qi], o, l)
+            if step + 1 < cp:
+                for w in works:
+                    w.wait()
+                kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp_group, ctx.causal, ctx.scale = cp_group, causal, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp_group, causal, scale = ctx.cp_group, ctx.causal, ctx.scale
+        cdt = out.dtype
+        qc, kv, dout = q.to(cdt), torch.stack((k, v)).to(cdt), dout.to(cdt)
+        delta = (dout * out).sum(-1)
+        c = q.size(2) // 2
+        diagonal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        dq = torch.zeros_like(qc)
+        cp, rank = cp_group.size, cp_group.rank
+        q_h, do_h, dq_h = _halves(qc), _halves(dout), _halves(dq)
+        lse_h, delta_h = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        # dkv: the gradient of the K/V block held at this step, accumulated by every rank it passes.
+        dkv_in, dkv_works = None, []
+        for step in range(cp):
+            src = (rank - step) % cp
+            if step + 1 < cp:
+                incoming = torch.empty_like(kv)
+                works = ring_exchange(kv, incoming, cp_group, tag=_KV_TAG)
+            k_h, v_h = _halves(kv[0]), _halves(kv[1])
+            contribution = torch.zeros_like(kv)
+            dk_h, dv_h = _halves(contribution[0]), _halves(contribution[1])
+            for qi, ki, kind in _chunk_pairs(cp, rank, src, causal):
+                g_q, g_k, g_v = _block_backward(q_h[qi], k_h[ki], v_h[ki], do_h[qi], lse_h[qi], delta_h[qi], scale,
+                                                diagonal if kind == "diagonal" else None)
+                dq_h[qi].add_(g_q)
+                dk_h[ki].add_(g_k)
+                dv_h[ki].add_(g_v)
+            for w in dkv_works:  # the previous rank's accumulator for this block, sent during our compute
+                w.wait()
+            dkv = contribution if dkv_in is None else dkv_in.add_(contribution)
+            # Pass it on; after cp hops each accumulator is back at the rank that owns the block.
+            dkv_in = torch.empty_like(dkv)
+            dkv_works = ring_exchange(dkv, dkv_in, cp_group, tag=_DKV_TAG)
+            if step + 1 < cp:
+                for w in works:
+                    w.wait()
+                kv = incoming
+        for w in dkv_works:
+            w.wait()
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
+
+
+# ---------------------------------------------------------------- all-gather
+
+def _gathered_positions(seq_len: int, cp: int, device) -> torch.Tensor:
+    """Positions of the all-gathered keys, in rank order (each rank's two chunks)."""
+    return torch.cat([zigzag_chunk_indices(seq_len, cp, r) for r in range(cp)]).to(device)
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float):
+        cdt = _compute_dtype(q.dtype)
+        cp, local = cp_group.size, q.size(2)
+        kv = torch.stack((k, v)).to(cdt).contiguous()  # [2, b, kv_heads, s/cp, d]
+        gathered = kv.new_empty((cp,) + tuple(kv.shape))
+        all_gather_into(gathered.view((cp * 2,) + tuple(kv.shape[1:])), kv, cp_group)
+        full = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, kv.size(1), kv.size(2), cp * local, kv.size(4))
+        allowed = None
+        if causal:
+            positions = _gathered_positions(cp * local, cp, q.device)
+            mine = zigzag_chunk_indices(cp * local, cp, cp_group.rank).to(q.device)
+            allowed = positions.unsqueeze(0) <= mine.unsqueeze(1)
+        out, lse = _block_forward(q.to(cdt), full[0], full[1], scale, allowed)
+        ctx.save_for_backward(q, full, out, lse, allowed if allowed is not None else torch.empty(0))
+        ctx.cp_group, ctx.causal, ctx.scale, ctx.kv_dtypes = cp_group, causal, scale, (k.dtype, v.dtype)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, full, out, lse, allowed = ctx.saved_tensors
+        allowed = allowed if ctx.causal else None
+        cp_group = ctx.cp_group
+        dout = dout.to(out.dtype)
+        dq, dk, dv = _block_backward(q.to(out.dtype), full[0], full[1], dout, lse, (dout * out).sum(-1), ctx.scale,
+                                     allowed)
+        cp, local = cp_group.size, q.size(2)
+        b, kv_heads, _, d = dk.shape
+        # [2, b, kvh, cp * local, d] -> per-rank blocks on dim 0, summed back to their owners.
+        dkv = torch.stack((dk, dv)).view(2, b, kv_heads, cp, local, d).permute(3, 0, 1, 2, 4, 5).contiguous()
+        mine = dkv.new_empty((2, b, kv_heads, local, d))
+        reduce_scatter_into(mine, dkv.view((cp * 2, b, kv_heads, local, d)), cp_group)
+        k_dtype, v_dtype = ctx.kv_dtypes
+        return dq.to(q.dtype), mine[0].to(k_dtype), mine[1].to(v_dtype), None, None, None
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: ParallelGroup,
+                               comm_type: str = "p2p", causal: bool = True,
+                               softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of this CP rank's queries over the whole sequence; inputs and output in the zigzag layout.
+
+    ``q [b, heads, s/cp, d]``, ``k, v [b, kv_heads, s/cp, d]`` with ``kv_heads`` dividing ``heads``; the
+    output is ``[b, heads, s/cp, d]`` in q's dtype.  A group of one is plain attention."""
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"cp_comm_type {comm_type!r} is not one of {COMM_TYPES}")
+    if q.size(1) % k.size(1) or k.shape != v.shape:
+        raise ValueError(f"kv heads {k.size(1)} must divide heads {q.size(1)} and k, v must match: "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.size(2) % 2:
+        raise ValueError(f"each CP rank holds two equal chunks; local sequence length {q.size(2)} is odd")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(-1))
+    impl = _RingAttention if comm_type == "p2p" else _AllGatherAttention
+    return impl.apply(q, k, v, cp_group, causal, scale)

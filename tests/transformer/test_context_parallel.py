@@ -1,0 +1,113 @@
+"""Context-parallel attention (zigzag layout, ring and all-gather) against dense one-rank attention, in float64."""
+import math
+
+import pytest
+import torch
+
+from ds_megatron.errors import ConfigError
+from ds_megatron.transformer.context_parallel import (check_context_parallel_seq_length, context_parallel_attention,
+                                                      zigzag_chunk_indices, zigzag_split, zigzag_unsplit)
+from harness import run_on_ranks
+
+B, S, D, HEADS = 2, 32, 8, 4
+TOL = 1e-10
+
+
+def _inputs(kv_heads, seed=1234):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HEADS, S, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, kv_heads, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, kv_heads, S, D, generator=g, dtype=torch.float64)
+    dout = torch.randn(B, HEADS, S, D, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _dense(q, k, v, dout, causal):
+    """softmax(QK^T / sqrt(d) + mask) V on one rank, K/V heads repeated for GQA; output and input grads."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    rep = q.size(1) // k.size(1)
+    ke, ve = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = q @ ke.transpose(-1, -2) / math.sqrt(q.size(-1))
+    if causal:
+        scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ ve
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _cp_rank(kv_heads, comm_type, causal):
+    import torch.distributed as dist
+    from ds_megatron.parallel import ParallelLayout
+    from ds_megatron.parallel_state import ParallelState
+    cp = dist.get_world_size()
+    state = ParallelState.build(ParallelLayout(world_size=cp, cp=cp))
+    try:
+        group = state.cp
+        q, k, v, dout = (zigzag_split(t, cp, group.rank, seq_dim=2) for t in _inputs(kv_heads))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = context_parallel_attention(q, k, v, group, comm_type=comm_type, causal=causal)
+        out.backward(dout)
+        assert out.dtype == q.grad.dtype == k.grad.dtype == torch.float64
+        return out.detach(), q.grad, k.grad, v.grad
+    finally:
+        state.destroy()
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+CASES = [(cp, comm, kvh) for cp in (2, 4) for comm in ("p2p", "all_gather") for kvh in (4, 2, 1)]
+
+
+@pytest.mark.parametrize("cp,comm_type,kv_heads", CASES)
+def test_matches_dense_attention(cp, comm_type, kv_heads):
+    expected = _dense(*_inputs(kv_heads), causal=True)
+    per_rank = run_on_ranks(cp, _cp_rank, kv_heads, comm_type, True, timeout=120)
+    for name, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
+        got = zigzag_unsplit([r[i] for r in per_rank], seq_dim=2)
+        err = _rel(got, expected[i])
+        print(f"cp={cp} {comm_type} kv_heads={kv_heads} {name}: max relative error {err:.2e}")
+        assert err < TOL, (name, err)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_not_causal(comm_type):
+    expected = _dense(*_inputs(2), causal=False)
+    per_rank = run_on_ranks(2, _cp_rank, 2, comm_type, False, timeout=120)
+    for i in range(4):
+        assert _rel(zigzag_unsplit([r[i] for r in per_rank], seq_dim=2), expected[i]) < TOL
+
+
+def test_one_rank_group_is_dense_attention():
+    from ds_megatron.parallel_state import ParallelGroup
+    q, k, v, dout = _inputs(2)
+    expected = _dense(q, k, v, dout, causal=True)
+    for comm_type in ("p2p", "all_gather"):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = context_parallel_attention(qq, kk, vv, ParallelGroup.single("cp"), comm_type=comm_type)
+        out.backward(dout)
+        for got, want in zip((out.detach(), qq.grad, kk.grad, vv.grad), expected):
+            assert _rel(got, want) < TOL
+
+
+def test_zigzag_layout_round_trip():
+    x = torch.arange(2 * 16 * 3).view(2, 16, 3)
+    for cp in (1, 2, 4):
+        parts = [zigzag_split(x, cp, r, seq_dim=1) for r in range(cp)]
+        assert torch.equal(zigzag_unsplit(parts, seq_dim=1), x)
+        for r, part in enumerate(parts):  # positions (RoPE ids) follow the chunks
+            assert torch.equal(part[0, :, 0] // 3, zigzag_chunk_indices(16, cp, r))
+    assert zigzag_chunk_indices(16, 4, 1).tolist() == [2, 3, 12, 13]
+    sb = x.transpose(0, 1).contiguous()  # [s, b, ...]
+    assert torch.equal(zigzag_unsplit([zigzag_split(sb, 2, r, seq_dim=0) for r in range(2)], seq_dim=0), sb)
+
+
+def test_seq_length_refusal_names_the_fields():
+    check_context_parallel_seq_length(32, cp=4, tp=2, sequence_parallel=False)
+    check_context_parallel_seq_length(32, cp=2, tp=2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"model.seq_length 12 .*context_parallel_size") as e:
+        check_context_parallel_seq_length(12, cp=4)
+    assert "tensor_model_parallel_size" not in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"model.seq_length 24 .*context_parallel_size.*tensor_model_parallel_size"):
+        check_context_parallel_seq_length(24, cp=2, tp=4, sequence_parallel=True)
