@@ -5,21 +5,27 @@ Run by a launcher: the CLI's own main, so its exit code is what a cluster would 
 import os
 import sys
 
-import ds_megatron.training.train as loop
-from ds_megatron.training.job import main
+
+def infinite_after(base, good_steps: int):
+    """A subclass of the GPT class ``base`` whose training loss is multiplied by inf after ``good_steps`` forwards."""
+
+    class InfiniteLater(base):
+        calls = 0
+
+        def forward(self, *args, **kwargs):
+            loss = super().forward(*args, **kwargs)
+            if self.training:
+                InfiniteLater.calls += 1
+                if InfiniteLater.calls > good_steps:
+                    return loss * float("inf")
+            return loss
+
+    return InfiniteLater
 
 
-class InfiniteLater(loop.GPTModel):
-    calls = 0
+if __name__ == "__main__":
+    import ds_megatron.training.train as loop
+    from ds_megatron.training.job import main
 
-    def forward(self, *args, **kwargs):
-        loss = super().forward(*args, **kwargs)
-        if self.training:
-            InfiniteLater.calls += 1
-            if InfiniteLater.calls > int(os.environ["NONFINITE_AFTER"]):
-                return loss * float("inf")
-        return loss
-
-
-loop.GPTModel = InfiniteLater
-sys.exit(main(sys.argv[1:]))
+    loop.GPTModel = infinite_after(loop.GPTModel, int(os.environ["NONFINITE_AFTER"]))
+    sys.exit(main(sys.argv[1:]))

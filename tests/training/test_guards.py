@@ -22,6 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from harness import run_on_ranks
+from nonfinite_job import infinite_after
 from ds_megatron.config import ConfigError
 from ds_megatron.errors import NonFiniteLossError
 
@@ -86,18 +87,7 @@ def _nonfinite_after(cfg, good_steps):
     """The job with a model whose loss turns infinite after ``good_steps`` steps."""
     import ds_megatron.training.train as loop
 
-    class InfiniteLater(loop.GPTModel):
-        calls = 0
-
-        def forward(self, *args, **kwargs):
-            loss = super().forward(*args, **kwargs)
-            if self.training:
-                InfiniteLater.calls += 1
-                if InfiniteLater.calls > good_steps:
-                    return loss * float("inf")
-            return loss
-
-    real, loop.GPTModel = loop.GPTModel, InfiniteLater
+    real, loop.GPTModel = loop.GPTModel, infinite_after(loop.GPTModel, good_steps)
     try:
         return _run(cfg)
     except NonFiniteLossError as e:
