@@ -103,6 +103,10 @@ class _BuiltTiedLayer(TiedLayerSpec):
         return self.module
 
 
+# The groups DeepSpeed's PipelineParallelGrid keeps for this rank (runtime/pipe/topology.py).
+_GRID_GROUPS = ("ds_model_proc_group", "dp_proc_group", "pp_proc_group", "slice_proc_group")
+
+
 class GPTPipelineModule(PipelineModule):
     """The GPT of ``config`` split over ``parallel_state``'s pipeline stages (see the module docstring).
 
@@ -241,8 +245,7 @@ class GPTPipelineModule(PipelineModule):
         """
         grid = getattr(self, "_grid", None)
         groups = [getattr(self, "world_group", None)]
-        groups += [getattr(grid, name, None) for name in
-                   ("ds_model_proc_group", "dp_proc_group", "pp_proc_group", "slice_proc_group")]
+        groups += [getattr(grid, name, None) for name in _GRID_GROUPS]
         groups += [comm.get("group") for comm in getattr(self, "tied_comms", {}).values()]
         seen = set()
         for group in groups:
@@ -253,7 +256,7 @@ class GPTPipelineModule(PipelineModule):
             dist.destroy_process_group(group)
         self.world_group = None
         if grid is not None:
-            for name in ("ds_model_proc_group", "dp_proc_group", "pp_proc_group", "slice_proc_group"):
+            for name in _GRID_GROUPS:
                 setattr(grid, name, None)
 
 
