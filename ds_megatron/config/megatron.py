@@ -116,6 +116,7 @@ class MegatronConfig:
                 model_section[key] = getattr(parallel, key)
             model = parse_section(GPTConfig, model_section, f"{SECTION}.model")
         nested["cuda_graph"].check_moe_settings(model)
+        _check_ckpt_format(nested["train"].ckpt_format, precision, model)
         train_keys = tuple(section.get("train", {})) if isinstance(section.get("train"), dict) else ()
         return cls(parallel=parallel, ddp=ddp, precision=precision, model=model, notices=notices,
                    train_keys_set=train_keys, deepspeed_batch=DeepSpeedBatchKeys.from_ds_config(ds_config), **nested)
@@ -149,6 +150,16 @@ def _check_gradient_reducer(ds_config: Dict[str, Any], precision: PrecisionConfi
     raise ConfigError(f"{SECTION}.{key} configures Megatron's gradient buffers, which reduce gradients on the megatron "
                       f"optimizer path only; with {SECTION}.optimizer_impl \"deepspeed\" DeepSpeed reduces them: drop "
                       f"the key, or set optimizer_impl \"megatron\"")
+
+
+def _check_ckpt_format(ckpt_format: str, precision: PrecisionConfig, model) -> None:
+    """The layout-independent checkpoint reads our optimizers' state and our GPT's parameters."""
+    if ckpt_format != "torch_dist":
+        return
+    if not precision.owns_optimizer:
+        raise ConfigError(f"{SECTION}.train.ckpt_format \"torch_dist\" with {SECTION}.optimizer_impl="
+                          f"{precision.optimizer_impl!r}: the layout-independent checkpoint saves ds_megatron's "
+                          "optimizers; set optimizer_impl \"megatron\" or ckpt_format \"deepspeed\"")
 
 
 def split_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Tuple[Dict[str, Any], MegatronConfig]:

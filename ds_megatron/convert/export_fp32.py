@@ -3,7 +3,9 @@
 DeepSpeed's ``zero_to_fp32.py`` consolidates ZeRO partitions; it knows nothing of tensor or expert
 parallelism, and DeepSpeed writes it only next to ZeRO checkpoints (``_save_zero_checkpoint``,
 ``runtime/engine.py:5567``), which our optimizer path never writes.  This is its counterpart for
-our checkpoints, at any TP / PP / EP / ETP / DP:
+our checkpoints, at any TP / PP / EP / ETP / DP.  A ``ckpt_format: "torch_dist"`` checkpoint holds the
+whole model's tensors already (every layout, gated fc1 and replicated KV heads included); a DeepSpeed-format one
+is put together from its rank files:
 
 * ``ds_megatron.save_checkpoint`` records, in each tensor / pipeline rank's
   ``mp_rank_XX_model_states.pt``, how that rank's weights map to the whole model
@@ -114,8 +116,25 @@ def _cat(pieces: Dict[int, torch.Tensor], size: int, dim: int, what: str) -> tor
     return pieces[0] if dim < 0 else torch.cat([pieces[r] for r in range(size)], dim=dim)
 
 
+def _consolidate_torch_dist(tag_dir: str) -> Dict[str, torch.Tensor]:
+    """A ``ckpt_format: "torch_dist"`` checkpoint already stores the one-rank model's tensors (``model.<name>``,
+    ``convert.global_shards``): read them whole, on one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    reader = dcp.FileSystemReader(tag_dir)
+    state = {key: torch.empty(md.size, dtype=md.properties.dtype)
+             for key, md in reader.read_metadata().state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    if not state:
+        raise ExportError(f"{tag_dir} holds no model.* tensors: not a ds_megatron torch_dist checkpoint")
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return {k[len("model."):]: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
+
+
 def consolidate(tag_dir: str) -> Dict[str, torch.Tensor]:
     """The whole model's weights in ``tag_dir``, fp32, under ``GPTModel``'s names."""
+    if os.path.isfile(os.path.join(tag_dir, ".metadata")):  # torch.distributed.checkpoint's, written last
+        return _consolidate_torch_dist(tag_dir)
     rank_files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     if not rank_files:
         raise ExportError(f"{tag_dir} holds no mp_rank_*_model_states.pt: not a DeepSpeed checkpoint directory "

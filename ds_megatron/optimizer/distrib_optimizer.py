@@ -328,6 +328,10 @@ class DistributedOptimizer(MegatronOptimizer):
             torch._foreach_copy_(self._main_shards, self._model_param_shard_views)
 
     # -- checkpoints --------------------------------------------------------------------------------------
+    def state_dict_params(self) -> Tuple[List[torch.nn.Parameter], List[List[torch.nn.Parameter]]]:
+        return ([list(group) for group in self.model_params_in_groups],
+                [[p for p in group if p.dtype in _FLOAT16] for group in self.model_params_in_groups])
+
     def _flat_index(self) -> Dict[torch.nn.Parameter, int]:
         params = [p for group in self.model_params_in_groups for p in group]
         return {p: i for i, p in enumerate(params)}

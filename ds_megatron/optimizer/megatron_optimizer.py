@@ -159,6 +159,12 @@ class MegatronOptimizer(torch.optim.Optimizer):
         """The fp32 copies kept besides the model params (main params of fp16/bf16 params)."""
         return []
 
+    def state_dict_params(self) -> Tuple[List[torch.nn.Parameter], List[List[torch.nn.Parameter]]]:
+        """The model params behind ``state_dict()``, per param group: all of them (flattened, a param's position is
+        its index in ``state_dict()["optimizer"]["state"]``), and those whose fp32 main params
+        ``fp32_from_fp16_params`` lists, in its order."""
+        return [list(group["params"]) for group in self.optimizer.param_groups], [[] for _ in self.optimizer.param_groups]
+
     def state_bytes(self) -> Dict[str, int]:
         """Bytes of optimizer state this rank holds, measured on the tensors.
 
@@ -441,6 +447,10 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         self._main_params_flat = [p for group in self.fp32_from_float16_groups for p in group]
         self._model_param_of = {id(main): model for model, main in zip(self._model_params_flat,
                                                                        self._main_params_flat)}
+
+    def state_dict_params(self) -> Tuple[List[torch.nn.Parameter], List[List[torch.nn.Parameter]]]:
+        groups = [[self._model_param_of.get(id(p), p) for p in group["params"]] for group in self.optimizer.param_groups]
+        return groups, [list(group) for group in self.float16_groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model params' grads (the main grads are released after every step)."""

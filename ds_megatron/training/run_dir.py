@@ -67,7 +67,8 @@ def job_meta(job) -> Dict[str, Any]:
                        "expert_model_parallel_size": parallel.expert_model_parallel_size,
                        "expert_tensor_parallel_size": (parallel.expert_tensor_parallel_size
                                                        or parallel.tensor_model_parallel_size)},
-            "params_dtype": job.megatron.precision.params_dtype}
+            "params_dtype": job.megatron.precision.params_dtype,
+            "ckpt_format": job.train.ckpt_format}
 
 
 def write_job_meta(save_dir: str, tag: str, meta: Dict[str, Any]) -> None:
@@ -100,11 +101,13 @@ def check_resume(job, save_dir: str) -> Optional[str]:
             raise ConfigError(f"{SECTION}.model.{name}={now['model'][name]!r} but the checkpoint {where} was saved "
                               f"with {name}={saved['model'][name]!r}; resume with the same value, or use another "
                               "--output-dir to start a new run")
-    for name in LAYOUT_FIELDS:
+    # A torch_dist checkpoint stores every tensor by its place in the whole model: any layout reads it.
+    for name in LAYOUT_FIELDS if saved.get("ckpt_format", "deepspeed") != "torch_dist" else ():
         if name in saved["layout"] and saved["layout"][name] != now["layout"][name]:
             raise ConfigError(f"{SECTION}.{name}={now['layout'][name]} but the checkpoint {where} was saved with "
                               f"{saved['layout'][name]} (its files are cut by it); resume with the same size (the "
-                              "data-parallel size may change), or use another --output-dir")
+                              "data-parallel size may change), or use another --output-dir (checkpoints saved with "
+                              f"{SECTION}.train.ckpt_format \"torch_dist\" resume at any layout)")
     if saved.get("params_dtype", now["params_dtype"]) != now["params_dtype"]:
         raise ConfigError(f"this config trains {now['params_dtype']} params (fp16.enabled / bf16.enabled) but the "
                           f"checkpoint {where} holds {saved['params_dtype']} ones with their optimizer state; resume "

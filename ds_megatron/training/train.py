@@ -31,6 +31,7 @@ from ..models.gpt import GPTModel
 from ..optimizer import MegatronOptimizer, get_grad_norm_fp32, get_param_groups, grads_for_norm
 from ..tensor_parallel import RNGStatesTracker, model_parallel_seed
 from .checkpointing import load_checkpoint, save_checkpoint
+from .dist_checkpoint import check_supported
 from .job import JobConfig, load_job, main  # noqa: F401  (the job's entry points, re-exported)
 from .lr_schedule import build_lr_scheduler
 from .metrics import MetricsLog, plot_loss_curve
@@ -124,6 +125,8 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
     engine, _, _, scheduler = initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config_source,
         model_parameters=get_param_groups(model) if optimizer is None else None, parallel_state=state)
+    if tcfg.ckpt_format == "torch_dist":
+        check_supported(engine)  # before any step: a job that cannot save this way must not train first
     device = engine.device
     # Pinned host memory lets the copy to the GPU run asynchronously (non_blocking).
     pin_memory = torch.device(device).type == "cuda"
@@ -251,7 +254,7 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
                 validate(step + 1)
             if saving:
                 save_checkpoint(engine, out_dir, step + 1, {"step": step + 1, "consumed_train_samples": consumed},
-                                tracker, job_meta(job), tcfg.keep_last_n_checkpoints)
+                                tracker, job_meta(job), tcfg.keep_last_n_checkpoints, tcfg.ckpt_format)
                 if tcfg.load_hf:  # the weights in our layout too, for `ds-megatron convert` back to Hugging Face
                     save_model_for_export(model, job, state, os.path.join(out_dir, tag_for(step + 1)))
             if evaluating or saving:

@@ -1,0 +1,129 @@
+"""``ckpt_format: "torch_dist"``: a training checkpoint resumes at another TP / PP / EP / DP.
+
+The reference is the unbroken run at the saving layout.  A job saves at step 4 and stops;
+the same output directory is resumed at other layouts with the same global batch.  The next
+steps' losses must follow the unbroken run (float tolerance: other layouts sum in another
+order).  They would not without the optimizer moments (Adam's first step after a reset is
+about lr x sign(grad)), the LR schedule or the data position, all restored from the checkpoint.
+"""
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_on_ranks
+from ds_megatron.cli import main as cli_main
+from ds_megatron.config import ConfigError, split_config
+from ds_megatron.models import GPTConfig, GPTModel
+from ds_megatron.parallel_state import ParallelState
+from ds_megatron.training.train import load_job, train
+
+GPT = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 257,
+       "hidden_dropout": 0.0, "attention_dropout": 0.0}
+LLAMA_MOE = {**GPT, "num_query_groups": 2, "position_embedding_type": "rope", "normalization": "RMSNorm",
+             "gated_linear_unit": True, "activation": "silu", "add_bias_linear": False,
+             "untie_embeddings_and_output_weights": True, "num_experts": 4, "moe_ffn_hidden_size": 16,
+             "moe_router_topk": 2, "moe_aux_loss_coeff": 0.0}  # a per-micro-batch loss: layouts differ
+
+
+def _config(out, tp=1, pp=1, ep=1, etp=None, mbs=1, world=4, model=GPT, steps=8, distopt=False, precision=None):
+    dp = world // (tp * pp)
+    megatron = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                "expert_model_parallel_size": ep,
+                "model": model,
+                "train": {"train_iters": steps, "lr": 3e-3, "min_lr": 3e-4, "lr_warmup_iters": 2, "eval_interval": 100,
+                          "eval_iters": 1, "save_interval": 100, "output_dir": out, "ckpt_format": "torch_dist"},
+                "data": {"default_corpus_bytes": 300_000, "split": "90,10"}}
+    if etp is not None:
+        megatron["expert_tensor_parallel_size"] = etp
+    if distopt:
+        megatron["use_distributed_optimizer"] = True
+    cfg = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": 8 // (mbs * dp),
+           "gradient_clipping": 1.0, "steps_per_print": 10 ** 6, "megatron": megatron}
+    if precision:
+        cfg[precision] = {"enabled": True}
+    return cfg
+
+
+def _train(cfg, resume=False, stop_after=None):
+    job = load_job(cfg, dist.get_world_size())
+    return train(job, cfg, resume=resume, stop_after=stop_after, show_progress=False).losses
+
+
+def _resume_at(tmp_path, snapshot, name, **layout):
+    """Resume a copy of ``snapshot`` (a run stopped after step 4) at ``layout`` to step 8."""
+    out = str(tmp_path / name)
+    shutil.copytree(snapshot, out)
+    return run_on_ranks(4, _train, _config(out, **layout), True)[0]
+
+
+def _check_follows(resumed, full, rel):
+    assert sorted(resumed) == list(range(5, 9))
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(full[step], rel=rel), step
+
+
+def _stopped_at_4(tmp_path, **layout):
+    """(the unbroken run's losses, a run directory saved at step 4)."""
+    full = run_on_ranks(4, _train, _config(str(tmp_path / "full"), **layout))[0]
+    snapshot = str(tmp_path / "snapshot")
+    first = run_on_ranks(4, _train, _config(snapshot, **layout), False, 4)[0]
+    assert [first[s] for s in range(1, 5)] == [full[s] for s in range(1, 5)]
+    assert os.path.isfile(os.path.join(snapshot, "iter_0000004", ".metadata"))
+    return full, snapshot
+
+
+def test_tp2_pp2_checkpoint_resumes_at_tp1_dp4_and_tp4(tmp_path):
+    saving = dict(tp=2, pp=2, mbs=4)
+    full, snapshot = _stopped_at_4(tmp_path, **saving)
+    same = _resume_at(tmp_path, snapshot, "same", **saving)
+    assert [same[s] for s in range(5, 9)] == [full[s] for s in range(5, 9)]  # same layout: bit-exact
+    _check_follows(_resume_at(tmp_path, snapshot, "tp1_dp4", tp=1, mbs=1), full, 2e-5)
+    _check_follows(_resume_at(tmp_path, snapshot, "tp4", tp=4, mbs=4), full, 2e-5)
+
+
+def test_moe_checkpoint_reshards_across_expert_and_tensor_sizes(tmp_path):
+    # Gated experts split over 2 expert-tensor ranks; grouped-query attention (2 groups).  Resumed with
+    # the experts spread over 4 ranks whole (distributed optimizer), and at TP=4, where each KV head
+    # is replicated on two ranks, without expert parallelism.
+    saving = dict(tp=2, ep=2, etp=2, mbs=4, model=LLAMA_MOE)
+    full, snapshot = _stopped_at_4(tmp_path, **saving)
+    _check_follows(_resume_at(tmp_path, snapshot, "ep4", tp=1, ep=4, etp=1, mbs=1, model=LLAMA_MOE, distopt=True),
+                   full, 2e-5)
+    _check_follows(_resume_at(tmp_path, snapshot, "tp4", tp=4, ep=1, etp=1, mbs=4, model=LLAMA_MOE), full, 2e-5)
+
+
+def test_bf16_main_params_and_moments_reshard(tmp_path):
+    saving = dict(tp=2, mbs=2, precision="bf16")
+    full, snapshot = _stopped_at_4(tmp_path, **saving)
+    same = _resume_at(tmp_path, snapshot, "same", **saving)
+    assert [same[s] for s in range(5, 9)] == [full[s] for s in range(5, 9)]
+    _check_follows(_resume_at(tmp_path, snapshot, "tp1", tp=1, mbs=1, precision="bf16", distopt=True), full, 2e-2)
+
+
+def test_export_fp32_reads_the_whole_model_from_a_torch_dist_checkpoint(tmp_path):
+    # The same job (same seed, same steps) saved in both formats: the DeepSpeed-format export puts the
+    # rank files together its own way, the torch_dist one reads the stored whole tensors.
+    layout = dict(tp=2, pp=2, mbs=4, steps=2)
+    dist_run, ds_run = str(tmp_path / "dist"), str(tmp_path / "ds")
+    run_on_ranks(4, _train, _config(dist_run, **layout))
+    cfg = _config(ds_run, **layout)
+    cfg["megatron"]["train"]["ckpt_format"] = "deepspeed"
+    run_on_ranks(4, _train, cfg)
+    out_dist, out_ds = str(tmp_path / "dist.pt"), str(tmp_path / "ds.pt")
+    assert cli_main(["export-fp32", dist_run, out_dist]) == 0
+    assert cli_main(["export-fp32", ds_run, out_ds]) == 0
+    a, b = torch.load(out_dist), torch.load(out_ds)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    GPTModel(GPTConfig(**GPT), ParallelState.single()).load_state_dict(a, strict=True)
+
+
+def test_torch_dist_refuses_deepspeeds_optimizer_path():
+    cfg = _config("unused")
+    cfg["megatron"]["optimizer_impl"] = "deepspeed"
+    with pytest.raises(ConfigError, match="ckpt_format"):
+        split_config(cfg)
