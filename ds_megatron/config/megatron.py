@@ -80,7 +80,7 @@ class MegatronConfig:
     def from_section(cls, section: Optional[Dict[str, Any]], ds_config: Dict[str, Any]) -> "MegatronConfig":
         """Parse the section (None: no section, a plain DeepSpeed job) against the rest of the DeepSpeed config."""
         if section is None:
-            return cls(precision=resolve_precision(ds_config, "deepspeed"),
+            return cls(precision=resolve_precision(ds_config, "deepspeed"), train=TrainConfig(ckpt_format="deepspeed"),
                        deepspeed_batch=DeepSpeedBatchKeys.from_ds_config(ds_config))
         if not isinstance(section, dict):
             raise ConfigError(f"{SECTION} must be a JSON object, got {type(section).__name__}")
@@ -116,7 +116,7 @@ class MegatronConfig:
                 model_section[key] = getattr(parallel, key)
             model = parse_section(GPTConfig, model_section, f"{SECTION}.model")
         nested["cuda_graph"].check_moe_settings(model)
-        _check_ckpt_format(nested["train"].ckpt_format, precision, model)
+        _check_ckpt_format(nested["train"], precision)
         train_keys = tuple(section.get("train", {})) if isinstance(section.get("train"), dict) else ()
         return cls(parallel=parallel, ddp=ddp, precision=precision, model=model, notices=notices,
                    train_keys_set=train_keys, deepspeed_batch=DeepSpeedBatchKeys.from_ds_config(ds_config), **nested)
@@ -152,11 +152,12 @@ def _check_gradient_reducer(ds_config: Dict[str, Any], precision: PrecisionConfi
                       f"the key, or set optimizer_impl \"megatron\"")
 
 
-def _check_ckpt_format(ckpt_format: str, precision: PrecisionConfig, model) -> None:
-    """The layout-independent checkpoint reads our optimizers' state and our GPT's parameters."""
-    if ckpt_format != "torch_dist":
+def _check_ckpt_format(train: TrainConfig, precision: PrecisionConfig) -> None:
+    """The layout-independent checkpoint reads our optimizers' state: the default where they are."""
+    if train.ckpt_format is None:
+        train.ckpt_format = "torch_dist" if precision.owns_optimizer else "deepspeed"
         return
-    if not precision.owns_optimizer:
+    if train.ckpt_format == "torch_dist" and not precision.owns_optimizer:
         raise ConfigError(f"{SECTION}.train.ckpt_format \"torch_dist\" with {SECTION}.optimizer_impl="
                           f"{precision.optimizer_impl!r}: the layout-independent checkpoint saves ds_megatron's "
                           "optimizers; set optimizer_impl \"megatron\" or ckpt_format \"deepspeed\"")

@@ -48,13 +48,14 @@ class TrainConfig:
     # its config, each rank loads its own shards, and every checkpoint also holds the model in our layout
     # (`iter_*/ds_megatron_model`, which `ds-megatron convert` exports back to Hugging Face).
     load_hf: Optional[str] = None
-    # Megatron's name.  "deepspeed": DeepSpeed's save_checkpoint files (resumable at the same TP / PP / EP
-    # sizes, any DP).  "torch_dist": torch.distributed.checkpoint, every tensor by its offsets in the whole
-    # model, resumable at any TP / PP / EP / ETP / DP (training/dist_checkpoint.py).  --resume reads either.
-    ckpt_format: str = "deepspeed"
+    # Megatron's name.  "torch_dist": torch.distributed.checkpoint, every tensor by its offsets in the whole
+    # model, resumable at any TP / PP / EP / ETP / DP (training/dist_checkpoint.py).  "deepspeed": DeepSpeed's
+    # save_checkpoint files (resumable at the same TP / PP / EP sizes, any DP).  null: torch_dist on our
+    # optimizer path, deepspeed on DeepSpeed's (config/megatron.py decides).  --resume reads either.
+    ckpt_format: Optional[str] = None
 
     def __post_init__(self):
-        if self.ckpt_format not in CKPT_FORMATS:
+        if self.ckpt_format is not None and self.ckpt_format not in CKPT_FORMATS:
             raise ConfigError(f"{SECTION}.train.ckpt_format {self.ckpt_format!r} is unknown; use "
                               f"{' or '.join(repr(f) for f in CKPT_FORMATS)}")
         for name in ("train_iters", "eval_interval", "eval_iters", "log_interval", "max_consecutive_nonfinite_steps"):

@@ -28,6 +28,7 @@ import glob
 import os
 import re
 import sys
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -127,7 +128,9 @@ def _consolidate_torch_dist(tag_dir: str) -> Dict[str, torch.Tensor]:
              if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
     if not state:
         raise ExportError(f"{tag_dir} holds no model.* tensors: not a ds_megatron torch_dist checkpoint")
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return {k[len("model."):]: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
 
 

@@ -22,7 +22,7 @@ CASES = {
 }
 
 
-def _config(tmp, tp=1, dropout=0.0, distopt=False, bf16=False, moe=False, save_interval=0):
+def _config(tmp, tp=1, dropout=0.0, distopt=False, bf16=False, moe=False, save_interval=0, ckpt_format=None):
     model = {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 257,
              "hidden_dropout": dropout, "attention_dropout": dropout}
     if moe:
@@ -47,6 +47,8 @@ def _config(tmp, tp=1, dropout=0.0, distopt=False, bf16=False, moe=False, save_i
         cfg["megatron"]["use_distributed_optimizer"] = True
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if ckpt_format:
+        cfg["megatron"]["train"]["ckpt_format"] = ckpt_format
     return cfg
 
 
@@ -56,16 +58,19 @@ def _train(cfg, resume=False, stop_after=None):
     return res.losses, res.val_losses
 
 
+@pytest.mark.parametrize("ckpt_format", ["deepspeed", "torch_dist"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_pipeline_resume_is_bit_exact(case, tmp_path):
+def test_pipeline_resume_is_bit_exact(case, ckpt_format, tmp_path):
     kwargs = CASES[case]
     full, full_val = run_on_ranks(4, _train, _config(str(tmp_path / "full"), **kwargs))[0]
-    cfg = _config(str(tmp_path / "cut"), save_interval=4, **kwargs)
+    cfg = _config(str(tmp_path / "cut"), save_interval=4, ckpt_format=ckpt_format, **kwargs)
     first = run_on_ranks(4, _train, cfg, False, 6)[0][0]
     run_dir = os.path.join(str(tmp_path / "cut"), "run")
     assert open(os.path.join(run_dir, "latest")).read() == "iter_0000006"
     files = os.listdir(os.path.join(run_dir, "iter_0000006"))
-    if kwargs.get("moe"):
+    if ckpt_format == "torch_dist":
+        assert ".metadata" in files and not any(f.endswith("model_states.pt") for f in files), sorted(files)
+    elif kwargs.get("moe"):
         # The experts of all 4 MoE layers go to distinct files whichever stage holds them (whole-model layer ids);
         # the optimizer state to one file per (tp, pp, ep, etp); DeepSpeed writes each stage's layers.
         assert sorted(f for f in files if "_expert_" in f) == sorted(

@@ -1,13 +1,16 @@
 """`ds-megatron train` whose save of checkpoint $BLOCK_TAG stops half way on rank 0 (test_stop_and_kill.py).
 
-Rank 0 writes the first bytes of DeepSpeed's model-states file for that tag, creates $BLOCK_MARKER
-and waits forever: the test then kills the whole job, as a lost node would, mid-save.
+DeepSpeed's format: rank 0 writes the first bytes of DeepSpeed's model-states file for that tag.
+torch_dist: every rank has written its data files and rank 0, the coordinator, stops before the
+metadata file.  Either way it then creates $BLOCK_MARKER and waits forever: the test kills the
+whole job, as a lost node would, mid-save.
 """
 import os
 import sys
 import time
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
 
 import ds_megatron.training.checkpointing as checkpointing
 from ds_megatron.training.job import main
@@ -27,5 +30,21 @@ def save_checkpoint(engine, save_dir, tag=None, **kwargs):
     return real_save(engine, save_dir, tag=tag, **kwargs)
 
 
+def block_forever():
+    open(os.environ["BLOCK_MARKER"], "w").close()
+    while True:
+        time.sleep(1)
+
+
+real_finish = FileSystemWriter.finish
+
+
+def finish(self, metadata, results):
+    if os.path.basename(os.path.normpath(str(self.path))) == os.environ["BLOCK_TAG"]:
+        block_forever()
+    return real_finish(self, metadata, results)
+
+
 checkpointing.engine_checkpoint.save_checkpoint = save_checkpoint
+FileSystemWriter.finish = finish
 sys.exit(main(sys.argv[1:]))

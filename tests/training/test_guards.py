@@ -147,6 +147,7 @@ def test_resume_without_a_checkpoint_says_so_and_starts_a_fresh_metrics_file(tmp
 
 def test_resume_on_a_checkpoint_of_another_model_or_layout_names_the_field(tmp_path):
     cfg = _config(str(tmp_path), steps=2)
+    cfg["megatron"]["train"]["ckpt_format"] = "deepspeed"  # cut by its layout (torch_dist: tests/training/test_dist_checkpoint.py)
     run_on_ranks(2, _run, cfg)
     other = json.loads(json.dumps(cfg))
     other["megatron"]["model"]["vocab_size"] = 300
@@ -156,6 +157,7 @@ def test_resume_on_a_checkpoint_of_another_model_or_layout_names_the_field(tmp_p
     other["megatron"]["tensor_model_parallel_size"] = 1
     msg = run_on_ranks(2, _run, other, True)[0]
     assert msg.startswith("megatron.tensor_model_parallel_size=1 but the checkpoint ") and "saved with 2" in msg
+    assert 'ckpt_format "torch_dist"' in msg  # the way to a checkpoint any layout resumes
     other = json.loads(json.dumps(cfg))
     other["bf16"] = {"enabled": True}
     assert "trains bf16 params (fp16.enabled / bf16.enabled)" in run_on_ranks(2, _run, other, True)[0]

@@ -9,6 +9,8 @@
 import json
 import os
 import subprocess
+
+import pytest
 import sys
 
 from harness import run_on_ranks
@@ -94,9 +96,11 @@ def test_sigterm_to_the_deepspeed_launcher_stops_4_ranks_gracefully_and_they_res
     assert both == unbroken  # bit-exact: data position, RNG streams, optimizer state all restored
 
 
-def test_a_job_killed_while_saving_leaves_latest_on_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "deepspeed"])
+def test_a_job_killed_while_saving_leaves_latest_on_the_previous_checkpoint(tmp_path, ckpt_format):
     run = str(tmp_path / "run")
     cfg = _config(run, steps=6, save_interval=2)
+    cfg["megatron"]["train"]["ckpt_format"] = ckpt_format
     marker = str(tmp_path / "blocked")
     env = dict(_env(), BLOCK_TAG="iter_0000004", BLOCK_MARKER=marker)
     report, output = _drive(tmp_path, marker, "exists", "sigkill-all",
