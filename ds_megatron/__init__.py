@@ -49,6 +49,21 @@ def load_checkpoint(engine, load_dir, tag=None, **kwargs):
     return _load_checkpoint(engine, load_dir, tag, **kwargs)
 
 
+def save_dist_checkpoint(engine, directory, client_state=None):
+    """The layout-independent checkpoint (``torch.distributed.checkpoint``; resumable at any TP / PP / EP / DP):
+    see ``ds_megatron.training.dist_checkpoint``.  Collective; ``directory`` is one checkpoint's."""
+    from .training.dist_checkpoint import check_supported, save
+    check_supported(engine)
+    return save(engine, directory, client_state or {})
+
+
+def load_dist_checkpoint(engine, directory):
+    """Read a ``save_dist_checkpoint`` directory written at any layout into ``engine``; returns the client state."""
+    from .training.dist_checkpoint import check_supported, load
+    check_supported(engine)
+    return load(engine, directory)
+
+
 _PIPELINE_NAMES = ("GPTPipelineModule", "pipeline_topology")
 
 
@@ -61,4 +76,5 @@ def __getattr__(name):
 
 
 __all__ = ["ConfigError", "MegatronConfig", "initialize", "initialize_model_parallel", "validate_config",
-           "add_config_arguments", "save_checkpoint", "load_checkpoint", *_PIPELINE_NAMES]
+           "add_config_arguments", "save_checkpoint", "load_checkpoint", "save_dist_checkpoint",
+           "load_dist_checkpoint", *_PIPELINE_NAMES]

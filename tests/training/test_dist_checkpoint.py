@@ -127,3 +127,45 @@ def test_torch_dist_refuses_deepspeeds_optimizer_path():
     cfg["megatron"]["optimizer_impl"] = "deepspeed"
     with pytest.raises(ConfigError, match="ckpt_format"):
         split_config(cfg)
+
+
+def _own_loop(directory, tp, save):
+    """A user's DeepSpeed loop over our GPTModel: 2 steps then save (``save``), or load; then one step's loss."""
+    import ds_megatron
+    from ds_megatron.optimizer import get_param_groups
+    cfg = {"train_micro_batch_size_per_gpu": 4 // (4 // tp), "steps_per_print": 10 ** 6, "gradient_clipping": 1.0,
+           "megatron": {"tensor_model_parallel_size": tp}}
+    state = ds_megatron.initialize_model_parallel(cfg)
+    torch.manual_seed(1 if save else 2)  # the loading side starts from other weights
+    model = GPTModel(GPTConfig(**{**GPT, "vocab_size": 64, "make_vocab_size_divisible_by": 8}), state)
+    optimizer = torch.optim.AdamW(get_param_groups(model), lr=1e-2)
+    engine, _, _, _ = ds_megatron.initialize(model=model, optimizer=optimizer, config=cfg, parallel_state=state)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 64, (4, 33), generator=g) for _ in range(3)]
+    dp = state.dp
+
+    def step(batch):
+        rows = batch[dp.rank * (4 // dp.size):(dp.rank + 1) * (4 // dp.size)]
+        loss = engine(rows[:, :-1], rows[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=dp.group)
+        return float(total) / dp.size
+
+    if save:
+        step(batches[0]), step(batches[1])
+        ds_megatron.save_dist_checkpoint(engine, directory, {"note": "two steps"})
+    else:
+        assert ds_megatron.load_dist_checkpoint(engine, directory) == {"note": "two steps"}
+        assert engine.global_steps == 2
+    loss = step(batches[2])
+    engine.megatron.destroy()
+    return loss
+
+
+def test_a_users_own_loop_saves_at_tp2_dp2_and_resumes_at_tp4(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    saved = run_on_ranks(4, _own_loop, directory, 2, True)[0]
+    resumed = run_on_ranks(4, _own_loop, directory, 4, False)[0]
+    assert resumed == pytest.approx(saved, rel=1e-5)
