@@ -6,6 +6,10 @@
 # The rank count is the sum of the hostfile's slots.  Run it on the first host;
 # MASTER_ADDR defaults to that host's name, MASTER_PORT to a free port here.
 # A hostfile with a single "localhost slots=N" line runs locally (no ssh).
+# DS_LAUNCHER picks DeepSpeed's multi-node runner (default pdsh, over ssh; also openmpi, mpich,
+# impi, slurm, mvapich) and DS_LAUNCHER_ARGS is handed to it, e.g. on an MPICH cluster:
+#   DS_LAUNCHER=mpich bash launch/deepspeed_multinode.sh hostfile
+# (tests/test_multinode.py runs two "nodes" on one machine with DS_LAUNCHER_ARGS="-launcher fork").
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 usage="deepspeed_multinode.sh HOSTFILE [python-entry args...]"
@@ -19,9 +23,13 @@ dsm_deepspeed_entry
 if [[ "$first_host" == localhost ]]; then addr=127.0.0.1; else addr="${MASTER_ADDR:-$first_host}"; fi
 port="${MASTER_PORT:-$(dsm_free_port)}"
 extra=()
+# The runner looks mpirun up on PATH: the interpreter's bin first (an MPI wheel puts its mpirun there).
+[[ -n "${DS_LAUNCHER:-}" ]] && extra+=(--launcher "$DS_LAUNCHER") && export PATH="$(dirname "$PYTHON"):$PATH"
+[[ -n "${DS_LAUNCHER_ARGS:-}" ]] && extra+=(--launcher_args "$DS_LAUNCHER_ARGS")
 nhosts="$(awk '!/^[[:space:]]*(#|$)/ { n++ } END { print n + 0 }' "$hostfile")"
 # One host runs locally; DeepSpeed would still insist on ssh to it otherwise.
-[[ "$nhosts" == 1 ]] && extra+=(--no_ssh_check)
+# The MPI runners reach the hosts through mpirun, not DeepSpeed's ssh check.
+[[ "$nhosts" == 1 || "${DS_LAUNCHER:-pdsh}" != pdsh ]] && extra+=(--no_ssh_check)
 set -x
 exec "${DSM_DEEPSPEED[@]}" --hostfile "$hostfile" --master_addr "$addr" --master_port "$port" --no_local_rank "${extra[@]}" \
   "${DSM_DS_ENTRY[@]}"

@@ -9,6 +9,13 @@ import os
 import sys
 
 
+def node() -> int:
+    """torchrun names the node (GROUP_RANK); under MPI the MPI_LOCALNRANKS-rank blocks are the hosts."""
+    if "GROUP_RANK" in os.environ:
+        return int(os.environ["GROUP_RANK"])
+    return int(os.environ["RANK"]) // int(os.environ["MPI_LOCALNRANKS"])
+
+
 def main() -> None:
     out = sys.argv[sys.argv.index("--out") + 1]
     from ds_megatron.integration.runtime import init_distributed_from_env
@@ -24,7 +31,7 @@ def main() -> None:
     total = torch.tensor([dist.get_rank()], dtype=torch.long)
     dist.all_reduce(total, group=state.tp.group)
     record = {"rank": dist.get_rank(), "local_rank": int(os.environ["LOCAL_RANK"]),
-              "node": int(os.environ["GROUP_RANK"]), "local_size": int(os.environ["LOCAL_SIZE"]),
+              "node": node(), "local_size": int(os.environ["LOCAL_SIZE"]),
               "device": str(get_accelerator().device_name()), "tp_ranks": list(state.tp.ranks),
               "tp_rank": state.tp.rank, "tp_sum": int(total.item())}
     os.makedirs(out, exist_ok=True)

@@ -1,5 +1,6 @@
 """Two simulated nodes on one machine: two ``torchrun --nnodes 2 --node_rank 0|1`` launches meet at one
-rendezvous (127.0.0.1), and a TP=4 group spans both "nodes".
+rendezvous (127.0.0.1), or the ``deepspeed`` launcher reads a two-entry hostfile and starts both "nodes"
+through its MPICH runner (hydra's fork launcher stands in for ssh); a TP=4 group spans both "nodes".
 
 Every rank must see its global RANK, its node-local LOCAL_RANK / LOCAL_SIZE and its node, the CPU
 device, and the TP group of all four ranks, which carries an all-reduce across the nodes.
@@ -8,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from ds_megatron.utils.local_job import free_port
 
@@ -30,6 +33,25 @@ def test_two_nodes_with_tp_spanning_them(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    records = [json.loads(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(4)]
+    for rank, rec in enumerate(records):
+        assert rec == {"rank": rank, "local_rank": rank % 2, "node": rank // 2, "local_size": 2, "device": "cpu",
+                       "tp_ranks": [0, 1, 2, 3], "tp_rank": rank, "tp_sum": 6}, rec
+
+
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+
+
+@pytest.mark.skipif(not os.path.exists(MPIRUN), reason="needs MPICH's mpirun next to the interpreter (test extra)")
+def test_deepspeed_launcher_hostfile_with_two_nodes(tmp_path):
+    hostfile, out = tmp_path / "hostfile", str(tmp_path / "probe")
+    hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
+    env = dict(_clean_env(), DS_LAUNCHER="mpich", DS_LAUNCHER_ARGS="-launcher fork", MASTER_ADDR="127.0.0.1",
+               PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "launch/deepspeed_multinode.sh", str(hostfile), "tests/multinode_probe.py",
+                           "--out", out], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "-hosts node0,node1" in proc.stdout + proc.stderr  # DeepSpeed's multi-node command line
     records = [json.loads(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(4)]
     for rank, rec in enumerate(records):
         assert rec == {"rank": rank, "local_rank": rank % 2, "node": rank // 2, "local_size": 2, "device": "cpu",
