@@ -170,7 +170,7 @@ def _param_shards(module, parallel_state) -> Dict[int, Tuple[torch.nn.Parameter,
 
 def saved_layout(parallel_state) -> Dict[str, int]:
     """The sizes a checkpoint records (a resume at other sizes reshards; RNG streams are kept only at the same)."""
-    return {axis: getattr(parallel_state, axis).size for axis in ("tp", "pp", "dp", "ep", "etp")}
+    return {axis: getattr(parallel_state, axis).size for axis in ("tp", "pp", "dp", "cp", "ep", "etp")}
 
 
 def _add_sharded(state: Dict[str, Any], prefix: str, tensor: torch.Tensor, views: ViewShards,
