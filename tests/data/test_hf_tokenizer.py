@@ -92,3 +92,20 @@ def test_vocab_check_uses_the_tokenizers_size(bpe, tmp_path):
     config.check_vocab(400)
     with pytest.raises(ConfigError, match="has 400 token ids"):
         config.check_vocab(300)
+
+
+def test_export_files_load_with_auto_tokenizer(bpe, tmp_path):
+    """A bare tokenizer.json (EOD given) gets a tokenizer_config.json that transformers loads as the same tokenizer."""
+    import transformers
+    from ds_megatron.data.tokenizer import hf_tokenizer_export_files
+    bare = tmp_path / "bare.json"
+    bare.write_bytes(open(os.path.join(bpe, "tokenizer.json"), "rb").read())
+    out = tmp_path / "export"
+    out.mkdir()
+    for name, data in hf_tokenizer_export_files(str(bare), bpe_tokenizer.EOS).items():
+        (out / name).write_bytes(data)
+    loaded = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert loaded.eos_token == bpe_tokenizer.EOS
+    for text in TEXTS:
+        assert loaded(text).input_ids == build_tokenizer(str(bare), bpe_tokenizer.EOS).tokenize(text)
+    assert hf_tokenizer_export_files("byte") == {}
