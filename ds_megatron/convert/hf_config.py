@@ -182,7 +182,8 @@ def hf_config_from_model(family: str, model: Dict[str, Any], field: str = "train
         "initializer_range": model.get("init_method_std", 0.02), "attention_dropout": 0.0,
     }
     if family == "llama":
-        hf.update(attention_bias=bool(model.get("add_bias_linear", True)), mlp_bias=bool(model.get("add_bias_linear", True)))
+        bias = bool(model.get("add_bias_linear", True))
+        hf.update(attention_bias=bias, mlp_bias=bias)
     if family in ("mistral", "qwen2"):
         hf["sliding_window"] = None
     if eos_token_id is not None:

@@ -65,6 +65,11 @@ def _our_logits(path, ids):
         state.destroy()
 
 
+def _bpe_ids(bpe, text):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(os.path.join(bpe, "tokenizer.json")).encode(text).ids
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """(BPE directory, dataset prefix) from a 300 kB slice of the embedded corpus."""
@@ -72,8 +77,9 @@ def prepared(tmp_path_factory):
     bpe = bpe_tokenizer.train_bpe(str(root / "bpe"), vocab_size=512, max_bytes=300_000)
     src = root / "corpus.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in bpe_tokenizer.corpus_texts(300_000)))
-    assert cli_main(["preprocess", "--input", str(src), "--output-prefix", str(root / "corpus"), "--tokenizer", bpe]) == 0
-    return bpe, str(root / "corpus")
+    prefix = str(root / "corpus")
+    assert cli_main(["preprocess", "--input", str(src), "--output-prefix", prefix, "--tokenizer", bpe]) == 0
+    return bpe, prefix
 
 
 def test_bpe_preprocess_train_export_generate(tmp_path, prepared):
@@ -88,7 +94,7 @@ def test_bpe_preprocess_train_export_generate(tmp_path, prepared):
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
     ids = tokenizer(TEXT, return_tensors="pt").input_ids
-    assert ids[0].tolist() == bpe_tokenizer_ids(bpe, TEXT)
+    assert ids[0].tolist() == _bpe_ids(bpe, TEXT)
     assert tokenizer.eos_token == bpe_tokenizer.EOS
     model = hf_models.float64_reference(transformers.AutoModelForCausalLM.from_pretrained(exported))
     with torch.no_grad():
@@ -103,20 +109,16 @@ def test_bpe_preprocess_train_export_generate(tmp_path, prepared):
     assert isinstance(tokenizer.decode(generated[0, ids.shape[1]:]), str)
 
 
-def bpe_tokenizer_ids(bpe, text):
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(os.path.join(bpe, "tokenizer.json")).encode(text).ids
-
-
 def test_models_a_family_cannot_express_are_refused(tmp_path, prepared):
     bpe, data = prepared
     cfg = _config(str(tmp_path / "run"), data, bpe)
     cfg["megatron"]["model"]["normalization"] = "LayerNorm"
-    with pytest.raises(ConfigError, match=r"model.normalization='LayerNorm' cannot be exported as 'llama', whose models "
-                                          r"have 'RMSNorm'; change model.normalization or remove "
+    with pytest.raises(ConfigError, match=r"model.normalization='LayerNorm' cannot be exported as 'llama', whose "
+                                          r"models have 'RMSNorm'; change model.normalization or remove "
                                           r"megatron.train.export_hf_family"):
         load_job(cfg, 2)
-    with pytest.raises(ConfigError, match=r"megatron.train.export_hf_family='gpt2' is not supported; use one of: llama"):
+    with pytest.raises(ConfigError, match=r"megatron.train.export_hf_family='gpt2' is not supported; use one "
+                                          r"of: llama"):
         load_job(_config(str(tmp_path / "run"), data, bpe, family="gpt2"), 2)
     cfg = _config(str(tmp_path / "run"), data, bpe)
     cfg["megatron"]["model"]["vocab_size"] = 500
