@@ -79,6 +79,9 @@ class DataConfig:
     # HuggingFaceTokenizer); eod_token: the token ending a document when its tokenizer_config.json names no eos_token.
     tokenizer: str = "byte"
     eod_token: Optional[str] = None
+    # Megatron's spelling of the same: tokenizer_type "HuggingFaceTokenizer" with tokenizer_model PATH.
+    tokenizer_type: Optional[str] = None
+    tokenizer_model: Optional[str] = None
     default_corpus_bytes: int = 4 * 1024 * 1024
     num_workers: int = 0
     dataloader_type: str = "single"
@@ -94,11 +97,27 @@ class DataConfig:
                 token_dtype_code(self.data_path)
             except ValueError as e:
                 raise ConfigError(f"{where}.data_path={self.data_path!r}: {e}") from None
+        if self.tokenizer_type is not None or self.tokenizer_model is not None:
+            self._megatron_tokenizer_names()
         self.build_tokenizer()  # a missing or unreadable tokenizer fails here, naming the field
         if self.dataloader_type not in ("single", "cyclic"):
             raise ConfigError(f"{where}.dataloader_type={self.dataloader_type!r} is unknown; use single or cyclic")
         if self.num_workers < 0:
             raise ConfigError(f"{where}.num_workers must be >= 0, got {self.num_workers}")
+
+    def _megatron_tokenizer_names(self) -> None:
+        """tokenizer_type / tokenizer_model (Megatron's names) onto ``tokenizer``; one spelling per config."""
+        where = f"{SECTION}.data"
+        if self.tokenizer != "byte":
+            raise ConfigError(f"{where}.tokenizer and {where}.tokenizer_type / tokenizer_model are both set; keep "
+                              "one spelling (tokenizer: PATH, or tokenizer_type \"HuggingFaceTokenizer\" with "
+                              "tokenizer_model: PATH)")
+        if self.tokenizer_type != "HuggingFaceTokenizer" or not self.tokenizer_model:
+            raise ConfigError(f"{where}.tokenizer_type={self.tokenizer_type!r} with tokenizer_model="
+                              f"{self.tokenizer_model!r}: the supported Megatron tokenizer is tokenizer_type "
+                              "\"HuggingFaceTokenizer\" with tokenizer_model a tokenizer.json file or tokenizer "
+                              f"directory (or set {where}.tokenizer)")
+        self.tokenizer, self.tokenizer_type, self.tokenizer_model = self.tokenizer_model, None, None
 
     def build_tokenizer(self):
         """The configured tokenizer, or a ConfigError naming ``data.tokenizer`` / ``data.eod_token``."""

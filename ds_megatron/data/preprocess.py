@@ -204,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", default="byte",
                    help="\"byte\" (default), or a Hugging Face tokenizer.json file or transformers tokenizer "
                         "directory (Megatron's --tokenizer-model of HuggingFaceTokenizer)")
+    p.add_argument("--tokenizer-type", choices=("HuggingFaceTokenizer",), help="Megatron's flag, accepted "
+                   "with --tokenizer-model PATH (the same as --tokenizer PATH)")
     p.add_argument("--eod-token", default=None, help="the token that ends a document (default: the eos_token of "
                    "the tokenizer_config.json beside tokenizer.json)")
     keys = p.add_mutually_exclusive_group()
@@ -223,7 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry of ``ds-megatron preprocess``; ``argv`` are the arguments after ``preprocess``."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.tokenizer_type is not None and args.tokenizer == "byte":
+        parser.error("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH (a tokenizer.json file "
+                     "or a transformers tokenizer directory)")
     try:
         all_stats = preprocess_keys(args.input, args.output_prefix, json_keys=args.json_keys,
                                     tokenizer=args.tokenizer, json_key=args.json_key, append_eod=args.append_eod,

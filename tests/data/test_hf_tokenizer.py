@@ -109,3 +109,23 @@ def test_export_files_load_with_auto_tokenizer(bpe, tmp_path):
     for text in TEXTS:
         assert loaded(text).input_ids == build_tokenizer(str(bare), bpe_tokenizer.EOS).tokenize(text)
     assert hf_tokenizer_export_files("byte") == {}
+
+
+def test_megatron_spelling(bpe, tmp_path, capsys):
+    """tokenizer_type "HuggingFaceTokenizer" + tokenizer_model (Megatron's names) mean tokenizer: PATH."""
+    config = DataConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=bpe)
+    assert config.tokenizer == bpe and config.build_tokenizer().vocab_size == 400
+    with pytest.raises(ConfigError, match=r"megatron.data.tokenizer and megatron.data.tokenizer_type / "
+                                          r"tokenizer_model are both set"):
+        DataConfig(tokenizer=bpe, tokenizer_type="HuggingFaceTokenizer", tokenizer_model=bpe)
+    with pytest.raises(ConfigError, match=r"megatron.data.tokenizer_type='GPT2BPETokenizer' with tokenizer_model"):
+        DataConfig(tokenizer_type="GPT2BPETokenizer", tokenizer_model=bpe)
+    src = tmp_path / "a.txt"
+    src.write_text("x = 1\n")
+    assert main(["--input", str(src), "--output-prefix", str(tmp_path / "m"), "--tokenizer-type",
+                 "HuggingFaceTokenizer", "--tokenizer-model", bpe]) == 0
+    reference = Tokenizer.from_file(os.path.join(bpe, "tokenizer.json"))
+    assert IndexedDataset(str(tmp_path / "m"))[0].tolist() == reference.encode("x = 1\n").ids + [0]
+    with pytest.raises(SystemExit):
+        main(["--input", str(src), "--output-prefix", str(tmp_path / "n"), "--tokenizer-type", "HuggingFaceTokenizer"])
+    assert "needs --tokenizer-model PATH" in capsys.readouterr().err
