@@ -1,5 +1,12 @@
-"""Every shipped config validates and trains a few steps through the real job on 4 gloo ranks (8 for 3D)."""
+"""Every shipped config validates and trains a few steps through the real job on 4 gloo ranks (8 for 3D).
+
+A config that continues a Hugging Face model (``train.load_hf``) gets the tiny
+Llama its README commands make (``launch/make_tiny_hf_llama.py``), written to a
+temporary directory that replaces its ``load_hf`` and ``data.tokenizer`` paths.
+"""
 import glob
+import importlib.util
+import json
 import math
 import os
 
@@ -26,12 +33,32 @@ def test_configs_are_shipped():
     names = {os.path.basename(p) for p in CONFIGS}
     assert {"gpt_cpu_tp2_dp2.json", "gpt_tp1.json", "gpt_tp4.json", "gpt_tp2_sp.json", "moe_ep2.json",
             "moe_ep4_tp2.json", "gpt_bf16_tp2_dp2.json", "gpt_fp16_tp2_dp2.json", "gpt_distopt_tp2_dp2.json",
-            "gpt_cuda_graphs.json", "gpt_tp2_pp2.json", "gpt_tp2_pp2_dp2.json"} <= names
+            "gpt_cuda_graphs.json", "gpt_tp2_pp2.json", "gpt_tp2_pp2_dp2.json", "llama_continue_tp2_pp2.json"} <= names
+
+
+def _with_tiny_hf_model(path, tmp_path):
+    """``path``'s config as a dict, its Hugging Face paths pointing at a fresh tiny Llama (no download)."""
+    with open(path) as f:
+        cfg = json.load(f)
+    section = cfg["megatron"]
+    spec = importlib.util.spec_from_file_location("make_tiny_hf_llama",
+                                                  os.path.join(ROOT, "launch", "make_tiny_hf_llama.py"))
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    hf_dir = str(tmp_path / "tiny-llama")
+    assert maker.main([hf_dir]) == 0
+    assert section["train"]["load_hf"] == section["data"]["tokenizer"]  # the model's own tokenizer
+    section["train"]["load_hf"] = section["data"]["tokenizer"] = hf_dir
+    return cfg
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
 def test_config_trains(path, tmp_path):
-    losses = run_on_ranks(WORLD.get(os.path.basename(path), 4), _few_steps, path, str(tmp_path))
+    with open(path) as f:
+        if "load_hf" in json.load(f)["megatron"].get("train", {}):
+            path = _with_tiny_hf_model(path, tmp_path)
+    losses = run_on_ranks(WORLD.get(os.path.basename(path) if isinstance(path, str) else "", 4), _few_steps, path,
+                          str(tmp_path / "run"))
     for rank_losses in losses:
         assert sorted(rank_losses) == [1, 2, 3]
         assert all(math.isfinite(v) for v in rank_losses.values())

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..data.indexed_dataset import dataset_exists, max_token_id, token_dtype_code
-from ..data.tokenizer import TOKENIZERS, build_tokenizer
+from ..data.tokenizer import build_tokenizer, is_byte
 from ..errors import ConfigError
 from .parsing import SECTION
 
@@ -48,6 +48,9 @@ class TrainConfig:
     # its config, each rank loads its own shards, and every checkpoint also holds the model in our layout
     # (`iter_*/ds_megatron_model`, which `ds-megatron convert` exports back to Hugging Face).
     load_hf: Optional[str] = None
+    # A job trained from scratch whose model a Hugging Face family expresses exactly ("llama", "mistral",
+    # "qwen2"): every checkpoint also holds `iter_*/ds_megatron_model` for `ds-megatron convert`, as with load_hf.
+    export_hf_family: Optional[str] = None
     # Megatron's name.  "torch_dist": torch.distributed.checkpoint, every tensor by its offsets in the whole
     # model, resumable at any TP / PP / EP / ETP / DP (training/dist_checkpoint.py).  "deepspeed": DeepSpeed's
     # save_checkpoint files (resumable at the same TP / PP / EP sizes, any DP).  null: torch_dist on our
@@ -83,7 +86,13 @@ class DataConfig:
     # Prefix of a .bin/.idx pair from `ds-megatron preprocess`; None: the embedded stdlib corpus.
     data_path: Optional[str] = None
     split: str = "98,2"
+    # "byte", or a Hugging Face tokenizer.json file / transformers tokenizer directory (Megatron's
+    # HuggingFaceTokenizer); eod_token: the token ending a document when its tokenizer_config.json names no eos_token.
     tokenizer: str = "byte"
+    eod_token: Optional[str] = None
+    # Megatron's spelling of the same: tokenizer_type "HuggingFaceTokenizer" with tokenizer_model PATH.
+    tokenizer_type: Optional[str] = None
+    tokenizer_model: Optional[str] = None
     default_corpus_bytes: int = 4 * 1024 * 1024
     num_workers: int = 0
     dataloader_type: str = "single"
@@ -99,25 +108,51 @@ class DataConfig:
                 token_dtype_code(self.data_path)
             except ValueError as e:
                 raise ConfigError(f"{where}.data_path={self.data_path!r}: {e}") from None
-        if self.tokenizer not in TOKENIZERS:
-            raise ConfigError(f"{where}.tokenizer={self.tokenizer!r} is unknown; use one of: {', '.join(TOKENIZERS)}")
+        if self.tokenizer_type is not None or self.tokenizer_model is not None:
+            self._megatron_tokenizer_names()
+        self.build_tokenizer()  # a missing or unreadable tokenizer fails here, naming the field
         if self.dataloader_type not in ("single", "cyclic"):
             raise ConfigError(f"{where}.dataloader_type={self.dataloader_type!r} is unknown; use single or cyclic")
         if self.num_workers < 0:
             raise ConfigError(f"{where}.num_workers must be >= 0, got {self.num_workers}")
 
+    def _megatron_tokenizer_names(self) -> None:
+        """tokenizer_type / tokenizer_model (Megatron's names) onto ``tokenizer``; one spelling per config."""
+        where = f"{SECTION}.data"
+        if self.tokenizer != "byte":
+            raise ConfigError(f"{where}.tokenizer and {where}.tokenizer_type / tokenizer_model are both set; keep "
+                              "one spelling (tokenizer: PATH, or tokenizer_type \"HuggingFaceTokenizer\" with "
+                              "tokenizer_model: PATH)")
+        if self.tokenizer_type != "HuggingFaceTokenizer" or not self.tokenizer_model:
+            raise ConfigError(f"{where}.tokenizer_type={self.tokenizer_type!r} with tokenizer_model="
+                              f"{self.tokenizer_model!r}: the supported Megatron tokenizer is tokenizer_type "
+                              "\"HuggingFaceTokenizer\" with tokenizer_model a tokenizer.json file or tokenizer "
+                              f"directory (or set {where}.tokenizer)")
+        self.tokenizer, self.tokenizer_type, self.tokenizer_model = self.tokenizer_model, None, None
+
+    def build_tokenizer(self):
+        """The configured tokenizer, or a ConfigError naming ``data.tokenizer`` / ``data.eod_token``."""
+        where = f"{SECTION}.data"
+        try:
+            return build_tokenizer(self.tokenizer, self.eod_token, field=f"{where}.tokenizer",
+                                   eod_field=f"{where}.eod_token")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
     def check_vocab(self, vocab_size: int) -> None:
         """Every token id the job can read is below ``vocab_size`` (model.vocab_size); else a ConfigError with both.
 
-        An id at or above it has no logit: its loss is infinite at every step.  The dataset's largest id
-        comes from its ``.stats.json`` (written by ``preprocess``) or is read from the ``.bin`` once.
+        An id at or above it has no logit: its loss is infinite at every step.  The tokenizer's ids are
+        checked when it tokenizes the built-in corpus or is a Hugging Face one (a data_path made with it); the
+        dataset's largest id comes from its ``.stats.json`` (written by ``preprocess``) or is read from the ``.bin``.
         """
         where = f"{SECTION}.data"
-        if self.data_path is None:  # the built-in corpus, tokenized now with the configured tokenizer
-            ids = build_tokenizer(self.tokenizer).vocab_size
+        if self.data_path is None or not is_byte(self.tokenizer):
+            ids = self.build_tokenizer().vocab_size
             if ids > vocab_size:
                 raise ConfigError(f"{where}.tokenizer={self.tokenizer!r} has {ids} token ids but "
                                   f"{SECTION}.model.vocab_size={vocab_size}; set vocab_size to at least {ids}")
+        if self.data_path is None:
             return
         largest = max_token_id(self.data_path)
         if largest >= vocab_size:

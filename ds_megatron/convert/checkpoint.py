@@ -120,6 +120,17 @@ def _extra_files(src: str) -> List[str]:
                   and f not in _WEIGHT_FILES and not f.endswith(".safetensors") and f != METADATA)
 
 
+def extra_files(directory: str) -> Dict[str, bytes]:
+    """The non-weight files (tokenizer, generation config) of a Hugging Face directory or of our ``hf_files/``."""
+    if not os.path.isdir(directory):
+        return {}
+    out = {}
+    for f in _extra_files(directory):
+        with open(os.path.join(directory, f), "rb") as fh:
+            out[f] = fh.read()
+    return out
+
+
 def hf_to_ours(src: str, dst: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
                overrides: Optional[Dict] = None) -> str:
     """Import: Hugging Face directory ``src`` -> our directory ``dst`` at layout (tp, pp, ep, etp)."""

@@ -20,6 +20,12 @@ is put together from its rank files:
 
 The result loads into a TP=1 ``GPTModel`` of the same config (``load_state_dict``, strict).
 ``OUT`` ending in ``.safetensors`` is written with safetensors, anything else with ``torch.save``.
+
+DeepSpeed's own optimizer path (``optimizer_impl: "deepspeed"`` with ZeRO 1/2) does get
+``zero_to_fp32.py`` / ``zero_to_torch.py`` beside its checkpoints.  With data parallelism alone
+they give this module's weights exactly; with TP / PP / EP they fail (they expect one optimizer
+file per data-parallel rank) or would miss the other model-parallel ranks' shards, so the job
+replaces them with ``ZERO_SCRIPT_REFUSAL`` (``guard_zero_recovery_scripts``), which names this command.
 """
 from __future__ import annotations
 
@@ -38,6 +44,32 @@ from ..models.gpt import OutputLayer
 from ..moe.moe_layer import BaseMoELayer
 from ..tensor_parallel import VocabParallelEmbedding, pad_vocab_size
 from ..tensor_parallel.params import is_expert_param
+
+ZERO_RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+# What the two scripts become beside a model-parallel checkpoint: one line naming the command that works.
+ZERO_SCRIPT_REFUSAL = '''"""Written by ds_megatron in place of DeepSpeed's {name}: see the message below."""
+import sys
+
+sys.exit("{name}: this checkpoint holds a ds_megatron model split at {layout}; DeepSpeed's zero_to_fp32 "
+         "merges data-parallel ZeRO partitions only and cannot consolidate it. Run instead: "
+         "ds-megatron export-fp32 CHECKPOINT_DIR model.safetensors [--tag iter_XXXXXXX]")
+'''
+
+
+def guard_zero_recovery_scripts(save_dir: str, tp: int, pp: int, ep: int) -> List[str]:
+    """Replace DeepSpeed's recovery scripts in ``save_dir`` when the model is split (TP, PP or EP > 1); the paths."""
+    if tp == pp == ep == 1:
+        return []  # pure data parallelism: DeepSpeed's scripts give the right weights
+    layout = f"TP={tp} x PP={pp} x EP={ep}"
+    replaced = []
+    for name in ZERO_RECOVERY_SCRIPTS:
+        path = os.path.join(save_dir, name)
+        if os.path.isfile(path):
+            with open(path, "w") as f:
+                f.write(ZERO_SCRIPT_REFUSAL.format(name=name, layout=layout))
+            replaced.append(path)
+    return replaced
+
 
 RECORD_KEY = "ds_megatron_export"
 RECORD_VERSION = 1

@@ -145,3 +145,55 @@ def hf_from_model(family: str, model: Dict[str, Any], base: Dict[str, Any]) -> D
     if ARCHITECTURES.get(family) != (base.get("architectures") or [None])[0]:
         raise ConvertError(f"family {family!r} does not match config.json architectures {base.get('architectures')}")
     return dict(base)
+
+
+# Families a job trained from scratch may be exported as (train.export_hf_family): the dense ones.
+EXPORT_FAMILIES = ("llama", "mistral", "qwen2")
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# Model fields that are training settings, not the architecture: never compared.
+RUNTIME_FIELDS = ("seq_length", "hidden_dropout", "attention_dropout", "sequence_parallel", "recompute_granularity",
+                  "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
+                  "moe_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
+                  "init_method_std", "label_smoothing", "make_vocab_size_divisible_by", "layernorm_epsilon",
+                  "moe_shared_expert_ffn_hidden_size")
+
+
+def hf_config_from_model(family: str, model: Dict[str, Any], field: str = "train.export_hf_family",
+                         eos_token_id: Any = None) -> Dict[str, Any]:
+    """The ``config.json`` of a ``family`` model equal to ``model`` (a from-scratch job's section), or ConvertError.
+
+    Built forward, then checked backward: ``model_from_hf`` of the result must give back every architecture
+    field of ``model``, so that a model the family cannot express (LayerNorm, GELU without gating, learned
+    positions, biases the family lacks, MoE, ...) is refused naming the first field that differs."""
+    from ..config.model import GPTConfig
+    if family not in EXPORT_FAMILIES:
+        raise ConvertError(f"{field}={family!r} is not supported; use one of: {', '.join(EXPORT_FAMILIES)} "
+                           "(a model trained from scratch exports as a dense family)")
+    h, n = model["hidden_size"], model["num_attention_heads"]
+    hf: Dict[str, Any] = {
+        "architectures": [ARCHITECTURES[family]], "model_type": _MODEL_TYPES[family],
+        "vocab_size": model["vocab_size"], "hidden_size": h, "intermediate_size": model.get("ffn_hidden_size") or 4 * h,
+        "num_hidden_layers": model["num_layers"], "num_attention_heads": n,
+        "num_key_value_heads": model.get("num_query_groups") or n,
+        "head_dim": model.get("kv_channels") or h // n, "max_position_embeddings": model["seq_length"],
+        "rms_norm_eps": model.get("norm_epsilon", 1e-5), "hidden_act": model.get("activation", "gelu"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(model.get("rotary_base", 10000.0))},
+        "tie_word_embeddings": not model.get("untie_embeddings_and_output_weights", False),
+        "initializer_range": model.get("init_method_std", 0.02), "attention_dropout": 0.0,
+    }
+    if family == "llama":
+        bias = bool(model.get("add_bias_linear", True))
+        hf.update(attention_bias=bias, mlp_bias=bias)
+    if family in ("mistral", "qwen2"):
+        hf["sliding_window"] = None
+    if eos_token_id is not None:
+        hf["eos_token_id"] = eos_token_id
+    if model.get("rotary_percent", 1.0) != 1.0:
+        raise ConvertError(f"model.rotary_percent={model['rotary_percent']!r} cannot be exported as {family!r} "
+                           f"(it rotates every channel); set rotary_percent 1.0 or remove {field}")
+    ours, expected = GPTConfig(**model), GPTConfig(**model_from_hf(hf)[1])
+    for key, value in vars(expected).items():
+        if key not in RUNTIME_FIELDS and getattr(ours, key) != value:
+            raise ConvertError(f"model.{key}={getattr(ours, key)!r} cannot be exported as {family!r}, whose models "
+                               f"have {value!r}; change model.{key} or remove {field}")
+    return hf

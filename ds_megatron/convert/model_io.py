@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..moe.moe_layer import BaseMoELayer
-from .checkpoint import HFSource, OurSource, check_layout, is_hf_dir, is_our_dir, write_metadata, METADATA
+from .checkpoint import HF_FILES, HFSource, OurSource, check_layout, is_hf_dir, is_our_dir, write_metadata, METADATA
 from .hf_config import ConvertError
 from .mapping import Layout, Mapping, Target, dense_file, expert_file
 from .safetensors_io import SliceReader, StreamingWriter
@@ -114,8 +114,10 @@ def load_weights(model, path: str, parallel_state, stage_layers: Sequence[Sequen
 
 
 def save_weights(model, directory: str, parallel_state, stage_layers: Sequence[Sequence[int]], family: str,
-                 hf_config: Dict, hf_dtypes: Optional[Dict[str, str]] = None) -> None:
-    """Write our directory from a job: each file by the first data-parallel replica holding it (collective)."""
+                 hf_config: Dict, hf_dtypes: Optional[Dict[str, str]] = None,
+                 files: Optional[Dict[str, bytes]] = None) -> None:
+    """Write our directory from a job: each file by the first data-parallel replica holding it (collective);
+    ``files`` (tokenizer, generation config) go to its ``hf_files/``, which the export copies beside the weights."""
     layout = rank_layout(parallel_state, stage_layers)
     mapping = Mapping(family, model.config, layout)
     tensors = model_tensors(model)
@@ -135,4 +137,9 @@ def save_weights(model, directory: str, parallel_state, stage_layers: Sequence[S
         writer.close()
     if dist.get_rank() == 0:
         write_metadata(directory, family, model.config, layout, hf_config, hf_dtypes or {})
+        if files:
+            os.makedirs(os.path.join(directory, HF_FILES), exist_ok=True)
+            for name, data in files.items():
+                with open(os.path.join(directory, HF_FILES, name), "wb") as f:
+                    f.write(data)
     dist.barrier()

@@ -20,7 +20,7 @@ import sysconfig
 from typing import List, Optional, Tuple
 
 from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype, dataset_exists
-from .tokenizer import build_tokenizer
+from .tokenizer import build_tokenizer, tokenizer_key
 
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 # Test suites are large, repetitive and partly non-UTF-8 on purpose; packages
@@ -61,24 +61,25 @@ def stdlib_source_files(max_bytes: int = DEFAULT_MAX_BYTES, stdlib_dir: Optional
 
 
 def default_dataset_prefix(output_prefix_dir: str, max_bytes: int = DEFAULT_MAX_BYTES,
-                           tokenizer: str = "byte") -> str:
-    """Cache prefix for one key: Python implementation and version, budget, tokenizer."""
+                           tokenizer: str = "byte", eod_token: Optional[str] = None) -> str:
+    """Cache prefix for one key: Python implementation and version, budget, tokenizer (a Hugging Face one by the
+    hash of its file and its end-of-document id)."""
     version = f"{platform.python_implementation().lower()}{platform.python_version()}"
-    return os.path.join(output_prefix_dir, f"stdlib-{version}-{max_bytes}-{tokenizer}")
+    return os.path.join(output_prefix_dir, f"stdlib-{version}-{max_bytes}-{tokenizer_key(tokenizer, eod_token)}")
 
 
 def build_default_dataset(output_prefix_dir: Optional[str] = None, max_bytes: int = DEFAULT_MAX_BYTES,
-                          tokenizer: str = "byte") -> str:
+                          tokenizer: str = "byte", eod_token: Optional[str] = None) -> str:
     """Build (or reuse) the stdlib corpus dataset; returns its prefix."""
     output_prefix_dir = output_prefix_dir or default_cache_dir()
-    prefix = default_dataset_prefix(output_prefix_dir, max_bytes, tokenizer)
+    prefix = default_dataset_prefix(output_prefix_dir, max_bytes, tokenizer, eod_token)
     os.makedirs(output_prefix_dir, exist_ok=True)
     # Several ranks of one node may ask at once: one builds, the rest wait and reuse.
     with open(prefix + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _usable(prefix):
             return prefix
-        tok = build_tokenizer(tokenizer)
+        tok = build_tokenizer(tokenizer, eod_token)
         root = sysconfig.get_paths()["stdlib"]
         files = stdlib_source_files(max_bytes, root)
         with IndexedDatasetBuilder(prefix, best_dtype(tok.vocab_size)) as builder:

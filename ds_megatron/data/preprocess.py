@@ -11,8 +11,9 @@ Inputs, chosen by file extension:
     (Megatron's ``--json-keys a b``) each key is a dataset of its own, written
     as Megatron's ``preprocess_data.py`` names it: ``PREFIX_<key>_document``.
 
-Each document is tokenized, followed by the tokenizer's end-of-document id
-unless ``append_eod=False``; documents without any token are skipped (per key).
+Each document is tokenized (``tokenizer``: ``"byte"`` or a Hugging Face
+``tokenizer.json`` / tokenizer directory, see ``data/tokenizer.py``), followed by
+the tokenizer's end-of-document id unless ``append_eod=False``; documents without any token are skipped (per key).
 ``workers > 1`` tokenizes in that many processes; documents keep their file
 order, so the output is byte-identical to one worker's.  The output is written
 atomically: an input error half way leaves no files under the output prefix
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from .indexed_dataset import IndexedDatasetBuilder, best_dtype
-from .tokenizer import TOKENIZERS, build_tokenizer
+from .tokenizer import build_tokenizer
 
 INPUT_EXTENSIONS = (".txt", ".jsonl", ".jsonl.gz")
 _CHUNK = 64  # lines handed to a worker at a time (Megatron's pool uses 32-100)
@@ -112,15 +113,16 @@ def iter_documents(input_path: str, json_key: str = "text", split_lines: bool = 
 class _Encoder:
     """Texts -> token ids, the same in the main process and in every worker."""
 
-    def __init__(self, input_path: str, keys: Optional[Sequence[str]], flag: str, tokenizer: str, append_eod: bool):
+    def __init__(self, input_path: str, keys: Optional[Sequence[str]], flag: str, tokenizer: str,
+                 eod_token: Optional[str], append_eod: bool):
         self.input_path, self.keys, self.flag = input_path, keys, flag
-        self.tokenizer, self.append_eod = tokenizer, append_eod
+        self.tokenizer, self.eod_token, self.append_eod = tokenizer, eod_token, append_eod
         self._tok = None
 
     def __call__(self, unit: Tuple[int, str]):
         """``(ids per key, None)`` or ``(None, error message)``: the error is raised in file order."""
         if self._tok is None:
-            self._tok = build_tokenizer(self.tokenizer)
+            self._tok = _build(self.tokenizer, self.eod_token)
         lineno, text = unit
         try:
             texts = [text] if self.keys is None else _json_texts(self.input_path, lineno, text, self.keys, self.flag)
@@ -135,6 +137,10 @@ class _Encoder:
         return out, None
 
 
+def _build(tokenizer: str, eod_token: Optional[str]):
+    return build_tokenizer(tokenizer, eod_token, field="--tokenizer", eod_field="--eod-token")
+
+
 def output_prefixes(output_prefix: str, json_keys: Sequence[str]) -> List[str]:
     """Megatron's ``preprocess_data.py`` names: ``PREFIX_<key>_document`` per key."""
     return [f"{output_prefix}_{key}_document" for key in json_keys]
@@ -142,7 +148,8 @@ def output_prefixes(output_prefix: str, json_keys: Sequence[str]) -> List[str]:
 
 def preprocess_keys(input_path: str, output_prefix: str, json_keys: Optional[Sequence[str]] = None,
                     tokenizer: str = "byte", json_key: str = "text", append_eod: bool = True,
-                    split_lines: bool = False, workers: int = 1) -> List[PreprocessStats]:
+                    split_lines: bool = False, workers: int = 1, eod_token: Optional[str] = None
+                    ) -> List[PreprocessStats]:
     """Tokenize ``input_path`` into one dataset per key (``json_keys``), or one at ``output_prefix``."""
     if workers < 1:
         raise ValueError(f"--workers {workers}: give 1 or more processes")
@@ -154,8 +161,9 @@ def preprocess_keys(input_path: str, output_prefix: str, json_keys: Optional[Seq
             raise ValueError(f"--json-keys needs a .jsonl or .jsonl.gz input, got {input_path!r}")
     keys, flag = (list(json_keys), "--json-keys") if json_keys is not None else ([json_key], "--json-key")
     prefixes = output_prefixes(output_prefix, keys) if json_keys is not None else [output_prefix]
-    encoder = _Encoder(input_path, None if ext == ".txt" else keys, flag, tokenizer, append_eod)
-    dtype = best_dtype(build_tokenizer(tokenizer).vocab_size)
+    # Built here first: a bad tokenizer path fails before any worker starts or file is opened.
+    dtype = best_dtype(_build(tokenizer, eod_token).vocab_size)
+    encoder = _Encoder(input_path, None if ext == ".txt" else keys, flag, tokenizer, eod_token, append_eod)
     counts = [[0, 0] for _ in prefixes]
     with contextlib.ExitStack() as stack:
         builders = [stack.enter_context(IndexedDatasetBuilder(p, dtype)) for p in prefixes]
@@ -178,9 +186,11 @@ def preprocess_keys(input_path: str, output_prefix: str, json_keys: Optional[Seq
 
 
 def preprocess(input_path: str, output_prefix: str, tokenizer: str = "byte", json_key: str = "text",
-               append_eod: bool = True, split_lines: bool = False, workers: int = 1) -> PreprocessStats:
+               append_eod: bool = True, split_lines: bool = False, workers: int = 1,
+               eod_token: Optional[str] = None) -> PreprocessStats:
     """Tokenize ``input_path`` into ``output_prefix.bin`` / ``output_prefix.idx``."""
-    return preprocess_keys(input_path, output_prefix, None, tokenizer, json_key, append_eod, split_lines, workers)[0]
+    return preprocess_keys(input_path, output_prefix, None, tokenizer, json_key, append_eod, split_lines, workers,
+                           eod_token)[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,7 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(one JSON object per line)")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (with --json-keys: "
                    "PREFIX_<key>_document.bin/.idx per key, as Megatron's preprocess_data.py)")
-    p.add_argument("--tokenizer", default="byte", choices=TOKENIZERS)
+    p.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", default="byte",
+                   help="\"byte\" (default), or a Hugging Face tokenizer.json file or transformers tokenizer "
+                        "directory (Megatron's --tokenizer-model of HuggingFaceTokenizer)")
+    p.add_argument("--tokenizer-type", choices=("HuggingFaceTokenizer",), help="Megatron's flag, accepted "
+                   "with --tokenizer-model PATH (the same as --tokenizer PATH)")
+    p.add_argument("--eod-token", default=None, help="the token that ends a document (default: the eos_token of "
+                   "the tokenizer_config.json beside tokenizer.json)")
     keys = p.add_mutually_exclusive_group()
     keys.add_argument("--json-key", default="text", help="field of each .jsonl object that holds the text")
     keys.add_argument("--json-keys", nargs="+", default=None, help="Megatron's flag: one dataset per field")
@@ -209,11 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry of ``ds-megatron preprocess``; ``argv`` are the arguments after ``preprocess``."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.tokenizer_type is not None and args.tokenizer == "byte":
+        parser.error("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH (a tokenizer.json file "
+                     "or a transformers tokenizer directory)")
     try:
         all_stats = preprocess_keys(args.input, args.output_prefix, json_keys=args.json_keys,
                                     tokenizer=args.tokenizer, json_key=args.json_key, append_eod=args.append_eod,
-                                    split_lines=args.split_lines, workers=args.workers)
+                                    split_lines=args.split_lines, workers=args.workers,
+                                    eod_token=args.eod_token)
     except (ValueError, OSError) as e:
         raise SystemExit(f"ds-megatron preprocess: error: {e}") from None
     for stats in all_stats:

@@ -135,6 +135,18 @@ def model_from_checkpoint(path: str, section: Dict[str, Any], mcfg: MegatronConf
     return GPTConfig(**model)
 
 
+def export_hf_config(mcfg: MegatronConfig) -> Dict[str, Any]:
+    """The ``config.json`` a from-scratch job's model exports as (``train.export_hf_family``), or a ConfigError."""
+    from dataclasses import asdict
+    from ..convert.hf_config import hf_config_from_model
+    field = f"{SECTION}.train.export_hf_family"
+    if mcfg.train.load_hf is not None:
+        raise ConfigError(f"{field} and {SECTION}.train.load_hf are both set; a job started from a checkpoint exports "
+                          "as that checkpoint's family: remove export_hf_family")
+    eos = None if mcfg.data.tokenizer == "byte" else mcfg.data.build_tokenizer().eod
+    return hf_config_from_model(mcfg.train.export_hf_family, asdict(mcfg.model), field, eos)
+
+
 def parse_job_config(config, load_hf: Optional[str] = None) -> JobConfig:
     """Every section of a job config, validated; raises ConfigError naming the field."""
     ds_config, mcfg = split_config(config)
@@ -144,14 +156,17 @@ def parse_job_config(config, load_hf: Optional[str] = None) -> JobConfig:
         from ..config.parsing import load_ds_config
         section = (load_ds_config(config).get(SECTION) or {}).get("model") or {}
         mcfg.model = model_from_checkpoint(mcfg.train.load_hf, section, mcfg)
-        tokens = 257  # the byte tokenizer's ids
+        tokens = mcfg.data.build_tokenizer().vocab_size
         if mcfg.model.vocab_size < tokens:
+            what = "byte" if mcfg.data.tokenizer == "byte" else repr(mcfg.data.tokenizer)
             raise ConfigError(f"the model at {mcfg.train.load_hf} has vocab_size={mcfg.model.vocab_size} but the "
-                              f"{mcfg.data.tokenizer} tokenizer emits ids up to {tokens - 1}; use a model whose vocab "
-                              "covers the tokenizer")
+                              f"{what} tokenizer ({SECTION}.data.tokenizer) emits ids up to {tokens - 1}; use a model "
+                              "whose vocab covers the tokenizer")
     if mcfg.model is None:
         mcfg.model = GPTConfig(sequence_parallel=mcfg.parallel.sequence_parallel,
                                make_vocab_size_divisible_by=mcfg.parallel.make_vocab_size_divisible_by)
+    if mcfg.train.export_hf_family is not None:
+        export_hf_config(mcfg)  # refused now if the family cannot express the model
     check_one_lr_source(ds_config, mcfg)
     map_activation_checkpointing(ds_config, mcfg)
     if "train_micro_batch_size_per_gpu" not in ds_config:

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..convert.export_fp32 import guard_zero_recovery_scripts
 from ..data.corpus import build_default_dataset
 from ..data.gpt_dataset import build_train_valid_datasets
 from ..data.sampler import build_data_loader
@@ -147,7 +148,7 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
             say(f"a new run starts in {out_dir}: the earlier {METRICS} is now {moved}", flush=True)
 
     prefix = job.data.data_path or build_default_dataset(max_bytes=job.data.default_corpus_bytes,
-                                                         tokenizer=job.data.tokenizer)
+                                                         tokenizer=job.data.tokenizer, eod_token=job.data.eod_token)
     train_ds, valid_ds = build_train_valid_datasets(
         prefix, job.model.seq_length, job.data.split, tcfg.seed, train_samples=tcfg.train_iters * global_batch,
         valid_samples=tcfg.eval_iters * mbs * dp.size)
@@ -255,7 +256,9 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
             if saving:
                 save_checkpoint(engine, out_dir, step + 1, {"step": step + 1, "consumed_train_samples": consumed},
                                 tracker, job_meta(job), tcfg.keep_last_n_checkpoints, tcfg.ckpt_format)
-                if tcfg.load_hf:  # the weights in our layout too, for `ds-megatron convert` back to Hugging Face
+                if rank == 0:  # DeepSpeed's ZeRO path writes zero_to_fp32.py beside it
+                    guard_zero_recovery_scripts(out_dir, state.tp.size, state.pp.size, state.ep.size)
+                if tcfg.load_hf or tcfg.export_hf_family:  # our layout too, for `ds-megatron convert` to HF
                     save_model_for_export(model, job, state, os.path.join(out_dir, tag_for(step + 1)))
             if evaluating or saving:
                 interval_start = time.perf_counter()  # tokens/s counts training steps only
@@ -314,19 +317,31 @@ def stage_layers(model) -> List[List[int]]:
 
 
 def save_model_for_export(model, job: JobConfig, state, tag_dir: str) -> None:
-    """The trained weights in our layout next to the engine's checkpoint (``ds-megatron convert`` exports them)."""
-    from ..convert.checkpoint import HFSource, OurSource, is_hf_dir
+    """The trained weights in our layout next to the engine's checkpoint (``ds-megatron convert`` exports them).
+
+    The family and config.json come from ``load_hf``'s checkpoint, or from the model section
+    (``train.export_hf_family``); the non-weight files of ``load_hf`` (tokenizer, generation config) go along,
+    and the job's own Hugging Face tokenizer replaces the tokenizer files, so the export loads with AutoTokenizer."""
+    from ..convert.checkpoint import HF_FILES, HFSource, OurSource, extra_files, is_hf_dir
     from ..convert.model_io import save_weights
     from ..convert.safetensors_io import DTYPES
-    if is_hf_dir(job.train.load_hf):
+    from ..data.tokenizer import hf_tokenizer_export_files
+    from .job import export_hf_config
+    files: Dict[str, bytes] = {}
+    if not job.train.load_hf:
+        family, hf_config, hf_dtypes = job.train.export_hf_family, export_hf_config(job.megatron), None
+    elif is_hf_dir(job.train.load_hf):
         source = HFSource(job.train.load_hf)
         family, hf_config = source.family, source.hf_config
         hf_dtypes = {n: DTYPES[dt] for n, (_, dt, _) in source.table.items()}
+        files = extra_files(job.train.load_hf)
     else:
         source = OurSource(job.train.load_hf)
         family, hf_config, hf_dtypes = source.family, source.meta["hf_config"], source.meta.get("hf_dtypes")
+        files = extra_files(os.path.join(job.train.load_hf, HF_FILES))
+    files.update(hf_tokenizer_export_files(job.data.tokenizer, job.data.eod_token))
     save_weights(model, os.path.join(tag_dir, "ds_megatron_model"), state, stage_layers(model), family, hf_config,
-                 hf_dtypes)
+                 hf_dtypes, files)
 
 
 def routing_loss_names(config) -> List[str]:

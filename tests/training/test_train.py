@@ -82,7 +82,7 @@ def test_bad_job_config_names_the_field(tmp_path):
         load_job(cfg, 4)
     del cfg["megatron"]["data"]["data_path"]
     cfg["megatron"]["data"]["tokenizer"] = "gpt2"
-    with pytest.raises(ConfigError, match="megatron.data.tokenizer='gpt2' is unknown; use one of: byte"):
+    with pytest.raises(ConfigError, match="megatron.data.tokenizer='gpt2' does not exist; give \"byte\""):
         load_job(cfg, 4)
     del cfg["megatron"]["data"]["tokenizer"]
     with pytest.raises(ConfigError, match="megatron.model.sequence_parallel is set at megatron.sequence_parallel"):

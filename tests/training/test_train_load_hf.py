@@ -59,6 +59,10 @@ def test_train_from_hf_and_export(tmp_path, lr):
         assert changed == []
     else:
         assert len(changed) == len(before)  # every tensor trained
+    # The source's non-weight files (here generation_config.json) come along through the job's export.
+    gen = "generation_config.json"
+    with open(os.path.join(hf_dir, gen)) as a, open(os.path.join(exported, gen)) as b:
+        assert a.read() == b.read()
     import transformers
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
     assert all(torch.equal(p.detach(), after[n]) for n, p in reloaded.named_parameters())
