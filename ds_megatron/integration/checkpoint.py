@@ -29,6 +29,9 @@ DeepSpeed API, left untouched on the engine) and add what it cannot know:
   ``ds-megatron export-fp32`` reads it.  Under PP it names the entries of DeepSpeed's
   per-layer files (``PipelineModule.forward_funcs``, ``_local_start``: the files are
   ``layer_<_local_start + i>``, ``runtime/pipe/module.py:588``, ``:607``).
+* DeepSpeed's ZeRO path copies ``zero_to_fp32.py`` next to the checkpoint; with TP / PP / EP it cannot
+  consolidate our shards, so it is replaced by one that names ``ds-megatron export-fp32``
+  (``convert.export_fp32.guard_zero_recovery_scripts``).
 * A distributed optimizer gathers its shards on every rank before anything asks
   (the gather is a collective).
 * After a load our gradient buffers start a new window at the next forward
@@ -47,7 +50,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..convert.export_fp32 import RECORD_KEY, export_record
+from ..convert.export_fp32 import RECORD_KEY, export_record, guard_zero_recovery_scripts
 from ..optimizer import MegatronOptimizer
 from .moe import checkpointed_moe_layers, expert_checkpoint_name
 
@@ -104,8 +107,13 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
             dist.barrier()  # every expert and optimizer file is on disk before DeepSpeed may write `latest`
         record = _export_record(engine)
         client_state = {**(client_state or {}), **({RECORD_KEY: record} if record is not None else {})}
-        return engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                      **kwargs)
+        saved = engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                       **kwargs)
+    if engine.zero_optimization() and not (state.tp.size == state.pp.size == state.ep.size == 1):
+        dist.barrier()  # every rank's DeepSpeed save (and its copy of the recovery scripts) is done
+        if dist.get_rank() == 0:
+            guard_zero_recovery_scripts(save_dir, state.tp.size, state.pp.size, state.ep.size)
+    return saved
 
 
 def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, **kwargs) -> Tuple[Optional[str], Any]:

@@ -21,7 +21,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..convert.export_fp32 import guard_zero_recovery_scripts
 from ..data.corpus import build_default_dataset
 from ..data.gpt_dataset import build_train_valid_datasets
 from ..data.sampler import build_data_loader
@@ -256,8 +255,6 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
             if saving:
                 save_checkpoint(engine, out_dir, step + 1, {"step": step + 1, "consumed_train_samples": consumed},
                                 tracker, job_meta(job), tcfg.keep_last_n_checkpoints, tcfg.ckpt_format)
-                if rank == 0:  # DeepSpeed's ZeRO path writes zero_to_fp32.py beside it
-                    guard_zero_recovery_scripts(out_dir, state.tp.size, state.pp.size, state.ep.size)
                 if tcfg.load_hf or tcfg.export_hf_family:  # our layout too, for `ds-megatron convert` to HF
                     save_model_for_export(model, job, state, os.path.join(out_dir, tag_for(step + 1)))
             if evaluating or saving:
