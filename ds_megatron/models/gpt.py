@@ -39,10 +39,10 @@ from ..tensor_parallel import (LogitsBuffer, RNGStatesTracker, VocabParallelEmbe
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel import ColumnParallelLinear
 from ..transformer import ParallelTransformerLayer
-
-_GLIBC_ALWAYS_MAPS = 32 * 2 ** 20  # glibc's largest dynamic mmap threshold (64-bit): bigger buffers are mapped afresh
 from ..transformer.mlp import build_mlp
 from ..transformer.norm import build_norm
+
+_GLIBC_ALWAYS_MAPS = 32 * 2 ** 20  # glibc's largest dynamic mmap threshold (64-bit): bigger buffers are mapped afresh
 
 
 class PositionEmbedding(torch.nn.Module):
