@@ -32,14 +32,17 @@ from ..config.model import GPTConfig
 from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer, MoELayer
 from ..parallel_state import ParallelGroup, ParallelState
-from ..tensor_parallel import (RNGStatesTracker, VocabParallelEmbedding, copy_to_tensor_model_parallel_region,
-                               gather_from_sequence_parallel_region, init_method_normal,
-                               pad_vocab_size, scaled_init_method_normal, scatter_to_sequence_parallel_region,
+from ..tensor_parallel import (LogitsBuffer, RNGStatesTracker, VocabParallelEmbedding,
+                               copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                               init_method_normal, linear_vocab_parallel_cross_entropy, pad_vocab_size,
+                               scaled_init_method_normal, scatter_to_sequence_parallel_region,
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel import ColumnParallelLinear
 from ..transformer import ParallelTransformerLayer
 from ..transformer.mlp import build_mlp
 from ..transformer.norm import build_norm
+
+_GLIBC_ALWAYS_MAPS = 32 * 2 ** 20  # glibc's largest dynamic mmap threshold (64-bit): bigger buffers are mapped afresh
 
 
 class PositionEmbedding(torch.nn.Module):
@@ -90,14 +93,30 @@ class OutputLayer(ColumnParallelLinear):
         return super().forward(hidden)[0]
 
 
+def _output_layer_input(hidden: torch.Tensor, config: GPTConfig, tp: ParallelGroup) -> torch.Tensor:
+    """Final hidden states [s(/tp), b, h] -> the full [s, b, h] every TP rank's vocab slice multiplies."""
+    if config.sequence_parallel:
+        return gather_from_sequence_parallel_region(hidden, tp, tensor_parallel_output_grad=True)
+    return copy_to_tensor_model_parallel_region(hidden, tp)
+
+
 def output_logits(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, config: GPTConfig,
                   tp: ParallelGroup) -> torch.Tensor:
     """Final hidden states [s(/tp), b, h] -> this rank's vocab-parallel logits [s, b, V/tp] (the tied output layer)."""
-    if config.sequence_parallel:
-        hidden = gather_from_sequence_parallel_region(hidden, tp, tensor_parallel_output_grad=True)
-    else:
-        hidden = copy_to_tensor_model_parallel_region(hidden, tp)
-    return F.linear(hidden, word_embeddings_weight)
+    return F.linear(_output_layer_input(hidden, config, tp), word_embeddings_weight)
+
+
+def output_layer_loss(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, labels: torch.Tensor,
+                      loss_mask: Optional[torch.Tensor], config: GPTConfig, tp: ParallelGroup,
+                      buffer: Optional[LogitsBuffer]) -> torch.Tensor:
+    """``language_model_loss(output_logits(...), ...)`` in one function: the logits never leave the loss, so they
+    are made transposed ([V/tp, tokens], the faster CPU GEMM) and, with ``buffer``, in storage kept from step
+    to step."""
+    hidden = _output_layer_input(hidden, config, tp)
+    losses = linear_vocab_parallel_cross_entropy(hidden, word_embeddings_weight, labels.transpose(0, 1), tp,
+                                                 label_smoothing=config.label_smoothing,
+                                                 vocab_size=config.vocab_size, buffer=buffer).transpose(0, 1)
+    return _masked_mean(losses, loss_mask)
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
@@ -109,6 +128,10 @@ def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: O
     """
     losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), tp, label_smoothing=config.label_smoothing,
                                           vocab_size=config.vocab_size, inplace=inplace).transpose(0, 1)
+    return _masked_mean(losses, loss_mask)
+
+
+def _masked_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
     if loss_mask is None:
         return losses.mean()
     loss_mask = loss_mask.to(losses.dtype)
@@ -194,6 +217,7 @@ class GPTModel(torch.nn.Module):
                 setattr(self, name, module)
             if name == "position_embeddings":
                 self.layers = torch.nn.ModuleList()  # registered here: parameters() follow the build order
+        self.logits_buffer = LogitsBuffer()  # the tied output layer's [V/tp, tokens] logits on a CPU, step to step
 
     def forward(self, tokens, labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):
         if isinstance(tokens, dict):
@@ -203,6 +227,17 @@ class GPTModel(torch.nn.Module):
         for layer in self.layers:
             hidden = layer(hidden)
         hidden = self.final_layernorm(hidden)
+        weight = self.word_embeddings.weight
+        if (labels is not None and not self.config.untie_embeddings_and_output_weights
+                and weight.dtype in (torch.float32, torch.float64)):
+            # 16-bit weights keep the separate GEMM below: the fused loss would add a 16-bit gradient to its
+            # fp32 logits.  On a CPU, fp32 logits of 32 MiB or more go into a buffer kept across steps: glibc
+            # maps buffers that large anew on every allocation (a page fault per page, every step).  A GPU's
+            # caching allocator reuses memory already; under recomputation memory matters more than faults.
+            keep = (hidden.device.type == "cpu" and self.config.recompute_granularity is None
+                    and labels.numel() * weight.size(0) * weight.element_size() >= _GLIBC_ALWAYS_MAPS)
+            return output_layer_loss(hidden, weight, labels, loss_mask, self.config, self.tp,
+                                     self.logits_buffer if keep else None) + self.moe_aux_loss()
         if self.config.untie_embeddings_and_output_weights:
             logits = self.output_layer(hidden)
         else:

@@ -4,7 +4,7 @@
 | --- | --- |
 | ``mappings`` | the conjugate communication operators (f/g, split/gather, sequence-parallel reduce-scatter/gather) |
 | ``layers`` | ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding`` |
-| ``cross_entropy`` | ``vocab_parallel_cross_entropy``: loss on vocab-split logits without gathering them |
+| ``cross_entropy`` | ``vocab_parallel_cross_entropy``: loss on vocab-split logits without gathering them; ``linear_vocab_parallel_cross_entropy``: the output layer included, logits in a reused ``LogitsBuffer`` |
 | ``random`` | ``RNGStatesTracker``: per-TP-rank dropout streams, checkpointable; ``checkpoint`` (recomputation) |
 | ``init`` | TP-size-independent weight initialization |
 | ``params`` | parameter attributes (TP split, sequence parallel, experts, ``main_grad``) and the grad sync they imply |
@@ -13,7 +13,7 @@
 Every function and layer takes its TP group explicitly, as a ``ParallelGroup``
 (``group`` / ``tp``); a group of one means no tensor parallelism.
 """
-from .cross_entropy import vocab_parallel_cross_entropy
+from .cross_entropy import LogitsBuffer, linear_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
 from .init import init_method_normal, initialize_affine_weight_cpu, scaled_init_method_normal
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
@@ -30,7 +30,7 @@ from .utils import (divide, pad_vocab_size, vocab_range_from_global_vocab_size,
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-    "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy", "linear_vocab_parallel_cross_entropy", "LogitsBuffer",
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",

@@ -9,8 +9,11 @@ then the per-token loss, its mean, and backward into ``hidden`` and ``E``.  Rows
   backward is a broadcast): the floor the loss adds to;
 * torch ``F.cross_entropy`` on the logits;
 * ours, as a caller gets it (``vocab_parallel_cross_entropy``: the caller's logits are kept);
-* ours as the GPT calls it (``inplace=True``: the logits are the model's own, so the
-  softmax is computed in their storage and the gradient in the softmax's).
+* ours with ``inplace=True`` (the logits handed over: the softmax is computed in their
+  storage and the gradient in the softmax's);
+* ours as the GPT calls it: ``linear_vocab_parallel_cross_entropy``, the output layer
+  included, logits computed transposed (``E @ x^T``) into a ``LogitsBuffer`` kept
+  across steps (its "loss ms" can be negative: its GEMMs beat F.linear's).
 
 The variants run round-robin (one of each per round) and report the median;
 "loss ms" is the row minus the GEMMs-only row.
@@ -38,6 +41,10 @@ def main(argv=None):
 
     from ds_megatron.parallel_state import ParallelGroup
     from ds_megatron.tensor_parallel import vocab_parallel_cross_entropy
+    try:
+        from ds_megatron.tensor_parallel import LogitsBuffer, linear_vocab_parallel_cross_entropy
+    except ImportError:  # an older checkout
+        LogitsBuffer = linear_vocab_parallel_cross_entropy = None
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     hidden = (torch.randn(args.tokens, args.hidden, generator=g)).requires_grad_()
@@ -67,8 +74,13 @@ def main(argv=None):
         "GEMMs only (no loss)": _NoLoss.apply,
         "torch F.cross_entropy": lambda logits: F.cross_entropy(logits, target),
         "ours, caller's logits kept": ours(False),
-        "ours, in place (as the GPT calls it)": ours(True),
+        "ours, in place": ours(True),
+        "ours, output layer + loss (the GPT)": None,
     }
+    buffer = LogitsBuffer() if linear_vocab_parallel_cross_entropy is not None else None
+
+    def fused():
+        return linear_vocab_parallel_cross_entropy(hidden, weight, target, tp, buffer=buffer).mean()
     times = {name: [] for name in variants}
     losses = {}
     for rnd in range(args.warmup + args.rounds):
@@ -76,8 +88,8 @@ def main(argv=None):
             hidden.grad = weight.grad = None
             t0 = time.perf_counter()
             try:
-                loss = fn(F.linear(hidden, weight))
-            except TypeError:  # an older vocab_parallel_cross_entropy without inplace=
+                loss = fused() if fn is None else fn(F.linear(hidden, weight))
+            except (TypeError, AttributeError):  # an older checkout without inplace= / the fused function
                 continue
             loss.backward()
             elapsed = time.perf_counter() - t0

@@ -244,13 +244,15 @@ def _sgemm_rate(threads):
 
 
 def _memory_step(engine, forward, batch):
-    """The highest point this rank's allocations reach inside one step (over what lives before it)."""
+    """The highest point this rank's allocations reach inside one step (over what lives before it), plus the
+    output layer's logits buffer, which lives from step to step."""
     from ds_megatron.utils.memory import peak_allocated_bytes
 
     def step():
         engine.backward(forward(batch))
         engine.step()
-    return peak_allocated_bytes(step)[0]
+    kept = engine.module.logits_buffer._tensor  # kept from step to step: activation memory all the same
+    return peak_allocated_bytes(step)[0] + (kept.numel() * kept.element_size() if kept is not None else 0)
 
 
 def _static_bytes(engine):

@@ -124,3 +124,28 @@ def test_full_activation_recomputation_gives_the_same_loss_and_gradients_with_dr
 def test_recompute_granularity_is_checked():
     with pytest.raises(ConfigError, match="model.recompute_granularity='selective' is not supported"):
         GPTConfig(**CFG, recompute_granularity="selective")
+
+
+def test_the_kept_logits_buffer_gives_the_logits_path_loss_and_gradients_step_after_step():
+    """Logits of 32 MiB or more on a CPU go into the model's buffer (reused from step to step): the loss and every
+    gradient equal F.cross_entropy over the logits the model returns without labels (float64)."""
+    cfg = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=256, vocab_size=8192,
+                    hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = GPTModel(cfg).double()
+    g = torch.Generator().manual_seed(3)
+    storage = set()
+    for _ in range(2):
+        tokens, labels = (torch.randint(0, cfg.vocab_size, (4, cfg.seq_length), generator=g) for _ in range(2))
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(tokens).reshape(-1, cfg.vocab_size), labels.reshape(-1)).backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        loss = model(tokens, labels)
+        loss.backward()
+        storage.add(model.logits_buffer._tensor.data_ptr())  # 1024 tokens x 8192 x 8 bytes: kept
+        ref = torch.nn.functional.cross_entropy(model(tokens).reshape(-1, cfg.vocab_size), labels.reshape(-1))
+        torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-12, msg=lambda m, n=n: f"{n}: {m}")
+    assert len(storage) == 1

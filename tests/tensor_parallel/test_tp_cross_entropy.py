@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from harness import run_on_ranks
 from ds_megatron.parallel_state import ParallelGroup
 from tp_helpers import close, part, randn, tp_group
-from ds_megatron.tensor_parallel import vocab_parallel_cross_entropy
+from ds_megatron.tensor_parallel import LogitsBuffer, linear_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
 
 S, B, VP = 3, 2, 16  # [seq, batch, padded vocab]
 
@@ -80,6 +80,87 @@ def test_a_second_backward_through_the_same_graph_fails_loudly(inplace):
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+HID = 5
+
+
+def _check_linear(tp, label_smoothing, vocab_size):
+    """The output layer + loss against F.linear + torch's cross entropy, on the full weight."""
+    with tp_group(tp) as (g, r, n):
+        true_v = vocab_size or VP
+        hidden = randn(5, S, B, HID)
+        weight = randn(6, VP, HID)
+        weight[true_v:] = 10.0  # padding rows with large logits: must never win
+        target = torch.randint(0, true_v, (S, B), generator=torch.Generator().manual_seed(2))
+        w = randn(3, S, B)
+        ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        ref = F.cross_entropy(F.linear(ref_h, ref_w[:true_v]).reshape(-1, true_v), target.reshape(-1),
+                              reduction="none", label_smoothing=label_smoothing).view(S, B)
+        (ref * w).sum().backward()
+
+        h = hidden.clone().requires_grad_()
+        shard = part(weight, 0, r, n).clone().requires_grad_()
+        buffer = LogitsBuffer()
+        for step in range(2):  # the second step reuses the first one's buffer
+            h.grad = shard.grad = None
+            loss = linear_vocab_parallel_cross_entropy(h, shard, target, g, label_smoothing=label_smoothing,
+                                                       vocab_size=vocab_size, buffer=buffer)
+            close(loss, ref.detach(), "per-token loss")
+            (loss * w).sum().backward()
+            grad_h = h.grad.clone()
+            dist.all_reduce(grad_h, group=g.group)  # the copy-to region's backward sums it over TP
+            close(grad_h, ref_h.grad, "hidden grad")
+            close(shard.grad, part(ref_w.grad, 0, r, n), "weight grad slice")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("vocab_size", [None, 11])
+def test_output_layer_and_loss_match_linear_then_torch_cross_entropy(tp, label_smoothing, vocab_size):
+    run_on_ranks(tp, _check_linear, tp, label_smoothing, vocab_size)
+
+
+def test_logits_buffer_is_reused_and_never_overwritten_before_its_backward():
+    hidden = randn(5, S, B, HID).requires_grad_()
+    weight = randn(6, VP, HID).requires_grad_()
+    targets = [torch.randint(0, VP, (S, B), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+    def reference(target):
+        h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        F.cross_entropy(F.linear(h, w).reshape(-1, VP), target.reshape(-1), reduction="sum").backward()
+        return h.grad, w.grad
+
+    buffer = LogitsBuffer()
+    # Two forwards before their backwards (as a pipeline schedule runs them): the second gets its own buffer.
+    first = linear_vocab_parallel_cross_entropy(hidden, weight, targets[0], ONE, buffer=buffer).sum()
+    second = linear_vocab_parallel_cross_entropy(hidden, weight, targets[1], ONE, buffer=buffer).sum()
+    for loss, target in ((second, targets[1]), (first, targets[0])):
+        hidden.grad = weight.grad = None
+        loss.backward()
+        want_h, want_w = reference(target)
+        torch.testing.assert_close(hidden.grad, want_h, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(weight.grad, want_w, rtol=1e-10, atol=1e-12)
+    # After its backward the buffer serves the next forward: the same storage, step after step.
+    ptrs = set()
+    for _ in range(3):
+        loss = linear_vocab_parallel_cross_entropy(hidden, weight, targets[0], ONE, buffer=buffer).sum()
+        ptrs.add(buffer._tensor.data_ptr())
+        loss.backward()
+    assert len(ptrs) == 1
+
+
+def test_output_layer_in_bf16_gives_an_fp32_loss_and_bf16_grads():
+    hidden = randn(5, S, B, HID).float().bfloat16().requires_grad_()
+    weight = randn(6, VP, HID).float().bfloat16().requires_grad_()
+    target = torch.randint(0, VP, (S, B), generator=torch.Generator().manual_seed(2))
+    loss = linear_vocab_parallel_cross_entropy(hidden, weight, target, ONE)
+    assert loss.dtype == torch.float32
+    loss.sum().backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+    ref = F.cross_entropy(F.linear(hidden.detach(), weight.detach()).float().view(-1, VP), target.view(-1),
+                          reduction="none").view(S, B)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
 
 
 def _communication_volume():
