@@ -131,9 +131,6 @@ def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer
             raise ConfigError(f"{SECTION}.pipeline_num_layers_per_stage has {len(explicit)} entries but "
                               f"pipeline_model_parallel_size is 1; remove it")
         return
-    if layout.cp > 1:
-        raise ConfigError(f"{SECTION}.context_parallel_size={layout.cp} with pipeline_model_parallel_size={pp}: "
-                          "DeepSpeed's pipeline topology has no context axis yet; use one of the two")
     if batch.zero_stage > 1:
         raise ConfigError(f"zero_optimization.stage={batch.zero_stage} with {SECTION}.pipeline_model_parallel_size="
                           f"{pp}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; lower the stage (or use "
