@@ -20,9 +20,9 @@ BASE_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq
               "hidden_dropout": 0.0, "attention_dropout": 0.0}
 
 
-def _config(tmp, cp=1, tp=1, pp=1, ep=1, sp=False, model=None, megatron=None):
+def _config(tmp, cp=1, tp=1, pp=1, ep=1, sp=False, model=None, megatron=None, mbs=2):
     return {
-        "train_micro_batch_size_per_gpu": 2,
+        "train_micro_batch_size_per_gpu": mbs,
         "gradient_accumulation_steps": 2,
         "gradient_clipping": 1.0,
         "steps_per_print": 10 ** 6,
@@ -48,11 +48,11 @@ def _weights(cfg):
     return consolidate(os.path.join(cfg["megatron"]["train"]["output_dir"], f"iter_{STEPS:07d}"))
 
 
-def _check_same_run(tmp_path, world, par_kwargs, model=None, rtol=1e-5):
+def _check_same_run(tmp_path, world, par_kwargs, model=None, rtol=1e-5, dp=1):
+    """``world`` ranks with ``par_kwargs`` (dp data-parallel replicas of 2 samples each) against one rank
+    reading the same 2 * dp samples per micro-batch."""
     par_cfg = _config(str(tmp_path / "cp"), model=model, **par_kwargs)
-    ref_cfg = _config(str(tmp_path / "ref"), model=model, **{k: v for k, v in par_kwargs.items() if k == "ep"})
-    if "ep" in par_kwargs:
-        ref_cfg["megatron"]["expert_model_parallel_size"] = 1
+    ref_cfg = _config(str(tmp_path / "ref"), model=model, mbs=2 * dp)
     par = run_on_ranks(world, _train, par_cfg)
     (ref_losses, ref_val), = run_on_ranks(1, _train, ref_cfg)
     assert all(r == par[0] for r in par), "ranks disagree on the logged losses"
@@ -90,6 +90,11 @@ def test_cp2_tp2_sequence_parallel_rope_trains_the_cp1_model(tmp_path):
 
 def test_cp2_pp2_trains_the_cp1_model(tmp_path):
     _check_same_run(tmp_path, 4, {"cp": 2, "pp": 2})
+
+
+def test_cp2_dp2_distributed_optimizer_trains_the_cp1_model(tmp_path):
+    # dp-cp is 4 ranks here: the buffers reduce (and the distributed optimizer shards) over it.
+    _check_same_run(tmp_path, 4, {"cp": 2, "megatron": {"use_distributed_optimizer": True}}, dp=2)
 
 
 def test_cp2_moe_ep2_trains_the_cp1_model(tmp_path):
