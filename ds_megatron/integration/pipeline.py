@@ -35,6 +35,7 @@ says instead of DeepSpeed's own methods) and ``_synchronize_tied_weights``
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import PipelineModule, ProcessTopology, TiedLayerSpec
 
 from ..config.model import GPTConfig
-from ..config.pipeline import stage_layer_counts, stage_layer_ranges
+from ..config.pipeline import pipeline_grid_axes, stage_layer_counts, stage_layer_ranges
 from ..errors import ConfigError
 from ..models.gpt import build_gpt_modules, language_model_loss, output_logits
 from ..moe.aux_loss_scaler import MoEAuxLossAutoScaler
@@ -60,26 +61,11 @@ def pipeline_topology(layout: ParallelLayout) -> ProcessTopology:
     """DeepSpeed's ``ProcessTopology`` with our dense rank numbering (see the module docstring).
 
     Context parallelism: the cp ranks hold replicas of the same weights, as dp ranks do, so DeepSpeed's
-    ``data`` axis is our dp-cp (cp and dp must be neighbours in the order, as in the default)."""
+    ``data`` axis is our dp-cp (``config.pipeline.pipeline_grid_axes``)."""
     sizes = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp, "cp": layout.cp, "ep": 1}
-    # Every token slowest first (the omitted ones last), size-1 tokens other than the grid's three dropped.
-    tokens = [t for t in reversed(layout.dense_generator().order.split("-")) if t in _AXIS_NAMES or sizes[t] > 1]
-    axes, dims = [], []
-    for i, token in enumerate(tokens):
-        if token == "cp":
-            if not any(tokens[j] == "dp" for j in (i - 1, i + 1) if 0 <= j < len(tokens)):
-                raise ConfigError(f"megatron.order {layout.order!r} with context_parallel_size {layout.cp}: DeepSpeed's "
-                                  "pipeline topology folds cp into its data axis, which needs cp next to dp in the "
-                                  "order; use an order like the default tp-cp-ep-dp-pp")
-            continue
-        if token in _AXIS_NAMES:
-            axes.append(_AXIS_NAMES[token])
-            dims.append(sizes[token] * (layout.cp if token == "dp" else 1))
-        else:
-            raise ConfigError(f"megatron.order {layout.order!r} with {token} size {sizes[token]}: DeepSpeed's pipeline "
-                              f"topology has pipe, data and model axes only; set the {token} size to 1 with "
-                              "pipeline parallelism")
-    return ProcessTopology(axes=axes, dims=dims)
+    axes = pipeline_grid_axes(layout.dense_generator().order, sizes)
+    return ProcessTopology(axes=[_AXIS_NAMES["dp" if "dp" in axis else axis[0]] for axis in axes],
+                           dims=[math.prod(sizes[t] for t in axis) for axis in axes])
 
 
 def check_topology_matches(topology: ProcessTopology, parallel_state: ParallelState) -> None:
