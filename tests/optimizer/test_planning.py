@@ -146,13 +146,13 @@ ACTIVATION_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq
                         make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0)
 
 
-def _measured_activations(tp, extra, dtype_name):
+def _measured_activations(tp, extra, dtype_name, cp=1):
     """The highest point allocations reach in one forward + backward of a GPT (over the params alive before)."""
     from ds_megatron.parallel.layout import ParallelLayout
     from ds_megatron.parallel_state import ParallelState
     from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
     from ds_megatron.utils.memory import peak_allocated_bytes
-    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp))
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, cp=cp))
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**{**ACTIVATION_MODEL, **extra}), state,
                      rng_tracker=model_parallel_seed(0, state.tp.rank, tracker=RNGStatesTracker()))
@@ -175,4 +175,13 @@ def test_activation_plan_is_within_ten_percent_of_the_measured_peak(tp, extra, d
     cfg = GPTConfig(**{**ACTIVATION_MODEL, **extra})
     planned = activation_bytes(cfg, tp, 4, dtype_name)
     for measured in run_on_ranks(2, _measured_activations, tp, extra, dtype_name):
+        assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+def test_activation_plan_falls_with_context_parallelism_as_measured():
+    # Each CP rank holds seq_length / cp tokens: the plan halves, and so does the measured peak.
+    cfg = GPTConfig(**ACTIVATION_MODEL)
+    planned = activation_bytes(cfg, 1, 4, "fp32", cp=2)
+    assert planned < 0.55 * activation_bytes(cfg, 1, 4, "fp32")
+    for measured in run_on_ranks(2, _measured_activations, 1, {}, "fp32", 2):
         assert abs(planned / measured - 1) < 0.10, (planned, measured)
