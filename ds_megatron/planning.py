@@ -285,7 +285,8 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
                         micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage)
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
     pipeline = f" pp={layout.pp} ({micro_batches} micro-batches per step)" if layout.pp > 1 else ""
-    header = (f"world size {world_size}: tp={layout.tp}{pipeline} dp={layout.dp}{experts}; "
+    context = f" cp={layout.cp} (seq {job.model.seq_length // layout.cp} tokens per rank)" if layout.cp > 1 else ""
+    header = (f"world size {world_size}: tp={layout.tp}{context}{pipeline} dp={layout.dp}{experts}; "
               f"params {precision.params_dtype}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")

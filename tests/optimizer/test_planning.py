@@ -185,3 +185,22 @@ def test_activation_plan_falls_with_context_parallelism_as_measured():
     assert planned < 0.55 * activation_bytes(cfg, 1, 4, "fp32")
     for measured in run_on_ranks(2, _measured_activations, 1, {}, "fp32", 2):
         assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+def test_cli_plan_of_the_cp2_config_shows_activations_per_rank_falling_with_cp(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = json.load(open(os.path.join(root, "ds_configs", "gpt_cp2_tp2.json")))
+
+    def plan(cp):
+        cfg["megatron"]["context_parallel_size"] = cp
+        path = tmp_path / f"cp{cp}.json"
+        path.write_text(json.dumps(cfg))
+        run = subprocess.run([sys.executable, "-m", "ds_megatron.cli", "plan", "--config", str(path),
+                              "--world-size", str(2 * cp), "--json"], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout)
+
+    one, two = plan(1), plan(2)
+    assert "cp=2" in two["header"] and "cp=" not in one["header"]
+    ratio = two["roles"][0]["activation_bytes"] / one["roles"][0]["activation_bytes"]
+    assert 0.45 < ratio < 0.52, ratio  # all but the output-weight gradient halves
