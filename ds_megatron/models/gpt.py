@@ -197,6 +197,10 @@ class GPTModel(torch.nn.Module):
     With labels: the mean loss over the masked tokens (a scalar).  Without:
     this rank's vocab-parallel logits, [b, s, V_padded / tp].
 
+    Context parallelism (a ``cp`` group of more than one rank): every CP rank is given the whole sample;
+    it computes its two zigzag chunks (``s / cp`` tokens), so the logits are those tokens' (in
+    ``zigzag_split`` order) and the loss is the whole sequence's mean (``language_model_loss``).
+
     Gradients of parameters marked ``sequence_parallel`` are partial sums over
     TP and are completed by whoever reduces the gradients (``finalize_model_grads``
     on the Megatron path), not inside the model.

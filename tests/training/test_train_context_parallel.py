@@ -97,6 +97,11 @@ def test_cp2_dp2_distributed_optimizer_trains_the_cp1_model(tmp_path):
     _check_same_run(tmp_path, 4, {"cp": 2, "megatron": {"use_distributed_optimizer": True}}, dp=2)
 
 
+def test_cp2_on_deepspeeds_optimizer_path_trains_the_cp1_model(tmp_path):
+    # DeepSpeed's own reduction averages over the mpu's sequence-data-parallel group: our dp-cp.
+    _check_same_run(tmp_path, 2, {"cp": 2, "megatron": {"optimizer_impl": "deepspeed"}})
+
+
 def test_cp2_moe_ep2_trains_the_cp1_model(tmp_path):
     model = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
     _check_same_run(tmp_path, 2, {"cp": 2, "ep": 2}, model=model)
