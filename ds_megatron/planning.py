@@ -138,12 +138,14 @@ def optimizer_state_bytes_per_param(optimizer_type: str, momentum: float = 0.0) 
 
 
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
-                     logits: bool = True) -> int:
+                     logits: bool = True, cp: int = 1) -> int:
     """Activation memory of one micro-batch at its peak, the start of backward (see the module docstring).
 
     ``num_layers`` / ``logits``: a pipeline stage's share (its layers; final norm, output layer and
-    logits on the last stage only)."""
-    s, b, h, a = cfg.seq_length, micro_batch, cfg.hidden_size, cfg.num_attention_heads
+    logits on the last stage only).  ``cp``: each context-parallel rank holds ``seq_length / cp`` tokens
+    (Megatron's formula with s -> s/cp; attention dropout, whose s x s term would not split, is refused
+    with cp > 1)."""
+    s, b, h, a = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.num_attention_heads
     L = cfg.num_layers if num_layers is None else num_layers
     act = BYTES[params_dtype]
     sbh = s * b * h
@@ -209,9 +211,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     tied output copy on the last, and keeps the activations of up to
     ``pp - stage`` of the step's ``micro_batches`` (1F1B's in-flight count).
     """
-    if layout.cp != 1:
-        raise ConfigError("ds-megatron plan covers tensor/pipeline/data parallel GPT jobs; set "
-                          "context_parallel_size to 1")
+    if layout.cp > 1:
+        cfg.check_context_parallel(layout.cp, layout.tp)
     pp = layout.pp
     weights = [layer_param_count(cfg, i, layout.tp, layout.ep, layout.etp) for i in range(cfg.num_layers)]
     ranges = stage_layer_ranges(stage_layer_counts(cfg.num_layers, pp, partition_method, layers_per_stage, weights))
@@ -228,7 +229,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
                  if distributed_optimizer else n)
         in_flight = min(pp - stage, micro_batches) if pp > 1 else 1
         activations = in_flight * activation_bytes(cfg, layout.tp, micro_batch, params_dtype, len(layers),
-                                                   logits=stage == pp - 1)
+                                                   logits=stage == pp - 1, cp=layout.cp)
         for tp_rank in range(layout.tp):
             ranks = sorted(g[tp_rank] for g in groups["tp"] if g[tp_rank] in
                            {p[stage] for p in groups["pp"]})
@@ -284,7 +285,8 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
                         micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage)
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
     pipeline = f" pp={layout.pp} ({micro_batches} micro-batches per step)" if layout.pp > 1 else ""
-    header = (f"world size {world_size}: tp={layout.tp}{pipeline} dp={layout.dp}{experts}; "
+    context = f" cp={layout.cp} (seq {job.model.seq_length // layout.cp} tokens per rank)" if layout.cp > 1 else ""
+    header = (f"world size {world_size}: tp={layout.tp}{context}{pipeline} dp={layout.dp}{experts}; "
               f"params {precision.params_dtype}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")

@@ -33,7 +33,8 @@ def test_configs_are_shipped():
     names = {os.path.basename(p) for p in CONFIGS}
     assert {"gpt_cpu_tp2_dp2.json", "gpt_tp1.json", "gpt_tp4.json", "gpt_tp2_sp.json", "moe_ep2.json",
             "moe_ep4_tp2.json", "gpt_bf16_tp2_dp2.json", "gpt_fp16_tp2_dp2.json", "gpt_distopt_tp2_dp2.json",
-            "gpt_cuda_graphs.json", "gpt_tp2_pp2.json", "gpt_tp2_pp2_dp2.json", "llama_continue_tp2_pp2.json"} <= names
+            "gpt_cuda_graphs.json", "gpt_tp2_pp2.json", "gpt_tp2_pp2_dp2.json", "llama_continue_tp2_pp2.json",
+            "gpt_cp2_tp2.json"} <= names
 
 
 def _with_tiny_hf_model(path, tmp_path):

@@ -28,6 +28,21 @@ def pad_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128
     return -(-orig_vocab_size // multiple) * multiple
 
 
+CP_COMM_TYPES = ("p2p", "all_gather")
+
+
+def check_context_parallel_seq_length(seq_length: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
+    """Refuse a sequence the zigzag layout cannot cut: ``2 * cp`` equal chunks (each split over TP with SP)."""
+    if cp <= 1:
+        return
+    divisor = 2 * cp * (tp if sequence_parallel else 1)
+    if seq_length % divisor:
+        what = (f"2 * context_parallel_size * tensor_model_parallel_size = 2 * {cp} * {tp} = {divisor} "
+                "(sequence_parallel is on)" if sequence_parallel else f"2 * context_parallel_size = 2 * {cp} = {divisor}")
+        raise ConfigError(f"model.seq_length {seq_length} is not divisible by {what}; "
+                          "choose a seq_length that is a multiple of it or change context_parallel_size")
+
+
 @dataclass
 class GPTConfig:
     num_layers: int = 2
@@ -60,6 +75,8 @@ class GPTConfig:
     add_qkv_bias: bool = False  # biases of QKV alone (Qwen2); QKV has a bias when either is set
     untie_embeddings_and_output_weights: bool = False  # a separate output layer instead of the word embedding
     qk_layernorm: bool = False  # a norm (of `normalization`) over each head's query and key
+    # Context parallelism's K/V exchange (Megatron's TransformerConfig.cp_comm_type): "p2p" (ring) or "all_gather"
+    cp_comm_type: str = "p2p"
     # MoE (ds_megatron/moe; Megatron-LM's argument names)
     num_experts: Optional[int] = None  # None: a dense model
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
@@ -97,6 +114,8 @@ class GPTConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)!r}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ConfigError(f"model.cp_comm_type={self.cp_comm_type!r} is not one of {CP_COMM_TYPES}")
         if self.recompute_granularity not in (None, "full"):
             raise ConfigError(f"model.recompute_granularity={self.recompute_granularity!r} is not supported; "
                               "use \"full\" or null")
@@ -219,11 +238,20 @@ class GPTConfig:
         self.check_tensor_parallel(layout.tp)
         self.check_expert_parallel(layout.ep, layout.etp)
         if layout.cp > 1:
-            raise ConfigError("GPTModel supports tensor, sequence, pipeline, expert and data parallelism; set "
-                              "megatron.context_parallel_size to 1 for it")
+            self.check_context_parallel(layout.cp, layout.tp)
         if layout.pp > self.num_layers:
             raise ConfigError(f"model.num_layers={self.num_layers} is below megatron.pipeline_model_parallel_size="
                               f"{layout.pp}: every stage needs a transformer layer; lower the pipeline size")
+
+    def check_context_parallel(self, cp: int, tp: int) -> None:
+        check_context_parallel_seq_length(self.seq_length, cp, tp, self.sequence_parallel)
+        if self.attention_dropout > 0:
+            raise ConfigError(f"model.attention_dropout={self.attention_dropout} with context_parallel_size={cp}: the "
+                              "context-parallel attention has no dropout; set model.attention_dropout to 0")
+        if self.num_experts and (self.moe_aux_loss_coeff or self.moe_z_loss_coeff):
+            raise ConfigError(f"model.moe_aux_loss_coeff / moe_z_loss_coeff with context_parallel_size={cp}: the "
+                              "routing losses are not yet computed over the whole context-parallel sequence; set "
+                              "both to 0 or context_parallel_size to 1")
 
     def check_tensor_parallel(self, tp: int) -> None:
         for name in ("num_attention_heads", "ffn_hidden_size"):

@@ -116,6 +116,38 @@ def stage_layer_ranges(counts: Sequence[int]) -> List[range]:
     return out
 
 
+def pipeline_grid_axes(order: str, sizes: Dict[str, int]) -> List[List[str]]:
+    """The order's tokens as DeepSpeed's pipeline grid axes, slowest first: ``[["pp"], ["dp", "cp"], ["tp"]]``.
+
+    The grid has pipe, data and model axes; the cp ranks replicate the weights as the dp ranks do, so cp
+    joins the data axis, which needs it next to dp once the size-1 tokens are left out.  ConfigError naming
+    ``megatron.order`` for any other token above size 1, or a cp that is not next to dp."""
+    tokens = [t for t in reversed(order.split("-")) if t in ("pp", "dp", "tp") or sizes.get(t, 1) > 1]
+    axes: List[List[str]] = []
+    for i, token in enumerate(tokens):
+        if token == "cp":
+            if i > 0 and tokens[i - 1] == "dp":
+                axes[-1].append("cp")
+            elif i + 1 < len(tokens) and tokens[i + 1] == "dp":
+                axes.append(["cp"])  # dp joins it next
+            else:
+                raise ConfigError(f"{SECTION}.order {order!r} with context_parallel_size {sizes['cp']} and "
+                                  "pipeline parallelism: DeepSpeed's pipeline grid folds cp into its data axis, which "
+                                  "needs cp next to dp in the order; use one like the default tp-cp-ep-dp-pp")
+        elif token in ("pp", "tp"):
+            axes.append([token])
+        elif token == "dp":
+            if axes and axes[-1] == ["cp"]:
+                axes[-1].append("dp")
+            else:
+                axes.append(["dp"])
+        else:
+            raise ConfigError(f"{SECTION}.order {order!r} with {token} size {sizes[token]}: DeepSpeed's pipeline "
+                              f"topology has pipe, data and model axes only; set the {token} size to 1 with "
+                              "pipeline parallelism")
+    return axes
+
+
 def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer_impl: str) -> None:
     """Every pipeline rule (ConfigError naming the field and the fix).  ``parallel``: ``ParallelConfig``;
     ``model``: ``GPTConfig`` or None; ``layout``: the job's ``ParallelLayout``."""
@@ -131,9 +163,7 @@ def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer
             raise ConfigError(f"{SECTION}.pipeline_num_layers_per_stage has {len(explicit)} entries but "
                               f"pipeline_model_parallel_size is 1; remove it")
         return
-    if layout.cp > 1:
-        raise ConfigError(f"{SECTION}.context_parallel_size={layout.cp} with pipeline_model_parallel_size={pp}: "
-                          "DeepSpeed's pipeline topology has no context axis yet; use one of the two")
+    pipeline_grid_axes(layout.dense_generator().order, {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": pp, "ep": 1})
     if batch.zero_stage > 1:
         raise ConfigError(f"zero_optimization.stage={batch.zero_stage} with {SECTION}.pipeline_model_parallel_size="
                           f"{pp}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; lower the stage (or use "

@@ -35,6 +35,7 @@ says instead of DeepSpeed's own methods) and ``_synchronize_tied_weights``
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import PipelineModule, ProcessTopology, TiedLayerSpec
 
 from ..config.model import GPTConfig
-from ..config.pipeline import stage_layer_counts, stage_layer_ranges
+from ..config.pipeline import pipeline_grid_axes, stage_layer_counts, stage_layer_ranges
 from ..errors import ConfigError
 from ..models.gpt import build_gpt_modules, language_model_loss, output_logits
 from ..moe.aux_loss_scaler import MoEAuxLossAutoScaler
@@ -57,18 +58,14 @@ TIED_EMBEDDING = "word_embeddings"
 
 
 def pipeline_topology(layout: ParallelLayout) -> ProcessTopology:
-    """DeepSpeed's ``ProcessTopology`` with our dense rank numbering (see the module docstring)."""
+    """DeepSpeed's ``ProcessTopology`` with our dense rank numbering (see the module docstring).
+
+    Context parallelism: the cp ranks hold replicas of the same weights, as dp ranks do, so DeepSpeed's
+    ``data`` axis is our dp-cp (``config.pipeline.pipeline_grid_axes``)."""
     sizes = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp, "cp": layout.cp, "ep": 1}
-    axes, dims = [], []
-    for token in reversed(layout.dense_generator().order.split("-")):  # every token, the omitted ones last
-        if token in _AXIS_NAMES:
-            axes.append(_AXIS_NAMES[token])
-            dims.append(sizes[token])
-        elif sizes[token] > 1:
-            raise ConfigError(f"megatron.order {layout.order!r} with {token} size {sizes[token]}: DeepSpeed's pipeline "
-                              f"topology has pipe, data and model axes only; set the {token} size to 1 with "
-                              "pipeline parallelism")
-    return ProcessTopology(axes=axes, dims=dims)
+    axes = pipeline_grid_axes(layout.dense_generator().order, sizes)
+    return ProcessTopology(axes=[_AXIS_NAMES["dp" if "dp" in axis else axis[0]] for axis in axes],
+                           dims=[math.prod(sizes[t] for t in axis) for axis in axes])
 
 
 def check_topology_matches(topology: ProcessTopology, parallel_state: ParallelState) -> None:
@@ -79,9 +76,10 @@ def check_topology_matches(topology: ProcessTopology, parallel_state: ParallelSt
     for kind, groups in theirs.items():
         if kind == "tp" and parallel_state.layout.tp == 1:
             groups = [[r] for r in range(parallel_state.layout.world_size)]
-        if sorted(map(list, ours[kind])) != sorted(map(list, groups)):
+        mine = ours["dp-cp" if kind == "dp" else kind]  # DeepSpeed's data axis holds the cp ranks too
+        if sorted(map(list, mine)) != sorted(map(list, groups)):
             raise ConfigError(f"megatron.order {parallel_state.layout.order!r}: DeepSpeed's pipeline topology gives "
-                              f"{kind} groups {groups} but the Megatron layout has {ours[kind]}; use an order whose "
+                              f"{kind} groups {groups} but the Megatron layout has {mine}; use an order whose "
                               "tp, dp and pp tokens DeepSpeed can express (e.g. the default tp-cp-ep-dp-pp)")
     embedding = sorted(sorted([g[0], g[-1]]) for g in theirs["pp"])
     if embedding != sorted(sorted(g) for g in ours["embedding"]):
@@ -136,7 +134,7 @@ class GPTPipelineModule(PipelineModule):
         self.stage_layers = ranges[stage]
         self.all_stage_layers = [list(r) for r in ranges]
         self.is_first_stage, self.is_last_stage = stage == 0, stage == pp - 1
-        self.config, self.tp, self.rng_tracker = config, parallel_state.tp, rng_tracker
+        self.config, self.tp, self.cp, self.rng_tracker = config, parallel_state.tp, parallel_state.cp, rng_tracker
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, layout.tp)
         self.moe_aux_loss_tracker = MoEAuxLossTracker() if config.num_experts else None
         self._aux_loss_grad_scale: Optional[Callable[[], torch.Tensor]] = None
@@ -193,7 +191,7 @@ class GPTPipelineModule(PipelineModule):
 
     def _loss(self, logits: torch.Tensor, labels) -> torch.Tensor:
         labels, loss_mask = labels if isinstance(labels, (tuple, list)) else (labels, None)
-        return language_model_loss(logits, labels, loss_mask, self.config, self.tp)
+        return language_model_loss(logits, labels, loss_mask, self.config, self.tp, cp=self.cp)
 
     def set_aux_loss_gradient_scale(self, scale: Callable[[], torch.Tensor]) -> None:
         """What one unit of routing loss weighs in backward: loss scale / micro-batches (set by ``initialize``)."""

@@ -39,7 +39,9 @@ from ..tensor_parallel import (LogitsBuffer, RNGStatesTracker, VocabParallelEmbe
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel import ColumnParallelLinear
 from ..transformer import ParallelTransformerLayer
+from ..transformer.context_parallel import zigzag_chunk_indices, zigzag_split
 from ..transformer.mlp import build_mlp
+from ..utils.collectives import all_reduce
 from ..transformer.norm import build_norm
 
 _GLIBC_ALWAYS_MAPS = 32 * 2 ** 20  # glibc's largest dynamic mmap threshold (64-bit): bigger buffers are mapped afresh
@@ -55,9 +57,11 @@ class PositionEmbedding(torch.nn.Module):
     (tied) word embedding; ``GPTModel`` holds it as ``position_embeddings``.
     """
 
-    def __init__(self, config: GPTConfig, tp: ParallelGroup, rng_tracker: Optional[RNGStatesTracker], init_method):
+    def __init__(self, config: GPTConfig, tp: ParallelGroup, rng_tracker: Optional[RNGStatesTracker], init_method,
+                 cp: Optional[ParallelGroup] = None):
         super().__init__()
         self.config, self.tp, self.rng_tracker = config, tp, rng_tracker
+        self.cp = cp if cp is not None else ParallelGroup.single("cp")
         self.weight = None
         if config.position_embedding_type == "learned_absolute":
             self.weight = torch.nn.Parameter(torch.empty(config.seq_length, config.hidden_size))
@@ -70,7 +74,14 @@ class PositionEmbedding(torch.nn.Module):
         s = word_embedded.size(1)
         if s > self.config.seq_length:
             raise ValueError(f"input has {s} tokens but model.seq_length is {self.config.seq_length}")
-        if self.weight is not None:
+        if self.cp.size > 1:
+            # Every CP rank receives the whole sample; it keeps its two zigzag chunks (Megatron's
+            # get_batch_on_this_cp_rank) and their positions.
+            word_embedded = zigzag_split(word_embedded, self.cp.size, self.cp.rank, seq_dim=1)
+            if self.weight is not None:
+                positions = zigzag_chunk_indices(s, self.cp.size, self.cp.rank).to(word_embedded.device)
+                word_embedded = word_embedded + self.weight[positions]
+        elif self.weight is not None:
             word_embedded = word_embedded + self.weight[:s]
         hidden = word_embedded.transpose(0, 1).contiguous()  # [s, b, h]
         if self.config.sequence_parallel:
@@ -108,34 +119,61 @@ def output_logits(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, co
 
 def output_layer_loss(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, labels: torch.Tensor,
                       loss_mask: Optional[torch.Tensor], config: GPTConfig, tp: ParallelGroup,
-                      buffer: Optional[LogitsBuffer]) -> torch.Tensor:
+                      buffer: Optional[LogitsBuffer], cp: Optional[ParallelGroup] = None) -> torch.Tensor:
     """``language_model_loss(output_logits(...), ...)`` in one function: the logits never leave the loss, so they
     are made transposed ([V/tp, tokens], the faster CPU GEMM) and, with ``buffer``, in storage kept from step
     to step."""
+    labels, loss_mask = _labels_of_this_cp_rank(labels, loss_mask, cp)
     hidden = _output_layer_input(hidden, config, tp)
     losses = linear_vocab_parallel_cross_entropy(hidden, word_embeddings_weight, labels.transpose(0, 1), tp,
                                                  label_smoothing=config.label_smoothing,
                                                  vocab_size=config.vocab_size, buffer=buffer).transpose(0, 1)
-    return _masked_mean(losses, loss_mask)
+    return _masked_mean(losses, loss_mask, cp)
 
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
-                        config: GPTConfig, tp: ParallelGroup, inplace: bool = False) -> torch.Tensor:
+                        config: GPTConfig, tp: ParallelGroup, inplace: bool = False,
+                        cp: Optional[ParallelGroup] = None) -> torch.Tensor:
     """Mean vocab-parallel cross entropy of ``logits [s, b, V/tp]`` against ``labels [b, s]`` over the masked tokens.
 
     ``inplace``: the loss may work in the logits' storage (nothing else reads them).  Not on a pipeline's
     last stage: there the logits are the stage's output, which DeepSpeed keeps and our loss-scale hook watches.
+
+    ``cp`` with more than one rank: the logits are this rank's zigzag chunks and ``labels`` / ``loss_mask``
+    the whole sample's.  The value is the mean over the whole sequence (masked loss sums and token counts
+    summed over ``cp``, Megatron's way); the gradient is ``cp`` x this rank's share, so that the gradient
+    buffers' mean over dp-cp gives the CP=1 gradient.
     """
+    labels, loss_mask = _labels_of_this_cp_rank(labels, loss_mask, cp)
     losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), tp, label_smoothing=config.label_smoothing,
                                           vocab_size=config.vocab_size, inplace=inplace).transpose(0, 1)
-    return _masked_mean(losses, loss_mask)
+    return _masked_mean(losses, loss_mask, cp)
 
 
-def _masked_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    if loss_mask is None:
-        return losses.mean()
-    loss_mask = loss_mask.to(losses.dtype)
-    return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+def _labels_of_this_cp_rank(labels: torch.Tensor, loss_mask: Optional[torch.Tensor], cp: Optional[ParallelGroup]):
+    """The whole sample's labels / loss mask -> this CP rank's zigzag chunks (unchanged without CP)."""
+    if cp is None or cp.size == 1:
+        return labels, loss_mask
+    labels = zigzag_split(labels, cp.size, cp.rank, seq_dim=1)
+    return labels, None if loss_mask is None else zigzag_split(loss_mask, cp.size, cp.rank, seq_dim=1)
+
+
+def _masked_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor],
+                 cp: Optional[ParallelGroup] = None) -> torch.Tensor:
+    """Mean of ``losses`` over the masked tokens; with CP over the whole sequence (see ``language_model_loss``)."""
+    cp_size = cp.size if cp is not None else 1
+    if cp_size == 1:
+        if loss_mask is None:
+            return losses.mean()
+        loss_mask = loss_mask.to(losses.dtype)
+        return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+    loss_mask = torch.ones_like(losses) if loss_mask is None else loss_mask.to(losses.dtype)
+    local = (losses * loss_mask).sum()
+    totals = torch.stack([local.detach(), loss_mask.sum()])
+    all_reduce(totals, cp)
+    count = totals[1].clamp(min=1)
+    scaled = local * cp_size / count
+    return scaled + (totals[0] / count - scaled).detach()
 
 
 def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_tracker: Optional[RNGStatesTracker],
@@ -160,7 +198,7 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
 
     yield "word_embeddings", VocabParallelEmbedding(padded_vocab_size, config.hidden_size, tp=tp,
                                                     init_method=embedding_init)
-    yield "position_embeddings", PositionEmbedding(config, tp, rng_tracker, init)
+    yield "position_embeddings", PositionEmbedding(config, tp, rng_tracker, init, cp=parallel_state.cp)
 
     def mlp(layer_number: int) -> torch.nn.Module:
         if config.is_moe_layer(layer_number):
@@ -172,7 +210,7 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
     for i in range(config.num_layers):
         yield f"layers.{i}", ParallelTransformerLayer(config, tp=tp, build_mlp=functools.partial(mlp, i),
                                                       init_method=init, output_init_method=out_init,
-                                                      rng_tracker=rng_tracker)
+                                                      rng_tracker=rng_tracker, cp=parallel_state.cp)
     yield "final_layernorm", build_norm(config, config.hidden_size, sequence_parallel=config.sequence_parallel)
     if config.untie_embeddings_and_output_weights:
         yield "output_layer", OutputLayer(config.hidden_size, padded_vocab_size, tp=tp, bias=False,
@@ -191,6 +229,10 @@ class GPTModel(torch.nn.Module):
     With labels: the mean loss over the masked tokens (a scalar).  Without:
     this rank's vocab-parallel logits, [b, s, V_padded / tp].
 
+    Context parallelism (a ``cp`` group of more than one rank): every CP rank is given the whole sample;
+    it computes its two zigzag chunks (``s / cp`` tokens), so the logits are those tokens' (in
+    ``zigzag_split`` order) and the loss is the whole sequence's mean (``language_model_loss``).
+
     Gradients of parameters marked ``sequence_parallel`` are partial sums over
     TP and are completed by whoever reduces the gradients (``finalize_model_grads``
     on the Megatron path), not inside the model.
@@ -207,7 +249,7 @@ class GPTModel(torch.nn.Module):
                              "build the stages with ds_megatron.GPTPipelineModule")
         self.moe_aux_loss_tracker = MoEAuxLossTracker() if config.num_experts else None
         self.config = config
-        self.tp = state.tp
+        self.tp, self.cp = state.tp, state.cp
         self.rng_tracker = rng_tracker
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, state.tp.size)
         for name, module in build_gpt_modules(config, state, rng_tracker, self.moe_aux_loss_tracker):
@@ -237,7 +279,7 @@ class GPTModel(torch.nn.Module):
             keep = (hidden.device.type == "cpu" and self.config.recompute_granularity is None
                     and labels.numel() * weight.size(0) * weight.element_size() >= _GLIBC_ALWAYS_MAPS)
             return output_layer_loss(hidden, weight, labels, loss_mask, self.config, self.tp,
-                                     self.logits_buffer if keep else None) + self.moe_aux_loss()
+                                     self.logits_buffer if keep else None, cp=self.cp) + self.moe_aux_loss()
         if self.config.untie_embeddings_and_output_weights:
             logits = self.output_layer(hidden)
         else:
@@ -245,7 +287,8 @@ class GPTModel(torch.nn.Module):
         if labels is None:
             return logits.transpose(0, 1)
         # The logits are this forward's own and read by nothing else: the loss may overwrite them.
-        return language_model_loss(logits, labels, loss_mask, self.config, self.tp, inplace=True) + self.moe_aux_loss()
+        return language_model_loss(logits, labels, loss_mask, self.config, self.tp, inplace=True,
+                                   cp=self.cp) + self.moe_aux_loss()
 
     def moe_aux_loss(self):
         """The routing losses (load balancing, z) of the last forward, summed over MoE layers; 0 without MoE."""

@@ -221,7 +221,7 @@ def train(job: JobConfig, config_source, resume: bool = False, stop_after: Optio
                 engine.backward(loss)
                 if micro == gas - 1 and own_grad_norm and is_log_step:
                     # Grads are DP-reduced now and still unclipped: Megatron's true global norm.
-                    gnorm = get_grad_norm_fp32(grads_for_norm(model.parameters(), state.tp.rank), state.mp.group)
+                    gnorm = get_grad_norm_fp32(grads_for_norm(model.parameters(), state.tp.rank), state.mp)
                 engine.step()
                 step_loss += loss.detach().double() / gas
                 # Keep no reference to this micro-batch's autograd graph: it would hold the parameters'

@@ -24,6 +24,7 @@ so every TP size holds the same model.
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_
                                set_tensor_model_parallel_attributes)
 from ..tensor_parallel.utils import divide
 from ..utils.collectives import all_reduce
+from .context_parallel import context_parallel_attention, zigzag_chunk_indices
 from .norm import build_norm
 from .rotary import RotaryEmbedding
 
@@ -79,8 +81,13 @@ class ReplicatedKV(torch.nn.Module):
 class ParallelAttention(torch.nn.Module):
     """``config``: a ``GPTConfig`` (heads, query groups, kv_channels, biases, RoPE, qk norm, dropout, SP)."""
 
-    def __init__(self, config, *, tp: ParallelGroup, init_method, output_init_method, rng_tracker=None):
+    def __init__(self, config, *, tp: ParallelGroup, init_method, output_init_method, rng_tracker=None,
+                 cp: Optional[ParallelGroup] = None):
+        """``cp``: the context-parallel group; with more than one rank the hidden states hold this rank's
+        zigzag chunks of the sequence and the core attention is ``context_parallel_attention``."""
         super().__init__()
+        self.cp = cp if cp is not None else ParallelGroup.single("cp")
+        self.cp_comm_type = config.cp_comm_type
         n, g, d, h = config.num_attention_heads, config.query_groups, config.head_dim, config.hidden_size
         self.tp = tp
         self.head_dim = d
@@ -151,7 +158,14 @@ class ParallelAttention(torch.nn.Module):
         # -> [b, heads, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            positions = None
+            if self.cp.size > 1:  # this rank's tokens are its two zigzag chunks of the whole sequence
+                positions = zigzag_chunk_indices(q.size(2) * self.cp.size, self.cp.size, self.cp.rank).to(q.device)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if self.cp.size > 1:
+            # GQA-aware: only the kv heads travel; no attention dropout here (refused at config time).
+            ctx = context_parallel_attention(q, k, v, self.cp, self.cp_comm_type)
+            return self._output(ctx)
         heads_per_kv = q.size(1) // k.size(1)
         if heads_per_kv > 1:
             k, v = k.repeat_interleave(heads_per_kv, dim=1), v.repeat_interleave(heads_per_kv, dim=1)
@@ -159,6 +173,10 @@ class ParallelAttention(torch.nn.Module):
         fork = self.rng_tracker.fork() if (dropout > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
         with fork:
             ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        return self._output(ctx)
+
+    def _output(self, ctx: torch.Tensor) -> torch.Tensor:
+        """``ctx [b, heads, s, d]`` -> the row-parallel output projection, [s(/tp), b, h]."""
         s, b = ctx.size(2), ctx.size(0)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_partition * self.head_dim)
         out, _ = self.dense(ctx)

@@ -34,24 +34,11 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import ConfigError
+from ..config.model import CP_COMM_TYPES as COMM_TYPES, check_context_parallel_seq_length  # noqa: F401
 from ..parallel_state import ParallelGroup
 from ..utils.collectives import all_gather_into, reduce_scatter_into, ring_exchange
 
-COMM_TYPES = ("p2p", "all_gather")
 _KV_TAG, _DKV_TAG = 0, 1  # both flow to the same neighbour during backward
-
-
-def check_context_parallel_seq_length(seq_length: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
-    """Refuse a sequence the zigzag layout cannot cut: ``2 * cp`` equal chunks (each split over TP with SP)."""
-    if cp <= 1:
-        return
-    divisor = 2 * cp * (tp if sequence_parallel else 1)
-    if seq_length % divisor:
-        what = (f"2 * context_parallel_size * tensor_model_parallel_size = 2 * {cp} * {tp} = {divisor} "
-                "(sequence_parallel is on)" if sequence_parallel else f"2 * context_parallel_size = 2 * {cp} = {divisor}")
-        raise ConfigError(f"model.seq_length {seq_length} is not divisible by {what}; "
-                          "choose a seq_length that is a multiple of it or change context_parallel_size")
 
 
 # ---------------------------------------------------------------- layout (pure index maps)

@@ -9,7 +9,7 @@ only part of the sequence when computing their gradients.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,7 @@ class ParallelTransformerLayer(GraphableLayer):
     after attention so that weights are drawn in Megatron's order whatever the MLP is."""
 
     def __init__(self, config, *, tp: ParallelGroup, build_mlp: Callable[[], torch.nn.Module], init_method,
-                 output_init_method, rng_tracker=None):
+                 output_init_method, rng_tracker=None, cp: Optional[ParallelGroup] = None):
         super().__init__()
         h = config.hidden_size
         sp = config.sequence_parallel
@@ -67,7 +67,7 @@ class ParallelTransformerLayer(GraphableLayer):
         self.recompute = config.recompute_granularity == "full"
         self.input_layernorm = build_norm(config, h, sequence_parallel=sp)
         self.self_attention = ParallelAttention(config, tp=tp, init_method=init_method,
-                                                output_init_method=output_init_method, rng_tracker=rng_tracker)
+                                                output_init_method=output_init_method, rng_tracker=rng_tracker, cp=cp)
         self.post_attention_layernorm = build_norm(config, h, sequence_parallel=sp)
         self.mlp = build_mlp()
 

@@ -9,7 +9,7 @@ the checkpoint was trained with bit for bit.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -29,9 +29,13 @@ class RotaryEmbedding(torch.nn.Module):
             self._cache[key] = (angles.cos(), angles.sin())
         return self._cache[key]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [b, heads, s, d]`` with positions 0..s-1 rotated."""
-        cos, sin = self._table(x.size(2), x.device)
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x [b, heads, s, d]`` rotated by position: 0..s-1, or ``positions [s]`` (a context-parallel rank's)."""
+        if positions is None:
+            cos, sin = self._table(x.size(2), x.device)
+        else:
+            cos, sin = self._table(int(positions.max()) + 1, x.device)
+            cos, sin = cos[positions], sin[positions]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
         half = self.rotary_dim // 2

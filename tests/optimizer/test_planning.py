@@ -146,14 +146,14 @@ ACTIVATION_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq
                         make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0)
 
 
-def _measured_activations(tp, extra, dtype_name):
+def _measured_activations(tp, extra, dtype_name, cp=1):
     """The highest point allocations reach in one forward + backward of a GPT (over the params alive before),
     with the logits buffer the output layer keeps between steps."""
     from ds_megatron.parallel.layout import ParallelLayout
     from ds_megatron.parallel_state import ParallelState
     from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
     from ds_megatron.utils.memory import peak_allocated_bytes
-    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp))
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, cp=cp))
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**{**ACTIVATION_MODEL, **extra}), state,
                      rng_tracker=model_parallel_seed(0, state.tp.rank, tracker=RNGStatesTracker()))
@@ -178,3 +178,31 @@ def test_activation_plan_is_within_ten_percent_of_the_measured_peak(tp, extra, d
     planned = activation_bytes(cfg, tp, 4, dtype_name)
     for measured in run_on_ranks(2, _measured_activations, tp, extra, dtype_name):
         assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+def test_activation_plan_falls_with_context_parallelism_as_measured():
+    # Each CP rank holds seq_length / cp tokens: the plan halves, and so does the measured peak.
+    cfg = GPTConfig(**ACTIVATION_MODEL)
+    planned = activation_bytes(cfg, 1, 4, "fp32", cp=2)
+    assert planned < 0.55 * activation_bytes(cfg, 1, 4, "fp32")
+    for measured in run_on_ranks(2, _measured_activations, 1, {}, "fp32", 2):
+        assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+def test_cli_plan_of_the_cp2_config_shows_activations_per_rank_falling_with_cp(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = json.load(open(os.path.join(root, "ds_configs", "gpt_cp2_tp2.json")))
+
+    def plan(cp):
+        cfg["megatron"]["context_parallel_size"] = cp
+        path = tmp_path / f"cp{cp}.json"
+        path.write_text(json.dumps(cfg))
+        run = subprocess.run([sys.executable, "-m", "ds_megatron.cli", "plan", "--config", str(path),
+                              "--world-size", str(2 * cp), "--json"], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout)
+
+    one, two = plan(1), plan(2)
+    assert "cp=2" in two["header"] and "cp=" not in one["header"]
+    ratio = two["roles"][0]["activation_bytes"] / one["roles"][0]["activation_bytes"]
+    assert 0.45 < ratio < 0.52, ratio  # all but the output-weight gradient halves

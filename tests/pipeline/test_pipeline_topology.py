@@ -57,9 +57,31 @@ def test_topology_groups_equal_ours_for_every_order():
     assert checked > 400
 
 
-def test_context_parallel_cannot_be_expressed():
-    with pytest.raises(ConfigError, match="DeepSpeed's pipeline topology has pipe, data and model axes only"):
-        pipeline_topology(ParallelLayout(world_size=8, tp=2, pp=2, cp=2))
+def test_context_parallel_joins_the_data_axis_or_is_refused():
+    # DeepSpeed's data axis is our dp-cp (cp replicas hold the same weights); orders where cp is not next to
+    # dp cannot be a grid axis and are refused naming the order.
+    built = refused = 0
+    for order in ORDERS:
+        for kwargs in (dict(world_size=8, tp=2, pp=2, cp=2), dict(world_size=16, tp=2, pp=2, cp=2)):
+            try:
+                layout = ParallelLayout(order=order, **kwargs)
+            except ConfigError:
+                continue
+            try:
+                topo = pipeline_topology(layout)
+            except ConfigError as err:
+                assert "megatron.order" in str(err) and "cp next to dp" in str(err)
+                refused += 1
+                continue
+            ours = layout.group_ranks()
+            for axis, kind in (("pipe", "pp"), ("data", "dp-cp"), ("model", "tp")):
+                assert sorted(topo.get_axis_comm_lists(axis)) == sorted(ours[kind]), (layout, axis)
+            tied = sorted(sorted([topo.get_rank(pipe=0, data=d, model=m), topo.get_rank(pipe=layout.pp - 1, data=d,
+                                                                                          model=m)])
+                          for d in range(layout.dp * layout.cp) for m in range(layout.tp))
+            assert tied == sorted(sorted(g) for g in ours["embedding"]), layout
+            built += 1
+    assert built > 20 and refused > 0
 
 
 def _grid_against_state(order, tp):
@@ -113,7 +135,8 @@ def _job(**megatron):
     (dict(zero_optimization={"stage": 2}, optimizer_impl="deepspeed"),
      "zero_optimization.stage=2 with megatron.pipeline_model_parallel_size=2"),
     (dict(virtual_pipeline_model_parallel_size=2), "virtual_pipeline_model_parallel_size=2: the interleaved schedule"),
-    (dict(context_parallel_size=2), "context_parallel_size"),
+    (dict(context_parallel_size=2, order="cp-tp-ep-dp-pp", model={"attention_dropout": 0.0}),
+     "order 'cp-tp-ep-dp-pp' with context_parallel_size 2 and pipeline parallelism"),
     (dict(pipeline_num_layers_per_stage=[3, 2]), r"pipeline_num_layers_per_stage=\[3, 2\] must give 2 stages"),
     (dict(model={"num_layers": 1}), "model.num_layers=1 is below megatron.pipeline_model_parallel_size=2"),
     (dict(model={"num_experts": 2}, optimizer_impl="deepspeed"), "an MoE model with megatron.pipeline_model_parallel"),

@@ -1,0 +1,126 @@
+"""Context parallelism through ``ds-megatron train``: CP=2 (alone, with TP=2 + SP, with PP=2, with MoE)
+trains the CP=1 model on the same global batch: the same per-step and validation losses, the same final weights.
+
+The reference is the single-rank job; the final weights come from each run's last checkpoint, consolidated
+to one fp32 ``GPTModel`` state dict (``convert.export_fp32.consolidate``), which is layout-independent.
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_on_ranks
+from ds_megatron.config import ConfigError
+from ds_megatron.convert.export_fp32 import consolidate
+from ds_megatron.training.train import load_job, train
+
+STEPS = 10
+BASE_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 257,
+              "hidden_dropout": 0.0, "attention_dropout": 0.0}
+
+
+def _config(tmp, cp=1, tp=1, pp=1, ep=1, sp=False, model=None, megatron=None, mbs=2):
+    return {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10 ** 6,
+        "megatron": {
+            "tensor_model_parallel_size": tp, "context_parallel_size": cp, "pipeline_model_parallel_size": pp,
+            "expert_model_parallel_size": ep, "sequence_parallel": sp,
+            "model": {**BASE_MODEL, **(model or {})},
+            "train": {"train_iters": STEPS, "lr": 3e-3, "min_lr": 3e-4, "lr_warmup_iters": 2, "eval_interval": STEPS,
+                      "eval_iters": 1, "save_interval": 0, "output_dir": os.path.join(tmp, "run"), "seed": 5},
+            "data": {"default_corpus_bytes": 300_000, "split": "90,10"},
+            **(megatron or {}),
+        },
+    }
+
+
+def _train(cfg):
+    job = load_job(cfg, dist.get_world_size())
+    res = train(job, cfg, show_progress=False)
+    return res.losses, res.val_losses
+
+
+def _weights(cfg):
+    return consolidate(os.path.join(cfg["megatron"]["train"]["output_dir"], f"iter_{STEPS:07d}"))
+
+
+def _check_same_run(tmp_path, world, par_kwargs, model=None, rtol=1e-5, dp=1):
+    """``world`` ranks with ``par_kwargs`` (dp data-parallel replicas of 2 samples each) against one rank
+    reading the same 2 * dp samples per micro-batch."""
+    par_cfg = _config(str(tmp_path / "cp"), model=model, **par_kwargs)
+    ref_cfg = _config(str(tmp_path / "ref"), model=model, mbs=2 * dp)
+    par = run_on_ranks(world, _train, par_cfg)
+    (ref_losses, ref_val), = run_on_ranks(1, _train, ref_cfg)
+    assert all(r == par[0] for r in par), "ranks disagree on the logged losses"
+    losses, val = par[0]
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in losses:
+        assert losses[step] == pytest.approx(ref_losses[step], rel=rtol, abs=rtol), step
+    assert sorted(val) == sorted(ref_val) and val
+    for step in val:
+        assert val[step] == pytest.approx(ref_val[step], rel=rtol, abs=rtol), step
+    assert losses[STEPS] < losses[1] - 0.3, "the loss did not fall"
+    got, ref = _weights(par_cfg), _weights(ref_cfg)
+    assert sorted(got) == sorted(ref)
+    moved = 0
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=rtol, atol=rtol, msg=name)
+        moved += 1
+    assert moved
+
+
+def test_cp2_trains_the_cp1_model(tmp_path):
+    _check_same_run(tmp_path, 2, {"cp": 2})
+
+
+def test_cp2_all_gather_with_rope_and_gqa_trains_the_cp1_model(tmp_path):
+    model = {"position_embedding_type": "rope", "num_query_groups": 2, "normalization": "RMSNorm",
+             "cp_comm_type": "all_gather"}
+    _check_same_run(tmp_path, 2, {"cp": 2}, model=model)
+
+
+def test_cp2_tp2_sequence_parallel_rope_trains_the_cp1_model(tmp_path):
+    model = {"position_embedding_type": "rope", "num_query_groups": 2, "recompute_granularity": "full"}
+    _check_same_run(tmp_path, 4, {"cp": 2, "tp": 2, "sp": True}, model=model)
+
+
+def test_cp2_pp2_trains_the_cp1_model(tmp_path):
+    _check_same_run(tmp_path, 4, {"cp": 2, "pp": 2})
+
+
+def test_cp2_dp2_distributed_optimizer_trains_the_cp1_model(tmp_path):
+    # dp-cp is 4 ranks here: the buffers reduce (and the distributed optimizer shards) over it.
+    _check_same_run(tmp_path, 4, {"cp": 2, "megatron": {"use_distributed_optimizer": True}}, dp=2)
+
+
+def test_cp2_on_deepspeeds_optimizer_path_trains_the_cp1_model(tmp_path):
+    # DeepSpeed's own reduction averages over the mpu's sequence-data-parallel group: our dp-cp.
+    _check_same_run(tmp_path, 2, {"cp": 2, "megatron": {"optimizer_impl": "deepspeed"}})
+
+
+def test_cp2_moe_ep2_trains_the_cp1_model(tmp_path):
+    model = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
+    _check_same_run(tmp_path, 2, {"cp": 2, "ep": 2}, model=model)
+
+
+@pytest.mark.parametrize("changes, fields", [
+    ({"context_parallel_size": 2, "model": {**BASE_MODEL, "seq_length": 30}},
+     ["model.seq_length 30", "2 * context_parallel_size"]),
+    ({"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True,
+      "model": {**BASE_MODEL, "seq_length": 36}},
+     ["model.seq_length 36", "tensor_model_parallel_size", "sequence_parallel"]),
+    ({"context_parallel_size": 2, "model": {**BASE_MODEL, "attention_dropout": 0.1}},
+     ["model.attention_dropout", "context_parallel_size"]),
+    ({"context_parallel_size": 2, "model": {**BASE_MODEL, "cp_comm_type": "a2a"}}, ["model.cp_comm_type"]),
+])
+def test_context_parallel_config_errors_name_the_fields(tmp_path, changes, fields):
+    cfg = _config(str(tmp_path))
+    cfg["megatron"].update(changes)
+    with pytest.raises(ConfigError) as err:
+        load_job(cfg, 4)
+    for field in fields:
+        assert field in str(err.value)
