@@ -25,7 +25,20 @@ to it and bounded:
   probabilities (one float per row of the dispatch, 1/(2h) of the rows' bytes) and
   the all-gather of the per-expert counts.
 
-Pipeline sends are not counted here yet (no pipeline schedule in the engine).
+* Context parallelism (ring, ``cp_comm_type "p2p"``): per layer each rank sends cp-1
+  K/V blocks (2*b*(s/cp)*kv_heads*d, in the model's dtype) forward, and backward
+  the K/V again plus cp-1 dK/dV accumulators (float32 for bf16 models, the one
+  excess, bounded at 2x the bf16 block).  The all-gather variant moves the same
+  bus bytes once each way (it keeps the gathered K/V for backward).  Besides
+  them: the loss's sum and token count over cp, and the gradients over dp-cp.
+
+* Pipeline (DeepSpeed's 1F1B engine on our groups): per micro-batch each stage but
+  the last sends its output hidden states (b*s*h, b*s*h/tp with sequence
+  parallelism) and each stage but the first their gradient, once; besides them
+  the tied embedding's gradient summed over the first and last stage once per
+  step, and the optimizer's one float64 over the model-parallel group.  Not
+  counted: DeepSpeed's own scalar loss broadcast over the stages (2 floats per
+  step) and the tensor metadata it sends once, on the first step.
 """
 import collections
 
@@ -35,6 +48,7 @@ import torch
 from harness import run_on_ranks
 
 import ds_megatron
+from ds_megatron.config.model import pad_vocab_size
 from ds_megatron.models import GPTConfig, GPTModel
 from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
 from ds_megatron.utils.collectives import count_bytes
@@ -165,3 +179,65 @@ def test_expert_all_to_all_moves_tokens_times_topk_rows():
         assert counts[("all_reduce", "expert-model-parallel", F64)] == 1  # optimizer: flag + squared norm
         assert sum(counts.values()) == 4 * L + 2 * L + L + 2, records  # nothing else
     assert total_hidden == 4 * L * N * rows * topk * H * F32
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_context_parallel_moves_each_kv_block_once_per_hop(cp, precision, comm_type):
+    heads, groups = MODEL["num_attention_heads"], 2  # grouped-query attention: only the KV heads travel
+    bf16 = precision == "bf16"
+    results = run_on_ranks(cp, _step_records, {"context_parallel_size": cp}, {"bf16": {"enabled": True}} if bf16
+                           else {}, {"cp_comm_type": comm_type, "num_query_groups": groups})
+    kv = 2 * B * (S // cp) * (H // heads * groups)  # K and V of this rank's s/cp tokens, elements
+    kv_in, kv_acc = kv * (BF16 if bf16 else F32), kv * F32  # the model's dtype; dK/dV accumulated in fp32
+    for records, info in results:
+        common = {("all_reduce", "cp", 2 * F32): 1,  # the loss: masked sum and token count
+                  ("all_reduce", "dp-cp", info["params"] * F32): 1}  # gradients
+        if comm_type == "p2p":
+            ring = collections.Counter({("ring_exchange", "cp", kv_in): 2 * L * (cp - 1)})
+            ring[("ring_exchange", "cp", kv_acc)] += L * (cp - 1)
+            assert _calls(records) == {**ring, **common}, records
+        else:
+            assert _calls(records) == {("all_gather", "cp", cp * kv_in): L, ("reduce_scatter", "cp", cp * kv_acc): L,
+                                       **common}, records
+        moved = _bus(records, group="cp") - 2 * (cp - 1) / cp * 2 * F32
+        passes = 2 if comm_type == "p2p" else 1  # the ring sends K/V again in backward instead of keeping them
+        assert moved == pytest.approx(L * (cp - 1) * (passes * kv_in + kv_acc), rel=1e-12)
+
+
+def _pipeline_step_records(megatron, micro_batches):
+    cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": micro_batches,
+           "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+           "megatron": {"pipeline_model_parallel_size": 2, **megatron}}
+    state = ds_megatron.initialize_model_parallel(cfg)
+    torch.manual_seed(0)
+    model = ds_megatron.GPTPipelineModule(GPTConfig(**MODEL, sequence_parallel=megatron.get("sequence_parallel", False)),
+                                          state)
+    engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
+    g = torch.Generator().manual_seed(10 + state.dp.rank)
+    for step in range(2):  # the first step also sends DeepSpeed's tensor metadata: count the second
+        tokens = torch.randint(0, V, (micro_batches, B, S + 1), generator=g)
+        with count_bytes() as counter:
+            engine.train_batch(iter([(t[:, :-1], (t[:, 1:], torch.ones(B, S))) for t in tokens]))
+    stage = state.pp.rank
+    engine.megatron.destroy()
+    return [(r.op, r.group, r.payload_bytes, r.shape, r.bus_bytes) for r in counter.records], stage
+
+
+def test_pipeline_sends_each_micro_batchs_hidden_states_and_their_gradient_once():
+    m = 3
+    embedding = pad_vocab_size(V, MODEL["make_vocab_size_divisible_by"], 1) * H * F32
+    for records, stage in run_on_ranks(2, _pipeline_step_records, {}, m):
+        # stage 0: the activations forward; stage 1: their gradients backward
+        assert _calls(records) == {("send", "pp", S * B * H * F32): m,
+                                   ("all_reduce", "embedding", embedding): 1,  # tied word embedding's two copies
+                                   ("all_reduce", "model-parallel", F64): 1}, (stage, records)
+
+
+def test_pipeline_with_sequence_parallelism_sends_this_ranks_slice():
+    m, tp = 2, 2
+    for records, stage in run_on_ranks(4, _pipeline_step_records,
+                                       {"tensor_model_parallel_size": tp, "sequence_parallel": True}, m):
+        sends = [(payload, shape) for op, group, payload, shape, _ in records if group == "pp"]
+        assert sends == [(S // tp * B * H * F32, (S // tp, B, H))] * m, (stage, sends)

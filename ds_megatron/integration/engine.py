@@ -44,8 +44,8 @@ from .gradients import MegatronDDPInEngine, complete_sequence_parallel_grads_in_
 from .moe import mark_engine_has_moe, moe_layers, register_expert_groups
 from .mpu import MegatronMPU
 from .optimizer import prepare_optimizer_path
-from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, pipeline_deepspeed_config,
-                       prepare_pipeline_module, set_routing_loss_scale)
+from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, count_stage_sends,
+                       pipeline_deepspeed_config, prepare_pipeline_module, set_routing_loss_scale)
 from .rng import install_rng_tracker
 from .runtime import adopt_existing_process_group, init_distributed_from_env
 
@@ -188,6 +188,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         args=args, model=model, optimizer=opt_path.optimizer, model_parameters=opt_path.model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, mpu=None if pipeline else our_mpu,
         dist_init_required=dist_init_required, collate_fn=collate_fn, config=opt_path.ds_config, **deepspeed_kwargs)
+    if pipeline:
+        count_stage_sends(parallel_state.pp)
     if pipeline and isinstance(model, GPTPipelineModule):
         set_routing_loss_scale(model, opt_path.optimizer, engine.gradient_accumulation_steps())
     context = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu, ddp=opt_path.ddp, has_moe=has_moe,

@@ -31,7 +31,9 @@ DeepSpeed seams used (0.19.8, ``runtime/pipe/module.py``): the subclass
 overrides ``_partition_layers`` (to place the layers as ``config.pipeline``
 says instead of DeepSpeed's own methods) and ``_synchronize_tied_weights``
 (the same broadcast, under ``no_grad``), and hands already-built modules to
-``PipelineModule.__init__``, which keeps its local slice (``_build``).
+``PipelineModule.__init__``, which keeps its local slice (``_build``).  The
+engine's stage-to-stage sends go through ``runtime/pipe/p2p.send``, which
+``count_stage_sends`` wraps so that ``count_bytes()`` sees them.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe import PipelineModule, ProcessTopology, TiedLayerSpec
+from deepspeed.runtime.pipe import PipelineModule, ProcessTopology, TiedLayerSpec, p2p
 
 from ..config.model import GPTConfig
 from ..config.pipeline import pipeline_grid_axes, stage_layer_counts, stage_layer_ranges
@@ -50,8 +52,9 @@ from ..moe.aux_loss_scaler import MoEAuxLossAutoScaler
 from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer
 from ..parallel.layout import ParallelLayout
-from ..parallel_state import ParallelState
+from ..parallel_state import ParallelGroup, ParallelState
 from ..tensor_parallel import RNGStatesTracker, pad_vocab_size
+from ..utils.collectives import record
 
 _AXIS_NAMES = {"pp": "pipe", "dp": "data", "tp": "model"}
 TIED_EMBEDDING = "word_embeddings"
@@ -319,3 +322,23 @@ def set_routing_loss_scale(model: GPTPipelineModule, optimizer, micro_batches: i
         model.set_aux_loss_gradient_scale(lambda: 1.0 / micro_batches)
     else:
         model.set_aux_loss_gradient_scale(lambda: scaler.scale / micro_batches)
+
+
+_deepspeed_send = p2p.send
+_send_group: Optional[ParallelGroup] = None  # the pp group of the latest pipeline engine
+
+
+def _counted_send(tensor, dest_stage, async_op=False):
+    record("send", _send_group, tensor)
+    return _deepspeed_send(tensor, dest_stage, async_op=async_op)
+
+
+def count_stage_sends(pp_group: ParallelGroup) -> None:
+    """Count DeepSpeed's stage-to-stage sends (activations forward, their gradients backward, tensor metadata on
+    the first step) as ``send`` over ``pp_group`` inside ``count_bytes()``.
+
+    Seam: ``runtime/pipe/engine.py`` calls the module function ``p2p.send`` (``p2p.py:48``) for every tensor it
+    sends; the wrapper records and passes it on unchanged."""
+    global _send_group
+    _send_group = pp_group
+    p2p.send = _counted_send

@@ -18,10 +18,17 @@ exact attention of its queries over the whole sequence:
   With the zigzag layout a (query chunk, key chunk) pair is either full,
   causal on its diagonal, or masked out and skipped.  Backward (flash-attention
   formulas, recomputing the probabilities from the saved log-sum-exp) sends K/V
-  round again with a dK/dV accumulator travelling beside it, which arrives back
-  at its owner after ``cp`` hops.
-- ``"all_gather"``: K/V all-gathered over ``cp``, one masked attention of the
-  local queries against the whole sequence; dK/dV reduce-scattered back.
+  round again with a dK/dV accumulator travelling beside it: it starts on the
+  owner's successor and reaches the owner after ``cp - 1`` hops, where the
+  owner's own contribution (its first block) is added.  Per layer a rank sends
+  ``cp - 1`` K/V blocks forward and ``cp - 1`` K/V blocks plus ``cp - 1``
+  dK/dV accumulators backward, a ring's minimum without keeping every block;
+  K/V travel in the input dtype, the accumulators in float32 for 16-bit inputs
+  (``tests/test_bytes_on_wire.py`` holds both variants to these counts).
+- ``"all_gather"``: K/V all-gathered over ``cp`` (in the input dtype), one
+  masked attention of the local queries against the whole sequence, the
+  gathered K/V kept for backward; dK/dV reduce-scattered back (float32 for
+  16-bit inputs).
 
 Scores are accumulated in float32 for 16-bit inputs and in the input dtype
 otherwise (float64 stays float64).  Grouped-query K/V are expanded per block
@@ -147,7 +154,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float):
         cdt = _compute_dtype(q.dtype)
-        qc, kv = q.to(cdt), torch.stack((k, v)).to(cdt)  # K and V travel as one message
+        qc, kv = q.to(cdt), torch.stack((k, v))  # K and V travel as one message, in their own dtype
         c = q.size(2) // 2
         diagonal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
         out = torch.zeros_like(qc)
@@ -159,7 +166,8 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < cp:  # start the next block's exchange before computing this one
                 incoming = torch.empty_like(kv)
                 works = ring_exchange(kv, incoming, cp_group, tag=_KV_TAG)
-            k_h, v_h = _halves(kv[0]), _halves(kv[1])
+            block = kv.to(cdt)
+            k_h, v_h = _halves(block[0]), _halves(block[1])
             for qi, ki, kind in _chunk_pairs(cp, rank, src, causal):
                 o, l = _block_forward(q_h[qi], k_h[ki], v_h[ki], scale, diagonal if kind == "diagonal" else None)
                 _merge(out_h[qi], lse_h[qi], o, l)
@@ -176,7 +184,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp_group, causal, scale = ctx.cp_group, ctx.causal, ctx.scale
         cdt = out.dtype
-        qc, kv, dout = q.to(cdt), torch.stack((k, v)).to(cdt), dout.to(cdt)
+        qc, kv, dout = q.to(cdt), torch.stack((k, v)), dout.to(cdt)
         delta = (dout * out).sum(-1)
         c = q.size(2) // 2
         diagonal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
@@ -184,15 +192,18 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = cp_group.size, cp_group.rank
         q_h, do_h, dq_h = _halves(qc), _halves(dout), _halves(dq)
         lse_h, delta_h = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
-        # dkv: the gradient of the K/V block held at this step, accumulated by every rank it passes.
-        dkv_in, dkv_works = None, []
+        # At step t this rank holds block (rank - t).  Its own block (t = 0) keeps its contribution here; from
+        # t = 1 an accumulator for the held block arrives from the previous rank (or starts here at t = 1), takes
+        # this rank's contribution and moves on, reaching the block's owner after its last hop.
+        own, dkv_in, dkv_works = None, None, []
         for step in range(cp):
             src = (rank - step) % cp
             if step + 1 < cp:
                 incoming = torch.empty_like(kv)
                 works = ring_exchange(kv, incoming, cp_group, tag=_KV_TAG)
-            k_h, v_h = _halves(kv[0]), _halves(kv[1])
-            contribution = torch.zeros_like(kv)
+            block = kv.to(cdt)
+            k_h, v_h = _halves(block[0]), _halves(block[1])
+            contribution = torch.zeros_like(block)
             dk_h, dv_h = _halves(contribution[0]), _halves(contribution[1])
             for qi, ki, kind in _chunk_pairs(cp, rank, src, causal):
                 g_q, g_k, g_v = _block_backward(q_h[qi], k_h[ki], v_h[ki], do_h[qi], lse_h[qi], delta_h[qi], scale,
@@ -200,19 +211,22 @@ class _RingAttention(torch.autograd.Function):
                 dq_h[qi].add_(g_q)
                 dk_h[ki].add_(g_k)
                 dv_h[ki].add_(g_v)
-            for w in dkv_works:  # the previous rank's accumulator for this block, sent during our compute
-                w.wait()
-            dkv = contribution if dkv_in is None else dkv_in.add_(contribution)
-            # Pass it on; after cp hops each accumulator is back at the rank that owns the block.
-            dkv_in = torch.empty_like(dkv)
-            dkv_works = ring_exchange(dkv, dkv_in, cp_group, tag=_DKV_TAG)
+            if step == 0:
+                own = contribution
+            else:
+                for w in dkv_works:  # the previous rank's accumulator for this block, sent during our compute
+                    w.wait()
+                dkv = contribution if step == 1 else dkv_in.add_(contribution)
+                dkv_in = torch.empty_like(dkv)
+                dkv_works = ring_exchange(dkv, dkv_in, cp_group, tag=_DKV_TAG)
             if step + 1 < cp:
                 for w in works:
                     w.wait()
                 kv = incoming
         for w in dkv_works:
             w.wait()
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
+        dkv = own if dkv_in is None else own.add_(dkv_in)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 # ---------------------------------------------------------------- all-gather
@@ -227,10 +241,10 @@ class _AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float):
         cdt = _compute_dtype(q.dtype)
         cp, local = cp_group.size, q.size(2)
-        kv = torch.stack((k, v)).to(cdt).contiguous()  # [2, b, kv_heads, s/cp, d]
+        kv = torch.stack((k, v)).contiguous()  # [2, b, kv_heads, s/cp, d], gathered in the input dtype
         gathered = kv.new_empty((cp,) + tuple(kv.shape))
         all_gather_into(gathered.view((cp * 2,) + tuple(kv.shape[1:])), kv, cp_group)
-        full = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, kv.size(1), kv.size(2), cp * local, kv.size(4))
+        full = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, kv.size(1), kv.size(2), cp * local, kv.size(4)).to(cdt)
         allowed = None
         if causal:
             positions = _gathered_positions(cp * local, cp, q.device)

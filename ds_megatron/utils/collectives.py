@@ -13,10 +13,12 @@ also counts them: inside ``with count_bytes() as counter:`` every collective
 that communicates is recorded with its group and payload, and
 ``CollectiveRecord.bus_bytes`` converts the payload the way nccl-tests does
 (all-reduce x 2(n-1)/n; all-gather, reduce-scatter and all-to-all x (n-1)/n,
-of the gathered output, the reduced input and the sent buffer; a ring exchange x 1 of what each
-rank sends), so figures
+of the gathered output, the reduced input and the sent buffer; a ring exchange or a send x 1 of
+what each rank sends), so figures
 compare with the layout's formula whatever the machine.  Outside such a block
-the cost is one list test per call.
+the cost is one list test per call.  DeepSpeed's pipeline engine sends the
+hidden states between stages itself; ``integration/pipeline.py`` routes those
+sends through ``record`` so that they are counted too.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ SUM, MAX, AVG = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG
 # nccl-tests' bus-bandwidth factors: what crosses each rank's link per byte of payload.
 _BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
                "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-               "ring_exchange": lambda n: 1.0}
+               "ring_exchange": lambda n: 1.0, "send": lambda n: 1.0}
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,8 @@ def count_bytes() -> Iterator[ByteCounter]:
         _counters.remove(counter)
 
 
-def _record(op: str, group: ParallelGroup, tensor: torch.Tensor) -> None:
+def record(op: str, group: ParallelGroup, tensor: torch.Tensor) -> None:
+    """Count ``tensor`` as the payload of ``op`` over ``group`` in every open ``count_bytes()`` block."""
     if _counters:
         record = CollectiveRecord(op, group.kind, group.size, tensor.numel() * tensor.element_size(),
                                   tuple(tensor.shape))
@@ -117,7 +120,7 @@ def all_reduce(tensor: torch.Tensor, group: ParallelGroup, op=SUM, async_op: boo
     """In place over ``group``; the work handle when ``async_op`` (None for a group of one)."""
     if group.size == 1:
         return None
-    _record("all_reduce", group, tensor)
+    record("all_reduce", group, tensor)
     return dist.all_reduce(tensor, op=op, group=_torch_group(group), async_op=async_op)
 
 
@@ -127,7 +130,7 @@ def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, group: ParallelG
         if output.data_ptr() != tensor.data_ptr():
             output.copy_(tensor)
         return None
-    _record("all_gather", group, output)
+    record("all_gather", group, output)
     return _all_gather_single(output, tensor, group=_torch_group(group), async_op=async_op)
 
 
@@ -138,7 +141,7 @@ def reduce_scatter_into(output: torch.Tensor, tensor: torch.Tensor, group: Paral
         if output.data_ptr() != tensor.data_ptr():
             output.copy_(tensor)
         return None
-    _record("reduce_scatter", group, tensor)
+    record("reduce_scatter", group, tensor)
     return _reduce_scatter_single(output, tensor, op=op, group=_torch_group(group), async_op=async_op)
 
 
@@ -148,7 +151,7 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_s
     if group.size == 1:
         output.copy_(tensor)
         return
-    _record("all_to_all", group, tensor)
+    record("all_to_all", group, tensor)
     dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
                            input_split_sizes=input_split_sizes, group=_torch_group(group))
 
@@ -161,7 +164,7 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: ParallelGroup, 
     if group.size == 1:
         recv.copy_(send)
         return []
-    _record("ring_exchange", group, send)
+    record("ring_exchange", group, send)
     pg = _torch_group(group)
     nxt, prev = group.ranks[(group.rank + 1) % group.size], group.ranks[(group.rank - 1) % group.size]
     return [dist.isend(send, nxt, group=pg, tag=tag), dist.irecv(recv, prev, group=pg, tag=tag)]

@@ -35,7 +35,7 @@ def _dense(q, k, v, dout, causal):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _cp_rank(kv_heads, comm_type, causal):
+def _cp_rank(kv_heads, comm_type, causal, dtype=torch.float64):
     import torch.distributed as dist
     from ds_megatron.parallel import ParallelLayout
     from ds_megatron.parallel_state import ParallelState
@@ -43,11 +43,11 @@ def _cp_rank(kv_heads, comm_type, causal):
     state = ParallelState.build(ParallelLayout(world_size=cp, cp=cp))
     try:
         group = state.cp
-        q, k, v, dout = (zigzag_split(t, cp, group.rank, seq_dim=2) for t in _inputs(kv_heads))
+        q, k, v, dout = (zigzag_split(t, cp, group.rank, seq_dim=2).to(dtype) for t in _inputs(kv_heads))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         out = context_parallel_attention(q, k, v, group, comm_type=comm_type, causal=causal)
         out.backward(dout)
-        assert out.dtype == q.grad.dtype == k.grad.dtype == torch.float64
+        assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
         return out.detach(), q.grad, k.grad, v.grad
     finally:
         state.destroy()
@@ -77,6 +77,18 @@ def test_not_causal(comm_type):
     per_rank = run_on_ranks(2, _cp_rank, 2, comm_type, False, timeout=120)
     for i in range(4):
         assert _rel(zigzag_unsplit([r[i] for r in per_rank], seq_dim=2), expected[i]) < TOL
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_bfloat16_inputs_match_dense_attention_to_bfloat16_rounding(comm_type):
+    # K/V travel in bf16, blocks are computed and dK/dV accumulated in float32: the result is the exact
+    # attention of the bf16 inputs up to bf16's rounding of the outputs (2^-8 relative).
+    inputs = [t.to(torch.bfloat16).to(torch.float64) for t in _inputs(2)]
+    expected = _dense(*inputs, causal=True)
+    per_rank = run_on_ranks(4, _cp_rank, 2, comm_type, True, torch.bfloat16, timeout=120)
+    for name, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
+        got = zigzag_unsplit([r[i].double() for r in per_rank], seq_dim=2)
+        assert _rel(got, expected[i]) < 2 ** -7, (name, _rel(got, expected[i]))
 
 
 def test_one_rank_group_is_dense_attention():
