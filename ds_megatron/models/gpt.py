@@ -52,7 +52,8 @@ class PositionEmbedding(torch.nn.Module):
 
     With ``position_embedding_type`` "rope" or "none" it has no weight (RoPE turns q and k in attention).
 
-    Under sequence parallelism the result is this rank's slice of the sequence.
+    Under sequence parallelism the result is this rank's slice of the sequence.  With context parallelism the
+    input is this CP rank's two zigzag chunks (``ContextParallelVocabEmbedding``), and so are the positions.
     A module of its own so that a pipeline's first stage runs it after the
     (tied) word embedding; ``GPTModel`` holds it as ``position_embeddings``.
     """
@@ -71,13 +72,10 @@ class PositionEmbedding(torch.nn.Module):
             init_method(self.weight)
 
     def forward(self, word_embedded: torch.Tensor) -> torch.Tensor:
-        s = word_embedded.size(1)
+        s = word_embedded.size(1) * self.cp.size  # with CP: this rank's two zigzag chunks of s tokens
         if s > self.config.seq_length:
             raise ValueError(f"input has {s} tokens but model.seq_length is {self.config.seq_length}")
         if self.cp.size > 1:
-            # Every CP rank receives the whole sample; it keeps its two zigzag chunks (Megatron's
-            # get_batch_on_this_cp_rank) and their positions.
-            word_embedded = zigzag_split(word_embedded, self.cp.size, self.cp.rank, seq_dim=1)
             if self.weight is not None:
                 positions = zigzag_chunk_indices(s, self.cp.size, self.cp.rank).to(word_embedded.device)
                 word_embedded = word_embedded + self.weight[positions]
@@ -94,6 +92,19 @@ class PositionEmbedding(torch.nn.Module):
             with fork:
                 hidden = F.dropout(hidden, p=self.config.hidden_dropout)
         return hidden
+
+
+class ContextParallelVocabEmbedding(VocabParallelEmbedding):
+    """The word embedding of a context-parallel rank: every CP rank receives the whole sample and looks up only
+    its two zigzag chunks (Megatron's ``get_batch_on_this_cp_rank``), so that the lookup and its all-reduce over
+    TP cover ``s / cp`` tokens.  Its weight is a ``VocabParallelEmbedding``'s, under the same name."""
+
+    def __init__(self, *args, cp: ParallelGroup, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cp = cp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(zigzag_split(input_ids, self.cp.size, self.cp.rank, seq_dim=1))
 
 
 class OutputLayer(ColumnParallelLinear):
@@ -196,8 +207,12 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
         with torch.no_grad():
             weight[config.vocab_size:].zero_()
 
-    yield "word_embeddings", VocabParallelEmbedding(padded_vocab_size, config.hidden_size, tp=tp,
-                                                    init_method=embedding_init)
+    if parallel_state.cp.size > 1:
+        yield "word_embeddings", ContextParallelVocabEmbedding(padded_vocab_size, config.hidden_size, tp=tp,
+                                                               init_method=embedding_init, cp=parallel_state.cp)
+    else:
+        yield "word_embeddings", VocabParallelEmbedding(padded_vocab_size, config.hidden_size, tp=tp,
+                                                        init_method=embedding_init)
     yield "position_embeddings", PositionEmbedding(config, tp, rng_tracker, init, cp=parallel_state.cp)
 
     def mlp(layer_number: int) -> torch.nn.Module:
