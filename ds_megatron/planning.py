@@ -1,4 +1,5 @@
-"""``ds-megatron plan --config FILE --world-size N``: memory per rank of a GPT job, before launching it.
+"""``ds-megatron plan --config FILE --world-size N``: memory per rank of a GPT job, and the bytes each rank
+sends per step (``comm_volume``), before launching it.
 
 Pure Python (no torch): the figures come from ``GPTConfig``, the parallel
 layout and the precision settings, and are what a built ``GPTModel`` and our
@@ -268,7 +269,8 @@ def format_plan(plans: Sequence[RankMemory], header: str) -> str:
 
 
 def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None):
-    """(header, plans) for a job config (path or dict)."""
+    """(header, plans, comm) for a job config (path or dict): the memory per role and the bytes on the wire per
+    stage (``comm_volume.plan_comm_volume``; a line saying why instead, where it does not apply)."""
     job = parse_job_config(config)
     layout = job.megatron.layout(world_size)
     precision = job.megatron.precision
@@ -290,7 +292,16 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
               f"params {precision.params_dtype}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
-    return header, plans
+    from .comm_volume import plan_comm_volume  # built on this module's parameter counts
+    if not precision.owns_optimizer:
+        comm = "bytes on the wire: not planned on DeepSpeed's optimizer path (DeepSpeed reduces the gradients)"
+    else:
+        try:
+            comm = plan_comm_volume(job.model, layout, precision.params_dtype, mb, micro_batches, distributed,
+                                    parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage)
+        except ConfigError as e:
+            comm = f"bytes on the wire: not planned ({e})"
+    return header, plans, comm
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -301,15 +312,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     try:
-        header, plans = plan_from_config(args.config, args.world_size, args.micro_batch)
+        header, plans, comm = plan_from_config(args.config, args.world_size, args.micro_batch)
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"header": header,
-                          "roles": [dict(asdict(p), total_bytes=p.total_bytes) for p in plans]}))
+                          "roles": [dict(asdict(p), total_bytes=p.total_bytes) for p in plans],
+                          "comm": comm if isinstance(comm, str) else
+                          [{"stage": c.stage, "bus_bytes": c.bus_bytes, "total": c.total} for c in comm]}))
     else:
+        from .comm_volume import format_comm_volume
         print(format_plan(plans, header))
+        print("\n" + (comm if isinstance(comm, str) else format_comm_volume(comm)))
     return 0
 
 

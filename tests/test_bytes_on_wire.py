@@ -81,7 +81,7 @@ def _step_records(megatron, precision, model_extra):
                                             if getattr(p, "sequence_parallel", False)),
             "dense_params": sum(p.numel() for p in model.parameters() if not getattr(p, "is_expert", False)),
             "buffer_numel": sum(b.numel for b in engine.megatron.ddp.all_buffers),
-            "buffered_params": sum(len(b.params) for b in engine.megatron.ddp.all_buffers)}
+            "buffered_params": sum(len(b.params) for b in engine.megatron.ddp.all_buffers), "layout": state.layout}
     if engine.megatron.ddp_in_engine is not None:
         engine.megatron.ddp_in_engine.detach()
     state.destroy()
@@ -220,15 +220,15 @@ def _pipeline_step_records(megatron, micro_batches):
         tokens = torch.randint(0, V, (micro_batches, B, S + 1), generator=g)
         with count_bytes() as counter:
             engine.train_batch(iter([(t[:, :-1], (t[:, 1:], torch.ones(B, S))) for t in tokens]))
-    stage = state.pp.rank
+    stage, layout = state.pp.rank, state.layout
     engine.megatron.destroy()
-    return [(r.op, r.group, r.payload_bytes, r.shape, r.bus_bytes) for r in counter.records], stage
+    return [(r.op, r.group, r.payload_bytes, r.shape, r.bus_bytes) for r in counter.records], stage, layout
 
 
 def test_pipeline_sends_each_micro_batchs_hidden_states_and_their_gradient_once():
     m = 3
     embedding = pad_vocab_size(V, MODEL["make_vocab_size_divisible_by"], 1) * H * F32
-    for records, stage in run_on_ranks(2, _pipeline_step_records, {}, m):
+    for records, stage, _ in run_on_ranks(2, _pipeline_step_records, {}, m):
         # stage 0: the activations forward; stage 1: their gradients backward
         assert _calls(records) == {("send", "pp", S * B * H * F32): m,
                                    ("all_reduce", "embedding", embedding): 1,  # tied word embedding's two copies
@@ -237,7 +237,70 @@ def test_pipeline_sends_each_micro_batchs_hidden_states_and_their_gradient_once(
 
 def test_pipeline_with_sequence_parallelism_sends_this_ranks_slice():
     m, tp = 2, 2
-    for records, stage in run_on_ranks(4, _pipeline_step_records,
+    for records, stage, _ in run_on_ranks(4, _pipeline_step_records,
                                        {"tensor_model_parallel_size": tp, "sequence_parallel": True}, m):
         sends = [(payload, shape) for op, group, payload, shape, _ in records if group == "pp"]
         assert sends == [(S // tp * B * H * F32, (S // tp, B, H))] * m, (stage, sends)
+
+
+# ---------------------------------------------------------------- the plan's formula (ds_megatron.comm_volume)
+
+def _measured_by_kind(records):
+    """Bus bytes by the plan's group kinds: the optimizer's one float64 is "optimizer" whatever its group."""
+    out = collections.defaultdict(float)
+    for op, group, payload, shape, bus in records:
+        out["optimizer" if (op, payload, shape) == ("all_reduce", F64, ()) else group] += bus
+    return dict(out)
+
+
+def _check_plan(measured, planned, padded_params=0, bytes_per_padding=0.0):
+    assert sorted(measured) == sorted(planned.bus_bytes), (measured, planned)
+    for kind, nbytes in planned.bus_bytes.items():
+        excess = measured[kind] - nbytes
+        bound = padded_params * bytes_per_padding if kind == "dp-cp" else 0.0
+        assert -1e-9 <= excess <= bound + 1e-9, (kind, measured[kind], nbytes)
+
+
+BF16_ON = {"bf16": {"enabled": True}}
+PLAN_CASES = {  # name: (ranks, megatron section, precision section, model options)
+    "dp2": (2, {}, {}, {}),
+    "dp2-distopt-bf16": (2, {"use_distributed_optimizer": True}, BF16_ON, {}),
+    "tp2": (2, {"tensor_model_parallel_size": 2}, {}, {}),
+    "tp2-sp-bf16": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, BF16_ON,
+                    {"sequence_parallel": True}),
+    "tp4-kv-copies-qknorm-recompute": (4, {"tensor_model_parallel_size": 4}, {},
+                                       {"num_query_groups": 2, "qk_layernorm": True, "recompute_granularity": "full",
+                                        "normalization": "RMSNorm", "position_embedding_type": "rope"}),
+    "cp2-bf16-gqa": (2, {"context_parallel_size": 2}, BF16_ON, {"num_query_groups": 2}),
+    "cp2-all-gather-recompute": (2, {"context_parallel_size": 2}, {},
+                                 {"cp_comm_type": "all_gather", "recompute_granularity": "full"}),
+    "tp2-cp2-sp-dp": (4, {"tensor_model_parallel_size": 2, "context_parallel_size": 2, "sequence_parallel": True},
+                      {}, {"sequence_parallel": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAN_CASES))
+def test_the_plans_formula_is_what_a_step_moves(name):
+    from ds_megatron.comm_volume import plan_comm_volume
+    ranks, megatron, precision, model = PLAN_CASES[name]
+    dtype = "bf16" if precision else "fp32"
+    distopt = megatron.get("use_distributed_optimizer", False)
+    for records, info in run_on_ranks(ranks, _step_records, megatron, precision, model):
+        planned, = plan_comm_volume(GPTConfig(**MODEL, **model), info["layout"], dtype, micro_batch=B,
+                                    distributed_optimizer=distopt)
+        n = info["layout"].dp * info["layout"].cp
+        padding = (n - 1) / n * (F32 + (BF16 if precision else F32)) if distopt else 0.0
+        _check_plan(_measured_by_kind(records), planned, 64 * info["buffered_params"] + 128, padding)
+
+
+@pytest.mark.parametrize("megatron", [{}, {"tensor_model_parallel_size": 2, "sequence_parallel": True}],
+                         ids=["pp2", "tp2-sp-pp2"])
+def test_the_plans_formula_holds_for_each_pipeline_stage(megatron):
+    from ds_megatron.comm_volume import plan_comm_volume
+    m = 3
+    ranks = 2 * megatron.get("tensor_model_parallel_size", 1)
+    model = {"sequence_parallel": megatron.get("sequence_parallel", False)}
+    for records, stage, layout in run_on_ranks(ranks, _pipeline_step_records, megatron, m):
+        planned = plan_comm_volume(GPTConfig(**MODEL, **model), layout, micro_batch=B, micro_batches=m)
+        assert [p.stage for p in planned] == [0, 1]
+        _check_plan(_measured_by_kind(records), planned[stage])

@@ -39,7 +39,9 @@ global batch.  "peak" is the share of that round's sgemm rate.
 
 With memory on (default), each layout also trains one profiled step of ours
 and prints each rank's peak tensor bytes (what lives before the step plus the
-highest point the allocations reach inside it) next to ``ds-megatron plan``.
+highest point the allocations reach inside it) next to ``ds-megatron plan``, and
+the bus bytes the step put on the wire (counted on the package's collectives) next
+to the plan's formula (``ds_megatron.comm_volume``).
 """
 from __future__ import annotations
 
@@ -275,6 +277,7 @@ def _job(args, layout_name):
     import torch.distributed as dist
     _patch_megatron_core_for_cpu()
     from ds_megatron.integration.runtime import set_deepspeed_log_level
+    from ds_megatron.comm_volume import plan_comm_volume
     from ds_megatron.planning import plan_memory
     from ds_megatron.utils.collectives import count_bytes
     set_deepspeed_log_level("ERROR")
@@ -341,13 +344,15 @@ def _job(args, layout_name):
                 transient = _memory_step(engine, forward, batch)
             plan = next(p for p in plan_memory(gpt, state.layout, "fp32", "adamw", micro_batch=args.mbs)
                         if dist.get_rank() in p.ranks)
+            comm, = plan_comm_volume(gpt, state.layout, "fp32", micro_batch=args.mbs)
             mine = torch.tensor([static, transient, static + transient, plan.total_bytes,
                                  plan.total_bytes - plan.activation_bytes, plan.activation_bytes,
-                                 counter.bus_bytes()], dtype=torch.float64)
+                                 counter.bus_bytes(), comm.total], dtype=torch.float64)
             every = [torch.zeros_like(mine) for _ in range(world)]
             dist.all_gather(every, mine)
             row["memory"] = [dict(zip(("static", "transient_peak", "peak", "plan_total", "plan_static",
-                                       "plan_activations", "bus_bytes"), t.tolist())) for t in every]
+                                       "plan_activations", "bus_bytes", "plan_bus_bytes"), t.tolist()))
+                             for t in every]
         out.append(row)
         for kind, (engine, _) in impls.items():
             if kind == "ours" and engine.megatron.ddp_in_engine is not None:
@@ -384,14 +389,16 @@ def _print(rows, args):
         print("\nours, peak tensor bytes per rank (measured: alive before the step + highest point inside it) "
               "vs ds-megatron plan")
         print(f"{'size':6s} {'layout':6s} {'rank':>4s} {'static MiB':>11s} {'plan':>8s} {'step peak':>10s} "
-              f"{'plan act.':>10s} {'total MiB':>10s} {'plan':>8s} {'plan/measured':>13s} {'bus MB/step':>12s}")
+              f"{'plan act.':>10s} {'total MiB':>10s} {'plan':>8s} {'plan/measured':>13s} {'bus MB/step':>12s} "
+              f"{'plan':>8s}")
         for row in rows:
             for rank, m in enumerate(row.get("memory", [])):
                 mib = 2 ** 20
                 print(f"{row['size']:6s} {row['layout']:6s} {rank:4d} {m['static'] / mib:11.1f} "
                       f"{m['plan_static'] / mib:8.1f} {m['transient_peak'] / mib:10.1f} "
                       f"{m['plan_activations'] / mib:10.1f} {m['peak'] / mib:10.1f} {m['plan_total'] / mib:8.1f} "
-                      f"{m['plan_total'] / m['peak']:12.2f}x {m['bus_bytes'] / 1e6:12.2f}")
+                      f"{m['plan_total'] / m['peak']:12.2f}x {m['bus_bytes'] / 1e6:12.2f} "
+                      f"{m['plan_bus_bytes'] / 1e6:8.2f}")
 
 
 def main(argv=None):

@@ -74,6 +74,11 @@ def test_cli_prints_each_role_and_fails_in_one_line(tmp_path):
     doc = json.loads(run.stdout)
     assert [r["role"] for r in doc["roles"]] == ["tp rank 0", "tp rank 1"] and doc["roles"][0]["ranks"] == [0, 2]
     assert "bf16" in doc["header"] and "torch" not in run.stderr
+    (comm,) = doc["comm"]  # the bytes on the wire (tests/test_bytes_on_wire.py holds them to measured steps)
+    assert sorted(comm["bus_bytes"]) == ["dp-cp", "optimizer", "tp"] and comm["total"] > 0
+    text = subprocess.run([sys.executable, "-m", "ds_megatron.cli", "plan", "--config", str(path), "--world-size",
+                           "4"], capture_output=True, text=True, timeout=60).stdout
+    assert "bus MB per step per rank" in text and "every rank: dp-cp" in text
     cfg["fp16"] = {"enabled": True}
     path.write_text(json.dumps(cfg))
     bad = subprocess.run([sys.executable, "-m", "ds_megatron.cli", "plan", "--config", str(path), "--world-size", "4"],

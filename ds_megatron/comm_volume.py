@@ -1,0 +1,161 @@
+"""Bytes each rank puts on the wire per training step, from the config alone (pure, no torch).
+
+The formula of each layout, as nccl-tests counts bus bytes (all-reduce
+2(n-1)/n of the tensor, all-gather and reduce-scatter (n-1)/n of the whole
+tensor, a point-to-point send 1x), for a dense GPT on our optimizer path, per
+step of ``micro_batches`` micro-batches of ``micro_batch`` samples
+(``s = seq_length / cp`` tokens each on a rank, ``a`` bytes per activation
+element in the params dtype):
+
+* data parallel (over ``dp-cp``): one all-reduce of the fp32 gradients; with
+  the distributed optimizer one reduce-scatter of them and one all-gather of
+  the params (alignment padding, under 64 elements per param, left out);
+* tensor parallel: per layer and micro-batch two all-reduces of ``s*b*h``
+  forward and two backward (with sequence parallelism the same bytes as
+  all-gathers and reduce-scatters), and with full recomputation the first one
+  again (SP: two gathers and a reduce-scatter: torch's checkpoint reruns the
+  forward only up to the MLP's input); besides them the embedding's forward
+  all-reduce (then scattered, with SP), the output layer's input gradient
+  (its input all-gathered, with SP), the vocab-parallel cross entropy's
+  ``3*b*s`` floats, the replicated norms' and biases' gradients once per step
+  (partial sums with SP, and the q/k norms always), and with more TP ranks
+  than KV heads the KV projection's gradient per micro-batch;
+* context parallelism: per layer and micro-batch ``cp - 1`` K/V blocks forward
+  and ``cp - 1`` K/V blocks and dK/dV accumulators (fp32 for 16-bit models)
+  backward on the ring, or one all-gather and one reduce-scatter of them (the
+  forward's exchange again with full recomputation);
+  the loss's sum and token count over ``cp``;
+* pipeline: per micro-batch the stage's output hidden states forward (all
+  stages but the last) and their gradient backward (all but the first); the
+  tied embedding's gradient summed over the first and last stage once;
+* the optimizer: one float64 (inf flag and squared norm) over the ranks that
+  hold different parts of the model.
+
+``tests/test_bytes_on_wire.py`` counts the collectives of real steps and holds
+them to these figures; ``launch/bench/bench_vs_peers.py`` prints both.  MoE
+layers are not planned: the all-to-all volume depends on the routing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+from .config.model import pad_vocab_size
+from .config.pipeline import stage_layer_counts, stage_layer_ranges
+from .errors import ConfigError
+from .planning import gpt_param_counts, layer_counts, layer_param_count
+
+BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+F32, F64 = 4, 8
+
+
+def _all_reduce(n: int, nbytes: float) -> float:
+    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def _gather_or_scatter(n: int, nbytes: float) -> float:
+    return (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class StageComm:
+    """Bus bytes per step of every rank of one pipeline stage, by group kind (``tp``, ``cp``, ``dp-cp``, ``pp``,
+    ``embedding``, and ``optimizer`` for the norm's one scalar)."""
+
+    stage: int
+    bus_bytes: Dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.bus_bytes.values())
+
+
+def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int = 1, micro_batches: int = 1,
+                     distributed_optimizer: bool = False, partition_method: str = "uniform",
+                     layers_per_stage: Optional[Sequence[int]] = None) -> List[StageComm]:
+    """One ``StageComm`` per pipeline stage (the ranks of a stage all move the same bytes)."""
+    if cfg.num_experts:
+        raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
+                          "the communication plan covers dense models")
+    t, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
+    a = BYTES[params_dtype]
+    s, b, h, d = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.head_dim
+    sp = cfg.sequence_parallel and t > 1
+    recompute = cfg.recompute_granularity == "full"
+    sbh = s * b * h * a
+    weights = [layer_param_count(cfg, i, t) for i in range(cfg.num_layers)]
+    ranges = stage_layer_ranges(stage_layer_counts(cfg.num_layers, pp, partition_method, layers_per_stage, weights))
+    kv_heads = max(cfg.query_groups // t, 1)  # per TP rank (one group's copy when TP exceeds the groups)
+    out = []
+    for stage, layers in enumerate(ranges):
+        first, last = stage == 0, stage == pp - 1
+        counts = gpt_param_counts(cfg, t, layers=layers, first_stage=first, last_stage=last)
+        m, n_layers = micro_batches, len(layers)
+        vol: Dict[str, float] = {}
+
+        def add(kind: str, nbytes: float) -> None:
+            if nbytes:
+                vol[kind] = vol.get(kind, 0.0) + nbytes
+
+        # Gradients and, with the distributed optimizer, params, over dp-cp (the buffers hold fp32 grads).
+        grads = counts.total * F32
+        if distributed_optimizer:
+            add("dp-cp", _gather_or_scatter(dp * cp, grads) + _gather_or_scatter(dp * cp, counts.total * a))
+        else:
+            add("dp-cp", _all_reduce(dp * cp, grads))
+        # Tensor parallel activations.  A layer's forward reduces twice (SP: gathers its attention and MLP inputs,
+        # reduce-scatters their outputs), its backward as much again.  Full recomputation reruns the forward up to
+        # the last tensor the backward needs (torch's early stop), the MLP's input: its first reduction (SP: two
+        # gathers and a reduce-scatter) again.  The embedding is all-reduced (SP: then scattered, gathered in
+        # backward); the output layer's input gradient is reduced (SP: its input gathered, the gradient scattered).
+        ar, g = _all_reduce(t, sbh), _gather_or_scatter(t, sbh)
+        if sp:
+            per_layer = (8 + 3 * recompute) * g
+            ends = (ar + g) * first + 2 * g * last
+        else:
+            per_layer = (4 + recompute) * ar
+            ends = ar * (first + last)
+        add("tp", m * (n_layers * per_layer + ends))
+        if last:  # the cross entropy: the max, then the target logit and the sum of exponentials, in fp32
+            add("tp", m * _all_reduce(t, 3 * s * b * F32))
+        partial = sum(layer_counts(cfg, i, t).replicated for i in layers) + (_norm_params(cfg) if last else 0)
+        if not sp:  # only the q/k norms see a part of the heads without SP
+            partial = (2 * _norm_params(cfg, d) * n_layers) if cfg.qk_layernorm else 0
+        add("tp", _all_reduce(t, partial * F32))
+        if t > cfg.query_groups:  # each KV group's projection copies: gradients summed in every backward
+            kv_grad = cfg.query_groups * 2 * d * (h + int(cfg.qkv_bias)) * a
+            add("tp", m * n_layers * _all_reduce(t, kv_grad))
+        # Context parallelism: K/V of this rank's s tokens.
+        if cp > 1:
+            kv = 2 * b * s * kv_heads * d
+            acc = F32 if a < F32 else a
+            # Forward (and its recomputation); the ring sends K/V again in backward, the all-gather keeps them.
+            passes = 1 + int(recompute) + int(cfg.cp_comm_type == "p2p")
+            add("cp", m * n_layers * (cp - 1) * kv * (passes * a + acc))
+            add("cp", m * _all_reduce(cp, 2 * F32) if last else 0)
+        # Pipeline: hidden states (this rank's slice with SP) forward, their gradient backward.
+        hidden = sbh / t if sp else sbh
+        add("pp", m * hidden * ((not last) + (not first)))
+        if pp > 1 and (first or last) and not cfg.untie_embeddings_and_output_weights:
+            vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, t)
+            add("embedding", _all_reduce(2, vocab // t * h * F32))
+        holders = t * pp * (dp * cp if distributed_optimizer else 1)
+        add("optimizer", _all_reduce(holders, F64))
+        out.append(StageComm(stage, vol))
+    return out
+
+
+def _norm_params(cfg, width: Optional[int] = None) -> int:
+    width = cfg.hidden_size if width is None else width
+    return width if cfg.normalization == "RMSNorm" else 2 * width
+
+
+def format_comm_volume(stages: Sequence[StageComm]) -> str:
+    """One line per stage: MB per step by group kind, and the total."""
+    kinds = sorted({k for st in stages for k in st.bus_bytes})
+    lines = ["bus MB per step per rank (nccl-tests bus bytes): " + (", ".join(kinds) if kinds else "none")]
+    for st in stages:
+        parts = ", ".join(f"{k} {st.bus_bytes[k] / 1e6:,.3f}" for k in kinds if k in st.bus_bytes)
+        who = f"stage {st.stage}" if len(stages) > 1 else "every rank"
+        lines.append(f"  {who}: {parts or '-'}; total {st.total / 1e6:,.3f}")
+    return "\n".join(lines)
