@@ -118,9 +118,11 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         add("tp", m * (n_layers * per_layer + ends))
         if last:  # the cross entropy: the max, then the target logit and the sum of exponentials, in fp32
             add("tp", m * _all_reduce(t, 3 * s * b * F32))
-        partial = sum(layer_counts(cfg, i, t).replicated for i in layers) + (_norm_params(cfg) if last else 0)
-        if not sp:  # only the q/k norms see a part of the heads without SP
-            partial = (2 * _norm_params(cfg, d) * n_layers) if cfg.qk_layernorm else 0
+        # Replicated weights whose gradients are partial sums over TP, summed once per step (in fp32).
+        if sp:  # norms and row-parallel biases see this rank's tokens only (the q/k norms its heads)
+            partial = sum(layer_counts(cfg, i, t).replicated for i in layers) + (_norm_params(cfg) if last else 0)
+        else:  # the q/k norms see this rank's heads only
+            partial = 2 * _norm_params(cfg, d) * n_layers if cfg.qk_layernorm else 0
         add("tp", _all_reduce(t, partial * F32))
         if t > cfg.query_groups:  # each KV group's projection copies: gradients summed in every backward
             kv_grad = cfg.query_groups * 2 * d * (h + int(cfg.qkv_bias)) * a
