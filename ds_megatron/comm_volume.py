@@ -17,9 +17,10 @@ element in the params dtype):
   forward only up to the MLP's input); besides them the embedding's forward
   all-reduce (then scattered, with SP), the output layer's input gradient
   (its input all-gathered, with SP), the vocab-parallel cross entropy's
-  ``3*b*s`` floats, the replicated norms' and biases' gradients once per step
-  (partial sums with SP, and the q/k norms always), and with more TP ranks
-  than KV heads the KV projection's gradient per micro-batch;
+  ``3*b*s`` floats, and once per step the gradients that are partial sums over
+  TP: the replicated norms and biases with SP, the q/k norms always, and with
+  more TP ranks than KV groups the KV projection's copies (each group's slot
+  in one buffer of all groups, summed over TP);
 * context parallelism: per layer and micro-batch ``cp - 1`` K/V blocks forward
   and ``cp - 1`` K/V blocks and dK/dV accumulators (fp32 for 16-bit models)
   backward on the ring, or one all-gather and one reduce-scatter of them (the
@@ -123,10 +124,9 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             partial = sum(layer_counts(cfg, i, t).replicated for i in layers) + (_norm_params(cfg) if last else 0)
         else:  # the q/k norms see this rank's heads only
             partial = 2 * _norm_params(cfg, d) * n_layers if cfg.qk_layernorm else 0
+        if t > cfg.query_groups:  # each KV group's projection copies: every group's slot in the same all-reduce
+            partial += n_layers * cfg.query_groups * 2 * d * (h + int(cfg.qkv_bias))
         add("tp", _all_reduce(t, partial * F32))
-        if t > cfg.query_groups:  # each KV group's projection copies: gradients summed in every backward
-            kv_grad = cfg.query_groups * 2 * d * (h + int(cfg.qkv_bias)) * a
-            add("tp", m * n_layers * _all_reduce(t, kv_grad))
         # Context parallelism: K/V of this rank's s tokens.
         if cp > 1:
             kv = 2 * b * s * kv_heads * d

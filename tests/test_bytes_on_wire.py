@@ -61,8 +61,9 @@ F32, BF16, F64 = 4, 2, 8
 N = 2  # ranks
 
 
-def _step_records(megatron, precision, model_extra):
-    cfg = {"train_micro_batch_size_per_gpu": B, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+def _step_records(megatron, precision, model_extra, micro_batches=1):
+    cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": micro_batches,
+           "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
            "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "megatron": dict(megatron), **precision}
     state = ds_megatron.initialize_model_parallel(cfg)
     torch.manual_seed(0)
@@ -71,11 +72,12 @@ def _step_records(megatron, precision, model_extra):
     engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
     g = torch.Generator().manual_seed(10 + state.dp.rank)
     for step in range(2):
-        tokens = torch.randint(0, V, (B, S + 1), generator=g)
         with count_bytes() as counter:
-            loss = engine({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
-            engine.backward(loss)
-            engine.step()
+            for _ in range(micro_batches):  # DeepSpeed steps at the last one
+                tokens = torch.randint(0, V, (B, S + 1), generator=g)
+                loss = engine({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+                engine.backward(loss)
+                engine.step()
     info = {"params": sum(p.numel() for p in model.parameters()),
             "sequence_parallel_params": sum(p.numel() for p in model.parameters()
                                             if getattr(p, "sequence_parallel", False)),
@@ -262,7 +264,7 @@ def _check_plan(measured, planned, padded_params=0, bytes_per_padding=0.0):
 
 
 BF16_ON = {"bf16": {"enabled": True}}
-PLAN_CASES = {  # name: (ranks, megatron section, precision section, model options)
+PLAN_CASES = {  # name: (ranks, megatron section, precision section, model options[, micro-batches])
     "dp2": (2, {}, {}, {}),
     "dp2-distopt-bf16": (2, {"use_distributed_optimizer": True}, BF16_ON, {}),
     "tp2": (2, {"tensor_model_parallel_size": 2}, {}, {}),
@@ -271,6 +273,9 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
     "tp4-kv-copies-qknorm-recompute": (4, {"tensor_model_parallel_size": 4}, {},
                                        {"num_query_groups": 2, "qk_layernorm": True, "recompute_granularity": "full",
                                         "normalization": "RMSNorm", "position_embedding_type": "rope"}),
+    # Two KV groups on four TP ranks, three micro-batches: the copies' gradients are summed once per step.
+    "tp4-kv-copies-sp-bf16-3-micro-batches": (4, {"tensor_model_parallel_size": 4, "sequence_parallel": True}, BF16_ON,
+                                              {"num_query_groups": 2, "sequence_parallel": True}, 3),
     "cp2-bf16-gqa": (2, {"context_parallel_size": 2}, BF16_ON, {"num_query_groups": 2}),
     "cp2-all-gather-recompute": (2, {"context_parallel_size": 2}, {},
                                  {"cp_comm_type": "all_gather", "recompute_granularity": "full"}),
@@ -282,12 +287,13 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
 @pytest.mark.parametrize("name", list(PLAN_CASES))
 def test_the_plans_formula_is_what_a_step_moves(name):
     from ds_megatron.comm_volume import plan_comm_volume
-    ranks, megatron, precision, model = PLAN_CASES[name]
+    ranks, megatron, precision, model, *micro_batches = PLAN_CASES[name]
+    m = micro_batches[0] if micro_batches else 1
     dtype = "bf16" if precision else "fp32"
     distopt = megatron.get("use_distributed_optimizer", False)
-    for records, info in run_on_ranks(ranks, _step_records, megatron, precision, model):
+    for records, info in run_on_ranks(ranks, _step_records, megatron, precision, model, m):
         planned, = plan_comm_volume(GPTConfig(**MODEL, **model), info["layout"], dtype, micro_batch=B,
-                                    distributed_optimizer=distopt)
+                                    micro_batches=m, distributed_optimizer=distopt)
         n = info["layout"].dp * info["layout"].cp
         padding = (n - 1) / n * (F32 + (BF16 if precision else F32)) if distopt else 0.0
         _check_plan(_measured_by_kind(records), planned, 64 * info["buffered_params"] + 128, padding)

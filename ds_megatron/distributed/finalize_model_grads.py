@@ -6,10 +6,12 @@ gradient, in this order:
 1. every model chunk's ``DistributedDataParallel`` finishes its bucketed
    reductions (dense grads averaged over dp-cp, expert grads over their
    expert-data-parallel group; with the distributed optimizer each rank's shard);
-2. the all-reduces across model-parallel copies: gradients of parameters that
+2. the all-reduce across model-parallel copies: gradients of parameters that
    are replicated over tensor parallelism but saw only this rank's slice of the
    sequence (``sequence_parallel``: LayerNorm weights, row-parallel biases, the
-   router under sequence parallelism) are summed over TP;
+   router under sequence parallelism) or its heads (q/k norms) are summed over
+   TP, and the KV projection's copies (``tp_replica_slot``) over the ranks of
+   their group, in one all-reduce;
 3. under pipeline parallelism, the two copies of the tied word embedding
    (first stage's input, last stage's output layer; marked ``shared_embedding``)
    sum their gradients over the ``embedding`` group, so that both apply the
@@ -28,7 +30,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..parallel_state import ParallelState
-from ..tensor_parallel.params import allreduce_sequence_parallel_grads, grad_of, sequence_parallel_params
+from ..tensor_parallel.params import allreduce_tp_partial_grads, grad_of, tp_partial_params
 from ..utils.collectives import all_reduce
 from .distributed_data_parallel import DistributedDataParallel
 
@@ -38,7 +40,7 @@ def finalize_model_grads(model_chunks: Sequence[DistributedDataParallel], parall
     for chunk in chunks:
         chunk.finish_grad_sync()
     for chunk in chunks:
-        allreduce_sequence_parallel_grads(sequence_parallel_params(chunk.module), parallel_state.tp)
+        allreduce_tp_partial_grads(tp_partial_params(chunk.module), parallel_state.tp)
     if parallel_state.pp.size > 1:
         tied = [p for chunk in chunks for p in chunk.module.parameters()
                 if getattr(p, "shared_embedding", False) and grad_of(p) is not None]

@@ -40,7 +40,7 @@ from .checks import check_deepspeed_moe_checkpoint_layout, check_model_uses_layo
 from .cuda_graphs import CudaGraphEngineHook, attach_cuda_graphs
 from .deepspeed_moe import prepare_deepspeed_moe
 from .engine_queries import report_precision
-from .gradients import MegatronDDPInEngine, complete_sequence_parallel_grads_in_backward
+from .gradients import MegatronDDPInEngine, complete_tp_partial_grads_in_backward
 from .moe import mark_engine_has_moe, moe_layers, register_expert_groups
 from .mpu import MegatronMPU
 from .optimizer import prepare_optimizer_path
@@ -198,7 +198,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if opt_path.ddp is not None:  # our buffers are the reducer: DeepSpeed's own reduction off
         context.ddp_in_engine = MegatronDDPInEngine(engine, opt_path.ddp)
     elif model is not None:  # DeepSpeed reduces over data parallel; TP-partial grads are completed in backward
-        complete_sequence_parallel_grads_in_backward(model, parallel_state)
+        complete_tp_partial_grads_in_backward(model, parallel_state)
     if has_moe and not mcfg.precision.owns_optimizer:  # DeepSpeed reduces and checkpoints the experts: its path only
         mark_engine_has_moe(engine)
     if mcfg.precision.owns_optimizer and model is not None:

@@ -29,9 +29,9 @@
   leave empty (``finalize_model_grads`` sums the tied embedding instead).
 * DeepSpeed path: DeepSpeed's all-reduce over the mpu's data-parallel group (and,
   for MoE layers, its expert path over our expert groups, ``integration.moe``).
-  Gradients of sequence-parallel parameters are partial sums over TP, which
-  DeepSpeed does not know; they are completed inside backward by tensor hooks
-  (``register_sequence_parallel_grad_hooks``).
+  Gradients of sequence-parallel parameters and of KV copies are partial sums over TP,
+  which DeepSpeed does not know; they are completed inside backward by tensor hooks
+  (``register_tp_partial_grad_hooks``).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from ..distributed import DistributedDataParallel
 from ..errors import ConfigError
 from ..optimizer import DistributedOptimizer
 from ..parallel_state import ParallelState
-from ..tensor_parallel.params import register_sequence_parallel_grad_hooks
+from ..tensor_parallel.params import register_tp_partial_grad_hooks
 
 
 def check_engine_supports_megatron_ddp(engine, ddp_config: DistributedDataParallelConfig) -> None:
@@ -146,6 +146,7 @@ def _check_params_still_in_buffers(ddp: DistributedDataParallel) -> None:
                                    "cast); place and cast the model before ds_megatron.initialize")
 
 
-def complete_sequence_parallel_grads_in_backward(module, parallel_state: ParallelState) -> List:
-    """The DeepSpeed path's share of the model-parallel sync: sequence-parallel grads summed over TP in backward."""
-    return register_sequence_parallel_grad_hooks(module, parallel_state.tp)
+def complete_tp_partial_grads_in_backward(module, parallel_state: ParallelState) -> List:
+    """The DeepSpeed path's share of the model-parallel sync: TP-partial grads (sequence-parallel, KV copies)
+    summed over TP in backward, every micro-batch."""
+    return register_tp_partial_grad_hooks(module, parallel_state.tp)

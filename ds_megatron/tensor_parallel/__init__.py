@@ -20,9 +20,9 @@ from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequenc
                        gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
                        scatter_to_tensor_model_parallel_region)
-from .params import (allreduce_sequence_parallel_grads, expert_group_name, grad_of, is_expert_param,
-                     mark_expert_param, mark_sequence_parallel, param_is_not_tensor_parallel_duplicate,
-                     register_sequence_parallel_grad_hooks, sequence_parallel_params,
+from .params import (allreduce_tp_partial_grads, expert_group_name, grad_of, is_expert_param,
+                     mark_expert_param, mark_sequence_parallel, mark_tp_replica, param_is_not_tensor_parallel_duplicate,
+                     register_tp_partial_grad_hooks, tp_partial_params,
                      set_defaults_if_not_set_tensor_model_parallel_attributes, set_tensor_model_parallel_attributes)
 from .random import RNGStatesTracker, checkpoint, get_cuda_rng_tracker, get_rng_tracker, model_parallel_seed
 from .utils import (divide, pad_vocab_size, vocab_range_from_global_vocab_size,
@@ -37,8 +37,8 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "RNGStatesTracker", "checkpoint", "get_rng_tracker", "get_cuda_rng_tracker", "model_parallel_seed",
     "init_method_normal", "scaled_init_method_normal", "initialize_affine_weight_cpu",
-    "allreduce_sequence_parallel_grads", "register_sequence_parallel_grad_hooks", "mark_sequence_parallel",
-    "sequence_parallel_params", "param_is_not_tensor_parallel_duplicate", "expert_group_name", "mark_expert_param",
+    "allreduce_tp_partial_grads", "register_tp_partial_grad_hooks", "mark_sequence_parallel", "mark_tp_replica",
+    "tp_partial_params", "param_is_not_tensor_parallel_duplicate", "expert_group_name", "mark_expert_param",
     "is_expert_param", "grad_of",
     "set_tensor_model_parallel_attributes", "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "divide", "pad_vocab_size", "vocab_range_from_global_vocab_size", "vocab_range_from_per_partition_vocab_size",

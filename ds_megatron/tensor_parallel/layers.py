@@ -137,7 +137,7 @@ class RowParallelLinear(torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=params_dtype, device=device))
             set_tensor_model_parallel_attributes(self.bias, False, -1)
             # Added after the reduce-scatter, the bias sees only this rank's tokens:
-            # its gradient is partial and is summed over TP (allreduce_sequence_parallel_grads).
+            # its gradient is partial and is summed over TP (allreduce_tp_partial_grads).
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)

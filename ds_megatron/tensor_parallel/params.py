@@ -10,9 +10,15 @@ the optimizer (norms, zero counts) and checkpointing:
 * ``sequence_parallel``: True for a replicated parameter that, under sequence
   parallelism, only sees this rank's slice of the sequence (LayerNorm weights,
   RowParallelLinear's bias): its gradient is a partial sum and must be summed
-  over the TP group (``allreduce_sequence_parallel_grads``, Megatron's explicit
-  call in ``finalize_model_grads``; or, for a loop that reduces nothing itself,
-  ``register_sequence_parallel_grad_hooks`` inside backward).
+  over the TP group.
+* ``tp_replica_slot``: ``(slot, num_slots)`` for a parameter of which each of
+  several consecutive TP ranks holds a copy (a KV group's projection when TP
+  exceeds the KV groups): each copy's gradient is partial, summed over the TP
+  ranks of the same slot.  Both kinds are "TP-partial": summed once per step
+  in one all-reduce over TP (``allreduce_tp_partial_grads``, what Megatron's
+  ``finalize_model_grads`` does for the first kind), or, for a loop that
+  reduces nothing itself, every micro-batch inside backward
+  (``register_tp_partial_grad_hooks``).
 * expert marks (``mark_expert_param``): DeepSpeed's ``allreduce=False`` and
   ``group_name``, and ``is_expert``; an expert's gradient is averaged over its
   expert-data-parallel group, not the data-parallel one.
@@ -87,38 +93,66 @@ def grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
     return main_grad if main_grad is not None else param.grad
 
 
-def sequence_parallel_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
-    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+def mark_tp_replica(param: torch.nn.Parameter, slot: int, num_slots: int) -> None:
+    """``param`` is one TP rank's copy of the ``slot``-th of ``num_slots`` weights, each held by several
+    consecutive TP ranks; its gradient is summed over the ranks holding the same slot."""
+    param.tp_replica_slot = (slot, num_slots)
 
 
-def allreduce_sequence_parallel_grads(params: Union[torch.nn.Module, Iterable[torch.nn.Parameter]],
-                                      tp: ParallelGroup) -> int:
-    """Sum over ``tp`` the gradients (``grad_of``) of ``params`` (or a module's) marked ``sequence_parallel``.
+def _tp_partial_kind(param: torch.Tensor):
+    """``(slot, num_slots)`` for a TP-partial parameter (a sequence-parallel one is ``(0, 1)``), else None."""
+    if getattr(param, "sequence_parallel", False):
+        return (0, 1)
+    return getattr(param, "tp_replica_slot", None)
 
-    Call after backward and before the optimizer step.  Gradients are
-    flattened per dtype into one buffer so each dtype costs one all-reduce.
-    Returns the number of gradients reduced.
+
+def tp_partial_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """The parameters whose gradients are partial sums over TP (sequence-parallel ones and TP replicas)."""
+    return [p for p in module.parameters() if _tp_partial_kind(p) is not None]
+
+
+def _reduce_slots(grads: List[torch.Tensor], kinds, tp: ParallelGroup) -> None:
+    """Sum each gradient over the TP ranks of its slot, in place, with one all-reduce over ``tp``.
+
+    The buffer holds ``num_slots`` regions per gradient; a rank writes its gradient into its own slot's region
+    and zeros into the others, so after the sum over TP each slot holds the sum of its ranks' gradients."""
+    sizes = [g.numel() * n for g, (_, n) in zip(grads, kinds)]
+    flat = grads[0].new_zeros(sum(sizes))
+    offsets, offset = [], 0
+    for g, (slot, _), size in zip(grads, kinds, sizes):
+        start = offset + slot * g.numel()
+        flat[start:start + g.numel()].copy_(g.reshape(-1))
+        offsets.append(start)
+        offset += size
+    all_reduce(flat, tp)
+    for g, start in zip(grads, offsets):
+        g.copy_(flat[start:start + g.numel()].view_as(g))
+
+
+def allreduce_tp_partial_grads(params: Union[torch.nn.Module, Iterable[torch.nn.Parameter]],
+                               tp: ParallelGroup) -> int:
+    """Sum over ``tp`` the gradients (``grad_of``) of the TP-partial ``params`` (or a module's): the
+    sequence-parallel ones over the whole group, each TP replica over the ranks of its slot.
+
+    Call after backward and before the optimizer step (once per step: the accumulated gradients are summed).
+    One all-reduce per dtype.  Returns the number of gradients reduced.
     """
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
-    grads = [g for p in params if getattr(p, "sequence_parallel", False) for g in (grad_of(p),) if g is not None]
-    if tp.size == 1 or not grads:
-        return len(grads)
+    pairs = [(g, _tp_partial_kind(p)) for p in params if _tp_partial_kind(p) is not None
+             for g in (grad_of(p),) if g is not None]
+    if tp.size == 1 or not pairs:
+        return len(pairs)
     by_dtype = {}
-    for g in grads:
-        by_dtype.setdefault((g.dtype, g.device), []).append(g)
+    for g, kind in pairs:
+        by_dtype.setdefault((g.dtype, g.device), []).append((g, kind))
     for bucket in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        all_reduce(flat, tp)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-    return len(grads)
+        _reduce_slots([g for g, _ in bucket], [k for _, k in bucket], tp)
+    return len(pairs)
 
 
-def register_sequence_parallel_grad_hooks(module: torch.nn.Module, tp: ParallelGroup) -> list:
-    """Sum over ``tp``, inside backward, each micro-batch's gradient of the params marked ``sequence_parallel``.
+def register_tp_partial_grad_hooks(module: torch.nn.Module, tp: ParallelGroup) -> list:
+    """Sum over ``tp``, inside backward, each micro-batch's gradient of the TP-partial params.
 
     For loops that reduce nothing across tensor parallelism themselves
     (DeepSpeed's own optimizer path): a tensor hook reduces the gradient
@@ -127,11 +161,13 @@ def register_sequence_parallel_grad_hooks(module: torch.nn.Module, tp: ParallelG
     same order.  Returns the hook handles.
     """
 
-    def hook(grad):
-        grad = grad.clone()
-        all_reduce(grad, tp)
-        return grad
+    def hook_for(kind):
+        def hook(grad):
+            grad = grad.clone()
+            _reduce_slots([grad], [kind], tp)
+            return grad
+        return hook
 
     if tp.size == 1:
         return []
-    return [p.register_hook(hook) for p in sequence_parallel_params(module)]
+    return [p.register_hook(hook_for(_tp_partial_kind(p))) for p in tp_partial_params(module)]

@@ -14,8 +14,11 @@ When TP divides g, a contiguous column split hands every rank whole groups
 ``tp / g`` consecutive TP ranks: the rank holds its query heads
 (``linear_q``, column-parallel) and its group's k and v (``linear_kv``).  Each
 copy of ``linear_kv`` only sees the gradient of its rank's query heads, so the
-copies' gradients are summed over the ranks sharing the group in backward
-(``_SumOverKVReplicas``): every copy gets the full gradient and stays identical.
+copies' gradients are summed over the ranks sharing the group once per step,
+with the other TP-partial gradients (``allreduce_tp_partial_grads``; one
+all-reduce over TP of a [groups, ...] buffer in which each rank fills its
+group's slot, so no process group beyond TP is needed): every copy applies the
+full gradient and stays identical.
 Norms count the copy of the first rank of each group once.
 
 The full fused weight is drawn once from the default RNG whatever the layout,
@@ -31,36 +34,19 @@ import torch.nn.functional as F
 
 from ..parallel_state import ParallelGroup
 from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_tensor_model_parallel_region,
-                               gather_from_sequence_parallel_region, mark_sequence_parallel,
+                               gather_from_sequence_parallel_region, mark_sequence_parallel, mark_tp_replica,
                                set_tensor_model_parallel_attributes)
 from ..tensor_parallel.utils import divide
-from ..utils.collectives import all_reduce
 from .context_parallel import context_parallel_attention, zigzag_chunk_indices
 from .norm import build_norm
 from .rotary import RotaryEmbedding
 
 
-class _SumOverKVReplicas(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the TP ranks holding the same KV group.
-
-    One all-reduce over TP of a [groups, ...] buffer in which each rank fills
-    its own group's slot: needs no process group beyond TP."""
-
-    @staticmethod
-    def forward(ctx, weight, tp: ParallelGroup, group_index: int, num_groups: int):
-        ctx.tp, ctx.group_index, ctx.num_groups = tp, group_index, num_groups
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        slots = grad.new_zeros((ctx.num_groups,) + tuple(grad.shape))
-        slots[ctx.group_index] = grad
-        all_reduce(slots, ctx.tp)
-        return slots[ctx.group_index], None, None, None
-
-
 class ReplicatedKV(torch.nn.Module):
-    """One KV group's ``[k; v]`` projection, held by each of the ``replicas`` TP ranks sharing it."""
+    """One KV group's ``[k; v]`` projection, held by each of the ``replicas`` TP ranks sharing it.
+
+    Each copy's gradient covers only this rank's query heads; the copies' gradients are summed over the
+    ranks of the group once per step with the other TP-partial gradients (``mark_tp_replica``)."""
 
     def __init__(self, weight: torch.Tensor, bias: bool, tp: ParallelGroup, replicas: int, num_groups: int):
         super().__init__()
@@ -71,11 +57,10 @@ class ReplicatedKV(torch.nn.Module):
         for p in self.parameters():
             # Counted in norms on the first rank of the group only (the others hold copies).
             set_tensor_model_parallel_attributes(p, tp.rank % replicas == 0, 0)
+            mark_tp_replica(p, self.group_index, num_groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        def shared(p):
-            return _SumOverKVReplicas.apply(p, self.tp, self.group_index, self.num_groups)
-        return F.linear(x, shared(self.weight), None if self.bias is None else shared(self.bias))
+        return F.linear(x, self.weight, self.bias)
 
 
 class ParallelAttention(torch.nn.Module):

@@ -8,7 +8,7 @@ from ds_megatron.config import ConfigError
 from ds_megatron.models import GPTConfig, GPTModel
 from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.parallel_state import ParallelState
-from ds_megatron.tensor_parallel import allreduce_sequence_parallel_grads
+from ds_megatron.tensor_parallel import allreduce_tp_partial_grads
 
 CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
            vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
@@ -37,7 +37,7 @@ def _loss_and_full_grads(model, group, world):
     loss.backward()
     # Sequence-parallel grads are partial over TP until the step's gradient sync completes them
     # (finalize_model_grads on the Megatron path): the same call here.
-    allreduce_sequence_parallel_grads(model, model.tp)
+    allreduce_tp_partial_grads(model, model.tp)
     grads, weights = {}, {}
     for name, p in model.named_parameters():
         g = torch.zeros_like(p) if p.grad is None else p.grad

@@ -17,7 +17,7 @@ from ds_megatron.convert.model_io import model_tensors
 from ds_megatron.models import GPTConfig, GPTModel
 from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.parallel_state import ParallelState
-from ds_megatron.tensor_parallel import allreduce_sequence_parallel_grads
+from ds_megatron.tensor_parallel import allreduce_tp_partial_grads
 
 LLAMA_LIKE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
                   seq_length=16, vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0,
@@ -38,7 +38,7 @@ def _local_grads(tp, sp, extra):
     tokens, labels = _batch()
     loss = model(tokens, labels)
     loss.backward()
-    allreduce_sequence_parallel_grads(model, state.tp)  # what finalize_model_grads does in a step
+    allreduce_tp_partial_grads(model, state.tp)  # what finalize_model_grads does in a step
     grads = {name: t.grad.clone() for name, t in model_tensors(model).items()}
     weights = {name: t.detach().clone() for name, t in model_tensors(model).items()}
     tp_rank = state.tp.rank

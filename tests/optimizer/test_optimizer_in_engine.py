@@ -12,7 +12,7 @@ import ds_megatron
 from ds_megatron.models.gpt import GPTModel
 from ds_megatron.config import GPTConfig
 from ds_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
-from ds_megatron.tensor_parallel import RNGStatesTracker, allreduce_sequence_parallel_grads, model_parallel_seed
+from ds_megatron.tensor_parallel import RNGStatesTracker, allreduce_tp_partial_grads, model_parallel_seed
 from ds_megatron.training.train import load_job, train
 
 MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 257,
@@ -155,7 +155,7 @@ def _clipped_norm_vs_single_rank(sequence_parallel):
     tokens = torch.randint(0, 257, (2, 33), generator=torch.Generator().manual_seed(5))
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
     tp_model(batch).backward()
-    allreduce_sequence_parallel_grads(tp_model, state.tp)  # the model-parallel half of the step's gradient sync
+    allreduce_tp_partial_grads(tp_model, state.tp)  # the model-parallel half of the step's gradient sync
     single(batch).backward()
     ref_norm = float(torch.nn.utils.clip_grad_norm_(single.parameters(), 1e-3))
     opt = FP32Optimizer(torch.optim.SGD(tp_model.parameters(), lr=0.0), clip_grad=1e-3, parallel_state=state)

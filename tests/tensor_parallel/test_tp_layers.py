@@ -10,7 +10,7 @@ from harness import run_on_ranks
 from ds_megatron.parallel_state import ParallelGroup
 from tp_helpers import SEED, STD, all_gather_cat, close, dense_weight, part, randn, tp_group
 from ds_megatron.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                         allreduce_sequence_parallel_grads, init_method_normal)
+                                         allreduce_tp_partial_grads, init_method_normal)
 
 S, B, IN, OUT = 4, 2, 8, 12
 F64 = dict(params_dtype=torch.float64, init_method=init_method_normal(STD))
@@ -131,7 +131,7 @@ def _mlp(tp, sequence_parallel):
             partial = fc2.bias.grad.clone()
             close(all_gather_cat(partial[None], g, 0).sum(0), db2.grad, "row bias grad partial sums")
             assert not torch.allclose(partial, db2.grad)
-        assert allreduce_sequence_parallel_grads(mlp, g) == (1 if sequence_parallel else 0)
+        assert allreduce_tp_partial_grads(mlp, g) == (1 if sequence_parallel else 0)
         close(x.grad, want_dx, "MLP input grad")
         close(fc1.weight.grad, part(dW1.grad, 0, r, n), "fc1 weight grad slice")
         close(fc1.bias.grad, part(db1.grad, 0, r, n), "fc1 bias grad slice")
