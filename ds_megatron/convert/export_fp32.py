@@ -12,11 +12,17 @@ is put together from its rank files:
   (``export_record``): each parameter's ``GPTModel`` name and the dimension TP splits
   it along, which entries are experts (their own files hold them), and, under PP,
   which entry of which ``layer_XX-model_YY-model_states.pt`` file is which parameter.
-* Dense weights are concatenated over the tensor ranks; experts come from the
-  expert files (``layer_L_expert_E_mp_rank_T``, T the expert-tensor rank),
-  concatenated over the expert-tensor ranks, under ``SequentialMLP``'s names.
+* Dense weights are placed where ``convert.global_shards`` (the layout-independent
+  checkpoint's map) puts each rank's rows: blocks of rows or columns, a gated fc1's
+  ``[gate; up]`` halves, the KV heads copied over TP ranks.  Every element of every
+  tensor must be written, and copies of a tensor (replicated norms, KV copies) must
+  agree bit for bit, or nothing is exported.  Experts come from the expert files
+  (``layer_L_expert_E_mp_rank_T``, T the expert-tensor rank), concatenated over the
+  expert-tensor ranks, under ``SequentialMLP``'s names.
 * The word embedding keeps the rows of a TP=1 model (the rows added for a larger
   TP's padding are zero and never read), every floating tensor becomes fp32.
+* Version 1 records (before the record carried the model config) are joined by
+  concatenation, which cannot express a gated fc1 over TP or KV copies: those refuse.
 
 The result loads into a TP=1 ``GPTModel`` of the same config (``load_state_dict``, strict).
 ``OUT`` ending in ``.safetensors`` is written with safetensors, anything else with ``torch.save``.
@@ -35,11 +41,13 @@ import os
 import re
 import sys
 import warnings
+from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from ..models import GPTConfig
+from .global_shards import GlobalLayoutError, RankCoordinates, global_shards
 from ..models.gpt import OutputLayer
 from ..moe.moe_layer import BaseMoELayer
 from ..tensor_parallel import VocabParallelEmbedding, pad_vocab_size
@@ -72,7 +80,7 @@ def guard_zero_recovery_scripts(save_dir: str, tp: int, pp: int, ep: int) -> Lis
 
 
 RECORD_KEY = "ds_megatron_export"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: the record carries the model config and the shards are placed by convert.global_shards
 # SequentialMLP's expert weights as the expert files name them ([out, in]): fc1 is split over the
 # expert-tensor ranks along its output rows, fc2 along its input columns (column- / row-parallel).
 EXPERT_PARTITION_DIMS = {"linear_fc1.weight": 0, "linear_fc2.weight": 1}
@@ -93,23 +101,14 @@ def export_record(module: torch.nn.Module, parallel_state, layer_files: Optional
     if not isinstance(getattr(module, "config", None), GPTConfig):
         return None
     config = module.config
-    tp, etp = parallel_state.tp.size, parallel_state.etp.size
-    # Shards that do not concatenate into the TP=1 tensor: each rank's fc1 holds its own [gate; up] rows, and
-    # KV heads replicated over TP ranks are separate parameters.  The record says so; the export refuses them.
-    unsupported = []
-    if config.gated_linear_unit and (tp > 1 or (config.num_experts and etp > 1)):
-        unsupported.append(f"model.gated_linear_unit with tensor_model_parallel_size={tp} / "
-                           f"expert_tensor_parallel_size={etp}")
-    if config.query_groups < tp:
-        unsupported.append(f"model.num_query_groups={config.query_groups} below tensor_model_parallel_size={tp}")
     to_gpt = getattr(module, "gpt_name", lambda name: name)  # a pipeline stage names pieces its own way
     names = {}
     for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
         names.setdefault(id(tensor), to_gpt(name))
     params = dict(module.named_parameters())
     record = {
-        "unsupported": unsupported,
         "version": RECORD_VERSION,
+        "model": asdict(config),
         "tp": parallel_state.tp.size, "tp_rank": parallel_state.tp.rank,
         "pp": parallel_state.pp.size, "pp_rank": parallel_state.pp.rank,
         "etp": parallel_state.etp.size,
@@ -174,7 +173,7 @@ def consolidate(tag_dir: str) -> Dict[str, torch.Tensor]:
     if not rank_files:
         raise ExportError(f"{tag_dir} holds no mp_rank_*_model_states.pt: not a DeepSpeed checkpoint directory "
                           "(give the run directory with 'latest', or one checkpoint's directory)")
-    shards: Dict[str, Dict[int, torch.Tensor]] = {}
+    modules = []  # (file, record, its dense tensors under GPTModel's names)
     records: List[Dict[str, Any]] = []
     for path in rank_files:
         saved = _load(path)
@@ -183,10 +182,10 @@ def consolidate(tag_dir: str) -> Dict[str, torch.Tensor]:
             raise ExportError(f"{path} has no {RECORD_KEY} record: the checkpoint was not saved by "
                               "ds_megatron.save_checkpoint (the training job's checkpoints are) from a GPTModel "
                               "or GPTPipelineModule")
-        if record.get("version") != RECORD_VERSION:
+        if record.get("version") not in (1, RECORD_VERSION):
             raise ExportError(f"{path}: {RECORD_KEY} version {record.get('version')}, this ds_megatron reads "
-                              f"version {RECORD_VERSION}")
-        if record.get("unsupported"):
+                              f"versions 1 to {RECORD_VERSION}")
+        if record.get("unsupported"):  # version 1 only
             raise ExportError(f"{path}: export-fp32 cannot join this layout's shards ({'; '.join(record['unsupported'])}); "
                               "export a job started with --load-hf through `ds-megatron convert "
                               "iter_*/ds_megatron_model DST`, or train at tensor_model_parallel_size 1")
@@ -199,19 +198,60 @@ def consolidate(tag_dir: str) -> Dict[str, torch.Tensor]:
         else:
             module = saved["module"]
         experts = set(record["experts"])
-        for name, tensor in module.items():
-            if name not in experts:
-                shards.setdefault(name, {})[record["tp_rank"]] = tensor
+        modules.append((path, record, {name: t for name, t in module.items() if name not in experts}))
     first = records[0]
-    partition_dims = {k: v for r in records for k, v in r["partition_dims"].items()}
     stages = {r["pp_rank"] for r in records}
     if stages != set(range(first["pp"])):
         raise ExportError(f"{tag_dir}: pipeline stages {sorted(stages)} of {first['pp']} have files; some are missing")
-    full = {name: _cat(pieces, first["tp"], partition_dims.get(name, -1), name) for name, pieces in shards.items()}
+    full = _place_dense(modules) if first["version"] >= 2 else _concatenate_dense(modules)
     full.update(_experts(tag_dir, first["etp"], sum(r["moe_layers"] for r in records if r["tp_rank"] == 0)))
+    return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in full.items()}
+
+
+def _place_dense(modules) -> Dict[str, torch.Tensor]:
+    """Every rank file's dense tensors put where ``global_shards`` places them in the one-rank model."""
+    config = GPTConfig(**modules[0][1]["model"])
+    full: Dict[str, torch.Tensor] = {}
+    written: Dict[str, torch.Tensor] = {}  # per element: placed yet
+    for path, record, tensors in modules:
+        coordinates = RankCoordinates(tp=record["tp"], tp_rank=record["tp_rank"])
+        for name, tensor in tensors.items():
+            try:
+                shards = global_shards(config, name, tuple(tensor.shape), name in record["partition_dims"],
+                                       coordinates)
+            except GlobalLayoutError as e:
+                raise ExportError(f"{path}: {e}") from None
+            for shard in shards:
+                piece = tensor[shard.local_rows[0]:shard.local_rows[1]] if tensor.dim() else tensor
+                if shard.name not in full:
+                    full[shard.name] = torch.zeros(shard.global_shape, dtype=tensor.dtype)
+                    written[shard.name] = torch.zeros(shard.global_shape, dtype=torch.bool)
+                region = tuple(slice(o, o + n) for o, n in zip(shard.offsets, piece.shape))
+                seen = written[shard.name][region]
+                if seen.any() and not torch.equal(full[shard.name][region][seen], piece[seen]):
+                    raise ExportError(f"{path}: {name} differs from another rank's copy of the same rows of "
+                                      f"{shard.name}; the checkpoint's ranks are not from one step")
+                full[shard.name][region] = piece
+                written[shard.name][region] = True
+    for name, mask in written.items():
+        if not bool(mask.all()):
+            raise ExportError(f"{modules[0][0]}: {int((~mask).sum())} elements of {name} are in no rank's file; "
+                              "some tensor-parallel ranks' files are missing")
+    return full
+
+
+def _concatenate_dense(modules) -> Dict[str, torch.Tensor]:
+    """Version 1 records: dense shards concatenated along their partition dim over the tensor ranks."""
+    first = modules[0][1]
+    shards: Dict[str, Dict[int, torch.Tensor]] = {}
+    for _, record, tensors in modules:
+        for name, tensor in tensors.items():
+            shards.setdefault(name, {})[record["tp_rank"]] = tensor
+    partition_dims = {k: v for _, r, _ in modules for k, v in r["partition_dims"].items()}
+    full = {name: _cat(pieces, first["tp"], partition_dims.get(name, -1), name) for name, pieces in shards.items()}
     for name in first["vocab_params"]:
         full[name] = full[name][:first["vocab_rows"]]  # TP=1's padding; the rows beyond are zero, never read
-    return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in full.items()}
+    return full
 
 
 def _experts(tag_dir: str, etp: int, moe_layers: int) -> Dict[str, torch.Tensor]:

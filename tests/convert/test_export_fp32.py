@@ -27,6 +27,8 @@ from ds_megatron.tensor_parallel.params import is_expert_param
 
 BASE = dict(num_layers=2, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32, seq_length=8, vocab_size=40,
             make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0)
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True,
+             activation="silu", untie_embeddings_and_output_weights=True, num_query_groups=2)
 CASES = {
     "tp2-dp2": (dict(tensor_model_parallel_size=2), {}),
     "tp2-ep2-moe": (dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
@@ -36,9 +38,17 @@ CASES = {
     "tp2-untied-rope-gqa": (dict(tensor_model_parallel_size=2),
                             dict(position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False,
                                  untie_embeddings_and_output_weights=True, num_query_groups=2)),
+    # Llama's shape: each TP rank's fc1 is its own [gate; up] (no concatenation makes the TP=1 tensor).
+    "tp2-llama": (dict(tensor_model_parallel_size=2), LLAMA),
+    # Two KV groups on four TP ranks: each group's K/V projection copied on two ranks.
+    "tp4-llama-kv-copies": (dict(tensor_model_parallel_size=4), LLAMA),
+    # One KV group on both TP ranks of each stage, the stages' layers in DeepSpeed's per-layer files.
+    "tp2-pp2-llama-one-kv-group": (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+                                   dict(LLAMA, num_query_groups=1)),
 }
 # Tensors each rank compares with its slice of the export, at least.
-MIN_CHECKED = {"tp2-dp2": 28, "tp2-ep2-moe": 28, "tp2-pp2": 12, "tp2-untied-rope-gqa": 15}
+MIN_CHECKED = {"tp2-dp2": 28, "tp2-ep2-moe": 28, "tp2-pp2": 12, "tp2-untied-rope-gqa": 15, "tp2-llama": 15,
+               "tp4-llama-kv-copies": 17, "tp2-pp2-llama-one-kv-group": 8}
 
 
 def _config(parallel):
@@ -58,11 +68,29 @@ def _check_slices(engine, state, export):
     module = engine.module
     to_gpt = getattr(module, "gpt_name", lambda n: n)
     checked = 0
+    config, tp, t = module.config, state.tp.size, state.tp.rank
     for name, p in module.named_parameters():
         if is_expert_param(p):
             continue
-        full = export[to_gpt(name)]
         local = p.detach().float()
+        if ".linear_q." in name or ".linear_kv." in name:
+            # Megatron's fused QKV rows per query group: [its q heads, k, v]; rank t holds group t // (tp / g).
+            d, g = config.head_dim, config.query_groups
+            q_rows, replicas = config.num_attention_heads // g * d, tp // g
+            group, copy = divmod(t, replicas)
+            start = group * (q_rows + 2 * d) + (copy * local.shape[0] if ".linear_q." in name else q_rows)
+            full = export[to_gpt(name).replace("linear_q", "query_key_value").replace("linear_kv", "query_key_value")]
+            assert torch.equal(local, full[start:start + local.shape[0]]), name
+            checked += 1
+            continue
+        full = export[to_gpt(name)]
+        if "dense_h_to_4h" in name and config.gated_linear_unit:
+            # Each rank's [gate; up] halves are its blocks of the whole gate and of the whole up projection.
+            half, whole = local.shape[0] // 2, full.shape[0] // 2
+            assert torch.equal(local[:half], full[t * half:(t + 1) * half]), name
+            assert torch.equal(local[half:], full[whole + t * half:whole + (t + 1) * half]), name
+            checked += 1
+            continue
         if getattr(p, "tensor_model_parallel", False):
             dim, size = p.partition_dim, p.shape[p.partition_dim]
             start = state.tp.rank * size
@@ -153,20 +181,47 @@ def test_export_refuses_a_checkpoint_without_the_record(tmp_path, capsys):
     assert not (tmp_path / "out.pt").exists()
 
 
-def _gated_tp2_export(tmp):
+def _damaged_exports(tmp):
+    """A gated TP=2 checkpoint, then two damaged copies of it: one rank file missing, one rank's copy of a
+    replicated weight changed.  Returns what consolidating each one raised."""
+    import shutil
+    from ds_megatron.convert.export_fp32 import ExportError, RECORD_KEY, consolidate
     cfg = _config(dict(tensor_model_parallel_size=2))
     state = ds_megatron.initialize_model_parallel(cfg)
-    model = GPTModel(GPTConfig(**BASE, gated_linear_unit=True, activation="silu"), state)
+    model = GPTModel(GPTConfig(**BASE, **LLAMA), state)
     engine, *_ = ds_megatron.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                                         config=cfg, parallel_state=state)
     ds_megatron.save_checkpoint(engine, tmp, tag="step0")
-    code = cli_main(["export-fp32", tmp, os.path.join(tmp, "model.pt")]) if dist.get_rank() == 0 else None
     dist.barrier()
     engine.megatron.destroy()
-    return code
+    if dist.get_rank() != 0:
+        return None
+    errors = {}
+    good = os.path.join(tmp, "step0")
+    missing, changed = os.path.join(tmp, "missing"), os.path.join(tmp, "changed")
+    shutil.copytree(good, missing)
+    shutil.copytree(good, changed)
+    os.remove(os.path.join(missing, "mp_rank_01_model_states.pt"))
+    path = os.path.join(changed, "mp_rank_01_model_states.pt")
+    saved = torch.load(path, weights_only=False)
+    saved["module"]["final_layernorm.weight"] = saved["module"]["final_layernorm.weight"] + 1e-3
+    torch.save(saved, path)
+    legacy = os.path.join(tmp, "legacy")
+    os.makedirs(legacy)
+    saved[RECORD_KEY] = {**saved[RECORD_KEY], "version": 1, "unsupported": ["model.gated_linear_unit with "
+                                                                            "tensor_model_parallel_size=2"]}
+    torch.save(saved, os.path.join(legacy, "mp_rank_00_model_states.pt"))
+    assert len(consolidate(good)) > 0
+    for name in ("missing", "changed", "legacy"):
+        try:
+            consolidate(os.path.join(tmp, name))
+        except ExportError as e:
+            errors[name] = str(e)
+    return errors
 
 
-def test_export_refuses_shards_that_do_not_concatenate(tmp_path, capsys):
-    # Each TP rank's gated fc1 is its own [gate; up]: concatenated they would not be the TP=1 tensor.
-    assert run_on_ranks(2, _gated_tp2_export, str(tmp_path))[0] == 2
-    assert not (tmp_path / "model.pt").exists()
+def test_export_refuses_missing_ranks_disagreeing_copies_and_old_records_it_cannot_join(tmp_path):
+    errors = run_on_ranks(2, _damaged_exports, str(tmp_path))[0]
+    assert "elements of" in errors["missing"] and "some tensor-parallel ranks' files are missing" in errors["missing"]
+    assert "final_layernorm.weight differs from another rank's copy" in errors["changed"]
+    assert "cannot join this layout's shards (model.gated_linear_unit" in errors["legacy"]

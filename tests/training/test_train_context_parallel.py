@@ -48,10 +48,9 @@ def _weights(cfg):
     return consolidate(os.path.join(cfg["megatron"]["train"]["output_dir"], f"iter_{STEPS:07d}"))
 
 
-def _check_same_run(tmp_path, world, par_kwargs, model=None, rtol=1e-5, dp=1, weights=True):
+def _check_same_run(tmp_path, world, par_kwargs, model=None, rtol=1e-5, dp=1):
     """``world`` ranks with ``par_kwargs`` (dp data-parallel replicas of 2 samples each) against one rank
-    reading the same 2 * dp samples per micro-batch; ``weights=False``: the losses only (for layouts whose
-    checkpoint ``consolidate`` cannot join)."""
+    reading the same 2 * dp samples per micro-batch."""
     par_cfg = _config(str(tmp_path / "cp"), model=model, **par_kwargs)
     ref_cfg = _config(str(tmp_path / "ref"), model=model, mbs=2 * dp)
     par = run_on_ranks(world, _train, par_cfg)
@@ -65,8 +64,6 @@ def _check_same_run(tmp_path, world, par_kwargs, model=None, rtol=1e-5, dp=1, we
     for step in val:
         assert val[step] == pytest.approx(ref_val[step], rel=rtol, abs=rtol), step
     assert losses[STEPS] < losses[1] - 0.3, "the loss did not fall"
-    if not weights:
-        return
     got, ref = _weights(par_cfg), _weights(ref_cfg)
     assert sorted(got) == sorted(ref)
     moved = 0

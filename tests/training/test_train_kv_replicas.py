@@ -13,14 +13,10 @@ from test_train_context_parallel import _check_same_run
 GQA = {"position_embedding_type": "rope", "num_query_groups": 2, "normalization": "RMSNorm"}
 
 
-@pytest.mark.parametrize("par", [{"tp": 4}, {"tp": 4, "sp": True}], ids=["plain", "sp"])
+@pytest.mark.parametrize("par", [{"tp": 4}, {"tp": 4, "sp": True}, {"tp": 4, "megatron": {"optimizer_impl": "deepspeed"}}],
+                         ids=["megatron", "megatron-sp", "deepspeed"])
 def test_tp4_with_two_kv_groups_trains_the_one_rank_model(tmp_path, par):
     _check_same_run(tmp_path, 4, par, model=GQA)
-
-
-def test_tp4_with_two_kv_groups_on_deepspeeds_optimizer_path_trains_the_one_rank_model(tmp_path):
-    # Its checkpoint (DeepSpeed's mp_rank files) with KV copies is not joined by export-fp32: losses only.
-    _check_same_run(tmp_path, 4, {"tp": 4, "megatron": {"optimizer_impl": "deepspeed"}}, model=GQA, weights=False)
 
 
 def test_tp4_with_one_kv_group_trains_the_one_rank_model(tmp_path):
