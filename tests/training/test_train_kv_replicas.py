@@ -23,3 +23,9 @@ def test_tp4_with_one_kv_group_trains_the_one_rank_model(tmp_path):
     # One group copied on all four ranks.  One weight element of 4096 ends 1.3e-5 away (0.086 in size):
     # Adam's normalised update of a near-zero gradient magnifies float32 summation order; the losses agree to 3e-7.
     _check_same_run(tmp_path, 4, {"tp": 4}, model={**GQA, "num_query_groups": 1}, rtol=2e-5)
+
+
+def test_tp2_dp2_distributed_optimizer_with_one_kv_group_trains_the_one_rank_model(tmp_path):
+    # The copies' gradients are summed after the reduce-scatter: each rank's shard of them is what it applies.
+    _check_same_run(tmp_path, 4, {"tp": 2, "megatron": {"use_distributed_optimizer": True}},
+                    model={**GQA, "num_query_groups": 1}, dp=2)
