@@ -29,3 +29,8 @@ def test_tp2_dp2_distributed_optimizer_with_one_kv_group_trains_the_one_rank_mod
     # The copies' gradients are summed after the reduce-scatter: each rank's shard of them is what it applies.
     _check_same_run(tmp_path, 4, {"tp": 2, "megatron": {"use_distributed_optimizer": True}},
                     model={**GQA, "num_query_groups": 1}, dp=2)
+
+
+def test_tp2_pp2_with_one_kv_group_trains_the_one_rank_model(tmp_path):
+    # Each stage sums its own copies in the step.  (DeepSpeed's path with PP refuses this job's clipping.)
+    _check_same_run(tmp_path, 4, {"tp": 2, "pp": 2}, model={**GQA, "num_query_groups": 1})
