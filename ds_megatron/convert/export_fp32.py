@@ -47,11 +47,11 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..models import GPTConfig
-from .global_shards import GlobalLayoutError, RankCoordinates, global_shards
 from ..models.gpt import OutputLayer
 from ..moe.moe_layer import BaseMoELayer
 from ..tensor_parallel import VocabParallelEmbedding, pad_vocab_size
 from ..tensor_parallel.params import is_expert_param
+from .global_shards import GlobalLayoutError, RankCoordinates, global_shards
 
 ZERO_RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 # What the two scripts become beside a model-parallel checkpoint: one line naming the command that works.

@@ -111,21 +111,25 @@ def tp_partial_params(module: torch.nn.Module) -> List[torch.nn.Parameter]:
     return [p for p in module.parameters() if _tp_partial_kind(p) is not None]
 
 
-def _reduce_slots(grads: List[torch.Tensor], kinds, tp: ParallelGroup) -> None:
-    """Sum each gradient over the TP ranks of its slot, in place, with one all-reduce over ``tp``.
-
-    The buffer holds ``num_slots`` regions per gradient; a rank writes its gradient into its own slot's region
-    and zeros into the others, so after the sum over TP each slot holds the sum of its ranks' gradients."""
+def _pack_slots(grads: List[torch.Tensor], kinds):
+    """One buffer with ``num_slots`` regions per gradient: the gradient in its own slot's region, zeros in the
+    others (summed over TP, each slot then holds the sum of its ranks' gradients); and each gradient's start."""
     sizes = [g.numel() * n for g, (_, n) in zip(grads, kinds)]
     flat = grads[0].new_zeros(sum(sizes))
-    offsets, offset = [], 0
+    starts, offset = [], 0
     for g, (slot, _), size in zip(grads, kinds, sizes):
         start = offset + slot * g.numel()
         flat[start:start + g.numel()].copy_(g.reshape(-1))
-        offsets.append(start)
+        starts.append(start)
         offset += size
+    return flat, starts
+
+
+def _reduce_slots(grads: List[torch.Tensor], kinds, tp: ParallelGroup) -> None:
+    """Sum each gradient over the TP ranks of its slot, in place, with one all-reduce over ``tp``."""
+    flat, starts = _pack_slots(grads, kinds)
     all_reduce(flat, tp)
-    for g, start in zip(grads, offsets):
+    for g, start in zip(grads, starts):
         g.copy_(flat[start:start + g.numel()].view_as(g))
 
 
@@ -163,9 +167,9 @@ def register_tp_partial_grad_hooks(module: torch.nn.Module, tp: ParallelGroup) -
 
     def hook_for(kind):
         def hook(grad):
-            grad = grad.clone()
-            _reduce_slots([grad], [kind], tp)
-            return grad
+            flat, (start,) = _pack_slots([grad], [kind])
+            all_reduce(flat, tp)
+            return flat[start:start + grad.numel()].view_as(grad)
         return hook
 
     if tp.size == 1:

@@ -50,7 +50,6 @@ class ReplicatedKV(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: bool, tp: ParallelGroup, replicas: int, num_groups: int):
         super().__init__()
-        self.tp, self.num_groups = tp, num_groups
         self.group_index = tp.rank // replicas
         self.weight = torch.nn.Parameter(weight)
         self.bias = torch.nn.Parameter(torch.zeros(weight.size(0))) if bias else None
