@@ -6,7 +6,8 @@ DeepSpeed JSON config and hands DeepSpeed our mpu.
 
 Importing the package loads neither torch nor DeepSpeed (the config, layout
 and CLI checks are torch-free, so a bad config fails in a fraction of a
-second); the entry points below load the engine integration when called.
+second): this module is a boundary, and each entry point below imports its
+implementation when called.
 """
 __version__ = "0.1.0"
 
@@ -15,53 +16,51 @@ from .config import ConfigError, MegatronConfig
 
 def initialize(*args, **kwargs):
     """``deepspeed.initialize`` with Megatron's groups: see ``ds_megatron.integration.engine.initialize``."""
-    from .integration.engine import initialize as _initialize
+    from .integration.engine import initialize as _initialize  # boundary: torch and DeepSpeed load here
     return _initialize(*args, **kwargs)
 
 
 def initialize_model_parallel(config):
     """Validate, start torch.distributed if needed and build every group: a ``ParallelState``."""
-    from .integration.engine import initialize_model_parallel as _initialize_model_parallel
-    return _initialize_model_parallel(config)
+    from .integration.engine import initialize_model_parallel as _impl  # boundary: torch and DeepSpeed load here
+    return _impl(config)
 
 
 def validate_config(config, world_size=None):
     """Parse and check a DeepSpeed config with a ``"megatron"`` section against a world size, creating nothing."""
-    from .integration.engine import validate_config as _validate_config
+    from .integration.engine import validate_config as _validate_config  # boundary: torch and DeepSpeed load here
     return _validate_config(config, world_size)
 
 
 def add_config_arguments(parser):
     """``deepspeed.add_config_arguments`` (``--deepspeed``, ``--deepspeed_config``)."""
-    from .integration.engine import add_config_arguments as _add_config_arguments
-    return _add_config_arguments(parser)
+    from .integration.engine import add_config_arguments as _impl  # boundary: torch and DeepSpeed load here
+    return _impl(parser)
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
     """``engine.save_checkpoint`` plus MoE experts and the gathered distributed-optimizer state."""
-    from .integration.checkpoint import save_checkpoint as _save_checkpoint
-    return _save_checkpoint(engine, save_dir, tag, client_state, save_latest, **kwargs)
+    from .checkpointing.api import save_checkpoint as _impl  # boundary: torch and DeepSpeed load here
+    return _impl(engine, save_dir, tag, client_state, save_latest, **kwargs)
 
 
 def load_checkpoint(engine, load_dir, tag=None, **kwargs):
     """``engine.load_checkpoint`` plus MoE experts."""
-    from .integration.checkpoint import load_checkpoint as _load_checkpoint
-    return _load_checkpoint(engine, load_dir, tag, **kwargs)
+    from .checkpointing.api import load_checkpoint as _impl  # boundary: torch and DeepSpeed load here
+    return _impl(engine, load_dir, tag, **kwargs)
 
 
 def save_dist_checkpoint(engine, directory, client_state=None):
     """The layout-independent checkpoint (``torch.distributed.checkpoint``; resumable at any TP / PP / EP / DP):
-    see ``ds_megatron.training.dist_checkpoint``.  Collective; ``directory`` is one checkpoint's."""
-    from .training.dist_checkpoint import check_supported, save
-    check_supported(engine)
-    return save(engine, directory, client_state or {})
+    see ``ds_megatron.checkpointing.torch_dist``.  Collective; ``directory`` is one checkpoint's."""
+    from .checkpointing.api import save_dist_checkpoint as _impl  # boundary: torch and DeepSpeed load here
+    return _impl(engine, directory, client_state)
 
 
 def load_dist_checkpoint(engine, directory):
     """Read a ``save_dist_checkpoint`` directory written at any layout into ``engine``; returns the client state."""
-    from .training.dist_checkpoint import check_supported, load
-    check_supported(engine)
-    return load(engine, directory)
+    from .checkpointing.api import load_dist_checkpoint as _impl  # boundary: torch and DeepSpeed load here
+    return _impl(engine, directory)
 
 
 _PIPELINE_NAMES = ("GPTPipelineModule", "pipeline_topology")
@@ -70,7 +69,7 @@ _PIPELINE_NAMES = ("GPTPipelineModule", "pipeline_topology")
 def __getattr__(name):
     # The pipeline model needs DeepSpeed (a PipelineModule): loaded on first use, like the entry points above.
     if name in _PIPELINE_NAMES:
-        from .integration import pipeline
+        from .integration import pipeline  # boundary: torch and DeepSpeed load here
         return getattr(pipeline, name)
     raise AttributeError(f"module 'ds_megatron' has no attribute {name!r}")
 

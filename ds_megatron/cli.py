@@ -28,9 +28,9 @@ PROG = "ds-megatron"
 DELEGATED: Dict[str, tuple] = {
     "train": ("ds_megatron.training.job", "train a model from a DeepSpeed JSON config with a \"megatron\" section"),
     "preprocess": ("ds_megatron.data.preprocess", "turn text/JSONL into Megatron-style .bin/.idx datasets"),
-    "plan": ("ds_megatron.planning", "plan a layout: memory and communication per rank for given sizes"),
+    "plan": ("ds_megatron.planning.report", "plan a layout: memory and communication per rank for given sizes"),
     "convert": ("ds_megatron.convert.checkpoint", "Hugging Face <-> ds_megatron checkpoints at any TP/PP/EP layout"),
-    "export-fp32": ("ds_megatron.convert.export_fp32", "consolidate a training checkpoint (any TP / PP / EP / DP) "
+    "export-fp32": ("ds_megatron.checkpointing.export_fp32", "consolidate a training checkpoint (any TP / PP / EP / DP) "
                                                        "into one fp32 state dict with GPTModel's names"),
 }
 

@@ -1,4 +1,4 @@
-"""``ConfigError`` and the small checks that raise it (no imports: every module may use them).
+"""``ConfigError`` (and ``ConvertError``) and the small checks that raise them (no imports: every module may use them).
 
 A config error is one sentence naming the field, the value and the fix; it is a
 ``ValueError`` so that callers catching bad values catch it too.
@@ -24,6 +24,10 @@ def check_choice(name: str, value: Any, allowed: Sequence[Any]) -> Any:
     if value not in allowed:
         raise ConfigError(f"{name}={value!r} is unknown; use one of {', '.join(map(repr, allowed))}")
     return value
+
+
+class ConvertError(ConfigError):
+    """A checkpoint or config that cannot be converted exactly (one line: the file, the field or tensor, the fix)."""
 
 
 class NonFiniteLossError(RuntimeError):

@@ -22,7 +22,8 @@ import sys
 import traceback
 from typing import Any, Callable, Dict, List
 
-from ds_megatron.utils.local_job import free_port, init_local_rank
+from ds_megatron.integration.local_job import init_local_rank
+from ds_megatron.utils.dist_env import free_port
 
 _CTX = None
 _POOLS: Dict[int, "_Pool"] = {}

@@ -245,7 +245,7 @@ def test_pipeline_with_sequence_parallelism_sends_this_ranks_slice():
         assert sends == [(S // tp * B * H * F32, (S // tp, B, H))] * m, (stage, sends)
 
 
-# ---------------------------------------------------------------- the plan's formula (ds_megatron.comm_volume)
+# ---------------------------------------------------------------- the plan's formula (ds_megatron.planning.comm_volume)
 
 def _measured_by_kind(records):
     """Bus bytes by the plan's group kinds: the optimizer's one float64 is "optimizer" whatever its group."""
@@ -286,7 +286,7 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
 
 @pytest.mark.parametrize("name", list(PLAN_CASES))
 def test_the_plans_formula_is_what_a_step_moves(name):
-    from ds_megatron.comm_volume import plan_comm_volume
+    from ds_megatron.planning.comm_volume import plan_comm_volume
     ranks, megatron, precision, model, *micro_batches = PLAN_CASES[name]
     m = micro_batches[0] if micro_batches else 1
     dtype = "bf16" if precision else "fp32"
@@ -302,7 +302,7 @@ def test_the_plans_formula_is_what_a_step_moves(name):
 @pytest.mark.parametrize("megatron", [{}, {"tensor_model_parallel_size": 2, "sequence_parallel": True}],
                          ids=["pp2", "tp2-sp-pp2"])
 def test_the_plans_formula_holds_for_each_pipeline_stage(megatron):
-    from ds_megatron.comm_volume import plan_comm_volume
+    from ds_megatron.planning.comm_volume import plan_comm_volume
     m = 3
     ranks = 2 * megatron.get("tensor_model_parallel_size", 1)
     model = {"sequence_parallel": megatron.get("sequence_parallel", False)}

@@ -119,13 +119,13 @@ def test_groups_does_not_import_torch():
 
 def test_delegated_subcommand_gets_its_argv(monkeypatch):
     seen = {}
-    fake = types.ModuleType("ds_megatron.planning")
+    fake = types.ModuleType("ds_megatron.planning.report")
 
     def fake_main(argv):
         seen["argv"] = argv
         return 3
     fake.main = fake_main
-    monkeypatch.setitem(sys.modules, "ds_megatron.planning", fake)
+    monkeypatch.setitem(sys.modules, "ds_megatron.planning.report", fake)
     # The deepspeed launcher puts --local_rank before the subcommand.
     assert cli.main(["--local_rank=1", "plan", "--world-size", "8", "--help"]) == 3
     assert seen["argv"] == ["--world-size", "8", "--help"]

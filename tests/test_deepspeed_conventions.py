@@ -15,7 +15,7 @@ from harness import run_on_ranks
 
 import ds_megatron
 from ds_megatron.config import ConfigError, split_config
-from ds_megatron.training.job import parse_job_config
+from ds_megatron.config.job import parse_job_config
 
 
 class _Linear(torch.nn.Module):

@@ -14,7 +14,8 @@ import pytest
 import torch.distributed as dist
 
 from harness import run_on_ranks
-from ds_megatron.training.train import load_job, train
+from ds_megatron.config.job import load_job
+from ds_megatron.training.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "ds_configs", "*.json")))

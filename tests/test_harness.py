@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from harness import run_on_ranks
-from ds_megatron.utils.local_job import local_rank_env
+from ds_megatron.integration.local_job import local_rank_env
 from ds_megatron.utils.runtime_env import use_cuda
 
 

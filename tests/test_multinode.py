@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from ds_megatron.utils.local_job import free_port
+from ds_megatron.utils.dist_env import free_port
 
 from test_launchers import ROOT, _clean_env
 

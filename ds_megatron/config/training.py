@@ -52,7 +52,7 @@ class TrainConfig:
     # "qwen2"): every checkpoint also holds `iter_*/ds_megatron_model` for `ds-megatron convert`, as with load_hf.
     export_hf_family: Optional[str] = None
     # Megatron's name.  "torch_dist": torch.distributed.checkpoint, every tensor by its offsets in the whole
-    # model, resumable at any TP / PP / EP / ETP / DP (training/dist_checkpoint.py).  "deepspeed": DeepSpeed's
+    # model, resumable at any TP / PP / EP / ETP / DP (checkpointing/torch_dist.py).  "deepspeed": DeepSpeed's
     # save_checkpoint files (resumable at the same TP / PP / EP sizes, any DP).  null: torch_dist on our
     # optimizer path, deepspeed on DeepSpeed's (config/megatron.py decides).  --resume reads either.
     ckpt_format: Optional[str] = None

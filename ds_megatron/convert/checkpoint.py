@@ -16,19 +16,21 @@ files carried through unchanged).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import asdict
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from ..config.hf_config import METADATA, hf_from_model, model_from_hf
 from ..config.model import GPTConfig
-from ..errors import ConfigError
-from .hf_config import ConvertError, hf_from_model, model_from_hf
-from .mapping import METADATA, Layout, Mapping, Target
+from ..errors import ConfigError, ConvertError
+from .mapping import Layout, Mapping, Target
 from .safetensors_io import (DTYPES, TORCH_DTYPES, SliceReader, StreamingWriter, hf_weight_files, read_header,
                              tensor_table)
 
@@ -295,8 +297,6 @@ def convert(src: str, dst: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: Opti
 
 def main(argv=None) -> int:
     """``ds-megatron convert SRC DST [--tp N] [--pp N] [--ep N] [--etp N]``."""
-    import argparse
-    import sys
     p = argparse.ArgumentParser(prog="ds-megatron convert",
                                 description="Hugging Face -> ds_megatron at a layout, or ds_megatron -> Hugging Face "
                                             "(the direction follows from SRC)")

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config.model import GPTConfig, pad_vocab_size
+from ..config.pipeline import stage_layer_counts, stage_layer_ranges
 
 Range = Tuple[int, int]
-METADATA = "ds_megatron_checkpoint.json"  # marks our directory (family, model, layout, the original config.json)
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,6 @@ class Layout:
     @classmethod
     def uniform(cls, num_layers: int, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
                 layers_per_stage: Optional[Sequence[int]] = None) -> "Layout":
-        from ..config.pipeline import stage_layer_counts, stage_layer_ranges
         counts = stage_layer_counts(num_layers, pp, "uniform", layers_per_stage, None)
         return cls(tp, pp, ep, tp if etp is None else etp, tuple(tuple(r) for r in stage_layer_ranges(counts)))
 

@@ -16,11 +16,19 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..config.hf_config import METADATA
+from ..config.job import JobConfig, export_hf_config
+from ..data.tokenizer import hf_tokenizer_export_files
+from ..errors import ConvertError
 from ..moe.moe_layer import BaseMoELayer
-from .checkpoint import HF_FILES, HFSource, OurSource, check_layout, is_hf_dir, is_our_dir, write_metadata, METADATA
-from .hf_config import ConvertError
+from ..utils.collectives import barrier
+from .checkpoint import (HF_FILES, HFSource, OurSource, check_layout, extra_files, is_hf_dir, is_our_dir,
+                         write_metadata)
 from .mapping import Layout, Mapping, Target, dense_file, expert_file
-from .safetensors_io import SliceReader, StreamingWriter
+from .safetensors_io import DTYPES, SliceReader, StreamingWriter
+
+# Where a training checkpoint holds the model in our layout, for `ds-megatron convert` to export.
+JOB_MODEL_DIR = "ds_megatron_model"
 
 
 def _gpt_named_parameters(model):
@@ -42,6 +50,11 @@ def model_tensors(model) -> Dict[str, torch.Tensor]:
                 for key, tensor in experts.expert_weights(local).items():
                     out[f"layers.{module.layer_number}.mlp.experts.{e}.{key}"] = tensor
     return out
+
+
+def stage_layers(model) -> List[List[int]]:
+    """The transformer layers of every pipeline stage of a built model (one stage without PP)."""
+    return getattr(model, "all_stage_layers", None) or [list(range(model.config.num_layers))]
 
 
 def rank_layout(parallel_state, stage_layers: Sequence[Sequence[int]]) -> Layout:
@@ -142,4 +155,29 @@ def save_weights(model, directory: str, parallel_state, stage_layers: Sequence[S
             for name, data in files.items():
                 with open(os.path.join(directory, HF_FILES, name), "wb") as f:
                     f.write(data)
-    dist.barrier()
+    barrier(parallel_state.world)
+
+
+def save_job_model(model, job: JobConfig, parallel_state, tag_dir: str) -> None:
+    """A training job's weights in our layout inside checkpoint ``tag_dir`` (``ds-megatron convert`` exports them;
+    collective).
+
+    The family and config.json come from ``load_hf``'s checkpoint, or from the model section
+    (``train.export_hf_family``); the non-weight files of ``load_hf`` (tokenizer, generation config) go along,
+    and the job's own Hugging Face tokenizer replaces the tokenizer files, so the export loads with AutoTokenizer."""
+    files: Dict[str, bytes] = {}
+    load_hf = job.train.load_hf
+    if not load_hf:
+        family, hf_config, hf_dtypes = job.train.export_hf_family, export_hf_config(job.megatron), None
+    elif is_hf_dir(load_hf):
+        source = HFSource(load_hf)
+        family, hf_config = source.family, source.hf_config
+        hf_dtypes = {n: DTYPES[dt] for n, (_, dt, _) in source.table.items()}
+        files = extra_files(load_hf)
+    else:
+        source = OurSource(load_hf)
+        family, hf_config, hf_dtypes = source.family, source.meta["hf_config"], source.meta.get("hf_dtypes")
+        files = extra_files(os.path.join(load_hf, HF_FILES))
+    files.update(hf_tokenizer_export_files(job.data.tokenizer, job.data.eod_token))
+    save_weights(model, os.path.join(tag_dir, JOB_MODEL_DIR), parallel_state, stage_layers(model), family, hf_config,
+                 hf_dtypes, files)

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .hf_config import ConvertError
+from ..errors import ConvertError
 from .mapping import Range
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -17,6 +17,7 @@ a path
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -158,7 +159,6 @@ def tokenizer_key(name: str, eod_token: Optional[str] = None) -> str:
     """A file-name-safe key of a tokenizer's identity (its file's contents), for cache names."""
     if is_byte(name):
         return "byte"
-    import hashlib
     tokenizer_json, _ = hf_tokenizer_files(name)
     h = hashlib.sha256()
     with open(tokenizer_json, "rb") as f:

@@ -20,6 +20,22 @@ With ``pipeline_model_parallel_size > 1`` the model is a ``GPTPipelineModule``
 ``initialize`` returns DeepSpeed's ``PipelineEngine``: ``engine.train_batch(it)``
 runs ``gradient_accumulation_steps`` micro-batches through the stages and
 steps (``integration.pipeline``).
+
+Checks that need the built model run here too, before the engine exists: the config alone
+cannot know the model a user brings, and two layouts train without an error and give a wrong
+result when the model does not take part in them:
+
+* ``tensor_model_parallel_size > 1`` with no tensor-parallel parameter (a plain Hugging Face
+  model): the TP ranks of a group read the same batch, no layer splits anything and nothing
+  reduces across them, so the group trains identical replicas of one data-parallel share and
+  the rest of the batch is never seen by them.  Our layers mark their split weights
+  ``tensor_model_parallel=True`` (``tensor_parallel.params``).
+* ``expert_model_parallel_size > 1`` with no expert parameter (ours are marked ``is_expert``,
+  DeepSpeed's ``allreduce=False``): the expert groups shard nothing.
+
+Both raise a ``ConfigError`` naming the setting and the fix, before the engine exists.  So do,
+on DeepSpeed's optimizer path, a layout of our MoE layers that DeepSpeed's MoE checkpoint cannot
+save, and an ``lr_scheduler=`` given together with a ``"scheduler"`` section.
 """
 from __future__ import annotations
 
@@ -27,27 +43,28 @@ import argparse
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import deepspeed
+import torch
 import torch.distributed as dist
 
 from ..config import MegatronConfig, split_config, world_size_from_env
 from ..distributed import DistributedDataParallel, finalize_model_grads
 from ..errors import ConfigError
 from ..parallel_state import ParallelState
-from .checks import check_deepspeed_moe_checkpoint_layout, check_model_uses_layout, check_one_scheduler
+from ..tensor_parallel.params import is_expert_param
+from ..utils.collectives import record
 from .cuda_graphs import CudaGraphEngineHook, attach_cuda_graphs
-from .deepspeed_moe import prepare_deepspeed_moe
-from .engine_queries import report_precision
 from .gradients import MegatronDDPInEngine, complete_tp_partial_grads_in_backward
-from .moe import mark_engine_has_moe, moe_layers, register_expert_groups
+from .moe import (check_deepspeed_moe_checkpoint_layout, hand_expert_groups_to_deepspeed, mark_engine_has_our_moe,
+                  moe_layers, prepare_deepspeed_moe)
 from .mpu import MegatronMPU
 from .optimizer import prepare_optimizer_path
-from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, count_stage_sends,
-                       pipeline_deepspeed_config, prepare_pipeline_module, set_routing_loss_scale)
-from .rng import install_rng_tracker
+from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, pipeline_deepspeed_config,
+                       prepare_pipeline_module, set_routing_loss_scale)
 from .runtime import adopt_existing_process_group, init_distributed_from_env
+from .seams import count_pipeline_sends, install_rng_tracker, report_precision
 
 ConfigLike = Union[str, Dict[str, Any]]
 logger = logging.getLogger("ds_megatron")
@@ -65,6 +82,7 @@ class MegatronContext:
     cuda_graphs: Optional[CudaGraphEngineHook] = None  # when graphs are captured and replayed
     has_moe: bool = False
     pipeline_module: Optional[PipelineModule] = None  # the stage this rank runs, with pp > 1
+    stop_counting_sends: Optional[Callable[[], None]] = None  # undoes seams.count_pipeline_sends
 
     def finalize_model_grads(self) -> None:
         """Finish this window's gradient sync now (the optimizer step would): for a loop that reads the reduced
@@ -81,6 +99,8 @@ class MegatronContext:
             self.cuda_graphs.detach()
         if self.ddp_in_engine is not None:
             self.ddp_in_engine.detach()
+        if self.stop_counting_sends is not None:
+            self.stop_counting_sends()
         if isinstance(self.pipeline_module, GPTPipelineModule):
             self.pipeline_module.destroy_process_groups()
         self.state.destroy()
@@ -181,26 +201,27 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if not mcfg.precision.owns_optimizer:
             check_deepspeed_moe_checkpoint_layout(parallel_state)
         # DeepSpeed's own expert groups need EP to divide DP (folding breaks that): hand it ours.
-        register_expert_groups(parallel_state)
+        hand_expert_groups_to_deepspeed(parallel_state)
 
     # A PipelineModule brings DeepSpeed its grid (our groups, check_topology_matches); DeepSpeed refuses an mpu then.
     engine, opt, loader, sched = deepspeed.initialize(
         args=args, model=model, optimizer=opt_path.optimizer, model_parameters=opt_path.model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, mpu=None if pipeline else our_mpu,
         dist_init_required=dist_init_required, collate_fn=collate_fn, config=opt_path.ds_config, **deepspeed_kwargs)
-    if pipeline:
-        count_stage_sends(parallel_state.pp)
     if pipeline and isinstance(model, GPTPipelineModule):
         set_routing_loss_scale(model, opt_path.optimizer, engine.gradient_accumulation_steps())
     context = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu, ddp=opt_path.ddp, has_moe=has_moe,
                               pipeline_module=model if pipeline else None)
+    if pipeline:  # the stage-to-stage sends DeepSpeed's engine makes, counted inside count_bytes() like ours
+        pp_group = parallel_state.pp
+        context.stop_counting_sends = count_pipeline_sends(lambda tensor: record("send", pp_group, tensor))
     engine.megatron = context
     if opt_path.ddp is not None:  # our buffers are the reducer: DeepSpeed's own reduction off
         context.ddp_in_engine = MegatronDDPInEngine(engine, opt_path.ddp)
     elif model is not None:  # DeepSpeed reduces over data parallel; TP-partial grads are completed in backward
         complete_tp_partial_grads_in_backward(model, parallel_state)
     if has_moe and not mcfg.precision.owns_optimizer:  # DeepSpeed reduces and checkpoints the experts: its path only
-        mark_engine_has_moe(engine)
+        mark_engine_has_our_moe(engine)
     if mcfg.precision.owns_optimizer and model is not None:
         report_precision(engine, mcfg.precision)  # engine.bfloat16_enabled(), gradient_clipping(), ... tell the truth
     if dist.get_rank() == 0:
@@ -209,6 +230,32 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if mcfg.cuda_graph.enabled:  # capture after warmup_steps, then replay; without CUDA: one log line
         context.cuda_graphs = attach_cuda_graphs(engine, mcfg.cuda_graph)
     return engine, opt, loader, sched
+
+
+def check_model_uses_layout(model: Optional[torch.nn.Module], state: ParallelState) -> None:
+    """Refuse a TP / EP size that ``model`` has no parameter for (see the module docstring)."""
+    if model is None:
+        return
+    params = list(model.parameters())
+    tp, ep = state.layout.tp, state.layout.ep
+    if tp > 1 and not any(getattr(p, "tensor_model_parallel", False) for p in params):
+        raise ConfigError(f"megatron.tensor_model_parallel_size={tp} but the model has no tensor-parallel parameter "
+                          f"(none is marked tensor_model_parallel), so its {tp} TP ranks would train identical "
+                          "copies on the same data; build it from ds_megatron.tensor_parallel layers "
+                          "(ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding) or set "
+                          "tensor_model_parallel_size to 1")
+    if ep > 1 and not any(is_expert_param(p) for p in params):
+        raise ConfigError(f"megatron.expert_model_parallel_size={ep} but the model has no expert parameter "
+                          "(no MoE layer: none is marked is_expert or allreduce=False); use ds_megatron.moe "
+                          "layers or set expert_model_parallel_size to 1")
+
+
+def check_one_scheduler(ds_config, lr_scheduler) -> None:
+    """``lr_scheduler=`` and a ``"scheduler"`` section: DeepSpeed would silently use the section
+    (``runtime/engine.py`` ``_configure_lr_scheduler``); refuse instead."""
+    if lr_scheduler is not None and "scheduler" in ds_config:
+        raise ConfigError("lr_scheduler= was given together with a \"scheduler\" config section, and DeepSpeed would "
+                          "silently use the section; keep one of them")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -2,9 +2,8 @@
 
 * Megatron path (``optimizer_impl`` "megatron"): the model's
   ``DistributedDataParallel`` buffers.  DeepSpeed's own reduction is switched off
-  through ``engine.enable_backward_allreduce``, the flag DeepSpeed's pipeline
-  engine turns off for the same reason (``runtime/engine.py``,
-  ``_backward_epilogue`` and ``step``).  A forward pre-hook on ``engine.module``
+  (``seams.set_deepspeed_reduces_gradients``: the flag DeepSpeed's pipeline
+  engine turns off for the same reason).  A forward pre-hook on ``engine.module``
   (``register_forward_pre_hook``, a torch seam) starts each micro-batch: after an
   optimizer step it zeroes the buffers (one op per buffer; "after a step" is
   told by our optimizer's ``steps_called``, which only grows: ``engine.global_steps``
@@ -12,7 +11,7 @@
   must not survive the load) and it tells them
   whether this micro-batch ends the accumulation window
   (``engine.is_gradient_accumulation_boundary()`` and not inside
-  ``engine.no_sync()``), so that overlapped reductions start only then.  The
+  ``engine.no_sync()``, ``seams.inside_no_sync``), so that overlapped reductions start only then.  The
   optimizer wrapper finishes the sync in ``step()`` (``finalize_model_grads``).
   ``engine.backward`` already divides the loss by the accumulation steps, so the
   buffers accumulate the mean DeepSpeed would.
@@ -22,11 +21,11 @@
   ``engine.module`` puts a gradient hook on each training output, which runs
   when that micro-batch's backward reaches the stage, before any parameter
   gradient: it counts the backwards and marks the last one
-  (``engine.micro_batches``-th), so that overlapped reductions start during the
-  last backward and never before its gradients are in.  The engine's own
-  reduction there is ``engine.pipeline_enable_backward_allreduce``, switched
-  off likewise; its tied-weight all-reduce reads ``.grad``, which the buffers
-  leave empty (``finalize_model_grads`` sums the tied embedding instead).
+  (``seams.pipeline_micro_batches``-th), so that overlapped reductions start during the
+  last backward and never before its gradients are in.  The pipeline engine's own
+  reduction is switched off by the same accessor; its tied-weight all-reduce reads
+  ``.grad``, which the buffers leave empty (``finalize_model_grads`` sums the tied
+  embedding instead).
 * DeepSpeed path: DeepSpeed's all-reduce over the mpu's data-parallel group (and,
   for MoE layers, its expert path over our expert groups, ``integration.moe``).
   Gradients of sequence-parallel parameters and of KV copies are partial sums over TP,
@@ -46,6 +45,7 @@ from ..errors import ConfigError
 from ..optimizer import DistributedOptimizer
 from ..parallel_state import ParallelState
 from ..tensor_parallel.params import register_tp_partial_grad_hooks
+from .seams import inside_no_sync, pipeline_micro_batches, set_deepspeed_reduces_gradients
 
 
 def check_engine_supports_megatron_ddp(engine, ddp_config: DistributedDataParallelConfig) -> None:
@@ -85,10 +85,9 @@ class MegatronDDPInEngine:
         self._zeroed_at_step = self._steps_called()  # fresh buffers are zero
         self.pipeline = isinstance(engine, PipelineEngine)
         self._backwards = 0  # backward passes in this window (pipeline)
-        engine.enable_backward_allreduce = False  # the seam: DeepSpeed's own reduction off
+        set_deepspeed_reduces_gradients(engine, False)
         self._handles = [engine.module.register_forward_pre_hook(self._before_forward)]
         if self.pipeline:
-            engine.pipeline_enable_backward_allreduce = False
             self._handles.append(engine.module.register_forward_hook(self._hook_backward_start))
 
     def _before_forward(self, module, inputs) -> None:
@@ -105,7 +104,7 @@ class MegatronDDPInEngine:
             self.ddp.set_is_last_microbatch(False)  # the backward pre-hook says which one is
         else:
             self.ddp.set_is_last_microbatch(engine.is_gradient_accumulation_boundary()
-                                            and not engine.inside_no_sync_ctxt)
+                                            and not inside_no_sync(engine))
 
     def _steps_called(self) -> int:
         return self.engine.optimizer.steps_called  # our optimizer: the Megatron path's only one
@@ -120,15 +119,13 @@ class MegatronDDPInEngine:
 
     def _before_backward(self, grad):
         self._backwards += 1
-        self.ddp.set_is_last_microbatch(self._backwards == self.engine.micro_batches)
+        self.ddp.set_is_last_microbatch(self._backwards == pipeline_micro_batches(self.engine))
 
     def detach(self) -> None:
         """Give reduction back to DeepSpeed (tests, or swapping the wrapper)."""
         for handle in self._handles:
             handle.remove()
-        self.engine.enable_backward_allreduce = True
-        if self.pipeline:
-            self.engine.pipeline_enable_backward_allreduce = True
+        set_deepspeed_reduces_gradients(self.engine, True)
         self.ddp.remove_hooks()
 
 

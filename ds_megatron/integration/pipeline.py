@@ -27,13 +27,13 @@ Two things come from here:
   last stage's copy is marked ``shared`` so that the gradient norm counts it
   once.  The loss is the vocab-parallel cross entropy on the last stage.
 
-DeepSpeed seams used (0.19.8, ``runtime/pipe/module.py``): the subclass
-overrides ``_partition_layers`` (to place the layers as ``config.pipeline``
-says instead of DeepSpeed's own methods) and ``_synchronize_tied_weights``
-(the same broadcast, under ``no_grad``), and hands already-built modules to
-``PipelineModule.__init__``, which keeps its local slice (``_build``).  The
-engine's stage-to-stage sends go through ``runtime/pipe/p2p.send``, which
-``count_stage_sends`` wraps so that ``count_bytes()`` sees them.
+DeepSpeed seams (``integration.seams``): the subclass overrides
+``_partition_layers`` (to place the layers as ``config.pipeline`` says instead
+of DeepSpeed's own methods: ``seams.set_pipeline_parts``) and
+``_synchronize_tied_weights`` (the same broadcast, under ``no_grad``), and hands
+already-built modules to ``PipelineModule.__init__``, which keeps its local
+slice; the tied weights are read with ``seams.tied_weights`` and the module's own
+groups released with ``seams.release_pipeline_module_groups``.
 """
 from __future__ import annotations
 
@@ -42,19 +42,20 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe import PipelineModule, ProcessTopology, TiedLayerSpec, p2p
+from deepspeed.runtime.pipe import PipelineModule, ProcessTopology, TiedLayerSpec
 
 from ..config.model import GPTConfig
-from ..config.pipeline import pipeline_grid_axes, stage_layer_counts, stage_layer_ranges
+from ..config.pipeline import pipeline_grid_axes
 from ..errors import ConfigError
 from ..models.gpt import build_gpt_modules, language_model_loss, output_logits
 from ..moe.aux_loss_scaler import MoEAuxLossAutoScaler
 from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer
 from ..parallel.layout import ParallelLayout
-from ..parallel_state import ParallelGroup, ParallelState
+from ..parallel_state import ParallelState
+from ..planning.param_counts import pipeline_stage_layers
 from ..tensor_parallel import RNGStatesTracker, pad_vocab_size
-from ..utils.collectives import record
+from .seams import release_pipeline_module_groups, set_pipeline_parts, tied_weights
 
 _AXIS_NAMES = {"pp": "pipe", "dp": "data", "tp": "model"}
 TIED_EMBEDDING = "word_embeddings"
@@ -104,10 +105,6 @@ class _BuiltTiedLayer(TiedLayerSpec):
         return self.module
 
 
-# The groups DeepSpeed's PipelineParallelGrid keeps for this rank (runtime/pipe/topology.py).
-_GRID_GROUPS = ("ds_model_proc_group", "dp_proc_group", "pp_proc_group", "slice_proc_group")
-
-
 class GPTPipelineModule(PipelineModule):
     """The GPT of ``config`` split over ``parallel_state``'s pipeline stages (see the module docstring).
 
@@ -124,13 +121,7 @@ class GPTPipelineModule(PipelineModule):
         topology = pipeline_topology(layout)
         check_topology_matches(topology, parallel_state)
         pp, stage = layout.pp, parallel_state.pp.rank
-        weights = None
-        if partition_method == "parameters" and layers_per_stage is None:
-            from ..planning import layer_param_count  # torch-free
-            weights = [layer_param_count(config, i, layout.tp, layout.ep, layout.etp)
-                       for i in range(config.num_layers)]
-        counts = stage_layer_counts(config.num_layers, pp, partition_method, layers_per_stage, weights)
-        ranges = stage_layer_ranges(counts)
+        ranges = pipeline_stage_layers(config, layout, partition_method, layers_per_stage)
         n_items = config.num_layers + 4
         # Item i+2 is transformer layer i; 0, 1 (embedding) go with stage 0; the last two with the last stage.
         self._megatron_parts = [0] + [2 + r.stop for r in ranges[:-1]] + [n_items]
@@ -180,8 +171,7 @@ class GPTPipelineModule(PipelineModule):
 
     def _partition_layers(self, method="megatron"):
         # Seam: DeepSpeed's own methods would re-split (and build) the layers; ours are placed already.
-        self.parts = list(self._megatron_parts)
-        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+        set_pipeline_parts(self, self._megatron_parts, self.stage_id)
 
     def _synchronize_tied_weights(self):
         # DeepSpeed broadcasts the tied weights in place outside no_grad, which leaves autograd's
@@ -244,21 +234,12 @@ class GPTPipelineModule(PipelineModule):
         that builds several pipeline engines (tests, notebooks) would otherwise keep every one of
         them and their threads alive.  The module is unusable for communication afterwards.
         """
-        grid = getattr(self, "_grid", None)
-        groups = [getattr(self, "world_group", None)]
-        groups += [getattr(grid, name, None) for name in _GRID_GROUPS]
-        groups += [comm.get("group") for comm in getattr(self, "tied_comms", {}).values()]
         seen = set()
-        for group in groups:
-            if group is None or group is dist.GroupMember.WORLD or group is dist.GroupMember.NON_GROUP_MEMBER \
-                    or id(group) in seen:
+        for group in release_pipeline_module_groups(self):
+            if group is dist.GroupMember.WORLD or group is dist.GroupMember.NON_GROUP_MEMBER or id(group) in seen:
                 continue
             seen.add(id(group))
             dist.destroy_process_group(group)
-        self.world_group = None
-        if grid is not None:
-            for name in _GRID_GROUPS:
-                setattr(grid, name, None)
 
 
 def check_model_stages(model, pp: int) -> None:
@@ -286,16 +267,14 @@ def prepare_pipeline_module(model, parallel_state: ParallelState) -> None:
     check_topology_matches(model.topology(), parallel_state)
     pipe = parallel_state.pp.ranks
     embedding = sorted({pipe[0], pipe[-1]})  # this rank's pipeline's embedding group
-    for key, comm in getattr(model, "tied_comms", {}).items():
-        ranks = sorted(comm["ranks"])
+    for key, ranks, weights in tied_weights(model):
         if len(ranks) < 2:
             continue
         if ranks != embedding:
             raise ConfigError(f"tied layer {key!r} ties ranks {ranks}, not the first and last stage {embedding}; "
                               "ds_megatron sums tied gradients over the embedding group only: tie the first and "
                               "last stage, or untie the layer")
-        for attr in comm["weight_attr"]:
-            weight = model._recursive_getattr(model.tied_modules[key], attr)
+        for weight in weights:
             weight.shared_embedding = True
             weight.shared = parallel_state.pp.rank != 0
 
@@ -322,23 +301,3 @@ def set_routing_loss_scale(model: GPTPipelineModule, optimizer, micro_batches: i
         model.set_aux_loss_gradient_scale(lambda: 1.0 / micro_batches)
     else:
         model.set_aux_loss_gradient_scale(lambda: scaler.scale / micro_batches)
-
-
-_deepspeed_send = p2p.send
-_send_group: Optional[ParallelGroup] = None  # the pp group of the latest pipeline engine
-
-
-def _counted_send(tensor, dest_stage, async_op=False):
-    record("send", _send_group, tensor)
-    return _deepspeed_send(tensor, dest_stage, async_op=async_op)
-
-
-def count_stage_sends(pp_group: ParallelGroup) -> None:
-    """Count DeepSpeed's stage-to-stage sends (activations forward, their gradients backward, tensor metadata on
-    the first step) as ``send`` over ``pp_group`` inside ``count_bytes()``.
-
-    Seam: ``runtime/pipe/engine.py`` calls the module function ``p2p.send`` (``p2p.py:48``) for every tensor it
-    sends; the wrapper records and passes it on unchanged."""
-    global _send_group
-    _send_group = pp_group
-    p2p.send = _counted_send

@@ -1,10 +1,10 @@
 """Starting DeepSpeed's comm layer on the right device, and the workarounds a CPU job needs.
 
-Seams (DeepSpeed 0.19.8): ``deepspeed.init_distributed``; ``deepspeed.ops.__compatible_ops__``
-(the CPU accelerator's first ``init_distributed`` JIT-compiles a shared-memory
-all-reduce op, ~40 s, that only inference uses: marked unavailable so training
-starts at once); ``deepspeed.accelerator.get_accelerator`` (the device the engine
-runs on).  On the CPU path DeepSpeed also warns unless ``DS_ACCELERATOR=cpu`` is set.
+``deepspeed.init_distributed`` over the launcher's variables (gloo on a CPU, nccl on GPUs);
+``deepspeed.accelerator.get_accelerator`` names the device the engine runs on.  On the CPU path
+the shared-memory all-reduce op is marked unavailable first (``seams.skip_shm_comm_build``: its
+JIT build takes about 40 s and only inference uses it), and ``DS_ACCELERATOR=cpu`` is set, without
+which DeepSpeed warns.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import os
 from typing import Optional
 
 import deepspeed
-import deepspeed.ops
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
@@ -21,6 +20,7 @@ from deepspeed.utils import logger as deepspeed_logger
 
 from ..utils.dist_env import launcher_env_for_torch
 from ..utils.runtime_env import use_cuda
+from .seams import skip_shm_comm_build
 
 
 def prepare_cpu_runtime() -> None:
@@ -28,7 +28,7 @@ def prepare_cpu_runtime() -> None:
     if use_cuda():
         return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    skip_shm_comm_build()
 
 
 def accelerator_device_type() -> str:

@@ -47,10 +47,9 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.buffer_layout import Range, bucket_shard_param_ranges
-from ..parallel_state import ParallelState
-from ..parallel_state import ParallelGroup
+from ..parallel_state import ParallelGroup, ParallelState
 from ..tensor_parallel.params import param_is_not_tensor_parallel_duplicate
-from ..utils.collectives import all_gather_into
+from ..utils.collectives import all_gather_into, all_gather_object
 from .clip_grads import count_zeros_fp32
 from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import _FLOAT16, _PARAM_ATTRIBUTES, MegatronOptimizer
@@ -355,11 +354,7 @@ class DistributedOptimizer(MegatronOptimizer):
                         local_keys.add(key)
                     else:
                         scalars.setdefault(flat_index[param], {})[key] = value
-        keys_and_scalars = [None] * size
-        if size > 1:
-            dist.all_gather_object(keys_and_scalars, (sorted(local_keys), scalars), group=group.group)
-        else:
-            keys_and_scalars = [(sorted(local_keys), scalars)]
+        keys_and_scalars = all_gather_object((sorted(local_keys), scalars), group)
         keys = sorted(set().union(*(k for k, _ in keys_and_scalars)))
         if buffer.param_dtype in _FLOAT16:
             keys = [MAIN_PARAM] + keys

@@ -6,6 +6,8 @@ import math
 import os
 from typing import Any, Dict, List, Optional
 
+METRICS = "metrics.jsonl"  # in the job's output directory
+
 
 def strict_json_record(record: Dict[str, Any]) -> Dict[str, Any]:
     """``record`` with every non-finite float replaced by null and named under ``"nonfinite"``.
@@ -23,6 +25,19 @@ def strict_json_record(record: Dict[str, Any]) -> Dict[str, Any]:
     if nonfinite:
         out["nonfinite"] = nonfinite
     return out
+
+
+def start_fresh_metrics(out_dir: str) -> Optional[str]:
+    """A run that starts at step 0 gets an empty ``metrics.jsonl``: an older one is renamed to
+    ``metrics.jsonl.N`` (the first free N), never appended to.  Returns the new name of the old file."""
+    path = os.path.join(out_dir, METRICS)
+    if not os.path.exists(path):
+        return None
+    n = 1
+    while os.path.exists(f"{path}.{n}"):
+        n += 1
+    os.replace(path, f"{path}.{n}")
+    return f"{path}.{n}"
 
 
 class MetricsLog:

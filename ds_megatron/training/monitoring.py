@@ -1,12 +1,17 @@
 """What the training loop reports and where: ``metrics.jsonl``, the rank-0 progress line, DeepSpeed's monitors;
 and the guard that stops a run whose loss is no longer finite.
 
-``Reporter.report`` takes the steps the loop just brought to the host (one read per
+``PendingSteps`` keeps each step's loss (and MoE routing losses) on the device and brings the
+steps of a log interval to the host with one all-reduce and one read.  ``Reporter.report`` takes
+the steps the loop just brought to the host (one read per
 ``log_interval``) with their host-side fields and, for each step:
 
 * appends a strict-JSON record to ``metrics.jsonl`` (rank 0; non-finite values as null);
 * sends the same values to DeepSpeed's monitors (``MONITOR_EVENTS``; x = samples seen, DeepSpeed's
-  convention; the learning rate, and the loss scale with fp16, DeepSpeed writes itself);
+  convention): ``engine.monitor``, the ``MonitorMaster`` DeepSpeed builds from the ``tensorboard`` /
+  ``wandb`` / ``comet`` / ``csv_monitor`` sections, through its public ``write_events`` (it writes on
+  global rank 0 only); DeepSpeed writes the learning rate after each step, and with fp16 the loss
+  scale, itself;
 * checks them with the ``NonFiniteGuard`` (every rank: the values are the same on all of them,
   so all stop at the same step);
 
@@ -26,8 +31,11 @@ import torch
 from tqdm import tqdm
 
 from ..errors import NonFiniteLossError
-from ..integration.monitor import Event, engine_writes_loss_scale, write_monitor_events
+from ..parallel_state import ParallelGroup
+from ..utils.collectives import all_reduce
 from .metrics import MetricsLog, progress_text
+
+Event = Tuple[str, float, int]  # a DeepSpeed monitor event: (name, value, samples seen)
 
 MIN_BAR_COLUMNS = 40
 MONITOR_EVENTS = {"loss": "Train/Samples/train_loss", "grad_norm": "Train/Samples/grad_norm",
@@ -114,11 +122,60 @@ class NonFiniteGuard:
                 "check_for_nan_in_loss_and_grad off to train on anyway")
 
 
+def write_monitor_events(engine, events: List[Event]) -> None:
+    """``engine.monitor.write_events(events)`` when a monitor section is enabled."""
+    monitor = getattr(engine, "monitor", None)
+    if events and monitor is not None and monitor.enabled:
+        monitor.write_events(events)
+
+
 def monitor_events(record: Dict[str, Any], samples: int, skip: Tuple[str, ...] = ()) -> List[Event]:
     """The DeepSpeed monitor events of one metrics record (finite numbers only)."""
     return [(name, float(record[key]), samples) for key, name in MONITOR_EVENTS.items()
             if key not in skip and isinstance(record.get(key), (int, float)) and not isinstance(record[key], bool)
             and math.isfinite(record[key])]
+
+
+class PendingSteps:
+    """Per-step values kept on the device and brought to the host once per log interval.
+
+    Every ``add`` stores this step's loss (and the MoE routing losses) as device
+    tensors; ``flush`` stacks all pending values, averages them over the
+    data-parallel group with one all-reduce and reads them with one ``tolist()``:
+    one host sync per log interval instead of several per step.
+    """
+
+    def __init__(self, dp: ParallelGroup, pipeline: Optional[ParallelGroup] = None):
+        self.dp = dp
+        # Pipeline: each stage tracks its own layers' routing losses (summed over the stages at flush), and
+        # the logged loss adds them, as the PP=1 model's loss does.
+        self.pipeline = pipeline
+        self.steps: List[int] = []
+        self.values: List[Any] = []  # one 1-D device tensor per step: [loss, *moe losses]
+        self.names: List[str] = []
+
+    def add(self, step: int, loss, moe_losses: Dict[str, Any]) -> None:
+        names = list(moe_losses)
+        if self.steps and names != self.names:
+            raise RuntimeError(f"step {step} reports MoE losses {names} but earlier steps {self.names}")
+        self.names = names
+        self.steps.append(step)
+        self.values.append(torch.stack([loss.double(), *(v.double() for v in moe_losses.values())]))
+
+    def flush(self) -> List[Tuple[int, float, Dict[str, float]]]:
+        """[(step, loss, {moe loss name: value})] averaged over data parallel; one all-reduce, one sync."""
+        if not self.steps:
+            return []
+        stacked = torch.stack(self.values)
+        if self.pipeline is not None and self.names:
+            moe = stacked[:, 1:].contiguous()
+            all_reduce(moe, self.pipeline)
+            stacked = torch.cat([stacked[:, :1] + moe.sum(dim=1, keepdim=True), moe], dim=1)
+        all_reduce(stacked, self.dp)
+        rows = (stacked / self.dp.size).tolist()
+        out = [(step, row[0], dict(zip(self.names, row[1:]))) for step, row in zip(self.steps, rows)]
+        self.steps, self.values = [], []
+        return out
 
 
 class Reporter:
@@ -129,11 +186,11 @@ class Reporter:
         self.engine, self.log, self.progress, self.guard = engine, log, progress, guard
         self.train_iters, self.tokens_per_step, self.device = train_iters, tokens_per_step, device
         # DeepSpeed writes the lr (and, with fp16, the loss scale) itself.
-        self.skip_events = ("loss_scale",) if engine_writes_loss_scale(engine) else ()
+        self.skip_events = ("loss_scale",) if engine.fp16_enabled() else ()
 
     def report(self, rows: List[Tuple[int, float, Dict[str, float]]], records: Dict[int, Dict[str, Any]],
                seconds: float, steps: int) -> None:
-        """``rows``: (step, DP-averaged loss, MoE losses) as ``_PendingSteps.flush`` returns them;
+        """``rows``: (step, DP-averaged loss, MoE losses) as ``PendingSteps.flush`` returns them;
         ``records``: the host-side fields of those steps (popped); ``seconds`` / ``steps``: the
         training time and steps of this interval (tokens/s and ETA)."""
         if not rows:
@@ -169,5 +226,5 @@ class Reporter:
         self.progress.message(f"step {step}: validation loss {val_loss:.4f}")
 
 
-__all__ = ["MIN_BAR_COLUMNS", "MONITOR_EVENTS", "NonFiniteGuard", "ProgressOutput", "Reporter", "monitor_events",
-           "peak_memory_bytes", "terminal_columns"]
+__all__ = ["MIN_BAR_COLUMNS", "MONITOR_EVENTS", "NonFiniteGuard", "PendingSteps", "ProgressOutput", "Reporter",
+           "monitor_events", "peak_memory_bytes", "terminal_columns", "write_monitor_events"]

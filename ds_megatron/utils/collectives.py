@@ -168,3 +168,21 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: ParallelGroup, 
     pg = _torch_group(group)
     nxt, prev = group.ranks[(group.rank + 1) % group.size], group.ranks[(group.rank - 1) % group.size]
     return [dist.isend(send, nxt, group=pg, tag=tag), dist.irecv(recv, prev, group=pg, tag=tag)]
+
+
+def all_gather_object(obj, group: ParallelGroup) -> List:
+    """Every rank's picklable ``obj``, in ``group``'s rank order (``[obj]`` for a group of one; not counted:
+    pickled objects, not tensors)."""
+    if group.size == 1:
+        return [obj]
+    out = [None] * group.size
+    dist.all_gather_object(out, obj, group=_torch_group(group))
+    return out
+
+
+def barrier(group: Optional[ParallelGroup] = None) -> None:
+    """Wait until every rank of ``group`` (None: every rank of the job) arrives (nothing is sent: not counted)."""
+    if group is None:
+        dist.barrier()
+    elif group.size > 1:
+        dist.barrier(group=_torch_group(group))

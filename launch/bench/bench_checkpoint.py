@@ -10,7 +10,7 @@ save, the floor's save, each format's load and the floor's load:
 * ``deepspeed``: ``ds_megatron.save_checkpoint`` / ``load_checkpoint`` (DeepSpeed's
   own files, one per tensor-parallel rank written by data-parallel rank 0; with the
   distributed optimizer the gather of every shard first);
-* ``torch_dist``: the layout-independent format (``ds_megatron.training.dist_checkpoint``:
+* ``torch_dist``: the layout-independent format (``ds_megatron.checkpointing.torch_dist``:
   every rank writes its own shards with ``torch.distributed.checkpoint``); left out
   when this checkout has no such module;
 * the floor: ``torch.save`` of the same tensors (the module's state and the
@@ -25,7 +25,6 @@ format is one entry in ``_formats``: a name and its save / load functions.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shutil
 import statistics
@@ -34,25 +33,22 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from ds_megatron.utils.local_job import run_local_job  # noqa: E402
+from ds_megatron.integration.local_job import run_local_job  # noqa: E402
 
 LAYOUTS = {  # name: (ranks, DeepSpeed precision section, "megatron" section)
     "fp32-tp1": (1, {}, {}),
     "fp32-tp2": (2, {}, {"tensor_model_parallel_size": 2}),
     "bf16-distopt-dp2": (2, {"bf16": {"enabled": True}}, {"use_distributed_optimizer": True}),
 }
-DIST_CHECKPOINT = "ds_megatron.training.dist_checkpoint"
 
 
 def _formats():
     """name -> (save(engine, directory), load(engine, directory)); each saves and loads every rank's state."""
     import ds_megatron
-    formats = {"deepspeed": (lambda engine, d: ds_megatron.save_checkpoint(engine, d, tag="t"),
-                             lambda engine, d: ds_megatron.load_checkpoint(engine, d, tag="t"))}
-    if importlib.util.find_spec(DIST_CHECKPOINT) is not None:
-        dcp = importlib.import_module(DIST_CHECKPOINT)
-        formats["torch_dist"] = (lambda engine, d: dcp.save(engine, d, {}), lambda engine, d: dcp.load(engine, d))
-    return formats
+    return {"deepspeed": (lambda engine, d: ds_megatron.save_checkpoint(engine, d, tag="t"),
+                          lambda engine, d: ds_megatron.load_checkpoint(engine, d, tag="t")),
+            "torch_dist": (lambda engine, d: ds_megatron.save_dist_checkpoint(engine, d),
+                           lambda engine, d: ds_megatron.load_dist_checkpoint(engine, d))}
 
 
 def _dir_bytes(path):
@@ -139,16 +135,15 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=os.path.join(ROOT, "runs", "bench_checkpoint"))
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
-    ap.add_argument("--formats", default="deepspeed,torch_dist",
-                    help="comma-separated; torch_dist is left out where this checkout lacks it")
+    ap.add_argument("--formats", default="deepspeed,torch_dist", help="comma-separated: deepspeed, torch_dist")
     args = ap.parse_args(argv)
-    have = ["deepspeed"] + (["torch_dist"] if importlib.util.find_spec(DIST_CHECKPOINT) is not None else [])
-    args.formats = [f for f in args.formats.split(",") if f in have]
+    args.formats = args.formats.split(",")
+    for name in args.formats:
+        if name not in ("deepspeed", "torch_dist"):
+            ap.error(f"--formats: {name!r} is not deepspeed or torch_dist")
     for name in args.layouts.split(","):
         if name not in LAYOUTS:
             ap.error(f"--layouts: {name!r} is not one of {', '.join(LAYOUTS)}")
-    if not args.formats:
-        ap.error(f"--formats: none of them is available here (available: {', '.join(have)})")
     rows = [run_local_job(LAYOUTS[name][0], _job, args, name,
                           threads_per_rank=max(1, (os.cpu_count() or 1) // LAYOUTS[name][0]), timeout=3600)
             for name in args.layouts.split(",")]

@@ -35,7 +35,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from ds_megatron.utils.local_job import run_local_job  # noqa: E402
+from ds_megatron.integration.local_job import run_local_job  # noqa: E402
 
 
 def _timed(fn, repeats):

@@ -31,7 +31,7 @@ def rss_mib(field: str = "VmRSS") -> float:
 
 def make_checkpoint(directory: str, hidden: int, layers: int, vocab: int) -> dict:
     import torch
-    from ds_megatron.convert.hf_config import model_from_hf
+    from ds_megatron.config.hf_config import model_from_hf
     from ds_megatron.convert.mapping import Layout, Mapping
     from ds_megatron.convert.safetensors_io import StreamingWriter
     from ds_megatron.models import GPTConfig

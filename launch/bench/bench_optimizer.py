@@ -31,7 +31,8 @@ import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from ds_megatron.utils.local_job import free_port, local_rank_env  # noqa: E402
+from ds_megatron.integration.local_job import local_rank_env  # noqa: E402
+from ds_megatron.utils.dist_env import free_port  # noqa: E402
 
 PAIRS = [  # (precision, our variant, DeepSpeed's variant)
     ("fp32", "ours fp32 (FP32Optimizer)", "deepspeed fp32 (client AdamW + its clipping)"),

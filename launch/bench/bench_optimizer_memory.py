@@ -28,7 +28,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from ds_megatron.utils.local_job import run_local_job  # noqa: E402
+from ds_megatron.integration.local_job import run_local_job  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_grad_sync import mlp_stack  # noqa: E402  (the same model as the grad-sync benchmark)

@@ -21,7 +21,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from ds_megatron.utils.local_job import run_local_job  # noqa: E402
+from ds_megatron.integration.local_job import run_local_job  # noqa: E402
 
 
 def model_flops_per_step(B, s, l, h, V):

@@ -41,7 +41,7 @@ With memory on (default), each layout also trains one profiled step of ours
 and prints each rank's peak tensor bytes (what lives before the step plus the
 highest point the allocations reach inside it) next to ``ds-megatron plan``, and
 the bus bytes the step put on the wire (counted on the package's collectives) next
-to the plan's formula (``ds_megatron.comm_volume``).
+to the plan's formula (``ds_megatron.planning.comm_volume``).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-from ds_megatron.utils.local_job import run_local_job  # noqa: E402
+from ds_megatron.integration.local_job import run_local_job  # noqa: E402
 
 SIZES = {  # name: (layers, hidden, heads)
     "h256": (4, 256, 8),  # 5.3M params with vocab 8192: the issue's "as a user would" shape
@@ -277,7 +277,7 @@ def _job(args, layout_name):
     import torch.distributed as dist
     _patch_megatron_core_for_cpu()
     from ds_megatron.integration.runtime import set_deepspeed_log_level
-    from ds_megatron.comm_volume import plan_comm_volume
+    from ds_megatron.planning.comm_volume import plan_comm_volume
     from ds_megatron.planning import plan_memory
     from ds_megatron.utils.collectives import count_bytes
     set_deepspeed_log_level("ERROR")

@@ -9,7 +9,7 @@ from safetensors import safe_open
 import hf_models
 from ds_megatron.cli import main as cli_main
 from ds_megatron.convert.checkpoint import METADATA, convert
-from ds_megatron.convert.hf_config import ConvertError
+from ds_megatron.errors import ConvertError
 
 
 def _tensors(directory):

@@ -185,7 +185,7 @@ def _damaged_exports(tmp):
     """A gated TP=2 checkpoint, then two damaged copies of it: one rank file missing, one rank's copy of a
     replicated weight changed.  Returns what consolidating each one raised."""
     import shutil
-    from ds_megatron.convert.export_fp32 import ExportError, RECORD_KEY, consolidate
+    from ds_megatron.checkpointing.export_fp32 import ExportError, RECORD_KEY, consolidate
     cfg = _config(dict(tensor_model_parallel_size=2))
     state = ds_megatron.initialize_model_parallel(cfg)
     model = GPTModel(GPTConfig(**BASE, **LLAMA), state)

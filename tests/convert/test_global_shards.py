@@ -13,7 +13,7 @@ import torch.distributed as dist
 from harness import run_on_ranks
 
 import ds_megatron
-from ds_megatron.convert.global_shards import GlobalLayoutError, RankCoordinates, global_shards
+from ds_megatron.checkpointing.global_shards import GlobalLayoutError, RankCoordinates, global_shards
 from ds_megatron.convert.model_io import model_tensors
 from ds_megatron.models import GPTConfig, GPTModel
 from ds_megatron.parallel.layout import ParallelLayout

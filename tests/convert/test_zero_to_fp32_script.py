@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from harness import run_on_ranks
 from ds_megatron.cli import main as cli_main
-from ds_megatron.training.train import load_job, train
+from ds_megatron.config.job import load_job
+from ds_megatron.training.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -132,7 +132,7 @@ def test_ddp_keys_are_validated_before_anything_starts():
         ds_megatron.validate_config({"megatron": {"bucket_size": 0}}, world_size=2)
     _, mcfg = ds_megatron.validate_config({"megatron": {"grad_reduce_in_fp32": True}}, world_size=2)
     assert mcfg.gradient_reducer == "megatron_ddp" and mcfg.ddp.grad_reduce_in_fp32
-    # The Megatron path always reduces with the buffers (issue 12: one reducer per path); DeepSpeed's path never.
+    # The Megatron path always reduces with the buffers (one reducer per path); DeepSpeed's path never.
     _, plain = ds_megatron.validate_config({"megatron": {}}, world_size=2)
     assert plain.gradient_reducer == "megatron_ddp" and plain.ddp.grad_reduce_in_fp32 is None
     _, theirs = ds_megatron.validate_config({"megatron": {"optimizer_impl": "deepspeed"}}, world_size=2)

@@ -116,7 +116,7 @@ def test_bad_moe_layouts_fail_at_start():
 
 def test_moe_job_configs_validate_and_bad_ones_fail_at_start():
     import json
-    from ds_megatron.training.train import load_job
+    from ds_megatron.config.job import load_job
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for name, world in (("moe_ep2.json", 2), ("moe_ep4_tp2.json", 4)):
         job = load_job(os.path.join(root, "ds_configs", name), world)

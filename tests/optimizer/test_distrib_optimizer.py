@@ -19,8 +19,9 @@ from ds_megatron.config import ConfigError
 from ds_megatron.distributed import DistributedDataParallelConfig
 from ds_megatron.optimizer import DistributedOptimizer
 from ds_megatron.integration.optimizer import prepare_optimizer_path
-from ds_megatron.training.checkpointing import load_checkpoint, save_checkpoint
-from ds_megatron.training.train import load_job, train
+from ds_megatron.checkpointing import api as checkpoints
+from ds_megatron.config.job import load_job
+from ds_megatron.training.train import train
 
 CLIP = 0.05  # well below the grad norms here (~0.25), so clipping acts on every step
 GLOBAL_BATCH = 8
@@ -234,7 +235,7 @@ def _checkpoint_body(save_dir, precision, steps, save_at, resume, load_optimizer
     start, loaded = 0, None
     if resume:
         if load_optimizer_states:
-            client = load_checkpoint(engine, save_dir)
+            client = checkpoints.load(engine, save_dir)
         else:
             _, client = engine.load_checkpoint(save_dir, tag=open(os.path.join(save_dir, "latest")).read(),
                                                load_optimizer_states=False)
@@ -252,7 +253,7 @@ def _checkpoint_body(save_dir, precision, steps, save_at, resume, load_optimizer
     for step in range(start, steps):
         losses.update(_train_steps(engine, 1, start=step)[0])
         if step + 1 == save_at:
-            save_checkpoint(engine, save_dir, step + 1, {"step": step + 1})
+            checkpoints.save(engine, save_dir, step + 1, {"step": step + 1})
     _close(engine, state)
     return losses, loaded
 

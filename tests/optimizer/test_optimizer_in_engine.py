@@ -13,7 +13,8 @@ from ds_megatron.models.gpt import GPTModel
 from ds_megatron.config import GPTConfig
 from ds_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 from ds_megatron.tensor_parallel import RNGStatesTracker, allreduce_tp_partial_grads, model_parallel_seed
-from ds_megatron.training.train import load_job, train
+from ds_megatron.config.job import load_job
+from ds_megatron.training.train import train
 
 MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 257,
          "hidden_dropout": 0.0, "attention_dropout": 0.0}

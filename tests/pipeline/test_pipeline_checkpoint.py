@@ -13,7 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from harness import run_on_ranks
-from ds_megatron.training.train import load_job, train
+from ds_megatron.config.job import load_job
+from ds_megatron.training.train import train
 
 CASES = {
     "tp2-pp2-dropout": dict(tp=2, dropout=0.1),

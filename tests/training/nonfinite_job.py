@@ -24,8 +24,8 @@ def infinite_after(base, good_steps: int):
 
 
 if __name__ == "__main__":
-    import ds_megatron.training.train as loop
+    import ds_megatron.training.build as build
     from ds_megatron.training.job import main
 
-    loop.GPTModel = infinite_after(loop.GPTModel, int(os.environ["NONFINITE_AFTER"]))
+    build.GPTModel = infinite_after(build.GPTModel, int(os.environ["NONFINITE_AFTER"]))
     sys.exit(main(sys.argv[1:]))

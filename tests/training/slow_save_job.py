@@ -12,10 +12,10 @@ import time
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
-import ds_megatron.training.checkpointing as checkpointing
+import ds_megatron.checkpointing.deepspeed_format as deepspeed_format
 from ds_megatron.training.job import main
 
-real_save = checkpointing.engine_checkpoint.save_checkpoint
+real_save = deepspeed_format.save_checkpoint
 
 
 def save_checkpoint(engine, save_dir, tag=None, **kwargs):
@@ -45,6 +45,6 @@ def finish(self, metadata, results):
     return real_finish(self, metadata, results)
 
 
-checkpointing.engine_checkpoint.save_checkpoint = save_checkpoint
+deepspeed_format.save_checkpoint = save_checkpoint
 FileSystemWriter.finish = finish
 sys.exit(main(sys.argv[1:]))

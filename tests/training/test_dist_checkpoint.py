@@ -18,7 +18,8 @@ from ds_megatron.cli import main as cli_main
 from ds_megatron.config import ConfigError, split_config
 from ds_megatron.models import GPTConfig, GPTModel
 from ds_megatron.parallel_state import ParallelState
-from ds_megatron.training.train import load_job, train
+from ds_megatron.config.job import load_job
+from ds_megatron.training.train import train
 
 GPT = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 257,
        "hidden_dropout": 0.0, "attention_dropout": 0.0}

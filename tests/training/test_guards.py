@@ -53,7 +53,8 @@ def _strict_lines(path):
 
 def _run(cfg, resume=False, stop_after=None, show_progress=False):
     """The job on these ranks: (losses, stop reason, what rank 0 printed); a ConfigError's message instead."""
-    from ds_megatron.training.train import load_job, train
+    from ds_megatron.config.job import load_job
+    from ds_megatron.training.train import train
     out = io.StringIO()
     try:
         job = load_job(cfg, dist.get_world_size())
@@ -85,15 +86,15 @@ def test_token_ids_at_or_above_vocab_size_fail_at_start_naming_both_numbers(tmp_
 
 def _nonfinite_after(cfg, good_steps):
     """The job with a model whose loss turns infinite after ``good_steps`` steps."""
-    import ds_megatron.training.train as loop
+    import ds_megatron.training.build as build
 
-    real, loop.GPTModel = loop.GPTModel, infinite_after(loop.GPTModel, good_steps)
+    real, build.GPTModel = build.GPTModel, infinite_after(build.GPTModel, good_steps)
     try:
         return _run(cfg)
     except NonFiniteLossError as e:
         return f"stopped: {e}"
     finally:
-        loop.GPTModel = real
+        build.GPTModel = real
 
 
 def test_a_loss_that_is_no_longer_finite_stops_the_job_and_metrics_stay_strict_json(tmp_path):

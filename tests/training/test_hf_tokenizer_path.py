@@ -25,7 +25,8 @@ from ds_megatron.convert.model_io import load_weights
 from ds_megatron.models import GPTModel
 from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.parallel_state import ParallelState
-from ds_megatron.training.train import load_job, train
+from ds_megatron.config.job import load_job
+from ds_megatron.training.train import train
 
 TEXT = "def main(argv):\n    return parse(argv)\n"
 MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 128,

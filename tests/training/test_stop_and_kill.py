@@ -64,7 +64,8 @@ def _drive(tmp_path, watch, trigger, action, command, env=None):
 
 def _train(cfg, stop_after):
     import torch.distributed as dist
-    from ds_megatron.training.train import load_job, train
+    from ds_megatron.config.job import load_job
+    from ds_megatron.training.train import train
     return train(load_job(cfg, dist.get_world_size()), cfg, stop_after=stop_after, show_progress=False).losses
 
 

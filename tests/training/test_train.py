@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 from harness import run_on_ranks
 from ds_megatron.config import ConfigError
-from ds_megatron.training.train import load_job, train
+from ds_megatron.config.job import load_job
+from ds_megatron.training.train import train
 
 
 def _config(tmp, tp, mbs, steps=20, save_interval=0, dropout=0.0):
@@ -137,9 +138,9 @@ def _train_with_batches_on_another_device(cfg):
     """
     import torch._lazy
     import torch._lazy.ts_backend
-    import ds_megatron.training.train as loop
+    import ds_megatron.training.build as build
     torch._lazy.ts_backend.init()
-    real = loop.build_data_loader
+    real = build.build_data_loader
     lazy_batches = []
 
     class OnLazyDevice:
@@ -151,11 +152,11 @@ def _train_with_batches_on_another_device(cfg):
                 lazy_batches.append(1)
                 yield {k: v.to("lazy") for k, v in batch.items()}
 
-    loop.build_data_loader = lambda *a, **k: OnLazyDevice(real(*a, **k))
+    build.build_data_loader = lambda *a, **k: OnLazyDevice(real(*a, **k))
     try:
         return _train(cfg), len(lazy_batches)
     finally:
-        loop.build_data_loader = real
+        build.build_data_loader = real
 
 
 def test_batches_are_moved_to_the_engine_device(tmp_path):
@@ -170,19 +171,19 @@ def test_batches_are_moved_to_the_engine_device(tmp_path):
 
 
 def _count_loss_reads(cfg):
-    import ds_megatron.training.train as train_module
-    real = train_module._PendingSteps.flush
+    from ds_megatron.training.monitoring import PendingSteps
+    real = PendingSteps.flush
     flushed = []
 
     def flush(self):
         rows = real(self)
         flushed.append([step for step, _, _ in rows])
         return rows
-    train_module._PendingSteps.flush = flush
+    PendingSteps.flush = flush
     try:
         return {"losses": _train(cfg)[0], "flushed": [f for f in flushed if f]}
     finally:
-        train_module._PendingSteps.flush = real
+        PendingSteps.flush = real
 
 
 def test_losses_reach_the_host_once_per_log_interval(tmp_path):

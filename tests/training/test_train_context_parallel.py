@@ -2,7 +2,7 @@
 trains the CP=1 model on the same global batch: the same per-step and validation losses, the same final weights.
 
 The reference is the single-rank job; the final weights come from each run's last checkpoint, consolidated
-to one fp32 ``GPTModel`` state dict (``convert.export_fp32.consolidate``), which is layout-independent.
+to one fp32 ``GPTModel`` state dict (``checkpointing.export_fp32.consolidate``), which is layout-independent.
 """
 import os
 
@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 from harness import run_on_ranks
 from ds_megatron.config import ConfigError
-from ds_megatron.convert.export_fp32 import consolidate
-from ds_megatron.training.train import load_job, train
+from ds_megatron.checkpointing.export_fp32 import consolidate
+from ds_megatron.config.job import load_job
+from ds_megatron.training.train import train
 
 STEPS = 10
 BASE_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 257,

@@ -17,7 +17,8 @@ import hf_models
 from harness import run_on_ranks
 from ds_megatron.cli import main as cli_main
 from ds_megatron.config import ConfigError
-from ds_megatron.training.train import load_job, train
+from ds_megatron.config.job import load_job
+from ds_megatron.training.train import train
 
 
 def _config(out, hf_dir, lr):

@@ -1,7 +1,7 @@
-"""A training job's output directory, torch-free: checkpoint tags, what a checkpoint records about its job,
-the checks ``--resume`` makes before anything starts, a fresh run's metrics file, and pruning old checkpoints.
+"""The checkpoints of a run directory, torch-free: tags, ``latest`` (written atomically), what a checkpoint
+records about its job, the checks ``--resume`` makes before anything starts, and pruning old checkpoints.
 
-``checkpointing.save_checkpoint`` writes ``JOB_META`` into every checkpoint directory (rank 0,
+``checkpointing.api.save`` writes ``JOB_META`` into every checkpoint directory (rank 0,
 before ``latest`` moves to it): the model's shape fields, the parallel sizes that name the
 checkpoint's files and the parameter dtype.  ``check_resume`` compares them with the job that
 resumes and raises a ``ConfigError`` naming the first field that differs, before any process
@@ -20,7 +20,6 @@ from ..config import SECTION, ConfigError
 
 LATEST = "latest"
 JOB_META = "ds_megatron_job.json"
-METRICS = "metrics.jsonl"
 _TAG = re.compile(r"^iter_(\d{7})$")
 
 # Model fields that change a parameter's shape or name; a checkpoint only loads into the same values.
@@ -115,19 +114,6 @@ def check_resume(job, save_dir: str) -> Optional[str]:
     return tag
 
 
-def start_fresh_metrics(out_dir: str) -> Optional[str]:
-    """A run that starts at step 0 gets an empty ``metrics.jsonl``: an older one is renamed to
-    ``metrics.jsonl.N`` (the first free N), never appended to.  Returns the new name of the old file."""
-    path = os.path.join(out_dir, METRICS)
-    if not os.path.exists(path):
-        return None
-    n = 1
-    while os.path.exists(f"{path}.{n}"):
-        n += 1
-    os.replace(path, f"{path}.{n}")
-    return f"{path}.{n}"
-
-
 def prune_checkpoints(save_dir: str, keep: int) -> List[str]:
     """Remove all but the ``keep`` newest ``iter_*`` checkpoints (never the one ``latest`` names); returns
     the removed tags.  ``keep`` 0 keeps everything."""
@@ -142,5 +128,5 @@ def prune_checkpoints(save_dir: str, keep: int) -> List[str]:
     return removed
 
 
-__all__ = ["JOB_META", "LATEST", "METRICS", "check_resume", "job_meta", "latest_tag", "prune_checkpoints",
-           "read_job_meta", "start_fresh_metrics", "step_of", "tag_for", "write_atomic", "write_job_meta"]
+__all__ = ["JOB_META", "LATEST", "check_resume", "job_meta", "latest_tag", "prune_checkpoints", "read_job_meta",
+           "step_of", "tag_for", "write_atomic", "write_job_meta"]

@@ -12,7 +12,7 @@ is put together from its rank files:
   (``export_record``): each parameter's ``GPTModel`` name and the dimension TP splits
   it along, which entries are experts (their own files hold them), and, under PP,
   which entry of which ``layer_XX-model_YY-model_states.pt`` file is which parameter.
-* Dense weights are placed where ``convert.global_shards`` (the layout-independent
+* Dense weights are placed where ``global_shards`` (the layout-independent
   checkpoint's map) puts each rank's rows: blocks of rows or columns, a gated fc1's
   ``[gate; up]`` halves, the KV heads copied over TP ranks.  Every element of every
   tensor must be written, and copies of a tensor (replicated norms, KV copies) must
@@ -45,6 +45,8 @@ from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..models import GPTConfig
 from ..models.gpt import OutputLayer
@@ -80,7 +82,7 @@ def guard_zero_recovery_scripts(save_dir: str, tp: int, pp: int, ep: int) -> Lis
 
 
 RECORD_KEY = "ds_megatron_export"
-RECORD_VERSION = 2  # 2: the record carries the model config and the shards are placed by convert.global_shards
+RECORD_VERSION = 2  # 2: the record carries the model config and the shards are placed by global_shards
 # SequentialMLP's expert weights as the expert files name them ([out, in]): fc1 is split over the
 # expert-tensor ranks along its output rows, fc2 along its input columns (column- / row-parallel).
 EXPERT_PARTITION_DIMS = {"linear_fc1.weight": 0, "linear_fc2.weight": 1}
@@ -150,9 +152,7 @@ def _cat(pieces: Dict[int, torch.Tensor], size: int, dim: int, what: str) -> tor
 
 def _consolidate_torch_dist(tag_dir: str) -> Dict[str, torch.Tensor]:
     """A ``ckpt_format: "torch_dist"`` checkpoint already stores the one-rank model's tensors (``model.<name>``,
-    ``convert.global_shards``): read them whole, on one process."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    ``global_shards``): read them whole, on one process."""
     reader = dcp.FileSystemReader(tag_dir)
     state = {key: torch.empty(md.size, dtype=md.properties.dtype)
              for key, md in reader.read_metadata().state_dict_metadata.items()

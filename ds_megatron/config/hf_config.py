@@ -10,14 +10,16 @@ written from the model section.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+import json
+import os
+from typing import Any, Dict, Optional, Tuple
 
-from ..errors import ConfigError
+from ..errors import ConvertError
+from .model import GPTConfig
 
-
-class ConvertError(ConfigError):
-    """A checkpoint or config that cannot be converted exactly (one line: the file, the field or tensor, the fix)."""
-
+# The file that marks a directory ``ds-megatron convert`` wrote: family, model section, layout, the original
+# config.json (``convert.checkpoint.write_metadata``).
+METADATA = "ds_megatron_checkpoint.json"
 
 # architecture (config.json "architectures"[0]) -> family
 FAMILIES = {
@@ -130,6 +132,18 @@ def model_from_hf(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
     return family, model
 
 
+def model_of_checkpoint(path: str) -> Optional[Dict[str, Any]]:
+    """The model section of a checkpoint directory: ours (``METADATA``) or a Hugging Face one (``config.json``);
+    None when ``path`` holds neither."""
+    if os.path.isfile(os.path.join(path, METADATA)):
+        with open(os.path.join(path, METADATA)) as f:
+            return dict(json.load(f)["model"])
+    if os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json")) as f:
+            return model_from_hf(json.load(f))[1]
+    return None
+
+
 def hf_from_model(family: str, model: Dict[str, Any], base: Dict[str, Any]) -> Dict[str, Any]:
     """``base`` (the config.json the model came from) with the architecture fields of ``model`` written back.
 
@@ -165,7 +179,6 @@ def hf_config_from_model(family: str, model: Dict[str, Any], field: str = "train
     Built forward, then checked backward: ``model_from_hf`` of the result must give back every architecture
     field of ``model``, so that a model the family cannot express (LayerNorm, GELU without gating, learned
     positions, biases the family lacks, MoE, ...) is refused naming the first field that differs."""
-    from ..config.model import GPTConfig
     if family not in EXPORT_FAMILIES:
         raise ConvertError(f"{field}={family!r} is not supported; use one of: {', '.join(EXPORT_FAMILIES)} "
                            "(a model trained from scratch exports as a dense family)")

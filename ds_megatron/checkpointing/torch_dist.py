@@ -2,7 +2,7 @@
 
 Written with ``torch.distributed.checkpoint`` (DCP): every rank writes its own
 shards in parallel, each stored with its offsets inside a tensor of the one-rank
-model (``convert.global_shards``), and DCP's reader cuts any other layout's shards
+model (``global_shards``), and DCP's reader cuts any other layout's shards
 out of them.  So a checkpoint saved at one TP / PP / EP / ETP / DP resumes at
 another: weights, fp32 main params, optimizer moments, the loss scaler, the
 LR schedule, DeepSpeed's step counters and the caller's client state (step, data
@@ -37,10 +37,12 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..convert.global_shards import GlobalShard, RankCoordinates, global_shards
 from ..convert.model_io import model_tensors
+from ..integration.seams import engine_counters, set_engine_counters
 from ..models import GPTConfig
 from ..optimizer import MegatronOptimizer
+from .global_shards import GlobalShard, RankCoordinates, global_shards
+from .rng import saved_layout
 
 FORMAT_VERSION = 1
 METADATA_FILE = ".metadata"  # what DCP writes last, on the coordinator: its presence marks a complete save
@@ -168,11 +170,6 @@ def _param_shards(module, parallel_state) -> Dict[int, Tuple[torch.nn.Parameter,
     return out
 
 
-def saved_layout(parallel_state) -> Dict[str, int]:
-    """The sizes a checkpoint records (a resume at other sizes reshards; RNG streams are kept only at the same)."""
-    return {axis: getattr(parallel_state, axis).size for axis in ("tp", "pp", "dp", "cp", "ep", "etp")}
-
-
 def _add_sharded(state: Dict[str, Any], prefix: str, tensor: torch.Tensor, views: ViewShards,
                  suffix: str = "") -> None:
     """Every tensor cut out of ``tensor`` (a parameter, or a state tensor of its shape) under
@@ -216,8 +213,7 @@ def save(engine, directory: str, client_state: Dict[str, Any]) -> None:
         state["optimizer.grad_scaler"] = saved["grad_scaler"]
     if engine.lr_scheduler is not None:
         state["lr_scheduler"] = engine.lr_scheduler.state_dict()
-    state["engine"] = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                       "skipped_steps": engine.skipped_steps}
+    state["engine"] = engine_counters(engine)
     state["client"] = dict(client_state)
     state["meta"] = {"version": FORMAT_VERSION, "layout": saved_layout(engine.megatron.state)}
     dcp.save(state, checkpoint_id=directory, planner=_SavePlanner())
@@ -308,8 +304,5 @@ def load(engine, directory: str) -> Dict[str, Any]:
     optimizer.load_state_dict(standard)
     if engine.lr_scheduler is not None and "lr_scheduler" in state:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    counters = state["engine"]
-    engine.global_steps = counters["global_steps"]
-    engine.global_samples = counters["global_samples"]
-    engine.skipped_steps = counters["skipped_steps"]
+    set_engine_counters(engine, state["engine"])
     return state["client"]

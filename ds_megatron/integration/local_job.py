@@ -20,8 +20,8 @@ import sys
 import traceback
 from typing import Any, Callable, Dict
 
-from .dist_env import free_port
-from .runtime_env import use_cuda
+from ..utils.dist_env import free_port
+from ..utils.runtime_env import use_cuda
 
 
 def local_rank_env(rank: int, world_size: int, port: int, cpu_only: bool = False) -> Dict[str, str]:
@@ -43,10 +43,11 @@ def local_rank_env(rank: int, world_size: int, port: int, cpu_only: bool = False
 def init_local_rank(rank: int, world_size: int, port: int, threads: int = 1, cpu_only: bool = False) -> None:
     """Make this process rank ``rank`` of a local job: launcher variables, threads, DeepSpeed's comm layer."""
     os.environ.update(local_rank_env(rank, world_size, port, cpu_only=cpu_only))
-    # Loaded only now: DeepSpeed picks its accelerator, and torch its thread pool, from the variables above.
+    # Boundary: loaded only now, since DeepSpeed picks its accelerator, and torch its thread pool, from the
+    # variables above.
     import torch
 
-    from ..integration.runtime import init_distributed, set_deepspeed_log_level
+    from .runtime import init_distributed, set_deepspeed_log_level  # boundary: see above
     torch.set_num_threads(threads)
     set_deepspeed_log_level("ERROR")
     init_distributed(verbose=False)
@@ -58,8 +59,10 @@ def _rank_main(rank: int, world: int, port: int, threads: int, fn: Callable, arg
         value = fn(*args)
         if rank == 0:
             results.put((True, value))
-        import torch.distributed as dist  # loaded by init_local_rank
-        dist.barrier()
+        import torch.distributed as dist  # loaded by init_local_rank already
+
+        from ..utils.collectives import barrier  # the rank's torch half, loaded by init_local_rank already
+        barrier()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - handed to the parent, which raises it
         results.put((False, f"rank {rank}:\n{traceback.format_exc()}"))

@@ -41,12 +41,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from .config.model import pad_vocab_size
-from .config.pipeline import stage_layer_counts, stage_layer_ranges
-from .errors import ConfigError
-from .planning import gpt_param_counts, layer_counts, layer_param_count
+from ..config.model import pad_vocab_size
+from ..errors import ConfigError
+from .memory import BYTES
+from .param_counts import gpt_param_counts, layer_counts, norm_params, pipeline_stage_layers
 
-BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 F32, F64 = 4, 8
 
 
@@ -84,8 +83,7 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     sp = cfg.sequence_parallel and t > 1
     recompute = cfg.recompute_granularity == "full"
     sbh = s * b * h * a
-    weights = [layer_param_count(cfg, i, t) for i in range(cfg.num_layers)]
-    ranges = stage_layer_ranges(stage_layer_counts(cfg.num_layers, pp, partition_method, layers_per_stage, weights))
+    ranges = pipeline_stage_layers(cfg, layout, partition_method, layers_per_stage)
     kv_heads = max(cfg.query_groups // t, 1)  # per TP rank (one group's copy when TP exceeds the groups)
     out = []
     for stage, layers in enumerate(ranges):
@@ -121,9 +119,9 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             add("tp", m * _all_reduce(t, 3 * s * b * F32))
         # Replicated weights whose gradients are partial sums over TP, summed once per step (in fp32).
         if sp:  # norms and row-parallel biases see this rank's tokens only (the q/k norms its heads)
-            partial = sum(layer_counts(cfg, i, t).replicated for i in layers) + (_norm_params(cfg) if last else 0)
+            partial = sum(layer_counts(cfg, i, t).replicated for i in layers) + (norm_params(cfg) if last else 0)
         else:  # the q/k norms see this rank's heads only
-            partial = 2 * _norm_params(cfg, d) * n_layers if cfg.qk_layernorm else 0
+            partial = 2 * norm_params(cfg, d) * n_layers if cfg.qk_layernorm else 0
         if t > cfg.query_groups:  # each KV group's projection copies: every group's slot in the same all-reduce
             partial += n_layers * cfg.query_groups * 2 * d * (h + int(cfg.qkv_bias))
         add("tp", _all_reduce(t, partial * F32))
@@ -145,11 +143,6 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         add("optimizer", _all_reduce(holders, F64))
         out.append(StageComm(stage, vol))
     return out
-
-
-def _norm_params(cfg, width: Optional[int] = None) -> int:
-    width = cfg.hidden_size if width is None else width
-    return width if cfg.normalization == "RMSNorm" else 2 * width
 
 
 def format_comm_volume(stages: Sequence[StageComm]) -> str:

@@ -1,4 +1,4 @@
-"""``save_checkpoint`` / ``load_checkpoint``: DeepSpeed's checkpoints of an engine built by ``ds_megatron.initialize``.
+"""Checkpoints in DeepSpeed's format of an engine built by ``ds_megatron.initialize`` (``ckpt_format: "deepspeed"``).
 
 They call the engine's own ``save_checkpoint`` / ``load_checkpoint`` (public
 DeepSpeed API, left untouched on the engine) and add what it cannot know:
@@ -7,7 +7,7 @@ DeepSpeed API, left untouched on the engine) and add what it cannot know:
   rank 0 only, which under MoE folding does not hold every expert, and its own
   expert files come from ``deepspeed.moe`` layers only.  So each
   expert-data-parallel rank 0 writes its local experts first, under DeepSpeed's
-  expert file names (``integration.moe.expert_checkpoint_name``, one file per
+  expert file names (``integration.seams.expert_checkpoint_name``, one file per
   expert and expert-tensor rank), and every rank reads its local experts back
   after DeepSpeed loads.  Experts go first: the caller's ``latest`` then never
   names a tag without them.
@@ -23,15 +23,14 @@ DeepSpeed API, left untouched on the engine) and add what it cannot know:
   about our MoE layers (``integration.moe``) and writes a plain checkpoint, whose
   optimizer state (data-parallel rank 0's) is not loaded.  On DeepSpeed's path
   the layouts its MoE checkpoint cannot save are refused at ``initialize``
-  (``integration.checks``).
+  (``integration.moe.check_deepspeed_moe_checkpoint_layout``).
 * Each tensor / pipeline rank's record of how its weights map to the whole model
-  (``convert.export_fp32.export_record``, under ``client_state["ds_megatron_export"]``):
+  (``export_fp32.export_record``, under ``client_state["ds_megatron_export"]``):
   ``ds-megatron export-fp32`` reads it.  Under PP it names the entries of DeepSpeed's
-  per-layer files (``PipelineModule.forward_funcs``, ``_local_start``: the files are
-  ``layer_<_local_start + i>``, ``runtime/pipe/module.py:588``, ``:607``).
+  per-layer files (``integration.seams.pipeline_layer_state_dicts``).
 * DeepSpeed's ZeRO path copies ``zero_to_fp32.py`` next to the checkpoint; with TP / PP / EP it cannot
   consolidate our shards, so it is replaced by one that names ``ds-megatron export-fp32``
-  (``convert.export_fp32.guard_zero_recovery_scripts``).
+  (``export_fp32.guard_zero_recovery_scripts``).
 * A distributed optimizer gathers its shards on every rank before anything asks
   (the gather is a collective).
 * After a load our gradient buffers start a new window at the next forward
@@ -45,14 +44,34 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..convert.export_fp32 import RECORD_KEY, export_record, guard_zero_recovery_scripts
+from ..integration.moe import moe_layers
+from ..integration.seams import expert_checkpoint_name, pipeline_layer_state_dicts
+from ..moe.moe_layer import BaseMoELayer
 from ..optimizer import MegatronOptimizer
-from .moe import checkpointed_moe_layers, expert_checkpoint_name
+from ..utils.collectives import barrier
+from .export_fp32 import RECORD_KEY, export_record, guard_zero_recovery_scripts
+
+
+def checkpointed_moe_layers(module: torch.nn.Module) -> List[Tuple[int, str, BaseMoELayer]]:
+    """``(layer id, name, layer)`` of every MoE layer of ours, as checkpoints name them.
+
+    Ids count the whole model's MoE layers from 0 and names are the whole
+    model's (``layers.5.mlp``), also on a pipeline stage (a ``GPTPipelineModule``
+    says which layers it holds), so that every stage writes distinct expert
+    files and a checkpoint does not depend on the pipeline split.
+    """
+    layers = moe_layers(module)
+    to_model_name = getattr(module, "gpt_name", None)
+    if to_model_name is None:
+        return [(i, name, layer) for i, (name, layer) in enumerate(layers)]
+    config = module.config
+    return [(sum(config.is_moe_layer(j) for j in range(layer.layer_number)), to_model_name(name), layer)
+            for name, layer in layers]
 
 
 def optimizer_shard_name(save_dir: str, tag: str, layout, rank: int) -> str:
@@ -72,12 +91,7 @@ def _saves_moe_optimizer_itself(engine) -> bool:
 
 
 def _export_record(engine) -> Dict[str, Any]:
-    module = engine.module
-    layer_files = None
-    if hasattr(module, "forward_funcs"):  # a pipeline stage: DeepSpeed writes one file per layer
-        layer_files = {f"layer_{module._local_start + i:02d}": layer.state_dict(keep_vars=True)
-                       for i, layer in enumerate(module.forward_funcs) if isinstance(layer, torch.nn.Module)}
-    return export_record(module, engine.megatron.state, layer_files)
+    return export_record(engine.module, engine.megatron.state, pipeline_layer_state_dicts(engine.module))
 
 
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict[str, Any]] = None,
@@ -104,13 +118,13 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
             if _writes_optimizer_shard(state):
                 torch.save(optimizer_state, optimizer_shard_name(save_dir, tag, state.layout, dist.get_rank()))
         if has_moe:
-            dist.barrier()  # every expert and optimizer file is on disk before DeepSpeed may write `latest`
+            barrier(state.world)  # every expert and optimizer file is on disk before DeepSpeed may write `latest`
         record = _export_record(engine)
         client_state = {**(client_state or {}), **({RECORD_KEY: record} if record is not None else {})}
         saved = engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                        **kwargs)
     if engine.zero_optimization() and not (state.tp.size == state.pp.size == state.ep.size == 1):
-        dist.barrier()  # every rank's DeepSpeed save (and its copy of the recovery scripts) is done
+        barrier(state.world)  # every rank's DeepSpeed save (and its copy of the recovery scripts) is done
         if dist.get_rank() == 0:
             guard_zero_recovery_scripts(save_dir, state.tp.size, state.pp.size, state.ep.size)
     return saved

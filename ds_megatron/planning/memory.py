@@ -1,5 +1,4 @@
-"""``ds-megatron plan --config FILE --world-size N``: memory per rank of a GPT job, and the bytes each rank
-sends per step (``comm_volume``), before launching it.
+"""Memory per rank of a GPT job, before launching it (``ds-megatron plan``, ``planning.report``).
 
 Pure Python (no torch): the figures come from ``GPTConfig``, the parallel
 layout and the precision settings, and are what a built ``GPTModel`` and our
@@ -42,91 +41,14 @@ TP-split shared-expert MLP.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from .config import ConfigError
-from .config.model import pad_vocab_size
-from .config.pipeline import stage_layer_counts, stage_layer_ranges
-from .training.job import parse_job_config
+from ..config.model import pad_vocab_size
+from ..errors import ConfigError
+from .param_counts import gpt_param_counts, pipeline_stage_layers
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameters one rank holds: its shards of the TP-split weights, its copy of the replicated ones,
-    and its local experts (``num_experts / EP`` of them, each split over ETP)."""
-
-    sharded: int
-    replicated: int
-    expert: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.sharded + self.replicated + self.expert
-
-
-def _mlp_counts(h: int, ffn: int, tp: int, gated: bool = False, bias: bool = True) -> ParamCounts:
-    """A ``ParallelMLP``: column h->ffn (x2 gated; weight + bias split), row ffn->h (weight split, bias replicated)."""
-    fc1 = (2 if gated else 1) * (ffn // tp)
-    return ParamCounts(sharded=fc1 * (h + int(bias)) + h * (ffn // tp), replicated=h if bias else 0)
-
-
-def _norm(cfg, h: int) -> int:
-    return h if cfg.normalization == "RMSNorm" else 2 * h
-
-
-def layer_counts(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> ParamCounts:
-    """Transformer layer ``layer``'s parameters on one rank (dense or MoE, as ``cfg.is_moe_layer`` says)."""
-    h, d, n, g = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
-    qkv_rows = (n // tp + 2 * max(g // tp, 1)) * d  # KV heads split over TP, or one group's replicated
-    sharded = qkv_rows * (h + int(cfg.qkv_bias)) + h * (n * d // tp)  # QKV (weight + bias), output projection
-    replicated = 2 * _norm(cfg, h) + (h if cfg.add_bias_linear else 0) + (2 * _norm(cfg, d) if cfg.qk_layernorm else 0)
-    expert = 0
-    if cfg.is_moe_layer(layer):
-        replicated += cfg.num_experts * h  # router
-        fc1 = 2 if cfg.gated_linear_unit else 1
-        expert += (cfg.num_experts // ep) * (fc1 + 1) * h * (cfg.moe_ffn_hidden_size // etp)  # bias-free fc1, fc2
-        if cfg.moe_shared_expert_intermediate_size:
-            shared = _mlp_counts(h, cfg.moe_shared_expert_intermediate_size, tp, cfg.gated_linear_unit,
-                                 cfg.add_bias_linear)
-            sharded, replicated = sharded + shared.sharded, replicated + shared.replicated
-            replicated += h if cfg.moe_shared_expert_gate else 0
-    else:
-        mlp = _mlp_counts(h, cfg.ffn_hidden_size, tp, cfg.gated_linear_unit, cfg.add_bias_linear)
-        sharded, replicated = sharded + mlp.sharded, replicated + mlp.replicated
-    return ParamCounts(sharded, replicated, expert)
-
-
-def layer_param_count(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> int:
-    """All of layer ``layer``'s parameters on one rank (the weight of ``pipeline_partition_method`` "parameters")."""
-    return layer_counts(cfg, layer, tp, ep, etp).total
-
-
-def gpt_param_counts(cfg, tp: int, ep: int = 1, etp: int = 1, layers: Optional[Sequence[int]] = None,
-                     first_stage: bool = True, last_stage: bool = True) -> ParamCounts:
-    """The GPT's parameters on one rank: the whole ``GPTModel`` by default, or one pipeline stage's share
-    (``layers``; the embedding on the first stage, the final LayerNorm and the tied output copy on the last)."""
-    h = cfg.hidden_size
-    vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
-    sharded, replicated, expert = 0, 0, 0
-    untied = cfg.untie_embeddings_and_output_weights
-    if first_stage or (last_stage and not untied):
-        sharded += (vocab // tp) * h  # the word embedding (a copy on each end of a pipeline when tied)
-    if first_stage and cfg.position_embedding_type == "learned_absolute":
-        replicated += cfg.seq_length * h  # learned positions
-    if last_stage:
-        replicated += _norm(cfg, h)  # final norm
-        sharded += (vocab // tp) * h if untied else 0  # the output layer
-    for layer in (range(cfg.num_layers) if layers is None else layers):
-        counts = layer_counts(cfg, layer, tp, ep, etp)
-        sharded, replicated, expert = (sharded + counts.sharded, replicated + counts.replicated,
-                                       expert + counts.expert)
-    return ParamCounts(sharded, replicated, expert)
 
 
 def optimizer_state_bytes_per_param(optimizer_type: str, momentum: float = 0.0) -> int:
@@ -215,8 +137,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
     pp = layout.pp
-    weights = [layer_param_count(cfg, i, layout.tp, layout.ep, layout.etp) for i in range(cfg.num_layers)]
-    ranges = stage_layer_ranges(stage_layer_counts(cfg.num_layers, pp, partition_method, layers_per_stage, weights))
+    ranges = pipeline_stage_layers(cfg, layout, partition_method, layers_per_stage)
     low = BYTES[params_dtype]
     mixed = params_dtype != "fp32"
     groups = layout.group_ranks()
@@ -266,67 +187,3 @@ def format_plan(plans: Sequence[RankMemory], header: str) -> str:
                   "its peak (start of backward), times the micro-batches a stage holds at once (1F1B keeps up to "
                   "pp - stage in flight)"]
     return "\n".join(lines)
-
-
-def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None):
-    """(header, plans, comm) for a job config (path or dict): the memory per role and the bytes on the wire per
-    stage (``comm_volume.plan_comm_volume``; a line saying why instead, where it does not apply)."""
-    job = parse_job_config(config)
-    layout = job.megatron.layout(world_size)
-    precision = job.megatron.precision
-    section = job.ds_config.get("optimizer", {"type": "AdamW"})  # ds-megatron train builds AdamW otherwise
-    opt_type = str(section.get("type", "AdamW"))
-    if opt_type.lower() == "adam" and not section.get("params", {}).get("adam_w_mode", True):
-        opt_type = "Adam"
-    momentum = section.get("params", {}).get("momentum", 0.0)
-    mb = micro_batch or job.ds_config.get("train_micro_batch_size_per_gpu", 1)
-    distributed = job.megatron.ddp.use_distributed_optimizer
-    parallel = job.megatron.parallel
-    micro_batches = job.megatron.deepspeed_batch.micro_batches(layout.dp) or 1
-    plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb, distributed,
-                        micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage)
-    experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
-    pipeline = f" pp={layout.pp} ({micro_batches} micro-batches per step)" if layout.pp > 1 else ""
-    context = f" cp={layout.cp} (seq {job.model.seq_length // layout.cp} tokens per rank)" if layout.cp > 1 else ""
-    header = (f"world size {world_size}: tp={layout.tp}{context}{pipeline} dp={layout.dp}{experts}; "
-              f"params {precision.params_dtype}, "
-              f"optimizer {opt_type} via {precision.optimizer_impl}"
-              f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
-    from .comm_volume import plan_comm_volume  # built on this module's parameter counts
-    if not precision.owns_optimizer:
-        comm = "bytes on the wire: not planned on DeepSpeed's optimizer path (DeepSpeed reduces the gradients)"
-    else:
-        try:
-            comm = plan_comm_volume(job.model, layout, precision.params_dtype, mb, micro_batches, distributed,
-                                    parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage)
-        except ConfigError as e:
-            comm = f"bytes on the wire: not planned ({e})"
-    return header, plans, comm
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="ds-megatron plan", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="DeepSpeed JSON config with a \"megatron\" section")
-    parser.add_argument("--world-size", type=int, required=True, help="number of ranks of the job")
-    parser.add_argument("--micro-batch", type=int, help="default: train_micro_batch_size_per_gpu")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    args = parser.parse_args(argv)
-    try:
-        header, plans, comm = plan_from_config(args.config, args.world_size, args.micro_batch)
-    except ConfigError as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({"header": header,
-                          "roles": [dict(asdict(p), total_bytes=p.total_bytes) for p in plans],
-                          "comm": comm if isinstance(comm, str) else
-                          [{"stage": c.stage, "bus_bytes": c.bus_bytes, "total": c.total} for c in comm]}))
-    else:
-        from .comm_volume import format_comm_volume
-        print(format_plan(plans, header))
-        print("\n" + (comm if isinstance(comm, str) else format_comm_volume(comm)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,15 @@
+"""Training checkpoints: how an engine's training state is saved, found and read back (``api`` is the entry).
+
+| module | concern |
+| --- | --- |
+| ``api`` | the facade: ``save`` / ``load`` / ``latest`` / ``prune`` of a run directory; ``save_checkpoint``, ``load_checkpoint``, ``save_dist_checkpoint``, ``load_dist_checkpoint`` |
+| ``run_dir`` | tags, ``latest`` with its atomic rename, pruning, the job's record and the ``--resume`` checks (torch-free) |
+| ``deepspeed_format`` | DeepSpeed's files plus our experts, MoE optimizer states and the export record |
+| ``torch_dist`` | the layout-independent format (``torch.distributed.checkpoint``) |
+| ``global_shards`` | where each of a rank's tensors lies in the one-rank model (torch-free) |
+| ``rng`` | each rank's random-number state |
+| ``export_fp32`` | ``ds-megatron export-fp32``: any checkpoint as one fp32 state dict of ``GPTModel`` |
+
+Importing this package imports nothing, so the torch-free ``run_dir`` stays torch-free.  Hugging Face
+conversion lives in ``ds_megatron.convert``.
+"""

@@ -1,0 +1,106 @@
+"""The parameters each rank holds, from the model config and the layout alone (pure, no torch).
+
+Megatron's layouts as arithmetic: the TP-split weights (QKV with KV heads split
+over TP or, with fewer KV groups than TP ranks, one group replicated per rank;
+the output projection; the MLP), the replicated ones (norms, row-parallel
+biases, the router), and the experts (``num_experts / EP`` per rank, each split
+over ETP, no biases).  ``planning.memory`` turns the counts into bytes,
+``planning.comm_volume`` into gradient traffic, and the pipeline split by
+parameters (``pipeline_stage_layers``, used by ``integration.pipeline`` as
+well) weighs each layer by them; ``tests/optimizer/test_planning.py`` holds
+them to the parameters a built model has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from ..config.model import pad_vocab_size
+from ..config.pipeline import stage_layer_counts, stage_layer_ranges
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters one rank holds: its shards of the TP-split weights, its copy of the replicated ones,
+    and its local experts (``num_experts / EP`` of them, each split over ETP)."""
+
+    sharded: int
+    replicated: int
+    expert: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.sharded + self.replicated + self.expert
+
+
+def _mlp_counts(h: int, ffn: int, tp: int, gated: bool = False, bias: bool = True) -> ParamCounts:
+    """A ``ParallelMLP``: column h->ffn (x2 gated; weight + bias split), row ffn->h (weight split, bias replicated)."""
+    fc1 = (2 if gated else 1) * (ffn // tp)
+    return ParamCounts(sharded=fc1 * (h + int(bias)) + h * (ffn // tp), replicated=h if bias else 0)
+
+
+def norm_params(cfg, width: Optional[int] = None) -> int:
+    """A norm over ``width`` (default: the hidden size) features: RMSNorm's weight, or LayerNorm's weight and bias."""
+    width = cfg.hidden_size if width is None else width
+    return width if cfg.normalization == "RMSNorm" else 2 * width
+
+
+def layer_counts(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> ParamCounts:
+    """Transformer layer ``layer``'s parameters on one rank (dense or MoE, as ``cfg.is_moe_layer`` says)."""
+    h, d, n, g = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
+    qkv_rows = (n // tp + 2 * max(g // tp, 1)) * d  # KV heads split over TP, or one group's replicated
+    sharded = qkv_rows * (h + int(cfg.qkv_bias)) + h * (n * d // tp)  # QKV (weight + bias), output projection
+    replicated = (2 * norm_params(cfg) + (h if cfg.add_bias_linear else 0)
+                  + (2 * norm_params(cfg, d) if cfg.qk_layernorm else 0))
+    expert = 0
+    if cfg.is_moe_layer(layer):
+        replicated += cfg.num_experts * h  # router
+        fc1 = 2 if cfg.gated_linear_unit else 1
+        expert += (cfg.num_experts // ep) * (fc1 + 1) * h * (cfg.moe_ffn_hidden_size // etp)  # bias-free fc1, fc2
+        if cfg.moe_shared_expert_intermediate_size:
+            shared = _mlp_counts(h, cfg.moe_shared_expert_intermediate_size, tp, cfg.gated_linear_unit,
+                                 cfg.add_bias_linear)
+            sharded, replicated = sharded + shared.sharded, replicated + shared.replicated
+            replicated += h if cfg.moe_shared_expert_gate else 0
+    else:
+        mlp = _mlp_counts(h, cfg.ffn_hidden_size, tp, cfg.gated_linear_unit, cfg.add_bias_linear)
+        sharded, replicated = sharded + mlp.sharded, replicated + mlp.replicated
+    return ParamCounts(sharded, replicated, expert)
+
+
+def layer_param_count(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> int:
+    """All of layer ``layer``'s parameters on one rank (the weight of ``pipeline_partition_method`` "parameters")."""
+    return layer_counts(cfg, layer, tp, ep, etp).total
+
+
+def gpt_param_counts(cfg, tp: int, ep: int = 1, etp: int = 1, layers: Optional[Sequence[int]] = None,
+                     first_stage: bool = True, last_stage: bool = True) -> ParamCounts:
+    """The GPT's parameters on one rank: the whole ``GPTModel`` by default, or one pipeline stage's share
+    (``layers``; the embedding on the first stage, the final LayerNorm and the tied output copy on the last)."""
+    h = cfg.hidden_size
+    vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
+    sharded, replicated, expert = 0, 0, 0
+    untied = cfg.untie_embeddings_and_output_weights
+    if first_stage or (last_stage and not untied):
+        sharded += (vocab // tp) * h  # the word embedding (a copy on each end of a pipeline when tied)
+    if first_stage and cfg.position_embedding_type == "learned_absolute":
+        replicated += cfg.seq_length * h  # learned positions
+    if last_stage:
+        replicated += norm_params(cfg)  # final norm
+        sharded += (vocab // tp) * h if untied else 0  # the output layer
+    for layer in (range(cfg.num_layers) if layers is None else layers):
+        counts = layer_counts(cfg, layer, tp, ep, etp)
+        sharded, replicated, expert = (sharded + counts.sharded, replicated + counts.replicated,
+                                       expert + counts.expert)
+    return ParamCounts(sharded, replicated, expert)
+
+
+def pipeline_stage_layers(cfg, layout, partition_method: str = "uniform",
+                          layers_per_stage: Optional[Sequence[int]] = None) -> List[range]:
+    """The transformer layers of each pipeline stage (``config.pipeline``'s split: ``partition_method`` "uniform",
+    "parameters" (weighed by ``layer_param_count`` at this layout) or explicit ``layers_per_stage``)."""
+    weights = None
+    if partition_method == "parameters" and layers_per_stage is None:
+        weights = [layer_param_count(cfg, i, layout.tp, layout.ep, layout.etp) for i in range(cfg.num_layers)]
+    return stage_layer_ranges(stage_layer_counts(cfg.num_layers, layout.pp, partition_method, layers_per_stage,
+                                                 weights))

@@ -1,0 +1,77 @@
+"""``ds-megatron plan --config FILE --world-size N``: memory per rank of a GPT job (``planning.memory``), and
+the bytes each rank sends per step (``planning.comm_volume``), before launching it.  Pure Python, no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import Optional, Sequence
+
+from ..config.job import parse_job_config
+from ..errors import ConfigError
+from .comm_volume import format_comm_volume, plan_comm_volume
+from .memory import format_plan, plan_memory
+
+
+def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None):
+    """(header, plans, comm) for a job config (path or dict): the memory per role and the bytes on the wire per
+    stage (``comm_volume.plan_comm_volume``; a line saying why instead, where it does not apply)."""
+    job = parse_job_config(config)
+    layout = job.megatron.layout(world_size)
+    precision = job.megatron.precision
+    section = job.ds_config.get("optimizer", {"type": "AdamW"})  # ds-megatron train builds AdamW otherwise
+    opt_type = str(section.get("type", "AdamW"))
+    if opt_type.lower() == "adam" and not section.get("params", {}).get("adam_w_mode", True):
+        opt_type = "Adam"
+    momentum = section.get("params", {}).get("momentum", 0.0)
+    mb = micro_batch or job.ds_config.get("train_micro_batch_size_per_gpu", 1)
+    distributed = job.megatron.ddp.use_distributed_optimizer
+    parallel = job.megatron.parallel
+    micro_batches = job.megatron.deepspeed_batch.micro_batches(layout.dp) or 1
+    plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb, distributed,
+                        micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage)
+    experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
+    pipeline = f" pp={layout.pp} ({micro_batches} micro-batches per step)" if layout.pp > 1 else ""
+    context = f" cp={layout.cp} (seq {job.model.seq_length // layout.cp} tokens per rank)" if layout.cp > 1 else ""
+    header = (f"world size {world_size}: tp={layout.tp}{context}{pipeline} dp={layout.dp}{experts}; "
+              f"params {precision.params_dtype}, "
+              f"optimizer {opt_type} via {precision.optimizer_impl}"
+              f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
+    if not precision.owns_optimizer:
+        comm = "bytes on the wire: not planned on DeepSpeed's optimizer path (DeepSpeed reduces the gradients)"
+    else:
+        try:
+            comm = plan_comm_volume(job.model, layout, precision.params_dtype, mb, micro_batches, distributed,
+                                    parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage)
+        except ConfigError as e:
+            comm = f"bytes on the wire: not planned ({e})"
+    return header, plans, comm
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ds-megatron plan", description="plan a layout: memory and communication per rank")
+    parser.add_argument("--config", required=True, help="DeepSpeed JSON config with a \"megatron\" section")
+    parser.add_argument("--world-size", type=int, required=True, help="number of ranks of the job")
+    parser.add_argument("--micro-batch", type=int, help="default: train_micro_batch_size_per_gpu")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = parser.parse_args(argv)
+    try:
+        header, plans, comm = plan_from_config(args.config, args.world_size, args.micro_batch)
+    except ConfigError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"header": header,
+                          "roles": [dict(asdict(p), total_bytes=p.total_bytes) for p in plans],
+                          "comm": comm if isinstance(comm, str) else
+                          [{"stage": c.stage, "bus_bytes": c.bus_bytes, "total": c.total} for c in comm]}))
+    else:
+        print(format_plan(plans, header))
+        print("\n" + (comm if isinstance(comm, str) else format_comm_volume(comm)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

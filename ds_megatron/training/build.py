@@ -1,0 +1,135 @@
+"""The build phase of ``ds-megatron train``: groups, model, optimizer, engine, data, in that order.
+
+Every weight is drawn from ``train.seed`` alone, so any TP / PP layout holds the same
+full model; the dropout streams are seeded afterwards, Megatron's way.  A job that
+starts from a Hugging Face checkpoint (``load_hf``) copies each rank's shards into the
+model before the engine exists, so the optimizer's fp32 main params start from them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+
+from ..checkpointing.torch_dist import check_supported
+from ..config.job import JobConfig
+from ..convert.model_io import load_weights, stage_layers
+from ..data.corpus import build_default_dataset
+from ..data.gpt_dataset import GPTDataset, build_train_valid_datasets
+from ..data.sampler import build_data_loader
+from ..integration.engine import initialize, initialize_model_parallel
+from ..integration.pipeline import GPTPipelineModule
+from ..integration.runtime import accelerator_device_type
+from ..models.gpt import GPTModel
+from ..optimizer import get_param_groups
+from ..parallel_state import ParallelState
+from ..tensor_parallel import RNGStatesTracker, model_parallel_seed
+from .lr_schedule import build_lr_scheduler
+
+
+@dataclass
+class Batches:
+    """The step's shape: micro-batch size, micro-batches per step, the global batch (samples per step)."""
+
+    micro_batch: int
+    micro_batches: int
+    global_batch: int
+
+
+@dataclass
+class TrainingSetup:
+    """What the build phase made for the loop."""
+
+    state: ParallelState
+    model: torch.nn.Module  # GPTModel, or this rank's GPTPipelineModule stage
+    rng_tracker: RNGStatesTracker
+    engine: Any
+    batches: Batches
+    pin_memory: bool  # batches in page-locked memory (a GPU job copies them asynchronously)
+
+    @property
+    def pipeline(self) -> bool:
+        return self.state.pp.size > 1
+
+
+def build_model(job: JobConfig, state: ParallelState):
+    """The job's model and its RNG tracker: ``GPTModel``, or this rank's ``GPTPipelineModule`` stage with PP.
+
+    The dropout streams are seeded after construction (``seed + 100 * pp_rank`` for the default
+    generator, a TP-rank offset for the tracker), so that no two stages or TP ranks draw the same masks.
+    """
+    seed = job.train.seed
+    tracker = RNGStatesTracker(accelerator_device_type())
+    torch.manual_seed(seed)
+    if state.pp.size > 1:
+        parallel = job.megatron.parallel
+        model = GPTPipelineModule(job.model, state, rng_tracker=tracker,
+                                  partition_method=parallel.pipeline_partition_method,
+                                  layers_per_stage=parallel.pipeline_num_layers_per_stage)
+    else:
+        model = GPTModel(job.model, state, rng_tracker=tracker)
+    if job.train.load_hf:
+        # Before ds_megatron.initialize: the optimizer's fp32 main params are copied from these weights.
+        load_weights(model, job.train.load_hf, state, stage_layers(model))
+    model_parallel_seed(seed, state.tp.rank, state.pp.rank, state.ep.rank, state.etp.rank, tracker=tracker)
+    return model, tracker
+
+
+def build_optimizer(job: JobConfig, model: torch.nn.Module):
+    """``(optimizer, scheduler)`` from ``megatron.train``: AdamW and the warmup + decay schedule; None for what
+    DeepSpeed's own ``optimizer`` / ``scheduler`` sections build instead."""
+    tcfg, ds_config = job.train, job.ds_config
+    if "optimizer" in ds_config:
+        return None, None  # DeepSpeed builds both from its own sections
+    optimizer = torch.optim.AdamW(get_param_groups(model), lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2),
+                                  eps=tcfg.adam_eps, weight_decay=tcfg.weight_decay)
+    scheduler = None if "scheduler" in ds_config else build_lr_scheduler(
+        optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters, tcfg.train_iters, tcfg.lr_decay_style)
+    return optimizer, scheduler
+
+
+def build(job: JobConfig, config_source) -> TrainingSetup:
+    """Groups, model, optimizer and engine; refuses now a ``torch_dist`` job whose state that format cannot hold."""
+    state = initialize_model_parallel(job.megatron)
+    model, tracker = build_model(job, state)
+    optimizer, scheduler = build_optimizer(job, model)
+    engine, _, _, _ = initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config_source,
+                                 model_parameters=get_param_groups(model) if optimizer is None else None,
+                                 parallel_state=state)
+    if job.train.ckpt_format == "torch_dist":
+        check_supported(engine)  # before any step: a job that cannot save this way must not train first
+    mbs = job.ds_config["train_micro_batch_size_per_gpu"]
+    gas = job.ds_config.get("gradient_accumulation_steps", 1)
+    return TrainingSetup(state=state, model=model, rng_tracker=tracker, engine=engine,
+                         batches=Batches(mbs, gas, mbs * gas * state.dp.size),
+                         pin_memory=torch.device(engine.device).type == "cuda")
+
+
+@dataclass
+class TrainingData:
+    """The training batches (an iterator from the consumed position on) and the validation set."""
+
+    train: Iterator[Dict[str, Any]]
+    valid: Optional[GPTDataset]
+    setup: TrainingSetup
+
+    def validation_batches(self):
+        """This DP rank's micro-batches of the whole validation set, from its start."""
+        dp = self.setup.state.dp
+        return build_data_loader(self.valid, self.setup.batches.micro_batch, dp.rank, dp.size, 0,
+                                 pin_memory=self.setup.pin_memory)
+
+
+def build_data(job: JobConfig, setup: TrainingSetup, consumed_samples: int) -> TrainingData:
+    """Megatron's datasets over ``data.data_path`` (or the embedded corpus), this DP rank's loader from
+    ``consumed_samples`` on."""
+    data, tcfg, dp, batches = job.data, job.train, setup.state.dp, setup.batches
+    prefix = data.data_path or build_default_dataset(max_bytes=data.default_corpus_bytes, tokenizer=data.tokenizer,
+                                                     eod_token=data.eod_token)
+    train_ds, valid_ds = build_train_valid_datasets(
+        prefix, job.model.seq_length, data.split, tcfg.seed, train_samples=tcfg.train_iters * batches.global_batch,
+        valid_samples=tcfg.eval_iters * batches.micro_batch * dp.size)
+    loader = build_data_loader(train_ds, batches.micro_batch, dp.rank, dp.size, consumed_samples, data.num_workers,
+                               data.dataloader_type, tcfg.seed, pin_memory=setup.pin_memory)
+    return TrainingData(iter(loader), valid_ds, setup)
