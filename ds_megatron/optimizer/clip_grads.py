@@ -18,7 +18,8 @@ overflows the sum.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence
+import math
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,6 +65,40 @@ def sum_of_squares(grads: Sequence[torch.Tensor], device=None) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack(per_tensor_norms(grads)).double().pow(2).sum()
+
+
+def grad_norm_and_found_inf(squares: Sequence[torch.Tensor], reductions: Sequence[Tuple[ParallelGroup, Sequence[int]]],
+                            flag: Optional[torch.Tensor] = None, check: bool = True) -> Tuple[bool, float]:
+    """(some rank found inf/nan, the true global L2 norm): one float64 scalar all-reduce per group, which also
+    agrees on the inf/nan check.
+
+    ``squares[j]``: this rank's sum of squared gradients of partition j (float64 scalars); ``reductions``: each
+    distinct group in order and the partitions whose squares are summed over it (a partition in none is this
+    rank's alone); ``flag``: a float64 scalar, non-finite when this rank found inf/nan outside the squares (the
+    unscale pass's flag as inf, or 0 * the squares of the TP duplicates, which no partition counts); ``check``:
+    False for the norm alone.
+
+    The flag travels inside the squared norm: a rank that found inf/nan makes the sum over its group
+    non-finite, and a non-finite sum is carried into the next group's sum as ``0 * sum`` (nan) while a finite
+    one adds 0.  Every rank of a group thus reads the same answer from one scalar, as a MAX of the flags over
+    the same groups, in the same order, would give.
+    """
+    device = squares[0].device if squares else (flag.device if flag is not None else None)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    carry = flag if (check and flag is not None) else zero
+    reduced = {j for _, members in reductions for j in members}
+    total = sum((squares[j] for j in range(len(squares)) if j not in reduced), zero)
+    if not reductions:
+        total = total + carry
+    for group, members in reductions:
+        value = sum((squares[j] for j in members), carry)
+        all_reduce(value, group)
+        total = total + value
+        carry = value * 0.0
+    total = float(total)
+    if check and not math.isfinite(total):
+        return True, float("nan")
+    return False, math.sqrt(total)
 
 
 # MoE: expert params are summed over the expert-model-parallel group, the rest over model parallel

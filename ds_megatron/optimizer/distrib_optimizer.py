@@ -313,12 +313,11 @@ class DistributedOptimizer(MegatronOptimizer):
             chunk.finish_param_sync()
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """Megatron's step on this rank's shards, then the params all-gathered (skipped steps gather nothing)."""
-        update_successful, grad_norm, num_zeros = super().step(closure)
-        if update_successful:
-            self.start_param_sync()
-        return update_successful, grad_norm, num_zeros
+    def step_with_ready_grads(self) -> None:
+        """Megatron's: the step on this rank's shards, then the params all-gathered (a skipped step gathers
+        nothing: it never gets here)."""
+        super().step_with_ready_grads()
+        self.start_param_sync()
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

@@ -36,7 +36,6 @@ them as client optimizers as they are; they expose DeepSpeed's ``overflow``
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -46,8 +45,7 @@ import torch
 from ..distributed import DistributedDataParallel, finalize_model_grads
 from ..parallel_state import ParallelGroup, ParallelState
 from ..tensor_parallel.params import grad_of, is_expert_param, param_is_not_tensor_parallel_duplicate
-from ..utils.collectives import all_reduce
-from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, sum_of_squares
+from .clip_grads import clip_grads_by_total_norm, count_zeros_fp32, grad_norm_and_found_inf, sum_of_squares
 from .grad_scaler import MegatronGradScaler
 
 # Attributes that say how a parameter is split or shared; main params inherit them
@@ -266,14 +264,11 @@ class MegatronOptimizer(torch.optim.Optimizer):
     # -- norm, clipping, zeros --------------------------------------------------------------------
     def _grad_stats(self, grads: List[Optional[torch.Tensor]], found_inf: Optional[torch.Tensor],
                     check: bool = True) -> Tuple[bool, float]:
-        """(some rank found inf/nan, the true global L2 norm): one norm pass, one scalar all-reduce per group.
+        """(some rank found inf/nan, the true global L2 norm) of the main grads, from one norm pass and one
+        scalar all-reduce per group (``clip_grads.grad_norm_and_found_inf``).
 
         ``found_inf``: this rank's flag from the unscale pass (None: the norms are the check, so the
         TP duplicates, counted in no partition, are normed too).  ``check=False``: the norm only.
-        The flag travels inside the squared norm: a rank that found inf/nan adds inf, which makes the
-        sum over the group non-finite, and a non-finite sum is carried into the next group's sum as
-        ``0 * sum`` (nan) while a finite one adds 0.  Every rank of a group thus reads the same
-        answer from one float64 scalar, as a MAX of the flags over the same groups would give.
         """
         plan = self._plan()
         device = plan.params[0].device if plan.params else torch.device("cpu")
@@ -282,27 +277,13 @@ class MegatronOptimizer(torch.optim.Optimizer):
         else:
             part_grads = [[grads[i] for i in idx if grads[i] is not None] for _, idx in plan.parts]
             rest_grads = [grads[i] for i in plan.rest if grads[i] is not None]
-        part_sq = [sum_of_squares(g, device) for g in part_grads]
-        carry = torch.zeros((), dtype=torch.float64, device=device)
-        if check:
-            if found_inf is not None:
-                carry = carry + torch.where(found_inf.sum() > 0, float("inf"), 0.0)
-            elif rest_grads:
-                carry = carry + sum_of_squares(rest_grads, device) * 0.0  # nan when a duplicate is non-finite
-        reduced = {j for _, members in plan.reductions for j in members}
-        total = sum((part_sq[j] for j in range(len(part_sq)) if j not in reduced),
-                    torch.zeros((), dtype=torch.float64, device=device))
-        if not plan.reductions:
-            total = total + carry
-        for group, members in plan.reductions:
-            value = sum((part_sq[j] for j in members), carry)
-            all_reduce(value, group)
-            total = total + value
-            carry = value * 0.0
-        total = float(total)
-        if check and not math.isfinite(total):
-            return True, float("nan")
-        return False, math.sqrt(total)
+        squares = [sum_of_squares(g, device) for g in part_grads]
+        flag = None
+        if check and found_inf is not None:
+            flag = torch.where(found_inf.sum() > 0, float("inf"), 0.0).to(torch.float64)
+        elif check and rest_grads:
+            flag = sum_of_squares(rest_grads, device) * 0.0  # nan when a duplicate is non-finite
+        return grad_norm_and_found_inf(squares, plan.reductions, flag, check)
 
     def get_grad_norm(self) -> float:
         """The true global L2 norm of the current main grads (collectives over the model-parallel groups)."""
@@ -335,17 +316,32 @@ class MegatronOptimizer(torch.optim.Optimizer):
         pass
 
     @torch.no_grad()
-    def step(self, closure=None) -> Tuple[bool, Optional[float], Optional[int]]:
-        """One Megatron step; returns ``(update_successful, grad_norm, num_zeros_in_grad)``."""
-        if closure is not None:
-            raise ValueError("closure is not supported: the loss is computed by the training loop "
-                             "before step(); call step() without arguments")
-        self.steps_called += 1
+    def prepare_grads(self) -> Tuple[bool, float, List[torch.Tensor]]:
+        """Megatron's ``prepare_grads``: finish the gradient sync, bind the fp32 main grads, unscale them and check
+        for inf/nan; returns (some rank found inf/nan, the true global norm, the main grads present)."""
         if self.model_chunks:
             finalize_model_grads(self.model_chunks, self.parallel_state)
         grads = self._copy_model_grads_to_main_grads()
         present = grads if self._plan().fixed_grads is not None else [g for g in grads if g is not None]
         found_inf, grad_norm = self._grad_stats(grads, self._unscale(present))
+        return found_inf, grad_norm, present
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> None:
+        """Megatron's ``step_with_ready_grads``: the inner optimizer's step on the main params, then the main
+        params copied back into the model's (fp16/bf16) params."""
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+
+    @torch.no_grad()
+    def step(self, closure=None) -> Tuple[bool, Optional[float], Optional[int]]:
+        """One Megatron step: prepare the grads, update the loss scale, skip on inf/nan (every rank alike), clip by
+        the true global norm, step; returns ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+        if closure is not None:
+            raise ValueError("closure is not supported: the loss is computed by the training loop "
+                             "before step(); call step() without arguments")
+        self.steps_called += 1
+        found_inf, grad_norm, grads = self.prepare_grads()
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)
         self.overflow = found_inf
@@ -354,10 +350,9 @@ class MegatronOptimizer(torch.optim.Optimizer):
             self._release_main_grads()
             return False, None, None
         if self.clip_grad > 0.0:
-            clip_grads_by_total_norm(present, self.clip_grad, grad_norm)
+            clip_grads_by_total_norm(grads, self.clip_grad, grad_norm)
         self.num_zeros_in_grad = self.count_zeros() if self.log_num_zeros_in_grad else None
-        self.optimizer.step()
-        self._copy_main_params_to_model_params()
+        self.step_with_ready_grads()
         self._release_main_grads()
         self._global_grad_norm = grad_norm
         return True, grad_norm, self.num_zeros_in_grad
