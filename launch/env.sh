@@ -26,7 +26,7 @@ if [[ "${DS_ACCELERATOR:-}" == cpu ]] || ! nvidia-smi >/dev/null 2>&1; then
   export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-lo}"
   # glibc hands freed blocks above its moving mmap threshold back to the kernel, and every step
   # faults them in again (4-47 thousand minor faults per step at hidden 512-1024); a fixed 32 MiB
-  # threshold (glibc's maximum) and no trimming keep them: 1.02-1.09x per step (README, Performance).
+  # threshold (glibc's maximum) and no trimming keep them: 1.02-1.09x per step (docs/performance.md).
   export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-33554432}"
   export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-2147483647}"
 fi

@@ -1,7 +1,7 @@
 """Every shipped config validates and trains a few steps through the real job on 4 gloo ranks (8 for 3D).
 
 A config that continues a Hugging Face model (``train.load_hf``) gets the tiny
-Llama its README commands make (``launch/make_tiny_hf_llama.py``), written to a
+Llama the commands of docs/huggingface.md make (``launch/make_tiny_hf_llama.py``), written to a
 temporary directory that replaces its ``load_hf`` and ``data.tokenizer`` paths.
 """
 import glob

@@ -48,7 +48,7 @@ _AC_UNSUPPORTED = ("partition_activations", "cpu_checkpointing", "contiguous_mem
 
 
 def check_one_lr_source(ds_config: Dict[str, Any], mcfg: MegatronConfig) -> None:
-    """The job's one rule for the optimizer and learning rate (see README, "Guards").
+    """The job's one rule for the optimizer and learning rate (docs/configuration.md, "Batch, optimizer, schedule").
 
     Without DeepSpeed ``optimizer`` / ``scheduler`` sections, ``megatron.train`` builds AdamW (lr, weight_decay,
     adam_*) and the warmup + decay schedule (lr, min_lr, lr_warmup_iters, lr_decay_style).  A DeepSpeed section
