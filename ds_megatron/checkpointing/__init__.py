@@ -2,8 +2,8 @@
 
 | module | concern |
 | --- | --- |
-| ``api`` | the facade: ``save`` / ``load`` / ``latest`` / ``prune`` of a run directory; ``save_checkpoint``, ``load_checkpoint``, ``save_dist_checkpoint``, ``load_dist_checkpoint`` |
-| ``run_dir`` | tags, ``latest`` with its atomic rename, pruning, the job's record and the ``--resume`` checks (torch-free) |
+| ``api`` | the facade: ``save`` / ``load`` / ``latest`` / ``prune`` of a run directory; the public save / load |
+| ``run_dir`` | tags, ``latest`` (atomic rename), pruning, the job's record, the ``--resume`` checks (torch-free) |
 | ``deepspeed_format`` | DeepSpeed's files plus our experts, MoE optimizer states and the export record |
 | ``torch_dist`` | the layout-independent format (``torch.distributed.checkpoint``) |
 | ``global_shards`` | where each of a rank's tensors lies in the one-rank model (torch-free) |

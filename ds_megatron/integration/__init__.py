@@ -3,7 +3,7 @@
 | module | concern |
 | --- | --- |
 | ``seams`` | every private DeepSpeed name we read, write, wrap or replace, as named accessors, and their check |
-| ``engine`` | ``ds_megatron.initialize``: ``deepspeed.initialize`` with our groups, mpu and optimizer path; ``engine.megatron`` |
+| ``engine`` | ``ds_megatron.initialize``: ``deepspeed.initialize`` with our groups, mpu, optimizer path |
 | ``mpu`` | ``MegatronMPU``: the object DeepSpeed is handed as ``mpu=`` |
 | ``optimizer`` | what DeepSpeed is handed on our optimizer path (cast model, grad buffers, wrapped optimizer, config) |
 | ``gradients`` | exactly one gradient reducer per path, driven per micro-batch inside the engine |

@@ -70,13 +70,13 @@ def mark_engine_has_our_moe(engine) -> None:
 def check_deepspeed_moe_checkpoint_layout(state: ParallelState) -> None:
     """Refuse a layout of our MoE layers that DeepSpeed's own MoE checkpoint (its optimizer path) cannot save.
 
-    DeepSpeed's ``_save_moe_checkpoint`` writes nothing
-    on a rank that is not expert-data-parallel rank 0; the others write the dense model (when
-    also data-parallel rank 0, ``mp_rank_XX_model_states.pt``) and an optimizer file named by
-    (ep rank, model-parallel rank) alone (``_get_optimizer_ckpt_name``).  A layout is
-    saved right only if every data-parallel rank 0 writes, and the writers of each optimizer
-    file hold the state of every rank that loads it: the same expert-tensor rank.  (Our
-    optimizer path writes the optimizer states itself and saves every layout.)
+    DeepSpeed's ``_save_moe_checkpoint`` writes nothing on a rank that is not expert-data-parallel
+    rank 0; the others write the dense model (when also data-parallel rank 0,
+    ``mp_rank_XX_model_states.pt``) and an optimizer file named by (ep rank, model-parallel rank)
+    alone (``_get_optimizer_ckpt_name``).  A layout is saved right only if every data-parallel rank
+    0 writes, and the writers of each optimizer file hold the state of every rank that loads it: the
+    same expert-tensor rank.  (Our optimizer path writes the optimizer states itself and saves every
+    layout.)
     """
     layout = state.layout
     coords = [layout.coordinates(r) for r in range(layout.world_size)]
