@@ -1,8 +1,10 @@
 """Context parallelism through ``ds-megatron train``: CP=2 (alone, with TP=2 + SP, with PP=2, with MoE)
 trains the CP=1 model on the same global batch: the same per-step and validation losses, the same final weights.
 
-The reference is the single-rank job; the final weights come from each run's last checkpoint, consolidated
+The reference is the single-rank model; the final weights come from each run's last checkpoint, consolidated
 to one fp32 ``GPTModel`` state dict (``checkpointing.export_fp32.consolidate``), which is layout-independent.
+"The same" is to float32 rounding: every run is compared with the single-rank model trained in float64, within a
+small multiple of the float32 single-rank job's own distance from it (``float64_reference.py``).
 """
 import os
 
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_on_ranks
+from float64_reference import assert_within_float32_noise, train_float64
 from ds_megatron.config import ConfigError
 from ds_megatron.checkpointing.export_fp32 import consolidate
 from ds_megatron.config.job import load_job
@@ -49,29 +52,33 @@ def _weights(cfg):
     return consolidate(os.path.join(cfg["megatron"]["train"]["output_dir"], f"iter_{STEPS:07d}"))
 
 
-def _check_same_run(tmp_path, world, par_kwargs, model=None, rtol=1e-5, dp=1):
+def _references(cfg):
+    """On one rank: the job in float32 (losses, validation losses, final weights), the same model trained in
+    float64, and in float32 again with every micro-batch split in two (another summation order)."""
+    fp32 = (*_train(cfg), _weights(cfg))
+    return fp32, train_float64(cfg), train_float64(cfg, torch.float32, split=2)
+
+
+def _check_same_run(tmp_path, world, par_kwargs, model=None, dp=1):
     """``world`` ranks with ``par_kwargs`` (dp data-parallel replicas of 2 samples each) against one rank
-    reading the same 2 * dp samples per micro-batch."""
+    reading the same 2 * dp samples per micro-batch.
+
+    Not compared with the one-rank float32 run at a fixed tolerance: float32 rounding depends on the summation
+    order (layout, CPU vector width), and Adam turns it into weight differences of ~1e-5 on some elements (one
+    element of 4096 ends 1.3e-5 away on one CPU, 4e-6 on another).  Each run is compared with the one-rank
+    model trained in float64 instead, within a small multiple of the distance two float32 one-rank runs keep
+    from it (``float64_reference.assert_within_float32_noise``).  A layout error (gradients not reduced over
+    CP, KV copies or sequence-parallel gradients not summed) moves weights by ~1e-2: 1e3 times that bound."""
     par_cfg = _config(str(tmp_path / "cp"), model=model, **par_kwargs)
     ref_cfg = _config(str(tmp_path / "ref"), model=model, mbs=2 * dp)
     par = run_on_ranks(world, _train, par_cfg)
-    (ref_losses, ref_val), = run_on_ranks(1, _train, ref_cfg)
+    fp32, fp64, fp32_split = run_on_ranks(1, _references, ref_cfg)[0]
     assert all(r == par[0] for r in par), "ranks disagree on the logged losses"
     losses, val = par[0]
     assert sorted(losses) == list(range(1, STEPS + 1))
-    for step in losses:
-        assert losses[step] == pytest.approx(ref_losses[step], rel=rtol, abs=rtol), step
-    assert sorted(val) == sorted(ref_val) and val
-    for step in val:
-        assert val[step] == pytest.approx(ref_val[step], rel=rtol, abs=rtol), step
+    assert sorted(val) == sorted(fp32[1]) and val
     assert losses[STEPS] < losses[1] - 0.3, "the loss did not fall"
-    got, ref = _weights(par_cfg), _weights(ref_cfg)
-    assert sorted(got) == sorted(ref)
-    moved = 0
-    for name in ref:
-        torch.testing.assert_close(got[name], ref[name], rtol=rtol, atol=rtol, msg=name)
-        moved += 1
-    assert moved
+    assert_within_float32_noise((losses, val, _weights(par_cfg)), [fp32, fp32_split], fp64, STEPS)
 
 
 def test_cp2_trains_the_cp1_model(tmp_path):

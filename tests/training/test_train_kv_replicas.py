@@ -4,7 +4,8 @@ Each KV group's projection is copied on ``tp / groups`` consecutive TP ranks, an
 only its rank's query heads.  Our optimizer path sums the copies' gradients once per step with the other
 TP-partial gradients (``allreduce_tp_partial_grads``), DeepSpeed's in every backward (tensor hooks); with two
 micro-batches per step (the accumulated gradients are what is summed) both train the one-rank model: the same
-losses and the same final weights.
+losses and the same final weights, to float32 rounding (``_check_same_run``: within a small multiple of the
+float32 one-rank job's distance from the one-rank model trained in float64).
 """
 import pytest
 
@@ -20,9 +21,8 @@ def test_tp4_with_two_kv_groups_trains_the_one_rank_model(tmp_path, par):
 
 
 def test_tp4_with_one_kv_group_trains_the_one_rank_model(tmp_path):
-    # One group copied on all four ranks.  One weight element of 4096 ends 1.3e-5 away (0.086 in size):
-    # Adam's normalised update of a near-zero gradient magnifies float32 summation order; the losses agree to 3e-7.
-    _check_same_run(tmp_path, 4, {"tp": 4}, model={**GQA, "num_query_groups": 1}, rtol=2e-5)
+    # One group copied on all four ranks.
+    _check_same_run(tmp_path, 4, {"tp": 4}, model={**GQA, "num_query_groups": 1})
 
 
 def test_tp2_dp2_distributed_optimizer_with_one_kv_group_trains_the_one_rank_model(tmp_path):
