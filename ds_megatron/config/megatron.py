@@ -58,6 +58,9 @@ class MegatronConfig:
     notices: List[str] = field(default_factory=list)
     # The megatron.train keys the section sets explicitly (ds-megatron train's one rule for the LR).
     train_keys_set: Tuple[str, ...] = ()
+    # False: the config has no "megatron" section, a plain DeepSpeed job (ds_megatron.initialize then behaves
+    # like deepspeed.initialize; a DeepSpeed PipelineModule brings its own layout).
+    section_given: bool = True
 
     @property
     def optimizer_impl(self) -> str:
@@ -73,7 +76,8 @@ class MegatronConfig:
         layout = self.parallel.layout(world_size)
         if self.model is not None:
             self.model.check_layout(layout)
-        check_pipeline(self.parallel, self.model, self.deepspeed_batch, layout, self.optimizer_impl)
+        check_pipeline(self.parallel, self.model, self.deepspeed_batch, layout, self.optimizer_impl,
+                       plain_deepspeed=not self.section_given)
         return layout
 
     @classmethod
@@ -81,7 +85,7 @@ class MegatronConfig:
         """Parse the section (None: no section, a plain DeepSpeed job) against the rest of the DeepSpeed config."""
         if section is None:
             return cls(precision=resolve_precision(ds_config, "deepspeed"), train=TrainConfig(ckpt_format="deepspeed"),
-                       deepspeed_batch=DeepSpeedBatchKeys.from_ds_config(ds_config))
+                       deepspeed_batch=DeepSpeedBatchKeys.from_ds_config(ds_config), section_given=False)
         if not isinstance(section, dict):
             raise ConfigError(f"{SECTION} must be a JSON object, got {type(section).__name__}")
         flat = {"parallel": {}, "ddp": {}, "path": {}}

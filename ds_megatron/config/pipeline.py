@@ -148,9 +148,12 @@ def pipeline_grid_axes(order: str, sizes: Dict[str, int]) -> List[List[str]]:
     return axes
 
 
-def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer_impl: str) -> None:
+def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer_impl: str,
+                   plain_deepspeed: bool = False) -> None:
     """Every pipeline rule (ConfigError naming the field and the fix).  ``parallel``: ``ParallelConfig``;
-    ``model``: ``GPTConfig`` or None; ``layout``: the job's ``ParallelLayout``."""
+    ``model``: ``GPTConfig`` or None; ``layout``: the job's ``ParallelLayout``; ``plain_deepspeed``: no
+    ``"megatron"`` section, a DeepSpeed pipeline job run as ``deepspeed.initialize`` runs it (what DeepSpeed runs
+    right is not refused; what it gets wrong still is)."""
     vpp = parallel.virtual_pipeline_model_parallel_size
     if vpp is not None and vpp > 1:
         raise ConfigError(f"{SECTION}.virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule is not "
@@ -169,7 +172,7 @@ def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer
                           f"{pp}: DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only; lower the stage (or use "
                           f"{SECTION}.use_distributed_optimizer)")
     micro_batches = batch.micro_batches(layout.dp)
-    if micro_batches is not None and micro_batches < pp:
+    if micro_batches is not None and micro_batches < pp and not plain_deepspeed:
         raise ConfigError(f"gradient_accumulation_steps={micro_batches} is below {SECTION}.pipeline_model_parallel_size="
                           f"{pp}: each optimizer step runs that many micro-batches through the pipeline, and fewer "
                           f"than the stages leaves some idle for the whole step; set gradient_accumulation_steps >= {pp}")

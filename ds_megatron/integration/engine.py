@@ -19,7 +19,8 @@ With ``pipeline_model_parallel_size > 1`` the model is a ``GPTPipelineModule``
 (or any DeepSpeed ``PipelineModule`` built on ``pipeline_topology``) and
 ``initialize`` returns DeepSpeed's ``PipelineEngine``: ``engine.train_batch(it)``
 runs ``gradient_accumulation_steps`` micro-batches through the stages and
-steps (``integration.pipeline``).
+steps (``integration.pipeline``).  Without a section, a DeepSpeed
+``PipelineModule`` brings its own topology, as it does to ``deepspeed.initialize``.
 
 Checks that need the built model run here too, before the engine exists: the config alone
 cannot know the model a user brings, and two layouts train without an error and give a wrong
@@ -61,8 +62,9 @@ from .moe import (check_deepspeed_moe_checkpoint_layout, hand_expert_groups_to_d
                   moe_layers, prepare_deepspeed_moe)
 from .mpu import MegatronMPU
 from .optimizer import prepare_optimizer_path
-from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, pipeline_deepspeed_config,
-                       prepare_pipeline_module, set_routing_loss_scale)
+from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, destroy_pipeline_module_groups,
+                       parallel_config_of, pipeline_deepspeed_config, prepare_pipeline_module,
+                       set_routing_loss_scale)
 from .runtime import adopt_existing_process_group, init_distributed_from_env
 from .seams import count_pipeline_sends, install_rng_tracker, report_precision
 
@@ -101,8 +103,8 @@ class MegatronContext:
             self.ddp_in_engine.detach()
         if self.stop_counting_sends is not None:
             self.stop_counting_sends()
-        if isinstance(self.pipeline_module, GPTPipelineModule):
-            self.pipeline_module.destroy_process_groups()
+        if self.pipeline_module is not None:
+            destroy_pipeline_module_groups(self.pipeline_module)
         self.state.destroy()
 
 
@@ -169,6 +171,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if mpu is not None:
         raise ConfigError("mpu= was given to ds_megatron.initialize, which builds its own from the "
                           "\"megatron\" section; drop mpu= or call deepspeed.initialize directly")
+    if isinstance(model, PipelineModule) and not mcfg.section_given:
+        # A plain DeepSpeed pipeline job: its module's topology is the layout, as deepspeed.initialize takes it.
+        mcfg.parallel = parallel_config_of(model)
     if model is not None:  # before any group exists
         check_model_stages(model, mcfg.parallel.pipeline_model_parallel_size)
     _init_distributed(dist_init_required)
@@ -181,15 +186,18 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     pipeline = layout.pp > 1
     if pipeline or isinstance(model, PipelineModule):
         # Before the buffers are built: the tied embedding's copies are marked for their layout.
-        prepare_pipeline_module(model, parallel_state)
-        ds_config = pipeline_deepspeed_config(ds_config)
+        prepare_pipeline_module(model, parallel_state, our_buffers=mcfg.precision.owns_optimizer)
+        if mcfg.section_given:  # a plain DeepSpeed job keeps DeepSpeed's own pipeline defaults
+            ds_config = pipeline_deepspeed_config(ds_config)
     rng_tracker = getattr(model, "rng_tracker", None)
     if rng_tracker is not None:
         install_rng_tracker(rng_tracker)
     our_mpu = MegatronMPU(parallel_state, rng_tracker=rng_tracker)
     # DeepSpeed's own MoE layers: their expert groups, made before our buffers are built.
     optimizer_state = prepare_deepspeed_moe(model, parallel_state, mcfg, ds_config, our_mpu)
-    if not isinstance(model, GPTPipelineModule):  # a stage may hold no MoE layer; ours use every size they get
+    # The section's sizes must be ones the model takes part in (a GPT stage may hold no MoE layer; a plain
+    # DeepSpeed job takes its sizes from its own PipelineModule).
+    if mcfg.section_given and not isinstance(model, GPTPipelineModule):
         check_model_uses_layout(model, parallel_state)
     is_last_stage = parallel_state.pp.rank == parallel_state.pp.size - 1
     opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, optimizer_state,

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import PipelineModule, ProcessTopology, TiedLayerSpec
 
 from ..config.model import GPTConfig
+from ..config.parallel import ParallelConfig
 from ..config.pipeline import pipeline_grid_axes
 from ..errors import ConfigError
 from ..models.gpt import build_gpt_modules, language_model_loss, output_logits
@@ -70,6 +71,22 @@ def pipeline_topology(layout: ParallelLayout) -> ProcessTopology:
     axes = pipeline_grid_axes(layout.dense_generator().order, sizes)
     return ProcessTopology(axes=[_AXIS_NAMES["dp" if "dp" in axis else axis[0]] for axis in axes],
                            dims=[math.prod(sizes[t] for t in axis) for axis in axes])
+
+
+def parallel_config_of(model: PipelineModule) -> ParallelConfig:
+    """The layout of a plain DeepSpeed pipeline job (no ``"megatron"`` section): its module's own topology, read
+    as ``deepspeed.initialize`` takes it (axes slowest first; our order lists them fastest first)."""
+    topology = model.topology()
+    axes = topology.get_axis_names()
+    tokens = {name: ours for ours, name in _AXIS_NAMES.items()}
+    unknown = [a for a in axes if a not in tokens]
+    if unknown:
+        raise ConfigError(f"the PipelineModule's topology has axes {axes}; without a \"megatron\" section "
+                          f"ds_megatron.initialize reads {sorted(tokens)} only: add a \"megatron\" section with "
+                          "the sizes, or call deepspeed.initialize")
+    return ParallelConfig(tensor_model_parallel_size=topology.get_dim("model") if "model" in axes else 1,
+                          pipeline_model_parallel_size=topology.get_dim("pipe"),
+                          order="-".join(tokens[a] for a in reversed(axes)))
 
 
 def check_topology_matches(topology: ProcessTopology, parallel_state: ParallelState) -> None:
@@ -228,18 +245,23 @@ class GPTPipelineModule(PipelineModule):
         return [m for m in self.modules() if isinstance(m, BaseMoELayer)]
 
     def destroy_process_groups(self) -> None:
-        """Tear down the groups DeepSpeed's ``PipelineModule`` made for itself (never freed by DeepSpeed).
+        """Tear down the groups DeepSpeed's ``PipelineModule`` made for itself (``destroy_pipeline_module_groups``)."""
+        destroy_pipeline_module_groups(self)
 
-        Its grid and tied layers hold copies of our groups' ranks as groups of their own; a process
-        that builds several pipeline engines (tests, notebooks) would otherwise keep every one of
-        them and their threads alive.  The module is unusable for communication afterwards.
-        """
-        seen = set()
-        for group in release_pipeline_module_groups(self):
-            if group is dist.GroupMember.WORLD or group is dist.GroupMember.NON_GROUP_MEMBER or id(group) in seen:
-                continue
-            seen.add(id(group))
-            dist.destroy_process_group(group)
+
+def destroy_pipeline_module_groups(module: PipelineModule) -> None:
+    """Tear down the groups a DeepSpeed ``PipelineModule`` made for itself (never freed by DeepSpeed).
+
+    Its grid and tied layers hold copies of our groups' ranks as groups of their own; a process
+    that builds several pipeline engines (tests, notebooks) would otherwise keep every one of
+    them and their threads alive.  The module is unusable for communication afterwards.
+    """
+    seen = set()
+    for group in release_pipeline_module_groups(module):
+        if group is dist.GroupMember.WORLD or group is dist.GroupMember.NON_GROUP_MEMBER or id(group) in seen:
+            continue
+        seen.add(id(group))
+        dist.destroy_process_group(group)
 
 
 def check_model_stages(model, pp: int) -> None:
@@ -254,14 +276,15 @@ def check_model_stages(model, pp: int) -> None:
                           f"is {pp}; build it from the same parallel_state")
 
 
-def prepare_pipeline_module(model, parallel_state: ParallelState) -> None:
+def prepare_pipeline_module(model, parallel_state: ParallelState, our_buffers: bool = True) -> None:
     """Check a pipeline model against the job's layout and mark its tied weights (before the buffers exist).
 
     A ``PipelineModule`` must be built on our topology (its groups are ours),
-    with as many stages as ``pipeline_model_parallel_size``.  Each tied weight
-    spanning stages must tie the first and the last stage (the ``embedding``
-    group, whose sum ``finalize_model_grads`` does); its copies are marked
-    ``shared_embedding``, and all but the first ``shared`` (counted once in norms).
+    with as many stages as ``pipeline_model_parallel_size``.  With our gradient
+    buffers (``our_buffers``) each tied weight spanning stages must tie the first
+    and the last stage (the ``embedding`` group, whose sum ``finalize_model_grads``
+    does); DeepSpeed's own reduction sums any tie over its own groups.  The copies
+    are marked ``shared_embedding``, and all but the first ``shared`` (counted once in norms).
     """
     check_model_stages(model, parallel_state.layout.pp)
     check_topology_matches(model.topology(), parallel_state)
@@ -270,7 +293,7 @@ def prepare_pipeline_module(model, parallel_state: ParallelState) -> None:
     for key, ranks, weights in tied_weights(model):
         if len(ranks) < 2:
             continue
-        if ranks != embedding:
+        if our_buffers and ranks != embedding:
             raise ConfigError(f"tied layer {key!r} ties ranks {ranks}, not the first and last stage {embedding}; "
                               "ds_megatron sums tied gradients over the embedding group only: tie the first and "
                               "last stage, or untie the layer")

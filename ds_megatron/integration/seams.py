@@ -245,7 +245,9 @@ def release_pipeline_module_groups(module: PipelineModule) -> List[Any]:
     grid = getattr(module, "_grid", None)
     found = [getattr(module, "world_group", None)]
     found += [getattr(grid, name, None) for name in _GRID_GROUPS]
-    found += [comm.get("group") for comm in getattr(module, "tied_comms", {}).values()]
+    for comm in getattr(module, "tied_comms", {}).values():
+        found.append(comm.get("group"))
+        comm["group"] = None
     module.world_group = None
     if grid is not None:
         for name in _GRID_GROUPS:
