@@ -121,15 +121,21 @@ class TrainingData:
                                  pin_memory=self.setup.pin_memory)
 
 
-def build_data(job: JobConfig, setup: TrainingSetup, consumed_samples: int) -> TrainingData:
-    """Megatron's datasets over ``data.data_path`` (or the embedded corpus), this DP rank's loader from
-    ``consumed_samples`` on."""
-    data, tcfg, dp, batches = job.data, job.train, setup.state.dp, setup.batches
+def build_datasets(job: JobConfig, global_batch: int, valid_batch: int):
+    """``(train, valid)``: Megatron's datasets over ``data.data_path`` (or the embedded corpus), sized for
+    ``train_iters`` steps of ``global_batch`` samples and ``eval_iters`` of ``valid_batch``."""
+    data, tcfg = job.data, job.train
     prefix = data.data_path or build_default_dataset(max_bytes=data.default_corpus_bytes, tokenizer=data.tokenizer,
                                                      eod_token=data.eod_token)
-    train_ds, valid_ds = build_train_valid_datasets(
-        prefix, job.model.seq_length, data.split, tcfg.seed, train_samples=tcfg.train_iters * batches.global_batch,
-        valid_samples=tcfg.eval_iters * batches.micro_batch * dp.size)
+    return build_train_valid_datasets(prefix, job.model.seq_length, data.split, tcfg.seed,
+                                      train_samples=tcfg.train_iters * global_batch,
+                                      valid_samples=tcfg.eval_iters * valid_batch)
+
+
+def build_data(job: JobConfig, setup: TrainingSetup, consumed_samples: int) -> TrainingData:
+    """The datasets (``build_datasets``) and this DP rank's loader from ``consumed_samples`` on."""
+    data, tcfg, dp, batches = job.data, job.train, setup.state.dp, setup.batches
+    train_ds, valid_ds = build_datasets(job, batches.global_batch, batches.micro_batch * dp.size)
     loader = build_data_loader(train_ds, batches.micro_batch, dp.rank, dp.size, consumed_samples, data.num_workers,
                                data.dataloader_type, tcfg.seed, pin_memory=setup.pin_memory)
     return TrainingData(iter(loader), valid_ds, setup)

@@ -3,8 +3,8 @@
 ``train(job, ...)`` trains fp32 / bf16 / fp16 params only (``FP32Optimizer`` wraps float32 params), so the
 layout-equivalence tests cannot run the job itself in float64.  ``train_float64(cfg)`` repeats, on one rank
 and without the engine, what the job does there, with the same pieces: ``build_model`` (the job's seed, so the
-same initial weights, cast exactly to float64), the same data loader, ``get_param_groups`` + ``torch.optim.AdamW``
-with the job's hyper-parameters, ``build_lr_scheduler``, gradient accumulation (each micro-batch's loss / gas),
+same initial weights, cast exactly to float64), the same datasets (``build_datasets``) and loader,
+``get_param_groups`` + ``torch.optim.AdamW`` with the job's hyper-parameters, ``build_lr_scheduler``, gradient accumulation (each micro-batch's loss / gas),
 Megatron's clipping by the global norm (``max_norm / (norm + 1e-6)`` when below 1) and the validation mean.
 
 ``assert_within_float32_noise``: how far a float32 run may be from that reference.  Float32 rounding depends on
@@ -38,12 +38,10 @@ from typing import Dict, Tuple
 import torch
 
 from ds_megatron.config.job import load_job
-from ds_megatron.data.corpus import build_default_dataset
-from ds_megatron.data.gpt_dataset import build_train_valid_datasets
 from ds_megatron.data.sampler import build_data_loader
 from ds_megatron.optimizer import get_param_groups
 from ds_megatron.parallel_state import ParallelState
-from ds_megatron.training.build import build_model
+from ds_megatron.training.build import build_datasets, build_model
 from ds_megatron.training.lr_schedule import build_lr_scheduler
 
 EPS32 = torch.finfo(torch.float32).eps  # 1.19e-7
@@ -76,11 +74,7 @@ def train_float64(cfg, dtype=torch.float64,
                                   eps=tcfg.adam_eps, weight_decay=tcfg.weight_decay)
     scheduler = build_lr_scheduler(optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters, tcfg.train_iters,
                                    tcfg.lr_decay_style)
-    prefix = job.data.data_path or build_default_dataset(max_bytes=job.data.default_corpus_bytes,
-                                                         tokenizer=job.data.tokenizer, eod_token=job.data.eod_token)
-    train_ds, valid_ds = build_train_valid_datasets(prefix, model_cfg.seq_length, job.data.split, tcfg.seed,
-                                                    train_samples=tcfg.train_iters * mbs * gas,
-                                                    valid_samples=tcfg.eval_iters * mbs)
+    train_ds, valid_ds = build_datasets(job, mbs * gas, mbs)  # the job's datasets (one rank)
     batches = iter(build_data_loader(train_ds, mbs // split, 0, 1, 0, job.data.num_workers,
                                      job.data.dataloader_type, tcfg.seed))
 
