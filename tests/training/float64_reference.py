@@ -4,8 +4,9 @@
 layout-equivalence tests cannot run the job itself in float64.  ``train_float64(cfg)`` repeats, on one rank
 and without the engine, what the job does there, with the same pieces: ``build_model`` (the job's seed, so the
 same initial weights, cast exactly to float64), the same datasets (``build_datasets``) and loader,
-``get_param_groups`` + ``torch.optim.AdamW`` with the job's hyper-parameters, ``build_lr_scheduler``, gradient accumulation (each micro-batch's loss / gas),
-Megatron's clipping by the global norm (``max_norm / (norm + 1e-6)`` when below 1) and the validation mean.
+``get_param_groups`` + ``torch.optim.AdamW`` with the job's hyper-parameters, ``build_lr_scheduler``, gradient
+accumulation (each micro-batch's loss / gas), Megatron's clipping by the global norm (``max_norm / (norm + 1e-6)``
+when below 1) and the validation mean.
 
 ``assert_within_float32_noise``: how far a float32 run may be from that reference.  Float32 rounding depends on
 the summation order, which depends on the layout and on the CPU (AVX2 or AVX-512 kernels).  Adam divides each
