@@ -28,11 +28,16 @@ class ParallelConfig:
     # Megatron's sequence parallelism inside TP (LayerNorm/dropout regions sharded along the sequence).
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128
-    # Pipeline: how the transformer layers split into stages (config.pipeline); the interleaved
-    # (virtual) schedule is refused (DeepSpeed's engine runs one model chunk per stage).
+    # Pipeline: how the transformer layers split into (virtual) stages and which schedule runs them
+    # (config.pipeline holds the rules).
     pipeline_partition_method: str = "uniform"  # uniform | parameters
     pipeline_num_layers_per_stage: Optional[List[int]] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    pipeline_schedule: Optional[str] = None  # 1f1b | interleaved_1f1b | zero_bubble; default by vpp
 
     def __post_init__(self):
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -43,6 +48,11 @@ class ParallelConfig:
         if self.pipeline_partition_method not in ("uniform", "parameters"):
             raise ConfigError(f"{SECTION}.pipeline_partition_method={self.pipeline_partition_method!r} is unknown; "
                               "use \"uniform\" or \"parameters\"")
+        for name in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                     "microbatch_group_size_per_vp_stage", "decoder_first_pipeline_num_layers",
+                     "decoder_last_pipeline_num_layers"):
+            if getattr(self, name) is not None:
+                check_positive_int(f"{SECTION}.{name}", getattr(self, name))
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError(f"{SECTION}.sequence_parallel is true but tensor_model_parallel_size is 1; "
                               "sequence parallelism shards along TP ranks: set tensor_model_parallel_size > 1 "

@@ -8,7 +8,17 @@ transformer layers are divided among the stages:
 * ``"parameters"``: contiguous runs balanced by parameter count (MoE layers are
   heavier than dense ones), every stage at least one layer;
 * ``pipeline_num_layers_per_stage: [n0, n1, ...]``: given explicitly (sum =
-  ``num_layers``), like Megatron's first/last-stage layer counts.
+  ``num_layers``), one entry per virtual stage;
+* Megatron's ``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``: that many
+  layers on the first / last pipeline rank (the ranks that also hold the embedding, or the output
+  layer and the loss), the rest split evenly over the other ranks.
+
+With ``virtual_pipeline_model_parallel_size`` v > 1 (or ``num_layers_per_virtual_pipeline_stage``)
+the model is cut into ``p * v`` virtual stages and rank ``r`` holds stages ``r, r + p, ...``; each
+rank's layers are split evenly over its v chunks.  ``pipeline_schedule`` picks the runtime:
+``"1f1b"`` (default with one chunk) is DeepSpeed's ``PipelineEngine``; ``"interleaved_1f1b"``
+(default with v > 1, allowed with v = 1) is ours (``pipeline_parallel.schedules``), which runs
+Megatron's schedule table; ``"zero_bubble"`` is not available yet.
 
 ``check_pipeline`` holds every rule that makes a pipeline job wrong or
 unrunnable, checked against the world size before any process group exists.
@@ -18,10 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, check_choice
 from .parsing import SECTION, deepspeed_section
 
 PARTITION_METHODS = ("uniform", "parameters")
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -87,24 +98,81 @@ def partition_balanced(weights: Sequence[float], num_parts: int) -> List[int]:
 
 def stage_layer_counts(num_layers: int, pp: int, method: str = "uniform",
                        layers_per_stage: Optional[Sequence[int]] = None,
-                       layer_weights: Optional[Sequence[float]] = None) -> List[int]:
-    """Transformer layers per stage (see the module docstring).  ``layer_weights``: for ``"parameters"``."""
+                       layer_weights: Optional[Sequence[float]] = None, *, vpp: int = 1,
+                       first: Optional[int] = None, last: Optional[int] = None) -> List[int]:
+    """Transformer layers per virtual stage (``pp * vpp`` entries; with ``vpp`` 1, per stage), as the module
+    docstring says.  ``layer_weights``: for ``"parameters"``; ``first`` / ``last``: Megatron's
+    ``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``."""
+    stages = pp * vpp
     if layers_per_stage is not None:
         return list(layers_per_stage)
+    if first is not None or last is not None:
+        middle = pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest % middle):
+            raise ConfigError(f"{SECTION}.decoder_first_pipeline_num_layers={first} / decoder_last_pipeline_num_layers="
+                              f"{last} leave {rest} of model.num_layers={num_layers} layers for {middle} other "
+                              "stages, which must divide evenly; change the counts")
+        per_rank = [rest // middle if middle else 0] * pp
+        if first is not None:
+            per_rank[0] = first
+        if last is not None:
+            per_rank[-1] = last
+        if any(n % vpp or n < vpp for n in per_rank):
+            raise ConfigError(f"{SECTION}.decoder_first/last_pipeline_num_layers give the pipeline ranks {per_rank} "
+                              f"layers, each of which must be a positive multiple of "
+                              f"virtual_pipeline_model_parallel_size={vpp}; change the counts")
+        return [per_rank[vs % pp] // vpp for vs in range(stages)]
     if method == "uniform":
-        if num_layers % pp:
-            raise ConfigError(f"model.num_layers={num_layers} is not divisible by "
-                              f"{SECTION}.pipeline_model_parallel_size={pp}; change one, or give "
-                              f"{SECTION}.pipeline_num_layers_per_stage (or pipeline_partition_method \"parameters\")")
-        return [num_layers // pp] * pp
+        if num_layers % stages:
+            what = f"{SECTION}.pipeline_model_parallel_size={pp}" + (
+                f" x virtual_pipeline_model_parallel_size={vpp}" if vpp > 1 else "")
+            raise ConfigError(f"model.num_layers={num_layers} is not divisible by {what}; change one, or give "
+                              f"{SECTION}.pipeline_num_layers_per_stage (or decoder_first/last_pipeline_num_layers"
+                              + (", or pipeline_partition_method \"parameters\")" if vpp == 1 else ")"))
+        return [num_layers // stages] * stages
     if method == "parameters":
         weights = list(layer_weights) if layer_weights is not None else [1.0] * num_layers
         if len(weights) != num_layers:
             raise ValueError(f"{len(weights)} layer weights for {num_layers} layers")
-        bounds = partition_balanced(weights, pp)
-        return [bounds[i + 1] - bounds[i] for i in range(pp)]
+        bounds = partition_balanced(weights, stages)
+        return [bounds[i + 1] - bounds[i] for i in range(stages)]
     raise ConfigError(f"{SECTION}.pipeline_partition_method={method!r} is unknown; use one of "
                       f"{', '.join(PARTITION_METHODS)}")
+
+
+def rank_layers(counts: Sequence[int], pp: int, rank: int) -> List[int]:
+    """The global transformer-layer indices pipeline rank ``rank`` holds, from the per-virtual-stage counts
+    (its chunks ``rank, rank + pp, ...`` in order)."""
+    ranges = stage_layer_ranges(counts)
+    return [i for vs in range(rank, len(counts), pp) for i in ranges[vs]]
+
+
+def pipeline_schedule(parallel) -> str:
+    """The schedule a job runs: ``pipeline_schedule``, or by default ``"interleaved_1f1b"`` with v > 1, else
+    ``"1f1b"``."""
+    if parallel.pipeline_schedule is not None:
+        return parallel.pipeline_schedule
+    return "interleaved_1f1b" if (parallel.virtual_pipeline_model_parallel_size or 1) > 1 \
+        or parallel.num_layers_per_virtual_pipeline_stage is not None else "1f1b"
+
+
+def virtual_pipeline_size(parallel, num_layers: Optional[int], pp: int) -> int:
+    """v: ``virtual_pipeline_model_parallel_size``, or ``num_layers / (pp * num_layers_per_virtual_pipeline_stage)``
+    (ConfigError if both are given, or the layers do not divide)."""
+    vpp, per = parallel.virtual_pipeline_model_parallel_size, parallel.num_layers_per_virtual_pipeline_stage
+    if vpp is not None and per is not None:
+        raise ConfigError(f"{SECTION}.virtual_pipeline_model_parallel_size and num_layers_per_virtual_pipeline_stage "
+                          "are both set; give one")
+    if per is None:
+        return vpp or 1
+    if num_layers is None:
+        raise ConfigError(f"{SECTION}.num_layers_per_virtual_pipeline_stage needs the model section's num_layers; "
+                          "give virtual_pipeline_model_parallel_size instead")
+    if num_layers % (pp * per):
+        raise ConfigError(f"{SECTION}.num_layers_per_virtual_pipeline_stage={per}: model.num_layers={num_layers} is "
+                          f"not divisible by pipeline_model_parallel_size={pp} x {per}; change one")
+    return num_layers // (pp * per)
 
 
 def stage_layer_ranges(counts: Sequence[int]) -> List[range]:
@@ -154,18 +222,34 @@ def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer
     ``model``: ``GPTConfig`` or None; ``layout``: the job's ``ParallelLayout``; ``plain_deepspeed``: no
     ``"megatron"`` section, a DeepSpeed pipeline job run as ``deepspeed.initialize`` runs it (what DeepSpeed runs
     right is not refused; what it gets wrong still is)."""
-    vpp = parallel.virtual_pipeline_model_parallel_size
-    if vpp is not None and vpp > 1:
-        raise ConfigError(f"{SECTION}.virtual_pipeline_model_parallel_size={vpp}: the interleaved schedule is not "
-                          "available (DeepSpeed's pipeline engine runs one model chunk per stage); remove the key or "
-                          "set it to 1")
     pp = layout.pp
     explicit = parallel.pipeline_num_layers_per_stage
+    schedule = check_choice(f"{SECTION}.pipeline_schedule", pipeline_schedule(parallel), SCHEDULES)
+    vpp = virtual_pipeline_size(parallel, model.num_layers if model is not None else None, pp)
+    first, last = parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers
     if pp == 1:
         if explicit is not None and len(explicit) != 1:
             raise ConfigError(f"{SECTION}.pipeline_num_layers_per_stage has {len(explicit)} entries but "
                               f"pipeline_model_parallel_size is 1; remove it")
+        if vpp > 1:
+            raise ConfigError(f"{SECTION}.virtual_pipeline_model_parallel_size={vpp} needs "
+                              "pipeline_model_parallel_size > 1 (virtual stages interleave over the pipeline ranks)")
+        if first is not None or last is not None:
+            raise ConfigError(f"{SECTION}.decoder_first/last_pipeline_num_layers need pipeline_model_parallel_size "
+                              "> 1; remove them")
         return
+    if schedule == "zero_bubble":
+        raise ConfigError(f"{SECTION}.pipeline_schedule \"zero_bubble\" is not available yet; use \"1f1b\" or "
+                          "\"interleaved_1f1b\"")
+    if schedule == "1f1b" and vpp > 1:
+        raise ConfigError(f"{SECTION}.pipeline_schedule \"1f1b\" runs one model chunk per stage but "
+                          f"virtual_pipeline_model_parallel_size is {vpp}; use \"interleaved_1f1b\" or drop the "
+                          "virtual stages")
+    if explicit is not None and (first is not None or last is not None):
+        raise ConfigError(f"{SECTION}.pipeline_num_layers_per_stage and decoder_first/last_pipeline_num_layers are "
+                          "both set; give one")
+    if schedule == "interleaved_1f1b":
+        _check_our_runtime(parallel, batch, layout, optimizer_impl, vpp, plain_deepspeed)
     pipeline_grid_axes(layout.dense_generator().order, {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": pp, "ep": 1})
     if batch.zero_stage > 1:
         raise ConfigError(f"zero_optimization.stage={batch.zero_stage} with {SECTION}.pipeline_model_parallel_size="
@@ -188,17 +272,43 @@ def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer
         raise ConfigError("pipeline.pipe_partitioned / grad_partitioned with sequence_parallel: DeepSpeed would split "
                           "and regather activations that are already different on every TP rank; set both to false")
     if model is not None:
+        stages = pp * vpp
         if explicit is not None:
-            if len(explicit) != pp or any(not isinstance(n, int) or n < 1 for n in explicit) \
+            if len(explicit) != stages or any(not isinstance(n, int) or n < 1 for n in explicit) \
                     or sum(explicit) != model.num_layers:
-                raise ConfigError(f"{SECTION}.pipeline_num_layers_per_stage={list(explicit)} must give {pp} stages "
-                                  f"of at least one layer each, summing to model.num_layers={model.num_layers}")
-        elif model.num_layers < pp:
-            raise ConfigError(f"model.num_layers={model.num_layers} is below {SECTION}.pipeline_model_parallel_size="
-                              f"{pp}: every stage needs a transformer layer; lower the pipeline size")
+                raise ConfigError(f"{SECTION}.pipeline_num_layers_per_stage={list(explicit)} must give {stages} "
+                                  f"{'virtual ' if vpp > 1 else ''}stages of at least one layer each, summing to "
+                                  f"model.num_layers={model.num_layers}")
+        elif model.num_layers < stages:
+            raise ConfigError(f"model.num_layers={model.num_layers} is below the {stages} "
+                              f"{'virtual ' if vpp > 1 else ''}pipeline stages: every stage needs a transformer "
+                              "layer; lower the pipeline size")
         else:
-            stage_layer_counts(model.num_layers, pp, parallel.pipeline_partition_method)
+            if vpp > 1 and parallel.pipeline_partition_method != "uniform" and first is None and last is None:
+                raise ConfigError(f"{SECTION}.pipeline_partition_method={parallel.pipeline_partition_method!r} with "
+                                  f"virtual_pipeline_model_parallel_size={vpp}: virtual stages are split uniformly, "
+                                  "or by pipeline_num_layers_per_stage / decoder_first/last_pipeline_num_layers")
+            stage_layer_counts(model.num_layers, pp, parallel.pipeline_partition_method, vpp=vpp, first=first,
+                               last=last)
         if model.num_experts and optimizer_impl != "megatron":
             raise ConfigError(f"an MoE model with {SECTION}.pipeline_model_parallel_size={pp} needs "
                               f"{SECTION}.optimizer_impl \"megatron\" (routing-loss gradients on every stage are "
                               "scaled with its loss scale); set it")
+
+
+def _check_our_runtime(parallel, batch: DeepSpeedBatchKeys, layout, optimizer_impl: str, vpp: int,
+                       plain_deepspeed: bool) -> None:
+    """What ``pipeline_schedule`` "interleaved_1f1b" (our runtime) needs."""
+    if plain_deepspeed:
+        raise ConfigError(f"{SECTION}.pipeline_schedule \"interleaved_1f1b\" runs ds_megatron's GPT chunks; a "
+                          "DeepSpeed PipelineModule runs on DeepSpeed's engine: drop the key")
+    if optimizer_impl != "megatron":
+        raise ConfigError(f"{SECTION}.pipeline_schedule \"interleaved_1f1b\" with {SECTION}.optimizer_impl "
+                          f"\"{optimizer_impl}\": the runtime drives ds_megatron's gradient buffers and optimizer; "
+                          "set optimizer_impl \"megatron\"")
+    group = parallel.microbatch_group_size_per_vp_stage or layout.pp
+    micro_batches = batch.micro_batches(layout.dp)
+    if vpp > 1 and micro_batches is not None and micro_batches % group:
+        raise ConfigError(f"gradient_accumulation_steps={micro_batches} is not a multiple of {SECTION}."
+                          f"microbatch_group_size_per_vp_stage={group} (default: pipeline_model_parallel_size), "
+                          "which the interleaved schedule runs its micro-batches in; change one")

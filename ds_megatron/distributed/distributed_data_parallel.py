@@ -149,9 +149,14 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *inputs, **kwargs):
         return self.module(*inputs, **kwargs)
 
-    def set_is_last_microbatch(self, is_last: bool) -> None:
-        """Whether the coming backward completes the accumulation window (reductions may start)."""
-        for group in self.all_bucket_groups:
+    def set_is_last_microbatch(self, is_last: bool, params=None) -> None:
+        """Whether the coming backward completes the accumulation window (reductions may start).
+
+        ``params``: only the bucket groups holding any of them (a pipeline chunk's: the other chunks'
+        buckets keep their own answer)."""
+        groups = self.all_bucket_groups if params is None else \
+            {self.param_to_bucket_group[p] for p in params if p in self.param_to_bucket_group}
+        for group in groups:
             group.is_last_microbatch = is_last
 
     @contextlib.contextmanager

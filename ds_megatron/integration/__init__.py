@@ -9,6 +9,7 @@
 | ``gradients`` | exactly one gradient reducer per path, driven per micro-batch inside the engine |
 | ``moe`` | MoE layers (ours and DeepSpeed's) and DeepSpeed's expert groups |
 | ``pipeline`` | ``GPTPipelineModule`` and the topology: our groups as DeepSpeed's pipeline grid |
+| ``pipeline_runtime`` | ``engine.train_batch`` / ``eval_batch`` of our pipeline schedule over ``GPTModelChunks`` |
 | ``cuda_graphs`` | the engine forward hook that captures and replays CUDA graphs |
 | ``runtime`` | starting DeepSpeed's comm layer; the accelerator's device |
 | ``local_job`` | N local ranks for benchmarks and tests (torch-free at import) |

@@ -51,8 +51,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import MegatronConfig, split_config, world_size_from_env
+from ..config.pipeline import pipeline_schedule, virtual_pipeline_size
 from ..distributed import DistributedDataParallel, finalize_model_grads
 from ..errors import ConfigError
+from ..models.gpt_chunks import GPTModelChunks
 from ..parallel_state import ParallelState
 from ..tensor_parallel.params import is_expert_param
 from ..utils.collectives import record
@@ -65,6 +67,7 @@ from .optimizer import prepare_optimizer_path
 from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, destroy_pipeline_module_groups,
                        parallel_config_of, pipeline_deepspeed_config, prepare_pipeline_module,
                        set_routing_loss_scale)
+from .pipeline_runtime import PipelineRuntime, attach_pipeline_runtime
 from .runtime import adopt_existing_process_group, init_distributed_from_env
 from .seams import count_pipeline_sends, install_rng_tracker, report_precision
 
@@ -83,7 +86,8 @@ class MegatronContext:
     ddp_in_engine: Optional[MegatronDDPInEngine] = None
     cuda_graphs: Optional[CudaGraphEngineHook] = None  # when graphs are captured and replayed
     has_moe: bool = False
-    pipeline_module: Optional[PipelineModule] = None  # the stage this rank runs, with pp > 1
+    pipeline_module: Optional[PipelineModule] = None  # the stage this rank runs, on DeepSpeed's pipeline engine
+    pipeline_runtime: Optional[PipelineRuntime] = None  # our schedule over GPTModelChunks
     stop_counting_sends: Optional[Callable[[], None]] = None  # undoes seams.count_pipeline_sends
 
     def finalize_model_grads(self) -> None:
@@ -105,6 +109,8 @@ class MegatronContext:
             self.stop_counting_sends()
         if self.pipeline_module is not None:
             destroy_pipeline_module_groups(self.pipeline_module)
+        if self.pipeline_runtime is not None:
+            self.pipeline_runtime.destroy()
         self.state.destroy()
 
 
@@ -175,7 +181,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         # A plain DeepSpeed pipeline job: its module's topology is the layout, as deepspeed.initialize takes it.
         mcfg.parallel = parallel_config_of(model)
     if model is not None:  # before any group exists
-        check_model_stages(model, mcfg.parallel.pipeline_model_parallel_size)
+        parallel = mcfg.parallel
+        check_model_stages(model, parallel.pipeline_model_parallel_size, pipeline_schedule(parallel),
+                           virtual_pipeline_size(parallel, getattr(getattr(model, "config", None), "num_layers", None),
+                                                 parallel.pipeline_model_parallel_size))
     _init_distributed(dist_init_required)
     layout = mcfg.layout(dist.get_world_size())
     if parallel_state is None:
@@ -183,7 +192,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     elif parallel_state.layout != layout:
         raise ConfigError(f"parallel_state was built for {parallel_state.layout} but the config asks for {layout}; "
                           "build it from the same config")
-    pipeline = layout.pp > 1
+    chunked = isinstance(model, GPTModelChunks)  # our pipeline runtime, on DeepSpeed's plain engine
+    pipeline = layout.pp > 1 and not chunked  # DeepSpeed's PipelineEngine
     if pipeline or isinstance(model, PipelineModule):
         # Before the buffers are built: the tied embedding's copies are marked for their layout.
         prepare_pipeline_module(model, parallel_state, our_buffers=mcfg.precision.owns_optimizer)
@@ -197,13 +207,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     optimizer_state = prepare_deepspeed_moe(model, parallel_state, mcfg, ds_config, our_mpu)
     # The section's sizes must be ones the model takes part in (a GPT stage may hold no MoE layer; a plain
     # DeepSpeed job takes its sizes from its own PipelineModule).
-    if mcfg.section_given and not isinstance(model, GPTPipelineModule):
+    if mcfg.section_given and not isinstance(model, (GPTPipelineModule, GPTModelChunks)):
         check_model_uses_layout(model, parallel_state)
     is_last_stage = parallel_state.pp.rank == parallel_state.pp.size - 1
     opt_path = prepare_optimizer_path(ds_config, mcfg, model, optimizer, model_parameters, optimizer_state,
                                       outputs_feed_the_loss=is_last_stage)
     # The whole model's question (a pipeline stage may hold no MoE layer): it decides collectives at checkpoints.
-    has_moe = model is not None and (bool(model.config.num_experts) if isinstance(model, GPTPipelineModule)
+    has_moe = model is not None and (bool(model.config.num_experts)
+                                     if isinstance(model, (GPTPipelineModule, GPTModelChunks))
                                      else bool(moe_layers(model)))
     if has_moe:
         if not mcfg.precision.owns_optimizer:
@@ -216,7 +227,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         args=args, model=model, optimizer=opt_path.optimizer, model_parameters=opt_path.model_parameters,
         training_data=training_data, lr_scheduler=lr_scheduler, mpu=None if pipeline else our_mpu,
         dist_init_required=dist_init_required, collate_fn=collate_fn, config=opt_path.ds_config, **deepspeed_kwargs)
-    if pipeline and isinstance(model, GPTPipelineModule):
+    if isinstance(model, (GPTPipelineModule, GPTModelChunks)) and layout.pp > 1:
         set_routing_loss_scale(model, opt_path.optimizer, engine.gradient_accumulation_steps())
     context = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu, ddp=opt_path.ddp, has_moe=has_moe,
                               pipeline_module=model if pipeline else None)
@@ -224,7 +235,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         pp_group = parallel_state.pp
         context.stop_counting_sends = count_pipeline_sends(lambda tensor: record("send", pp_group, tensor))
     engine.megatron = context
-    if opt_path.ddp is not None:  # our buffers are the reducer: DeepSpeed's own reduction off
+    if chunked:  # engine.train_batch / eval_batch run our schedule; its buffers are the reducer
+        context.pipeline_runtime = attach_pipeline_runtime(engine, model, parallel_state, opt_path.ddp,
+                                                           mcfg.parallel.microbatch_group_size_per_vp_stage)
+    elif opt_path.ddp is not None:  # our buffers are the reducer: DeepSpeed's own reduction off
         context.ddp_in_engine = MegatronDDPInEngine(engine, opt_path.ddp)
     elif model is not None:  # DeepSpeed reduces over data parallel; TP-partial grads are completed in backward
         complete_tp_partial_grads_in_backward(model, parallel_state)

@@ -36,6 +36,7 @@ import torch
 from ..config.megatron import MegatronConfig
 from ..distributed import DistributedDataParallel
 from ..errors import ConfigError
+from ..models.gpt_chunks import GPTModelChunks
 from ..optimizer import (MegatronOptimizer, attach_float16_hooks, get_megatron_optimizer, get_param_groups,
                          optimizer_from_section)
 from ..parallel_state import ParallelGroup, ParallelState
@@ -106,6 +107,10 @@ def prepare_optimizer_path(ds_config: Dict[str, Any], megatron_config: MegatronC
         wrapped = get_megatron_optimizer(optimizer, precision, parallel_state, model_chunks=[ddp])
     hooks = []
     if params_dtype != torch.float32:
-        hooks = attach_float16_hooks(model, params_dtype, wrapped.grad_scaler if wrapped is not None else None,
-                                     outputs_feed_the_loss)
+        scaler = wrapped.grad_scaler if wrapped is not None else None
+        # Model chunks are run one by one by our pipeline runtime: each casts its inputs, the last scales the loss.
+        targets = [(chunk, chunk.is_last) for chunk in model.chunks] if isinstance(model, GPTModelChunks) \
+            else [(model, outputs_feed_the_loss)]
+        for module, feeds_loss in targets:
+            hooks += attach_float16_hooks(module, params_dtype, scaler, feeds_loss)
     return OptimizerPath(precision.deepspeed_view(ds_config), wrapped, model_parameters, ddp, hooks)

@@ -49,7 +49,7 @@ from ..config.parallel import ParallelConfig
 from ..config.pipeline import pipeline_grid_axes
 from ..errors import ConfigError
 from ..models.gpt import build_gpt_modules, language_model_loss, output_logits
-from ..moe.aux_loss_scaler import MoEAuxLossAutoScaler
+from ..models.gpt_chunks import GPTModelChunks, routing_loss_hook
 from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer
 from ..parallel.layout import ParallelLayout
@@ -125,20 +125,23 @@ class _BuiltTiedLayer(TiedLayerSpec):
 class GPTPipelineModule(PipelineModule):
     """The GPT of ``config`` split over ``parallel_state``'s pipeline stages (see the module docstring).
 
-    ``partition_method`` / ``layers_per_stage``: the ``megatron.pipeline_partition_method`` and
-    ``pipeline_num_layers_per_stage`` settings.  ``stage_layers`` (global layer indices on this stage),
+    ``partition_method`` / ``layers_per_stage`` / ``first_stage_layers`` / ``last_stage_layers``: the
+    ``megatron.pipeline_partition_method``, ``pipeline_num_layers_per_stage`` and
+    ``decoder_first/last_pipeline_num_layers`` settings.  ``stage_layers`` (global layer indices on this stage),
     ``is_first_stage``, ``is_last_stage`` and ``padded_vocab_size`` describe what this rank holds.
     """
 
     def __init__(self, config: GPTConfig, parallel_state: ParallelState,
                  rng_tracker: Optional[RNGStatesTracker] = None, *, partition_method: str = "uniform",
-                 layers_per_stage: Optional[Sequence[int]] = None):
+                 layers_per_stage: Optional[Sequence[int]] = None, first_stage_layers: Optional[int] = None,
+                 last_stage_layers: Optional[int] = None):
         layout = parallel_state.layout
         config.check_layout(layout)
         topology = pipeline_topology(layout)
         check_topology_matches(topology, parallel_state)
         pp, stage = layout.pp, parallel_state.pp.rank
-        ranges = pipeline_stage_layers(config, layout, partition_method, layers_per_stage)
+        ranges = pipeline_stage_layers(config, layout, partition_method, layers_per_stage, first_stage_layers,
+                                       last_stage_layers)
         n_items = config.num_layers + 4
         # Item i+2 is transformer layer i; 0, 1 (embedding) go with stage 0; the last two with the last stage.
         self._megatron_parts = [0] + [2 + r.stop for r in ranges[:-1]] + [n_items]
@@ -182,7 +185,7 @@ class GPTPipelineModule(PipelineModule):
                 word_embeddings.weight.shared = True
         for spec in specs[2:n_items - 2]:
             if spec is not None and isinstance(getattr(spec, "mlp", None), BaseMoELayer):
-                spec.register_forward_hook(self._attach_routing_loss)
+                spec.register_forward_hook(routing_loss_hook(self._routing_loss_scale))
         super().__init__(specs, topology=topology, loss_fn=self._loss, partition_method="megatron",
                          activation_checkpoint_interval=0)
 
@@ -206,13 +209,6 @@ class GPTPipelineModule(PipelineModule):
     def set_aux_loss_gradient_scale(self, scale: Callable[[], torch.Tensor]) -> None:
         """What one unit of routing loss weighs in backward: loss scale / micro-batches (set by ``initialize``)."""
         self._aux_loss_grad_scale = scale
-
-    def _attach_routing_loss(self, layer, _inputs, output):
-        # The routing losses of a layer on any stage reach the gradients as if added to the last stage's loss.
-        aux = sum(layer.mlp.aux_losses.values(), 0.0)
-        if not torch.is_tensor(aux) or not (self.training and torch.is_grad_enabled() and aux.requires_grad):
-            return output
-        return MoEAuxLossAutoScaler.apply(output, aux, self._routing_loss_scale)
 
     def _routing_loss_scale(self):
         if self._aux_loss_grad_scale is None:
@@ -264,8 +260,19 @@ def destroy_pipeline_module_groups(module: PipelineModule) -> None:
         dist.destroy_process_group(group)
 
 
-def check_model_stages(model, pp: int) -> None:
-    """The model is split into ``pp`` stages (a ``PipelineModule``) exactly when the config says pp > 1."""
+def check_model_stages(model, pp: int, schedule: str = "1f1b", vpp: int = 1) -> None:
+    """The model is split into ``pp`` stages exactly when the config says pp > 1: a ``PipelineModule`` for
+    DeepSpeed's engine (``pipeline_schedule`` "1f1b"), ``GPTModelChunks`` with ``vpp`` chunks for ours."""
+    if isinstance(model, GPTModelChunks) or (pp > 1 and schedule != "1f1b" and isinstance(model, GPTPipelineModule)):
+        if schedule == "1f1b" or not isinstance(model, GPTModelChunks):
+            raise ConfigError(f"megatron.pipeline_schedule {schedule!r} runs on "
+                              f"{'DeepSpeed' if schedule == '1f1b' else 'ds_megatron'}'s pipeline runtime, which "
+                              f"takes a {'GPTPipelineModule' if schedule == '1f1b' else 'GPTModelChunks'}; build "
+                              "that model (ds-megatron train picks it from the config)")
+        if model.num_model_chunks != vpp:
+            raise ConfigError(f"the GPTModelChunks holds {model.num_model_chunks} chunks per rank but "
+                              f"megatron.virtual_pipeline_model_parallel_size is {vpp}; build it with the same v")
+        return
     stages = model.num_stages if isinstance(model, PipelineModule) else 1
     if pp > 1 and not isinstance(model, PipelineModule):
         raise ConfigError(f"megatron.pipeline_model_parallel_size={pp} needs the model split into stages: pass "

@@ -232,6 +232,33 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
                                           init_method=embedding_init, sequence_parallel=config.sequence_parallel)
 
 
+def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor,
+                        output_layer: Optional[torch.nn.Module], labels: Optional[torch.Tensor],
+                        loss_mask: Optional[torch.Tensor], config: GPTConfig, tp: ParallelGroup,
+                        cp: ParallelGroup, logits_buffer: Optional[LogitsBuffer]) -> torch.Tensor:
+    """The final hidden states [s(/tp), b, h] -> the mean loss over the masked tokens (with ``labels``), else this
+    rank's vocab-parallel logits [b, s, V/tp].  ``output_layer``: the untied one, None when tied to the word
+    embedding (``word_embeddings_weight``).  The whole model and a pipeline's last chunk end here."""
+    weight = word_embeddings_weight
+    if (labels is not None and output_layer is None and weight.dtype in (torch.float32, torch.float64)):
+        # 16-bit weights keep the separate GEMM below: the fused loss would add a 16-bit gradient to its
+        # fp32 logits.  On a CPU, fp32 logits of 32 MiB or more go into a buffer kept across steps: glibc
+        # maps buffers that large anew on every allocation (a page fault per page, every step).  A GPU's
+        # caching allocator reuses memory already; under recomputation memory matters more than faults.
+        keep = (logits_buffer is not None and hidden.device.type == "cpu" and config.recompute_granularity is None
+                and labels.numel() * weight.size(0) * weight.element_size() >= _GLIBC_ALWAYS_MAPS)
+        return output_layer_loss(hidden, weight, labels, loss_mask, config, tp, logits_buffer if keep else None,
+                                 cp=cp)
+    if output_layer is not None:
+        logits = output_layer(hidden)
+    else:
+        logits = output_logits(hidden, weight, config, tp)  # [s, b, V/tp]
+    if labels is None:
+        return logits.transpose(0, 1)
+    # The logits are this forward's own and read by nothing else: the loss may overwrite them.
+    return language_model_loss(logits, labels, loss_mask, config, tp, inplace=True, cp=cp)
+
+
 def moe_aux_loss_sum(layers) -> torch.Tensor:
     """The routing losses (load balancing, z) of the last forward of ``layers``, summed; 0 without MoE layers."""
     return sum((sum(layer.mlp.aux_losses.values(), 0.0) for layer in layers
@@ -284,26 +311,10 @@ class GPTModel(torch.nn.Module):
         for layer in self.layers:
             hidden = layer(hidden)
         hidden = self.final_layernorm(hidden)
-        weight = self.word_embeddings.weight
-        if (labels is not None and not self.config.untie_embeddings_and_output_weights
-                and weight.dtype in (torch.float32, torch.float64)):
-            # 16-bit weights keep the separate GEMM below: the fused loss would add a 16-bit gradient to its
-            # fp32 logits.  On a CPU, fp32 logits of 32 MiB or more go into a buffer kept across steps: glibc
-            # maps buffers that large anew on every allocation (a page fault per page, every step).  A GPU's
-            # caching allocator reuses memory already; under recomputation memory matters more than faults.
-            keep = (hidden.device.type == "cpu" and self.config.recompute_granularity is None
-                    and labels.numel() * weight.size(0) * weight.element_size() >= _GLIBC_ALWAYS_MAPS)
-            return output_layer_loss(hidden, weight, labels, loss_mask, self.config, self.tp,
-                                     self.logits_buffer if keep else None, cp=self.cp) + self.moe_aux_loss()
-        if self.config.untie_embeddings_and_output_weights:
-            logits = self.output_layer(hidden)
-        else:
-            logits = output_logits(hidden, self.word_embeddings.weight, self.config, self.tp)  # [s, b, V/tp]
-        if labels is None:
-            return logits.transpose(0, 1)
-        # The logits are this forward's own and read by nothing else: the loss may overwrite them.
-        return language_model_loss(logits, labels, loss_mask, self.config, self.tp, inplace=True,
-                                   cp=self.cp) + self.moe_aux_loss()
+        output_layer = self.output_layer if self.config.untie_embeddings_and_output_weights else None
+        out = language_model_head(hidden, self.word_embeddings.weight, output_layer, labels, loss_mask, self.config,
+                                  self.tp, self.cp, self.logits_buffer)
+        return out if labels is None else out + self.moe_aux_loss()
 
     def moe_aux_loss(self):
         """The routing losses (load balancing, z) of the last forward, summed over MoE layers; 0 without MoE."""

@@ -72,8 +72,10 @@ class StageComm:
 
 def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int = 1, micro_batches: int = 1,
                      distributed_optimizer: bool = False, partition_method: str = "uniform",
-                     layers_per_stage: Optional[Sequence[int]] = None) -> List[StageComm]:
-    """One ``StageComm`` per pipeline stage (the ranks of a stage all move the same bytes)."""
+                     layers_per_stage: Optional[Sequence[int]] = None, first: Optional[int] = None,
+                     last: Optional[int] = None) -> List[StageComm]:
+    """One ``StageComm`` per pipeline stage (the ranks of a stage all move the same bytes); ``first`` / ``last``:
+    Megatron's ``decoder_first/last_pipeline_num_layers``."""
     if cfg.num_experts:
         raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
                           "the communication plan covers dense models")
@@ -83,7 +85,7 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     sp = cfg.sequence_parallel and t > 1
     recompute = cfg.recompute_granularity == "full"
     sbh = s * b * h * a
-    ranges = pipeline_stage_layers(cfg, layout, partition_method, layers_per_stage)
+    ranges = pipeline_stage_layers(cfg, layout, partition_method, layers_per_stage, first, last)
     kv_heads = max(cfg.query_groups // t, 1)  # per TP rank (one group's copy when TP exceeds the groups)
     out = []
     for stage, layers in enumerate(ranges):

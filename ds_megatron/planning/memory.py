@@ -121,8 +121,8 @@ class RankMemory:
 
 def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "adamw", momentum: float = 0.0,
                 micro_batch: int = 1, distributed_optimizer: bool = False, micro_batches: int = 1,
-                partition_method: str = "uniform", layers_per_stage: Optional[Sequence[int]] = None
-                ) -> List[RankMemory]:
+                partition_method: str = "uniform", layers_per_stage: Optional[Sequence[int]] = None,
+                first: Optional[int] = None, last: Optional[int] = None) -> List[RankMemory]:
     """One ``RankMemory`` per (pipeline stage, TP rank index): the ranks holding the same shards.
 
     ``distributed_optimizer``: fp32 main params, main grads and optimizer states
@@ -130,14 +130,15 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     expert ones (the buffers' alignment padding, at most 63 elements per param
     plus a bucket's ``lcm(DP, 128)``, is left out).  With PP, each stage holds
     its layers (split as ``config.pipeline`` does: ``partition_method``,
-    ``layers_per_stage``), the embedding on the first and the final norm and
+    ``layers_per_stage``, ``first`` / ``last``: Megatron's
+    ``decoder_first/last_pipeline_num_layers``), the embedding on the first and the final norm and
     tied output copy on the last, and keeps the activations of up to
     ``pp - stage`` of the step's ``micro_batches`` (1F1B's in-flight count).
     """
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
     pp = layout.pp
-    ranges = pipeline_stage_layers(cfg, layout, partition_method, layers_per_stage)
+    ranges = pipeline_stage_layers(cfg, layout, partition_method, layers_per_stage, first, last)
     low = BYTES[params_dtype]
     mixed = params_dtype != "fp32"
     groups = layout.group_ranks()

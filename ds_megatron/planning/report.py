@@ -10,6 +10,8 @@ from dataclasses import asdict
 from typing import Optional, Sequence
 
 from ..config.job import parse_job_config
+from ..config.parsing import SECTION
+from ..config.pipeline import virtual_pipeline_size
 from ..errors import ConfigError
 from .comm_volume import format_comm_volume, plan_comm_volume
 from .memory import format_plan, plan_memory
@@ -30,8 +32,14 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
     distributed = job.megatron.ddp.use_distributed_optimizer
     parallel = job.megatron.parallel
     micro_batches = job.megatron.deepspeed_batch.micro_batches(layout.dp) or 1
+    if virtual_pipeline_size(parallel, job.model.num_layers, layout.pp) > 1:
+        raise ConfigError(f"{SECTION}.virtual_pipeline_model_parallel_size: ds-megatron plan does not model virtual "
+                          "pipeline stages yet (their in-flight activations differ per chunk); plan the job with "
+                          "one chunk per stage")
+    uneven = dict(first=parallel.decoder_first_pipeline_num_layers, last=parallel.decoder_last_pipeline_num_layers)
     plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb, distributed,
-                        micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage)
+                        micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage,
+                        **uneven)
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
     pipeline = f" pp={layout.pp} ({micro_batches} micro-batches per step)" if layout.pp > 1 else ""
     context = f" cp={layout.cp} (seq {job.model.seq_length // layout.cp} tokens per rank)" if layout.cp > 1 else ""
@@ -44,7 +52,8 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
     else:
         try:
             comm = plan_comm_volume(job.model, layout, precision.params_dtype, mb, micro_batches, distributed,
-                                    parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage)
+                                    parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage,
+                                    **uneven)
         except ConfigError as e:
             comm = f"bytes on the wire: not planned ({e})"
     return header, plans, comm

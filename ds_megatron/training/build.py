@@ -14,6 +14,7 @@ import torch
 
 from ..checkpointing.torch_dist import check_supported
 from ..config.job import JobConfig
+from ..config.pipeline import pipeline_schedule, virtual_pipeline_size
 from ..convert.model_io import load_weights, stage_layers
 from ..data.corpus import build_default_dataset
 from ..data.gpt_dataset import GPTDataset, build_train_valid_datasets
@@ -22,6 +23,7 @@ from ..integration.engine import initialize, initialize_model_parallel
 from ..integration.pipeline import GPTPipelineModule
 from ..integration.runtime import accelerator_device_type
 from ..models.gpt import GPTModel
+from ..models.gpt_chunks import GPTModelChunks
 from ..optimizer import get_param_groups
 from ..parallel_state import ParallelState
 from ..tensor_parallel import RNGStatesTracker, model_parallel_seed
@@ -42,7 +44,7 @@ class TrainingSetup:
     """What the build phase made for the loop."""
 
     state: ParallelState
-    model: torch.nn.Module  # GPTModel, or this rank's GPTPipelineModule stage
+    model: torch.nn.Module  # GPTModel, or this rank's GPTPipelineModule stage or GPTModelChunks
     rng_tracker: RNGStatesTracker
     engine: Any
     batches: Batches
@@ -54,7 +56,8 @@ class TrainingSetup:
 
 
 def build_model(job: JobConfig, state: ParallelState):
-    """The job's model and its RNG tracker: ``GPTModel``, or this rank's ``GPTPipelineModule`` stage with PP.
+    """The job's model and its RNG tracker: ``GPTModel``, or with PP this rank's ``GPTPipelineModule`` stage
+    (``pipeline_schedule`` "1f1b", DeepSpeed's engine) or ``GPTModelChunks`` (our runtime).
 
     The dropout streams are seeded after construction (``seed + 100 * pp_rank`` for the default
     generator, a TP-rank offset for the tracker), so that no two stages or TP ranks draw the same masks.
@@ -62,11 +65,17 @@ def build_model(job: JobConfig, state: ParallelState):
     seed = job.train.seed
     tracker = RNGStatesTracker(accelerator_device_type())
     torch.manual_seed(seed)
-    if state.pp.size > 1:
-        parallel = job.megatron.parallel
+    parallel = job.megatron.parallel
+    uneven = dict(layers_per_stage=parallel.pipeline_num_layers_per_stage,
+                  first_stage_layers=parallel.decoder_first_pipeline_num_layers,
+                  last_stage_layers=parallel.decoder_last_pipeline_num_layers)
+    if state.pp.size > 1 and pipeline_schedule(parallel) == "interleaved_1f1b":
+        model = GPTModelChunks(job.model, state, rng_tracker=tracker,
+                               num_model_chunks=virtual_pipeline_size(parallel, job.model.num_layers, state.pp.size),
+                               **uneven)
+    elif state.pp.size > 1:
         model = GPTPipelineModule(job.model, state, rng_tracker=tracker,
-                                  partition_method=parallel.pipeline_partition_method,
-                                  layers_per_stage=parallel.pipeline_num_layers_per_stage)
+                                  partition_method=parallel.pipeline_partition_method, **uneven)
     else:
         model = GPTModel(job.model, state, rng_tracker=tracker)
     if job.train.load_hf:

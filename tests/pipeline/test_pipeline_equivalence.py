@@ -20,6 +20,8 @@ from harness import run_on_ranks
 
 import ds_megatron
 from ds_megatron.models import GPTConfig, GPTModel
+from ds_megatron.models.gpt_chunks import GPTModelChunks
+from ds_megatron.pipeline_parallel.schedule_table import get_order, rank_operations
 
 MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=8, vocab_size=60,
              hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=4)
@@ -41,7 +43,7 @@ def _my_chunks(step, dp, dp_rank):
     return chunks[dp_rank * per_rank:(dp_rank + 1) * per_rank]
 
 
-def _config(pp, tp, dp, precision, distopt, sp, moe, ep, impl, clip=1.0):
+def _config(pp, tp, dp, precision, distopt, sp, moe, ep, impl, clip=1.0, pipeline=None):
     gas = GLOBAL // (MBS * dp)
     adam = {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-4}
     if impl == "deepspeed":
@@ -52,6 +54,7 @@ def _config(pp, tp, dp, precision, distopt, sp, moe, ep, impl, clip=1.0):
                         "sequence_parallel": sp, "optimizer_impl": impl}}
     if moe:
         cfg["megatron"]["expert_model_parallel_size"] = ep
+    cfg["megatron"].update(pipeline or {})
     if distopt:
         cfg["megatron"].update(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=400)
     if precision == "bf16":
@@ -93,15 +96,26 @@ def _gathered_weights(named_params, state):
 
 
 def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1, impl="megatron", recompute=False,
-           clip=1.0):
+           clip=1.0, pipeline=None, layers=None, record_order=False):
+    """``pipeline``: the schedule's keys of the "megatron" section (ours with ``pipeline_schedule``
+    "interleaved_1f1b", the default with v > 1); ``layers``: num_layers instead of MODEL's."""
     world = dist.get_world_size()
     dp = world // (pp * tp)
-    cfg = _config(pp, tp, dp, precision, distopt, sp, moe, ep, impl, clip)
+    cfg = _config(pp, tp, dp, precision, distopt, sp, moe, ep, impl, clip, pipeline)
     state = ds_megatron.initialize_model_parallel(cfg)
-    config = GPTConfig(**MODEL, **(MOE if moe else {}), sequence_parallel=sp,
+    model_args = dict(MODEL, num_layers=layers or MODEL["num_layers"])
+    config = GPTConfig(**model_args, **(MOE if moe else {}), sequence_parallel=sp,
                        recompute_granularity="full" if recompute else None)
     torch.manual_seed(7)
-    if pp > 1:
+    ours = pp > 1 and pipeline is not None
+    orders = []
+    if ours:
+        pipe = pipeline or {}
+        model = GPTModelChunks(config, state, num_model_chunks=pipe.get("virtual_pipeline_model_parallel_size", 1),
+                               layers_per_stage=pipe.get("pipeline_num_layers_per_stage"),
+                               first_stage_layers=pipe.get("decoder_first_pipeline_num_layers"),
+                               last_stage_layers=pipe.get("decoder_last_pipeline_num_layers"))
+    elif pp > 1:
         model = ds_megatron.GPTPipelineModule(config, state)
     else:
         model = GPTModel(config, state)
@@ -123,13 +137,18 @@ def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1, i
             dist.all_reduce(total, group=state.dp.group)
             loss = total / state.dp.size
         losses.append(float(loss))
+        if ours and record_order:
+            orders.append([(op.forward, op.chunk, op.microbatch) for op in engine.megatron.pipeline_runtime.executed])
         norm = engine.get_global_grad_norm()
         norms.append(float("nan") if norm is None else float(norm))
         if pp > 1:
             tied_equal.append(_tied_copies_equal(model, state))
     named = model.named_gpt_parameters() if pp > 1 else model.named_parameters()
     weights = _gathered_weights(list(named), state)
+    pp_rank = state.pp.rank
     engine.megatron.destroy()
+    if record_order:
+        return losses, norms, weights, tied_equal, orders, pp_rank
     return losses, norms, weights, tied_equal
 
 
@@ -148,7 +167,10 @@ def _tied_copies_equal(model, state):
     if state.pp.rank not in (0, state.pp.size - 1):
         return True
     emb = state["embedding"]
-    w = model.tied_modules.word_embeddings.weight.detach().float().clone()
+    if isinstance(model, GPTModelChunks):
+        w = model.chunks[0 if state.pp.rank == 0 else -1].word_embeddings.weight.detach().float().clone()
+    else:
+        w = model.tied_modules.word_embeddings.weight.detach().float().clone()
     other = w.clone()
     dist.broadcast(other, src=emb.ranks[0], group=emb.group)
     return torch.equal(w, other)
@@ -157,6 +179,9 @@ def _tied_copies_equal(model, state):
 def _pp_and_reference(pp_case, ref_case):
     return _train(**pp_case), _train(**ref_case)
 
+
+ONE_CHUNK = {"pipeline_schedule": "interleaved_1f1b"}
+V2 = {"virtual_pipeline_model_parallel_size": 2}
 
 # fp32 tolerance 1e-5 (losses, norms, weights), from the arithmetic rather than tuned: both runs sum in float32
 # in different orders, and Adam's eps of 1e-4 (see the docstring) bounds how far an update can follow a change
@@ -177,6 +202,21 @@ CASES = {
     "pp2-tp2-dp2": (8, dict(pp=2, tp=2), dict(pp=1, tp=2), 1e-5),
     "pp2-moe-ep2-folded": (4, dict(pp=2, tp=1, moe=True, ep=2), dict(pp=1, tp=1, moe=True, ep=2), 1e-5),
     "pp2-tp2-recompute": (4, dict(pp=2, tp=2, recompute=True), dict(pp=1, tp=2), 1e-5),
+    # Our runtime (pipeline_parallel.schedules): Megatron's interleaved 1F1B over v chunks per rank, plain 1F1B
+    # with one chunk, uneven stages.
+    "ours-pp2-v1": (2, dict(pp=2, tp=1, pipeline=ONE_CHUNK), dict(pp=1, tp=1), 1e-5),
+    "ours-pp2-v2": (2, dict(pp=2, tp=1, pipeline=V2), dict(pp=1, tp=1), 1e-5),
+    "ours-pp4-v2": (4, dict(pp=4, tp=1, pipeline=V2, layers=8), dict(pp=1, tp=1, layers=8), 1e-5),
+    "ours-pp2-v2-tp2-sp": (4, dict(pp=2, tp=2, sp=True, pipeline=V2), dict(pp=1, tp=2, sp=True), 1e-5),
+    "ours-pp2-v2-dp2-distopt-bf16": (4, dict(pp=2, tp=1, pipeline=V2, distopt=True, precision="bf16"),
+                                     dict(pp=1, tp=1, distopt=True, precision="bf16"), 2e-2),
+    "ours-pp2-v2-moe-ep2-folded": (4, dict(pp=2, tp=1, moe=True, ep=2, pipeline=V2),
+                                   dict(pp=1, tp=1, moe=True, ep=2), 1e-5),
+    "ours-pp2-v2-recompute": (2, dict(pp=2, tp=1, pipeline=V2, recompute=True), dict(pp=1, tp=1), 1e-5),
+    "ours-pp2-uneven": (2, dict(pp=2, tp=1, pipeline=dict(ONE_CHUNK, decoder_first_pipeline_num_layers=1)),
+                        dict(pp=1, tp=1), 1e-5),
+    "ours-pp2-v2-uneven": (2, dict(pp=2, tp=1, layers=6, pipeline=dict(V2, decoder_last_pipeline_num_layers=2)),
+                           dict(pp=1, tp=1, layers=6), 1e-5),
     # DeepSpeed's own optimizer, reduction and tied-gradient all-reduce (optimizer_impl "deepspeed").
     # Without clipping: DeepSpeed's pipeline norm is refused at start (see test_pipeline_topology.py).
     "pp2-dp2-deepspeed-path": (4, dict(pp=2, tp=1, impl="deepspeed", clip=0.0),
@@ -201,3 +241,17 @@ def test_pipeline_training_equals_no_pipeline(case):
     for name in weights:
         torch.testing.assert_close(weights[name], ref_weights[name], rtol=tol, atol=tol, msg=name)
     assert losses[-1] < losses[0], "the model did not train"
+
+
+def test_each_rank_runs_the_schedule_tables_order():
+    """The order our runtime executed on each rank, every step, is Megatron's ``convert_schedule_table_to_order``
+    for that rank (via ``get_order``), with micro-batches as the table assigns them."""
+    results = run_on_ranks(4, _train, 4, 1, pipeline=V2, layers=8, record_order=True, timeout=300)
+    micro_batches = GLOBAL // MBS
+    for _, _, _, _, orders, rank in results:
+        expected = rank_operations(micro_batches, 2, pipeline_parallel_size=4, pipeline_parallel_rank=rank)
+        signed = get_order(micro_batches, 2, pipeline_parallel_size=4, pipeline_parallel_rank=rank)
+        assert len(orders) == STEPS
+        for order in orders:
+            assert [(c + 1) * (1 if fwd else -1) for fwd, c, _ in order] == signed
+            assert order == [(op.forward, op.chunk, op.microbatch) for op in expected]

@@ -1,4 +1,5 @@
-"""``ds-megatron train`` through the ``deepspeed`` launcher: TP=2 x PP=2 follows TP=2 x DP=2 step for step.
+"""``ds-megatron train`` through the ``deepspeed`` launcher: TP=2 x PP=2 follows TP=2 x DP=2 step for step,
+on DeepSpeed's pipeline engine and on our interleaved runtime (v = 2).
 
 Both jobs take the shipped configs (``gpt_tp2_pp2.json``, ``gpt_cpu_tp2_dp2.json``)
 with a shorter run: 4 ranks each, the same model from the same seed, the same
@@ -17,9 +18,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEPS = 10
 
 
-def _short(name, tmp_path):
+def _short(name, tmp_path, **megatron):
     with open(os.path.join(ROOT, "ds_configs", name)) as f:
         cfg = json.load(f)
+    cfg["megatron"].update(megatron)
     cfg["megatron"]["model"].update(num_layers=4, hidden_size=64, seq_length=64)
     dp = 4 // (cfg["megatron"]["tensor_model_parallel_size"] * cfg["megatron"].get("pipeline_model_parallel_size", 1))
     # The same 32 validation sequences for both layouts: eval_iters x micro-batch x DP.
@@ -27,7 +29,7 @@ def _short(name, tmp_path):
     cfg["megatron"]["train"].update(train_iters=STEPS, eval_interval=STEPS, eval_iters=eval_iters, save_interval=0,
                                     log_interval=5)
     cfg["megatron"]["data"].update(default_corpus_bytes=1_000_000, split="90,10")
-    path = tmp_path / name
+    path = tmp_path / (name if not megatron else f"v_{name}")
     path.write_text(json.dumps(cfg))
     return str(path)
 
@@ -47,12 +49,14 @@ def _launch(config, out, tmp_path):
 
 
 def test_tp2_pp2_follows_tp2_dp2_through_the_launcher(tmp_path):
-    pp_losses, pp_val = _launch(_short("gpt_tp2_pp2.json", tmp_path), tmp_path / "pp", tmp_path)
+    """DeepSpeed's pipeline engine, and our runtime with Megatron's interleaved 1F1B over 2 chunks per rank."""
     dp_losses, dp_val = _launch(_short("gpt_cpu_tp2_dp2.json", tmp_path), tmp_path / "dp", tmp_path)
-    assert sorted(pp_losses) == sorted(dp_losses) == list(range(1, STEPS + 1))
-    for step in pp_losses:
-        assert pp_losses[step] == pytest.approx(dp_losses[step], rel=2e-4), step
-    assert sorted(pp_val) == sorted(dp_val) == [0, STEPS]
-    for step in pp_val:
-        assert pp_val[step] == pytest.approx(dp_val[step], rel=2e-4), step
-    assert pp_losses[STEPS] < pp_losses[1]
+    for name, megatron in (("pp", {}), ("pp_v2", {"virtual_pipeline_model_parallel_size": 2})):
+        pp_losses, pp_val = _launch(_short("gpt_tp2_pp2.json", tmp_path, **megatron), tmp_path / name, tmp_path)
+        assert sorted(pp_losses) == sorted(dp_losses) == list(range(1, STEPS + 1))
+        for step in pp_losses:
+            assert pp_losses[step] == pytest.approx(dp_losses[step], rel=2e-4), (name, step)
+        assert sorted(pp_val) == sorted(dp_val) == [0, STEPS]
+        for step in pp_val:
+            assert pp_val[step] == pytest.approx(dp_val[step], rel=2e-4), (name, step)
+        assert pp_losses[STEPS] < pp_losses[1]

@@ -29,7 +29,8 @@ LLAMA_MOE = {**GPT, "num_query_groups": 2, "position_embedding_type": "rope", "n
              "moe_router_topk": 2, "moe_aux_loss_coeff": 0.0}  # a per-micro-batch loss: layouts differ
 
 
-def _config(out, tp=1, pp=1, ep=1, etp=None, mbs=1, world=4, model=GPT, steps=8, distopt=False, precision=None):
+def _config(out, tp=1, pp=1, ep=1, etp=None, mbs=1, world=4, model=GPT, steps=8, distopt=False, precision=None,
+            pipeline=None):
     dp = world // (tp * pp)
     megatron = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                 "expert_model_parallel_size": ep,
@@ -41,6 +42,7 @@ def _config(out, tp=1, pp=1, ep=1, etp=None, mbs=1, world=4, model=GPT, steps=8,
         megatron["expert_tensor_parallel_size"] = etp
     if distopt:
         megatron["use_distributed_optimizer"] = True
+    megatron.update(pipeline or {})
     cfg = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": 8 // (mbs * dp),
            "gradient_clipping": 1.0, "steps_per_print": 10 ** 6, "megatron": megatron}
     if precision:
@@ -83,6 +85,18 @@ def test_tp2_pp2_checkpoint_resumes_at_tp1_dp4_and_tp4(tmp_path):
     assert [same[s] for s in range(5, 9)] == [full[s] for s in range(5, 9)]  # same layout: bit-exact
     _check_follows(_resume_at(tmp_path, snapshot, "tp1_dp4", tp=1, mbs=1), full, 2e-5)
     _check_follows(_resume_at(tmp_path, snapshot, "tp4", tp=4, mbs=4), full, 2e-5)
+
+
+def test_interleaved_pipeline_checkpoint_resumes_at_pp4_and_pp1(tmp_path):
+    # Our runtime with 2 chunks per rank (layers 0 | 1 on rank 0 and 2 | 3 on rank 1 become 0, 2 | 1, 3).
+    gpt4 = dict(GPT, num_layers=4)
+    saving = dict(pp=2, mbs=1, model=gpt4, pipeline={"virtual_pipeline_model_parallel_size": 2})
+    full, snapshot = _stopped_at_4(tmp_path, **saving)
+    same = _resume_at(tmp_path, snapshot, "same", **saving)
+    assert [same[s] for s in range(5, 9)] == [full[s] for s in range(5, 9)]  # same layout: bit-exact
+    _check_follows(_resume_at(tmp_path, snapshot, "pp4_v1", pp=4, mbs=1, model=gpt4,
+                              pipeline={"pipeline_schedule": "interleaved_1f1b"}), full, 2e-5)
+    _check_follows(_resume_at(tmp_path, snapshot, "pp1", pp=1, mbs=1, model=gpt4), full, 2e-5)
 
 
 def test_moe_checkpoint_reshards_across_expert_and_tensor_sizes(tmp_path):

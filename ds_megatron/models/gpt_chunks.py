@@ -1,0 +1,162 @@
+"""The GPT of one pipeline rank as Megatron's model chunks: what our pipeline runtime executes.
+
+With ``p`` pipeline ranks and ``v`` chunks per rank the transformer layers are cut into ``p * v``
+virtual stages (``config.pipeline.stage_layer_counts``); rank ``r`` holds virtual stages ``r, r + p,
+...`` as its local chunks 0, 1, ...  The first virtual stage also holds the word and position
+embeddings, the last the final norm and the output layer (with tied embeddings, a copy of the word
+embedding whose gradient ``finalize_model_grads`` sums with the first stage's over the ``embedding``
+group).  Every piece comes from ``build_gpt_modules`` in construction order, so any layout built after
+the same seed holds the same full model as ``GPTModel``.
+
+``GPTModelChunks`` is the one module DeepSpeed's engine holds (``engine.module``), so that the
+gradient buffers, the optimizer and checkpoints see every chunk's parameters; the runtime calls the
+chunks themselves.  It names parameters as ``GPTModel`` does (``gpt_name``) for checkpoints and
+Hugging Face export.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from ..config.model import GPTConfig
+from ..config.pipeline import rank_layers, stage_layer_counts, stage_layer_ranges
+from ..moe.aux_loss_scaler import MoEAuxLossAutoScaler
+from ..moe.aux_loss_tracker import MoEAuxLossTracker
+from ..moe.moe_layer import BaseMoELayer
+from ..parallel_state import ParallelState
+from ..tensor_parallel import LogitsBuffer, RNGStatesTracker, pad_vocab_size
+from .gpt import build_gpt_modules, language_model_head
+
+
+def routing_loss_hook(scale: Callable[[], torch.Tensor]):
+    """A forward hook for a transformer layer with an MoE MLP: its routing losses reach the gradients as if added
+    to the loss, weighted by ``scale()`` (loss scale / micro-batches), from whichever stage holds the layer."""
+
+    def hook(layer, _inputs, output):
+        aux = sum(layer.mlp.aux_losses.values(), 0.0)
+        if not torch.is_tensor(aux) or not (layer.training and torch.is_grad_enabled() and aux.requires_grad):
+            return output
+        return MoEAuxLossAutoScaler.apply(output, aux, scale)
+    return hook
+
+
+class GPTModelChunk(torch.nn.Module):
+    """One virtual stage: ``forward(tokens_or_hidden, labels=None, loss_mask=None)``.
+
+    The first virtual stage takes token ids [b, s], the others the hidden states [s(/tp), b, h] of the
+    stage before; the last returns the mean loss over the masked tokens, the others their hidden states.
+    """
+
+    def __init__(self, config: GPTConfig, state: ParallelState, virtual_stage: int, num_virtual_stages: int,
+                 layer_numbers: Sequence[int]):
+        super().__init__()
+        self.config, self.tp, self.cp = config, state.tp, state.cp
+        self.virtual_stage = virtual_stage
+        self.is_first = virtual_stage == 0
+        self.is_last = virtual_stage == num_virtual_stages - 1
+        self.layer_numbers = list(layer_numbers)  # global indices of self.layers
+        self.layers = torch.nn.ModuleList()
+        self.logits_buffer = LogitsBuffer() if self.is_last else None
+
+    def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden = self.position_embeddings(self.word_embeddings(inputs)) if self.is_first else inputs
+        for layer in self.layers:
+            hidden = layer(hidden)
+        if not self.is_last:
+            return hidden
+        hidden = self.final_layernorm(hidden)
+        output_layer = self.output_layer if self.config.untie_embeddings_and_output_weights else None
+        weight = self.word_embeddings.weight if output_layer is None else None
+        return language_model_head(hidden, weight, output_layer, labels, loss_mask, self.config, self.tp, self.cp,
+                                   self.logits_buffer)
+
+
+class GPTModelChunks(torch.nn.Module):
+    """This rank's chunks of the GPT of ``config`` (``chunks[c]`` is virtual stage ``c * p + rank``).
+
+    ``num_model_chunks``: v (``virtual_pipeline_model_parallel_size``).  ``layers_per_stage`` /
+    ``first_stage_layers`` / ``last_stage_layers``: ``pipeline_num_layers_per_stage`` (per virtual stage)
+    and ``decoder_first/last_pipeline_num_layers``.
+    """
+
+    def __init__(self, config: GPTConfig, parallel_state: ParallelState,
+                 rng_tracker: Optional[RNGStatesTracker] = None, *, num_model_chunks: int = 1,
+                 layers_per_stage: Optional[Sequence[int]] = None, first_stage_layers: Optional[int] = None,
+                 last_stage_layers: Optional[int] = None):
+        super().__init__()
+        layout = parallel_state.layout
+        config.check_layout(layout)
+        p, rank, v = layout.pp, parallel_state.pp.rank, num_model_chunks
+        if p == 1:
+            raise ValueError("GPTModelChunks splits the model over pipeline ranks but the layout has pp=1; "
+                             "use GPTModel")
+        counts = stage_layer_counts(config.num_layers, p, "uniform", layers_per_stage, vpp=v,
+                                    first=first_stage_layers, last=last_stage_layers)
+        ranges = stage_layer_ranges(counts)
+        self.config, self.rng_tracker, self.tp, self.cp = config, rng_tracker, parallel_state.tp, parallel_state.cp
+        self.num_model_chunks = v
+        self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, layout.tp)
+        self.all_stage_layers = [rank_layers(counts, p, r) for r in range(p)]  # per pipeline rank, for convert
+        self.stage_layers = self.all_stage_layers[rank]
+        self.is_first_stage, self.is_last_stage = rank == 0, rank == p - 1
+        self.moe_aux_loss_tracker = MoEAuxLossTracker() if config.num_experts else None
+        self._aux_loss_grad_scale: Optional[Callable[[], torch.Tensor]] = None
+        self.chunks = torch.nn.ModuleList(
+            GPTModelChunk(config, parallel_state, c * p + rank, p * v, ranges[c * p + rank]) for c in range(v))
+        first, last = self.chunks[0].is_first, self.chunks[-1].is_last
+        where = {i: chunk for chunk in self.chunks for i in chunk.layer_numbers}
+        for name, module in build_gpt_modules(config, parallel_state, rng_tracker, self.moe_aux_loss_tracker):
+            if name == "word_embeddings":
+                if first:
+                    self.chunks[0].word_embeddings = module
+                if last and not config.untie_embeddings_and_output_weights:
+                    self.chunks[-1].word_embeddings = module  # the tied output layer's copy
+                    module.weight.shared = True  # counted once in norms (the first stage's copy)
+                if not config.untie_embeddings_and_output_weights:
+                    module.weight.shared_embedding = True  # summed over the embedding group
+            elif name == "position_embeddings" and first:
+                self.chunks[0].position_embeddings = module
+            elif name.startswith("layers.") and int(name.split(".")[1]) in where:
+                where[int(name.split(".")[1])].layers.append(module)
+                if isinstance(getattr(module, "mlp", None), BaseMoELayer):
+                    module.register_forward_hook(routing_loss_hook(self._routing_loss_scale))
+            elif name in ("final_layernorm", "output_layer") and last:
+                setattr(self.chunks[-1], name, module)
+            del module  # pieces of other stages are dropped as they come
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("GPTModelChunks is run by the pipeline runtime: call engine.train_batch(data_iter) / "
+                           "engine.eval_batch(data_iter), as with DeepSpeed's pipeline engine")
+
+    def set_aux_loss_gradient_scale(self, scale: Callable[[], torch.Tensor]) -> None:
+        """What one unit of routing loss weighs in backward: loss scale / micro-batches (set by ``initialize``)."""
+        self._aux_loss_grad_scale = scale
+
+    def _routing_loss_scale(self):
+        if self._aux_loss_grad_scale is None:
+            raise RuntimeError("GPTModelChunks: the gradient scale of the MoE routing losses was never set; build "
+                               "the engine with ds_megatron.initialize (or call set_aux_loss_gradient_scale)")
+        return self._aux_loss_grad_scale()
+
+    def gpt_name(self, name: str) -> str:
+        """A parameter or submodule name here as ``GPTModel`` names it (``chunks.1.layers.0.mlp`` -> ``layers.5.mlp``)."""
+        head, chunk, rest = name.split(".", 2)
+        if head != "chunks":
+            raise ValueError(f"{name!r} is not a GPTModelChunks name")
+        if rest.startswith("layers."):
+            _, local, tail = rest.split(".", 2)
+            return f"layers.{self.chunks[int(chunk)].layer_numbers[int(local)]}.{tail}"
+        return rest
+
+    def named_gpt_parameters(self):
+        """``(GPTModel name, param)`` of this rank's parameters (the last stage's tied copy included, once)."""
+        for name, param in self.named_parameters():
+            yield self.gpt_name(name), param
+
+    def local_moe_layers(self) -> List[BaseMoELayer]:
+        return [m for m in self.modules() if isinstance(m, BaseMoELayer)]
+
+
+__all__ = ["GPTModelChunk", "GPTModelChunks", "routing_loss_hook"]

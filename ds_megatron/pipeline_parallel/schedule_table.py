@@ -1,0 +1,290 @@
+"""Megatron's pipeline schedule as a table: which chunk each rank runs next, for execution and for capture.
+
+Pure Python (no torch): the runtime (``pipeline_parallel.schedules``), the CUDA-graph capture plan
+(``cuda_graphs.schedule``), ``ds-megatron plan`` and the tests all read the same order.
+
+An ``order`` is a list of model-chunk numbers, 1-based: ``+c`` is a forward of local chunk ``c - 1``
+for the next micro-batch of that chunk, ``-c`` a backward of local chunk ``c - 1`` (Transformer Engine's
+``_order``).  Megatron-LM derives it from the interleaved 1F1B schedule in three steps, kept here
+under its names:
+
+* ``get_pp_rank_microbatches``: how many forwards a rank runs before its first backward
+  (``num_warmup_microbatches``);
+* ``get_schedule_table``: the (micro-batch, model chunk) sequence of forwards, the same on every rank
+  (and, read with mirrored chunks, of backwards);
+* ``convert_schedule_table_to_order``: warm-up forwards, then alternating forward/backward (1F1B), then
+  cool-down backwards.
+
+Rank ``r`` of ``p`` holds chunks ``r, r + p, r + 2p, ...`` of the model (virtual stage ``c * p + r`` is
+its local chunk ``c``).  ``rank_operations`` spells a rank's order out as (forward or backward, chunk,
+micro-batch); ``channel_messages`` lists what a rank sends to a neighbour, in the order it sends it,
+which is the order the neighbour must receive it in; ``simulate_pipeline`` runs every rank's order
+against the data dependencies with fixed forward / backward costs: it proves the orders complete and
+gives the step time and bubble of each schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+def get_pp_rank_microbatches(num_microbatches: int, num_model_chunks: int,
+                             microbatch_group_size_per_vp_stage: Optional[int], *, pipeline_parallel_size: int,
+                             pipeline_parallel_rank: int, forward_only: bool = False) -> Tuple[int, bool, int, int]:
+    """(total_num_microbatches, are_all_microbatches_in_warmup, num_warmup_microbatches, num_microbatches_remaining).
+
+    Megatron-LM's function of the same name, with the PP size and rank passed
+    in instead of read from globals.  ``num_model_chunks > 1`` is the
+    interleaved schedule; its warm-up is
+    ``(PP - rank - 1) * 2 + (VPP - 1) * microbatch_group_size_per_vp_stage``.
+    Without PP there is no warm-up: each forward is followed by its backward.
+    """
+    _check_positive("num_microbatches", num_microbatches)
+    _check_positive("num_model_chunks", num_model_chunks)
+    _check_positive("pipeline_parallel_size", pipeline_parallel_size)
+    if not 0 <= pipeline_parallel_rank < pipeline_parallel_size:
+        raise ValueError(f"pipeline_parallel_rank={pipeline_parallel_rank} is outside [0, {pipeline_parallel_size}); "
+                         "pass this rank's index in its pipeline group")
+    if num_model_chunks > 1 and pipeline_parallel_size == 1:
+        raise ValueError(f"num_model_chunks={num_model_chunks} needs pipeline_parallel_size > 1 (virtual pipeline "
+                         "stages interleave across pipeline ranks); use one model chunk without PP")
+    group = num_microbatches if microbatch_group_size_per_vp_stage is None else microbatch_group_size_per_vp_stage
+    _check_positive("microbatch_group_size_per_vp_stage", group)
+    total = num_microbatches * num_model_chunks
+    if forward_only:
+        warmup = total
+    elif pipeline_parallel_size > 1:
+        if num_model_chunks == 1:
+            warmup = pipeline_parallel_size - pipeline_parallel_rank - 1
+        else:
+            warmup = (pipeline_parallel_size - pipeline_parallel_rank - 1) * 2 + (num_model_chunks - 1) * group
+    else:
+        warmup = 0
+    all_in_warmup = warmup >= total
+    warmup = min(warmup, total)
+    return total, all_in_warmup, warmup, total - warmup
+
+
+def get_num_warmup_microbatches(num_microbatches: int, num_model_chunks: int,
+                                microbatch_group_size_per_vp_stage: Optional[int], *, pipeline_parallel_size: int,
+                                pipeline_parallel_rank: int) -> int:
+    """The warm-up forwards of one pipeline rank (see ``get_pp_rank_microbatches``)."""
+    return get_pp_rank_microbatches(num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage,
+                                    pipeline_parallel_size=pipeline_parallel_size,
+                                    pipeline_parallel_rank=pipeline_parallel_rank)[2]
+
+
+def get_schedule_table(num_microbatches: int, num_model_chunks: int,
+                       microbatch_group_size_per_vp_stage: int) -> List[Tuple[int, int]]:
+    """The forward sequence as (microbatch_id, model_chunk_id): per group of micro-batches, chunk-major.
+
+    With 8 micro-batches, 2 chunks, groups of 4:
+    (0,0) (1,0) (2,0) (3,0) (0,1) ... (3,1) (4,0) ... (7,0) (4,1) ... (7,1).
+    The last group takes whatever micro-batches remain.
+    """
+    _check_positive("num_microbatches", num_microbatches)
+    _check_positive("num_model_chunks", num_model_chunks)
+    _check_positive("microbatch_group_size_per_vp_stage", microbatch_group_size_per_vp_stage)
+    table = []
+    for group_start in range(0, num_microbatches, microbatch_group_size_per_vp_stage):
+        group_end = min(group_start + microbatch_group_size_per_vp_stage, num_microbatches)
+        table.extend((mb, chunk) for chunk in range(num_model_chunks) for mb in range(group_start, group_end))
+    return table
+
+
+def convert_schedule_table_to_order(num_warmup_microbatches: int, num_model_chunks: int,
+                                    schedule_table: Sequence[Tuple[int, int]]) -> List[int]:
+    """TE's ``_order`` for one rank: warm-up forwards, 1F1B pairs, cool-down backwards.
+
+    A forward of chunk ``k`` is ``k + 1``; the backward schedule visits chunks
+    mirrored (the last chunk's backward comes first), so entry ``k`` of the
+    table becomes the backward ``k - num_model_chunks``, i.e. chunk
+    ``num_model_chunks - 1 - k``.
+    """
+    if not schedule_table:
+        raise ValueError("schedule_table is empty; build it with get_schedule_table")
+    if not 0 <= num_warmup_microbatches <= len(schedule_table):
+        raise ValueError(f"num_warmup_microbatches={num_warmup_microbatches} is outside [0, {len(schedule_table)}] "
+                         "(the schedule's length); take it from get_pp_rank_microbatches")
+    chunk_ids = [chunk for _, chunk in schedule_table]
+    forward_order = [chunk + 1 for chunk in chunk_ids]
+    backward_order = [chunk - num_model_chunks for chunk in chunk_ids]
+    order = forward_order[:num_warmup_microbatches]
+    for i in range(num_warmup_microbatches, len(forward_order)):
+        order.append(forward_order[i])
+        order.append(backward_order[i - num_warmup_microbatches])
+    if num_warmup_microbatches > 0:
+        order.extend(backward_order[-num_warmup_microbatches:])
+    return order
+
+
+def get_order(num_microbatches: int, num_model_chunks: int, *, pipeline_parallel_size: int,
+              pipeline_parallel_rank: int, microbatch_group_size_per_vp_stage: Optional[int] = None) -> List[int]:
+    """The three steps above in one call; the group size defaults to PP, as in Megatron-LM."""
+    group = microbatch_group_size_per_vp_stage or pipeline_parallel_size
+    warmup = get_num_warmup_microbatches(num_microbatches, num_model_chunks, group,
+                                         pipeline_parallel_size=pipeline_parallel_size,
+                                         pipeline_parallel_rank=pipeline_parallel_rank)
+    return convert_schedule_table_to_order(warmup, num_model_chunks,
+                                           get_schedule_table(num_microbatches, num_model_chunks, group))
+
+
+def check_order(order: Sequence[int], num_model_chunks: int, num_microbatches: int) -> None:
+    """ValueError unless every chunk runs each micro-batch's forward before its backward, once each.
+
+    Per chunk the k-th backward is the backward of the k-th forward (both run
+    in schedule-table order), so "forward before backward" means: at every
+    prefix of the order, no chunk has more backwards than forwards.
+    """
+    fwd = [0] * num_model_chunks
+    bwd = [0] * num_model_chunks
+    for pos, c in enumerate(order):
+        if c == 0 or abs(c) > num_model_chunks:
+            raise ValueError(f"order[{pos}]={c} is not a chunk number in +-[1, {num_model_chunks}]")
+        chunk = abs(c) - 1
+        if c > 0:
+            fwd[chunk] += 1
+        else:
+            bwd[chunk] += 1
+            if bwd[chunk] > fwd[chunk]:
+                raise ValueError(f"order[{pos}]={c}: backward #{bwd[chunk]} of chunk {chunk} comes before its forward")
+    if fwd != [num_microbatches] * num_model_chunks or bwd != fwd:
+        raise ValueError(f"order has forwards {fwd} and backwards {bwd} per chunk; each must be {num_microbatches}")
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One entry of a rank's order: ``forward`` (else backward) of local ``chunk`` for ``microbatch``."""
+
+    forward: bool
+    chunk: int
+    microbatch: int
+
+
+def rank_operations(num_microbatches: int, num_model_chunks: int, *, pipeline_parallel_size: int,
+                    pipeline_parallel_rank: int, microbatch_group_size_per_vp_stage: Optional[int] = None,
+                    forward_only: bool = False) -> List[Operation]:
+    """A rank's order with each entry's micro-batch: the k-th forward is table entry k, the k-th backward is
+    table entry k with its chunk mirrored (per chunk, backwards come in the order of the forwards)."""
+    group = microbatch_group_size_per_vp_stage or pipeline_parallel_size
+    table = get_schedule_table(num_microbatches, num_model_chunks, group)
+    if forward_only:
+        return [Operation(True, chunk, mb) for mb, chunk in table]
+    order = get_order(num_microbatches, num_model_chunks, pipeline_parallel_size=pipeline_parallel_size,
+                      pipeline_parallel_rank=pipeline_parallel_rank, microbatch_group_size_per_vp_stage=group)
+    ops, fwd, bwd = [], 0, 0
+    for c in order:
+        if c > 0:
+            mb, chunk = table[fwd]
+            ops.append(Operation(True, chunk, mb))
+            fwd += 1
+        else:
+            mb, chunk = table[bwd]
+            ops.append(Operation(False, num_model_chunks - 1 - chunk, mb))
+            bwd += 1
+    return ops
+
+
+def virtual_stage(chunk: int, rank: int, pipeline_parallel_size: int) -> int:
+    """The model-wide position of ``rank``'s local ``chunk``: chunks interleave over the ranks."""
+    return chunk * pipeline_parallel_size + rank
+
+
+def sends_of(op: Operation, rank: int, pipeline_parallel_size: int,
+             num_model_chunks: int) -> Optional[Tuple[int, Tuple[str, int, int]]]:
+    """``(destination rank, (kind, receiving virtual stage, micro-batch))`` that ``op`` sends, or None.
+
+    A forward sends its output to the next virtual stage (none from the last); a backward sends the
+    gradient of its input to the previous one (none from the first)."""
+    p = pipeline_parallel_size
+    vs = virtual_stage(op.chunk, rank, p)
+    if op.forward:
+        if vs == p * num_model_chunks - 1:
+            return None
+        return (rank + 1) % p, ("activation", vs + 1, op.microbatch)
+    if vs == 0:
+        return None
+    return (rank - 1) % p, ("gradient", vs - 1, op.microbatch)
+
+
+def receives_of(op: Operation, rank: int, pipeline_parallel_size: int,
+                num_model_chunks: int) -> Optional[Tuple[int, Tuple[str, int, int]]]:
+    """``(source rank, message)`` that ``op`` needs before it runs, or None (see ``sends_of``)."""
+    p = pipeline_parallel_size
+    vs = virtual_stage(op.chunk, rank, p)
+    if op.forward:
+        return None if vs == 0 else ((rank - 1) % p, ("activation", vs, op.microbatch))
+    if vs == p * num_model_chunks - 1:
+        return None
+    return (rank + 1) % p, ("gradient", vs, op.microbatch)
+
+
+def channel_messages(operations: Sequence[Operation], rank: int, pipeline_parallel_size: int,
+                     num_model_chunks: int) -> Dict[int, List[Tuple[str, int, int]]]:
+    """What ``rank`` sends to each destination rank, in the order it sends it (its receiver's order too)."""
+    out: Dict[int, List[Tuple[str, int, int]]] = {}
+    for op in operations:
+        sent = sends_of(op, rank, pipeline_parallel_size, num_model_chunks)
+        if sent is not None:
+            out.setdefault(sent[0], []).append(sent[1])
+    return out
+
+
+@dataclass(frozen=True)
+class PipelineTiming:
+    """``simulate_pipeline``'s result: the step's length and, per rank, the time it computed."""
+
+    step_time: float
+    busy: Tuple[float, ...]
+
+    @property
+    def bubble(self) -> float:
+        """The idle share of the step, averaged over the ranks."""
+        return 1.0 - sum(self.busy) / (len(self.busy) * self.step_time)
+
+
+def simulate_pipeline(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int,
+                      microbatch_group_size_per_vp_stage: Optional[int] = None, forward_time: float = 1.0,
+                      backward_time: float = 2.0) -> PipelineTiming:
+    """Every rank runs its order; an operation starts when the rank is free and its input has arrived (free
+    communication).  ValueError if the orders deadlock.  ``forward_time`` / ``backward_time``: one chunk's."""
+    p, v = pipeline_parallel_size, num_model_chunks
+    ops = [rank_operations(num_microbatches, v, pipeline_parallel_size=p, pipeline_parallel_rank=r,
+                           microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+           for r in range(p)]
+    arrived: Dict[Tuple[str, int, int], float] = {}
+    clock, busy, position = [0.0] * p, [0.0] * p, [0] * p
+    while any(position[r] < len(ops[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while position[r] < len(ops[r]):
+                op = ops[r][position[r]]
+                needed = receives_of(op, r, p, v)
+                if needed is not None and needed[1] not in arrived:
+                    break
+                start = max(clock[r], arrived[needed[1]] if needed is not None else 0.0)
+                cost = forward_time if op.forward else backward_time
+                clock[r] = start + cost
+                busy[r] += cost
+                sent = sends_of(op, r, p, v)
+                if sent is not None:
+                    arrived[sent[1]] = clock[r]
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: ops[r][position[r]] for r in range(p) if position[r] < len(ops[r])}
+            raise ValueError(f"the pipeline orders deadlock: ranks wait at {stuck}")
+    return PipelineTiming(max(clock), tuple(busy))
+
+
+def interleaved_bubble(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int) -> float:
+    """The seed's bubble share of a step: (p - 1) / (v * m + p - 1) (v = 1: plain 1F1B)."""
+    p, v, m = pipeline_parallel_size, num_model_chunks, num_microbatches
+    return (p - 1) / (v * m + p - 1)
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+__all__ = ["Operation", "PipelineTiming", "channel_messages", "check_order", "convert_schedule_table_to_order", "get_num_warmup_microbatches", "get_order", "get_pp_rank_microbatches", "get_schedule_table", "interleaved_bubble", "rank_operations", "receives_of", "sends_of", "simulate_pipeline", "virtual_stage"]
