@@ -78,8 +78,9 @@ class MegatronConfig:
             self.model.check_layout(layout)
         check_pipeline(self.parallel, self.model, self.deepspeed_batch, layout, self.optimizer_impl,
                        plain_deepspeed=not self.section_given)
-        if layout.pp > 1 and pipeline_schedule(self.parallel) == "interleaved_1f1b" and self.cuda_graph.enabled:
-            raise ConfigError(f"{SECTION}.cuda_graph with pipeline_schedule \"interleaved_1f1b\": graph capture is "
+        schedule = pipeline_schedule(self.parallel)
+        if layout.pp > 1 and schedule != "1f1b" and self.cuda_graph.enabled:
+            raise ConfigError(f"{SECTION}.cuda_graph with pipeline_schedule \"{schedule}\": graph capture is "
                               "not hooked into ds_megatron's pipeline runtime yet; turn cuda_graph off or use "
                               "pipeline_schedule \"1f1b\" with one chunk per stage")
         return layout

@@ -17,8 +17,8 @@ With ``virtual_pipeline_model_parallel_size`` v > 1 (or ``num_layers_per_virtual
 the model is cut into ``p * v`` virtual stages and rank ``r`` holds stages ``r, r + p, ...``; each
 rank's layers are split evenly over its v chunks.  ``pipeline_schedule`` picks the runtime:
 ``"1f1b"`` (default with one chunk) is DeepSpeed's ``PipelineEngine``; ``"interleaved_1f1b"``
-(default with v > 1, allowed with v = 1) is ours (``pipeline_parallel.schedules``), which runs
-Megatron's schedule table; ``"zero_bubble"`` is not available yet.
+(default with v > 1, allowed with v = 1) and ``"zero_bubble"`` (ZB-H1, one chunk) are ours
+(``pipeline_parallel.schedules``).
 
 ``check_pipeline`` holds every rule that makes a pipeline job wrong or
 unrunnable, checked against the world size before any process group exists.
@@ -238,8 +238,9 @@ def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer
             raise ConfigError(f"{SECTION}.decoder_first/last_pipeline_num_layers need pipeline_model_parallel_size "
                               "> 1; remove them")
         return
-    if schedule == "zero_bubble":
-        raise ConfigError(f"{SECTION}.pipeline_schedule \"zero_bubble\" is not available yet; use \"1f1b\" or "
+    if schedule == "zero_bubble" and vpp > 1:
+        raise ConfigError(f"{SECTION}.pipeline_schedule \"zero_bubble\" (ZB-H1) runs one model chunk per stage but "
+                          f"virtual_pipeline_model_parallel_size is {vpp}; drop the virtual stages or use "
                           "\"interleaved_1f1b\"")
     if schedule == "1f1b" and vpp > 1:
         raise ConfigError(f"{SECTION}.pipeline_schedule \"1f1b\" runs one model chunk per stage but "
@@ -248,8 +249,8 @@ def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer
     if explicit is not None and (first is not None or last is not None):
         raise ConfigError(f"{SECTION}.pipeline_num_layers_per_stage and decoder_first/last_pipeline_num_layers are "
                           "both set; give one")
-    if schedule == "interleaved_1f1b":
-        _check_our_runtime(parallel, batch, layout, optimizer_impl, vpp, plain_deepspeed)
+    if schedule != "1f1b":
+        _check_our_runtime(parallel, batch, layout, optimizer_impl, vpp, plain_deepspeed, schedule)
     pipeline_grid_axes(layout.dense_generator().order, {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": pp, "ep": 1})
     if batch.zero_stage > 1:
         raise ConfigError(f"zero_optimization.stage={batch.zero_stage} with {SECTION}.pipeline_model_parallel_size="
@@ -297,13 +298,13 @@ def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer
 
 
 def _check_our_runtime(parallel, batch: DeepSpeedBatchKeys, layout, optimizer_impl: str, vpp: int,
-                       plain_deepspeed: bool) -> None:
-    """What ``pipeline_schedule`` "interleaved_1f1b" (our runtime) needs."""
+                       plain_deepspeed: bool, schedule: str) -> None:
+    """What ``pipeline_schedule`` "interleaved_1f1b" or "zero_bubble" (our runtime) needs."""
     if plain_deepspeed:
-        raise ConfigError(f"{SECTION}.pipeline_schedule \"interleaved_1f1b\" runs ds_megatron's GPT chunks; a "
+        raise ConfigError(f"{SECTION}.pipeline_schedule \"{schedule}\" runs ds_megatron's GPT chunks; a "
                           "DeepSpeed PipelineModule runs on DeepSpeed's engine: drop the key")
     if optimizer_impl != "megatron":
-        raise ConfigError(f"{SECTION}.pipeline_schedule \"interleaved_1f1b\" with {SECTION}.optimizer_impl "
+        raise ConfigError(f"{SECTION}.pipeline_schedule \"{schedule}\" with {SECTION}.optimizer_impl "
                           f"\"{optimizer_impl}\": the runtime drives ds_megatron's gradient buffers and optimizer; "
                           "set optimizer_impl \"megatron\"")
     group = parallel.microbatch_group_size_per_vp_stage or layout.pp

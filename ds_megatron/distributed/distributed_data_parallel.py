@@ -130,13 +130,23 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter):
         def hook(p: torch.Tensor) -> None:
-            # Runs after autograd accumulated this backward's grad into p.grad.
-            if p.grad is not None:
-                param.main_grad.add_(p.grad)
-                p.grad = None
+            # Runs after autograd accumulated this backward's grad into p.grad.  Autograd also runs it when no
+            # gradient came (a linear whose weight gradient the zero-bubble schedule deferred): nothing arrived
+            # then, so nothing is ready.
+            if p.grad is None:
+                return
+            param.main_grad.add_(p.grad)
+            p.grad = None
             if self.ddp_config.overlap_grad_reduce:
                 self.param_to_bucket_group[param].register_grad_ready(param)
         return hook
+
+    def accumulate_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Add a gradient computed outside autograd (the zero-bubble schedule's deferred weight gradients) into
+        ``param``'s buffer, as the backward hook adds autograd's, and tell its bucket it is in."""
+        param.main_grad.add_(grad)
+        if self.ddp_config.overlap_grad_reduce:
+            self.param_to_bucket_group[param].register_grad_ready(param)
 
     @property
     def all_buffers(self) -> List[ParamAndGradBuffer]:

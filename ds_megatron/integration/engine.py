@@ -237,7 +237,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine.megatron = context
     if chunked:  # engine.train_batch / eval_batch run our schedule; its buffers are the reducer
         context.pipeline_runtime = attach_pipeline_runtime(engine, model, parallel_state, opt_path.ddp,
-                                                           mcfg.parallel.microbatch_group_size_per_vp_stage)
+                                                           mcfg.parallel.microbatch_group_size_per_vp_stage,
+                                                           pipeline_schedule(mcfg.parallel))
     elif opt_path.ddp is not None:  # our buffers are the reducer: DeepSpeed's own reduction off
         context.ddp_in_engine = MegatronDDPInEngine(engine, opt_path.ddp)
     elif model is not None:  # DeepSpeed reduces over data parallel; TP-partial grads are completed in backward

@@ -13,6 +13,9 @@ with its signatures and return values, so loops written for DeepSpeed's pipeline
   parallelism, on every stage.
 * ``eval_batch(data_iter, ..., num_micro_batches=None)``: the forwards only, the same mean.
 
+With ``pipeline_schedule`` "zero_bubble" the chunks' linear layers get a ``WeightGradStore`` whose
+deferred weight gradients go into the buffers through ``DistributedDataParallel.accumulate_grad``.
+
 Megatron's overlap: before each backward the buckets holding that chunk's parameters learn whether it
 is the chunk's last backward of the step, so a bucket's reduction starts as soon as the last
 backward of every chunk it holds has produced its gradients, while other chunks still compute.
@@ -28,6 +31,8 @@ from ..models.gpt_chunks import GPTModelChunks
 from ..parallel_state import ParallelState
 from ..pipeline_parallel.p2p_communication import PipelineChannels
 from ..pipeline_parallel.schedules import PipelineSchedule
+from ..tensor_parallel.layers import attach_weight_grad_store
+from ..tensor_parallel.weight_grad_store import WeightGradStore
 from ..utils.collectives import all_reduce
 from .gradients import check_engine_supports_megatron_ddp
 from .seams import set_deepspeed_reduces_gradients
@@ -47,15 +52,19 @@ class PipelineRuntime:
     """The engine's ``train_batch`` / ``eval_batch`` over ``model``'s chunks (see the module docstring)."""
 
     def __init__(self, engine, model: GPTModelChunks, state: ParallelState, ddp: DistributedDataParallel,
-                 group_size: Optional[int]):
+                 group_size: Optional[int], schedule: str = "interleaved_1f1b"):
         check_engine_supports_megatron_ddp(engine, ddp.ddp_config)
         set_deepspeed_reduces_gradients(engine, False)  # our buffers are the reducer
         self.engine, self.model, self.state, self.ddp = engine, model, state, ddp
         self.channels = PipelineChannels(state)
         dtype = next(model.parameters()).dtype
+        store = None
+        if schedule == "zero_bubble":  # W: the linear layers' weight-gradient GEMMs, into the buffers later
+            store = WeightGradStore(accumulate=ddp.accumulate_grad)
+            attach_weight_grad_store(model, store)
         self.schedule = PipelineSchedule(model.chunks, state.pp, self.channels,
                                          activation_shape(model, state, engine.train_micro_batch_size_per_gpu()),
-                                         dtype, engine.device, group_size)
+                                         dtype, engine.device, group_size, schedule, store)
         self._chunk_params = [list(chunk.parameters()) for chunk in model.chunks]
         self._train_iterator: Optional[Iterator] = None
 
@@ -122,9 +131,9 @@ class PipelineRuntime:
 
 
 def attach_pipeline_runtime(engine, model: GPTModelChunks, state: ParallelState, ddp: DistributedDataParallel,
-                            group_size: Optional[int]) -> PipelineRuntime:
+                            group_size: Optional[int], schedule: str = "interleaved_1f1b") -> PipelineRuntime:
     """Give ``engine`` (DeepSpeed's plain engine over ``model``) ``train_batch`` and ``eval_batch``."""
-    runtime = PipelineRuntime(engine, model, state, ddp, group_size)
+    runtime = PipelineRuntime(engine, model, state, ddp, group_size, schedule)
     engine.train_batch = runtime.train_batch
     engine.eval_batch = runtime.eval_batch
     return runtime

@@ -153,22 +153,31 @@ def check_order(order: Sequence[int], num_model_chunks: int, num_microbatches: i
 
 @dataclass(frozen=True)
 class Operation:
-    """One entry of a rank's order: ``forward`` (else backward) of local ``chunk`` for ``microbatch``."""
+    """One entry of a rank's order: ``forward`` (else backward) of local ``chunk`` for ``microbatch``.
+
+    ``part`` of a backward: ``"full"``, or the zero-bubble schedule's ``"input"`` (B: the input gradient,
+    weight-gradient GEMMs deferred) and ``"weight"`` (W: those GEMMs)."""
 
     forward: bool
     chunk: int
     microbatch: int
+    part: str = "full"
 
 
 def rank_operations(num_microbatches: int, num_model_chunks: int, *, pipeline_parallel_size: int,
                     pipeline_parallel_rank: int, microbatch_group_size_per_vp_stage: Optional[int] = None,
-                    forward_only: bool = False) -> List[Operation]:
+                    forward_only: bool = False, schedule: str = "interleaved_1f1b") -> List[Operation]:
     """A rank's order with each entry's micro-batch: the k-th forward is table entry k, the k-th backward is
-    table entry k with its chunk mirrored (per chunk, backwards come in the order of the forwards)."""
+    table entry k with its chunk mirrored (per chunk, backwards come in the order of the forwards).
+    ``schedule`` "zero_bubble": ``zero_bubble_orders`` (one chunk)."""
     group = microbatch_group_size_per_vp_stage or pipeline_parallel_size
     table = get_schedule_table(num_microbatches, num_model_chunks, group)
     if forward_only:
         return [Operation(True, chunk, mb) for mb, chunk in table]
+    if schedule == "zero_bubble":
+        if num_model_chunks != 1:
+            raise ValueError("the zero-bubble schedule (ZB-H1) runs one model chunk per rank")
+        return zero_bubble_orders(num_microbatches, pipeline_parallel_size)[pipeline_parallel_rank]
     order = get_order(num_microbatches, num_model_chunks, pipeline_parallel_size=pipeline_parallel_size,
                       pipeline_parallel_rank=pipeline_parallel_rank, microbatch_group_size_per_vp_stage=group)
     ops, fwd, bwd = [], 0, 0
@@ -197,6 +206,8 @@ def sends_of(op: Operation, rank: int, pipeline_parallel_size: int,
     gradient of its input to the previous one (none from the first)."""
     p = pipeline_parallel_size
     vs = virtual_stage(op.chunk, rank, p)
+    if op.part == "weight":
+        return None
     if op.forward:
         if vs == p * num_model_chunks - 1:
             return None
@@ -211,6 +222,8 @@ def receives_of(op: Operation, rank: int, pipeline_parallel_size: int,
     """``(source rank, message)`` that ``op`` needs before it runs, or None (see ``sends_of``)."""
     p = pipeline_parallel_size
     vs = virtual_stage(op.chunk, rank, p)
+    if op.part == "weight":
+        return None
     if op.forward:
         return None if vs == 0 else ((rank - 1) % p, ("activation", vs, op.microbatch))
     if vs == p * num_model_chunks - 1:
@@ -229,6 +242,71 @@ def channel_messages(operations: Sequence[Operation], rank: int, pipeline_parall
     return out
 
 
+def zero_bubble_orders(num_microbatches: int, pipeline_parallel_size: int) -> List[List[Operation]]:
+    """Every rank's order of ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), one chunk each.
+
+    Each backward is split into B (the input gradient, which the previous stage waits for) and W (the
+    weight gradients).  The forwards and B's keep 1F1B's order.  Rank r holds ``p - r`` micro-batches in
+    flight under 1F1B, the first rank ``p``; so in the steady state rank r may leave up to r W's waiting
+    (a micro-batch stays alive until its W) without any rank holding more than 1F1B's peak, ``p``
+    micro-batches; in the cool-down every W waits.  Waiting W's fill the time a rank would spend waiting
+    for an input.  Which W goes where is decided once,
+    by running every rank's order with unit costs (F = B = W), so the order is fixed: the same on every
+    run and known to every rank.  Per rank, W's run in the order of their B's (so every weight's gradient
+    sums its micro-batches in 1F1B's order).
+    """
+    p, m = pipeline_parallel_size, num_microbatches
+    base = []
+    for r in range(p):
+        ops = rank_operations(m, 1, pipeline_parallel_size=p, pipeline_parallel_rank=r)
+        base.append([op if op.forward else Operation(False, op.chunk, op.microbatch, "input") for op in ops])
+    out: List[List[Operation]] = [[] for _ in range(p)]
+    pending: List[List[Operation]] = [[] for _ in range(p)]
+    position, clock = [0] * p, [0.0] * p
+    forwards_left = [m] * p
+    arrived: Dict[Tuple[str, int, int], float] = {}
+
+    def run(r: int, op: Operation, start: float) -> None:
+        out[r].append(op)
+        clock[r] = start + 1.0
+        sent = sends_of(op, r, p, 1)
+        if sent is not None:
+            arrived[sent[1]] = clock[r]
+
+    while any(position[r] < len(base[r]) or pending[r] for r in range(p)):
+        progressed = False
+        for r in sorted(range(p), key=lambda k: clock[k]):
+            if position[r] == len(base[r]):
+                if pending[r]:
+                    run(r, pending[r].pop(0), clock[r])
+                    progressed = True
+                    break
+                continue
+            op = base[r][position[r]]
+            needed = receives_of(op, r, p, 1)
+            ready_at = 0.0 if needed is None else arrived.get(needed[1])
+            if ready_at is not None and ready_at <= clock[r]:
+                position[r] += 1
+                run(r, op, clock[r])
+                if op.forward:
+                    forwards_left[r] -= 1
+                else:
+                    pending[r].append(Operation(False, op.chunk, op.microbatch, "weight"))
+                    if forwards_left[r] > 0 and len(pending[r]) > r:
+                        run(r, pending[r].pop(0), clock[r])  # steady state: at most r W's wait
+            elif pending[r]:
+                run(r, pending[r].pop(0), clock[r])  # a gap: fill it with a W
+            elif ready_at is not None:
+                clock[r] = ready_at  # idle until the input arrives
+            else:
+                continue  # blocked on a message not sent yet
+            progressed = True
+            break
+        if not progressed:
+            raise ValueError("the zero-bubble orders deadlock")
+    return out
+
+
 @dataclass(frozen=True)
 class PipelineTiming:
     """``simulate_pipeline``'s result: the step's length and, per rank, the time it computed."""
@@ -244,12 +322,14 @@ class PipelineTiming:
 
 def simulate_pipeline(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int,
                       microbatch_group_size_per_vp_stage: Optional[int] = None, forward_time: float = 1.0,
-                      backward_time: float = 2.0) -> PipelineTiming:
+                      backward_time: float = 2.0, schedule: str = "interleaved_1f1b") -> PipelineTiming:
     """Every rank runs its order; an operation starts when the rank is free and its input has arrived (free
-    communication).  ValueError if the orders deadlock.  ``forward_time`` / ``backward_time``: one chunk's."""
+    communication).  ValueError if the orders deadlock.  ``forward_time`` / ``backward_time``: one chunk's
+    (the zero-bubble schedule's B and W take half of ``backward_time`` each)."""
     p, v = pipeline_parallel_size, num_model_chunks
     ops = [rank_operations(num_microbatches, v, pipeline_parallel_size=p, pipeline_parallel_rank=r,
-                           microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+                           microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+                           schedule=schedule)
            for r in range(p)]
     arrived: Dict[Tuple[str, int, int], float] = {}
     clock, busy, position = [0.0] * p, [0.0] * p, [0] * p
@@ -262,7 +342,7 @@ def simulate_pipeline(num_microbatches: int, num_model_chunks: int, pipeline_par
                 if needed is not None and needed[1] not in arrived:
                     break
                 start = max(clock[r], arrived[needed[1]] if needed is not None else 0.0)
-                cost = forward_time if op.forward else backward_time
+                cost = forward_time if op.forward else backward_time if op.part == "full" else backward_time / 2
                 clock[r] = start + cost
                 busy[r] += cost
                 sent = sends_of(op, r, p, v)
@@ -287,4 +367,4 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-__all__ = ["Operation", "PipelineTiming", "channel_messages", "check_order", "convert_schedule_table_to_order", "get_num_warmup_microbatches", "get_order", "get_pp_rank_microbatches", "get_schedule_table", "interleaved_bubble", "rank_operations", "receives_of", "sends_of", "simulate_pipeline", "virtual_stage"]
+__all__ = ["Operation", "PipelineTiming", "channel_messages", "check_order", "convert_schedule_table_to_order", "get_num_warmup_microbatches", "get_order", "get_pp_rank_microbatches", "get_schedule_table", "interleaved_bubble", "rank_operations", "receives_of", "sends_of", "simulate_pipeline", "virtual_stage", "zero_bubble_orders"]

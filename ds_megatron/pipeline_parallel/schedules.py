@@ -18,18 +18,27 @@ receive buffers are allocated and posted ahead, in each channel's send order
 (``p2p_communication``).  Micro-batches are drawn from the iterator by the ranks that hold the
 first or last virtual stage only, in order, as DeepSpeed's pipeline engine draws them.
 
+The zero-bubble schedule (``schedule_table.zero_bubble_orders``) splits each backward: B runs it
+with the chunk's linear layers deferring their weight-gradient GEMMs into a ``WeightGradStore``
+under (chunk, micro-batch), and W runs that key's GEMMs later.
+
 Nothing here knows DeepSpeed, the optimizer or the gradient buffers: ``before_backward(chunk,
-last)`` tells the caller which backward is a chunk's last of the step (where its bucket reductions
-may start), and the loss scale is applied by the chunk's own output hook.
+last)`` tells the caller, before each backward (or W), whether it is the chunk's last of that kind in
+the step (where its bucket reductions may start), and the loss scale is applied by the chunk's own
+output hook.
 """
 from __future__ import annotations
 
 from collections import deque
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import contextlib
+import time
+
 import torch
 
 from ..parallel_state import ParallelGroup
+from ..tensor_parallel.weight_grad_store import WeightGradStore
 from .p2p_communication import PipelineChannels
 from .schedule_table import Operation, channel_messages, rank_operations, receives_of, sends_of
 
@@ -49,7 +58,8 @@ def split_micro_batch(batch: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor],
 
 
 class PipelineSchedule:
-    """One rank's executor of the interleaved 1F1B schedule (one chunk: plain 1F1B).
+    """One rank's executor of the interleaved 1F1B schedule (one chunk: plain 1F1B) or of ZB-H1
+    (``schedule`` "zero_bubble", with the ``weight_grad_store`` the chunks' linear layers hold).
 
     ``chunks``: this rank's model chunks; each is called as ``chunk(tokens_or_hidden, labels, loss_mask)``
     and returns its output (the loss on the last virtual stage).  ``group_size``: Megatron's
@@ -57,11 +67,19 @@ class PipelineSchedule:
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], pp: ParallelGroup, channels: PipelineChannels,
-                 tensor_shape: Tuple[int, ...], dtype: torch.dtype, device, group_size: Optional[int] = None):
+                 tensor_shape: Tuple[int, ...], dtype: torch.dtype, device, group_size: Optional[int] = None,
+                 schedule: str = "interleaved_1f1b", weight_grad_store: Optional[WeightGradStore] = None):
+        if schedule == "zero_bubble" and weight_grad_store is None:
+            raise ValueError("the zero-bubble schedule defers weight gradients into a WeightGradStore; pass one "
+                             "(and attach it to the chunks' linear layers)")
+        self.schedule, self.weight_grad_store = schedule, weight_grad_store
         self.chunks, self.pp, self.channels = list(chunks), pp, channels
         self.tensor_shape, self.dtype, self.device = tuple(tensor_shape), dtype, device
         self.group_size = group_size or pp.size
         self.executed: List[Operation] = []  # the last run's operations, in the order they ran
+        self.record_timings = False  # benchmarks: time each operation's compute (not its waits)
+        self.compute_seconds = 0.0  # the last run's forward + backward compute, with record_timings
+        self.span_seconds = 0.0  # from the last run's start to the end of its last operation, with record_timings
 
     @property
     def num_chunks(self) -> int:
@@ -76,7 +94,8 @@ class PipelineSchedule:
     def operations(self, num_microbatches: int, forward_only: bool = False) -> List[Operation]:
         return rank_operations(num_microbatches, self.num_chunks, pipeline_parallel_size=self.pp.size,
                                pipeline_parallel_rank=self.pp.rank,
-                               microbatch_group_size_per_vp_stage=self.group_size, forward_only=forward_only)
+                               microbatch_group_size_per_vp_stage=self.group_size, forward_only=forward_only,
+                               schedule=self.schedule)
 
     def run(self, data_iter: Iterator[Any], num_microbatches: int, forward_only: bool = False,
             before_backward: Optional[Callable[[int, bool], None]] = None) -> List[torch.Tensor]:
@@ -88,7 +107,8 @@ class PipelineSchedule:
         expected: Dict[int, Deque[Message]] = {}
         for src in {(rank - 1) % p, (rank + 1) % p} - {rank}:
             src_ops = rank_operations(num_microbatches, v, pipeline_parallel_size=p, pipeline_parallel_rank=src,
-                                      microbatch_group_size_per_vp_stage=self.group_size, forward_only=forward_only)
+                                      microbatch_group_size_per_vp_stage=self.group_size, forward_only=forward_only,
+                                      schedule=self.schedule)
             expected[src] = deque(channel_messages(src_ops, src, p, v).get(rank, []))
         posted: Dict[Message, Tuple[torch.Tensor, Any]] = {}
         sends: List[Tuple[Any, torch.Tensor]] = []
@@ -97,8 +117,12 @@ class PipelineSchedule:
         next_batch = 0
         stored: List[Deque[Tuple[Optional[torch.Tensor], torch.Tensor]]] = [deque() for _ in range(v)]
         backwards_left = [num_microbatches] * v
+        weights_left = [num_microbatches] * v
         losses: List[torch.Tensor] = []
         self.executed = []
+        self.compute_seconds = 0.0
+        clock = time.perf_counter if self.record_timings else None
+        began = clock() if clock else 0.0
 
         def receive(src: int, message: Message) -> torch.Tensor:
             while message not in posted:
@@ -129,6 +153,7 @@ class PipelineSchedule:
                     else:
                         inputs = receive(needed[0], needed[1])
                         inputs.requires_grad_(not forward_only)
+                    start = clock() if clock else 0.0
                     if self._is_last(op.chunk):
                         output = self.chunks[op.chunk](inputs, labels.to(self.device, non_blocking=True),
                                                        None if loss_mask is None else
@@ -137,6 +162,9 @@ class PipelineSchedule:
                         batches.pop(op.microbatch, None)
                     else:
                         output = self.chunks[op.chunk](inputs)
+                    if clock:
+                        self.compute_seconds += clock() - start
+                    if not self._is_last(op.chunk):
                         if tuple(output.shape) != self.tensor_shape or output.dtype != self.dtype:
                             raise RuntimeError(
                                 f"pipeline chunk {op.chunk} on rank {rank} returned {tuple(output.shape)} "
@@ -150,19 +178,37 @@ class PipelineSchedule:
                     if not forward_only:
                         stored[op.chunk].append((None if needed is None else inputs, output))
                     continue
+                if op.part == "weight":  # W: the weight gradients its B left in the store
+                    weights_left[op.chunk] -= 1
+                    if before_backward is not None:
+                        before_backward(op.chunk, weights_left[op.chunk] == 0)
+                    start = clock() if clock else 0.0
+                    self.weight_grad_store.run((op.chunk, op.microbatch))
+                    if clock:
+                        self.compute_seconds += clock() - start
+                    continue
                 inputs, output = stored[op.chunk].popleft()
                 backwards_left[op.chunk] -= 1
                 if before_backward is not None:
                     before_backward(op.chunk, backwards_left[op.chunk] == 0)
-                if needed is None:  # the last virtual stage: the loss, averaged over the micro-batches
-                    torch.autograd.backward(output / num_microbatches)
-                else:
-                    torch.autograd.backward(output, receive(needed[0], needed[1]))
+                grad = None if needed is None else receive(needed[0], needed[1])
+                start = clock() if clock else 0.0
+                deferring = self.weight_grad_store.deferring((op.chunk, op.microbatch)) if op.part == "input" \
+                    else contextlib.nullcontext()
+                with deferring:
+                    if grad is None:  # the last virtual stage: the loss, averaged over the micro-batches
+                        torch.autograd.backward(output / num_microbatches)
+                    else:
+                        torch.autograd.backward(output, grad)
+                if clock:
+                    self.compute_seconds += clock() - start
                 sent_to = sends_of(op, rank, p, v)
                 if sent_to is not None:
                     grad = inputs.grad
                     sends.append((self.channels.send(grad, sent_to[0]), grad))
                 del inputs, output
+        if clock:
+            self.span_seconds = clock() - began
         for work, _ in sends:
             work.wait()
         if posted or any(expected.values()):

@@ -37,6 +37,7 @@ from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequenc
                        reduce_scatter_to_sequence_parallel_region, scatter_to_tensor_model_parallel_region)
 from .params import set_tensor_model_parallel_attributes
 from .utils import divide, vocab_range_from_global_vocab_size
+from .weight_grad_store import WeightGradStore, linear
 
 # Megatron's default init_method_std.
 DEFAULT_INIT_STD = 0.02
@@ -70,6 +71,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.weight_grad_store: Optional[WeightGradStore] = None  # the zero-bubble schedule's deferred W
         world, rank = tp.size, tp.rank
         self.output_size_per_partition = divide(output_size, world, what="ColumnParallelLinear output_size")
 
@@ -91,7 +93,7 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp)
         bias = None if self.skip_bias_add else self.bias
-        output = F.linear(x, self.weight, bias)
+        output = linear(x, self.weight, bias, self.weight_grad_store)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp)
         return output, (self.bias if self.skip_bias_add else None)
@@ -125,6 +127,7 @@ class RowParallelLinear(torch.nn.Module):
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.weight_grad_store: Optional[WeightGradStore] = None  # the zero-bubble schedule's deferred W
         world, rank = tp.size, tp.rank
         self.input_size_per_partition = divide(input_size, world, what="RowParallelLinear input_size")
 
@@ -145,7 +148,7 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp)
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight, None, self.weight_grad_store)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp)
         else:
@@ -158,6 +161,17 @@ class RowParallelLinear(torch.nn.Module):
         return (f"input_size={self.input_size}, output_size={self.output_size}, "
                 f"input_size_per_partition={self.input_size_per_partition}, bias={self.bias is not None}, "
                 f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
+
+
+def attach_weight_grad_store(module: torch.nn.Module, store: Optional[WeightGradStore]) -> int:
+    """Give every ``ColumnParallelLinear`` / ``RowParallelLinear`` in ``module`` the store (None detaches);
+    returns how many layers took it."""
+    count = 0
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m.weight_grad_store = store
+            count += 1
+    return count
 
 
 class VocabParallelEmbedding(torch.nn.Module):

@@ -69,7 +69,7 @@ def build_model(job: JobConfig, state: ParallelState):
     uneven = dict(layers_per_stage=parallel.pipeline_num_layers_per_stage,
                   first_stage_layers=parallel.decoder_first_pipeline_num_layers,
                   last_stage_layers=parallel.decoder_last_pipeline_num_layers)
-    if state.pp.size > 1 and pipeline_schedule(parallel) == "interleaved_1f1b":
+    if state.pp.size > 1 and pipeline_schedule(parallel) != "1f1b":  # our runtime
         model = GPTModelChunks(job.model, state, rng_tracker=tracker,
                                num_model_chunks=virtual_pipeline_size(parallel, job.model.num_layers, state.pp.size),
                                **uneven)

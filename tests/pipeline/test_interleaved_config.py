@@ -1,4 +1,4 @@
-"""What the interleaved schedule (our pipeline runtime) refuses at start, in one line naming the field."""
+"""What the interleaved and zero-bubble schedules (our pipeline runtime) refuse at start, in one line naming the field."""
 import pytest
 
 from ds_megatron.config import ConfigError
@@ -19,7 +19,8 @@ def _cfg(gas=4, **megatron):
      "microbatch_group_size_per_vp_stage"),
     (dict(virtual_pipeline_model_parallel_size=3), 4, "virtual_pipeline_model_parallel_size=3"),
     (dict(virtual_pipeline_model_parallel_size=2, pipeline_schedule="1f1b"), 4, "pipeline_schedule"),
-    (dict(pipeline_schedule="zero_bubble"), 4, "zero_bubble"),
+    (dict(pipeline_schedule="zero_bubble", virtual_pipeline_model_parallel_size=2), 4, "zero_bubble"),
+    (dict(pipeline_schedule="zero_bubble", optimizer_impl="deepspeed"), 4, "optimizer_impl"),
     (dict(pipeline_schedule="gpipe"), 4, "pipeline_schedule"),
     (dict(virtual_pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2), 4,
      "num_layers_per_virtual_pipeline_stage"),
@@ -51,6 +52,7 @@ def test_refused_in_one_line(megatron, gas, field):
     (dict(num_layers_per_virtual_pipeline_stage=2), 2),
     (dict(virtual_pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=3), 6),
     (dict(pipeline_schedule="interleaved_1f1b"), 3),
+    (dict(pipeline_schedule="zero_bubble"), 3),
     (dict(virtual_pipeline_model_parallel_size=2, pipeline_num_layers_per_stage=[1, 3, 3, 1]), 4),
     (dict(virtual_pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2), 4),
 ])

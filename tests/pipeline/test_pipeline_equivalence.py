@@ -21,7 +21,7 @@ from harness import run_on_ranks
 import ds_megatron
 from ds_megatron.models import GPTConfig, GPTModel
 from ds_megatron.models.gpt_chunks import GPTModelChunks
-from ds_megatron.pipeline_parallel.schedule_table import get_order, rank_operations
+from ds_megatron.pipeline_parallel.schedule_table import get_order, rank_operations, zero_bubble_orders
 
 MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=8, vocab_size=60,
              hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=4)
@@ -96,12 +96,13 @@ def _gathered_weights(named_params, state):
 
 
 def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1, impl="megatron", recompute=False,
-           clip=1.0, pipeline=None, layers=None, record_order=False):
+           clip=1.0, pipeline=None, layers=None, record_order=False, cp=1):
     """``pipeline``: the schedule's keys of the "megatron" section (ours with ``pipeline_schedule``
     "interleaved_1f1b", the default with v > 1); ``layers``: num_layers instead of MODEL's."""
     world = dist.get_world_size()
-    dp = world // (pp * tp)
-    cfg = _config(pp, tp, dp, precision, distopt, sp, moe, ep, impl, clip, pipeline)
+    dp = world // (pp * tp * cp)
+    cfg = _config(pp, tp, dp, precision, distopt, sp, moe, ep, impl, clip,
+                  dict(pipeline or {}, context_parallel_size=cp))
     state = ds_megatron.initialize_model_parallel(cfg)
     model_args = dict(MODEL, num_layers=layers or MODEL["num_layers"])
     config = GPTConfig(**model_args, **(MOE if moe else {}), sequence_parallel=sp,
@@ -138,7 +139,8 @@ def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1, i
             loss = total / state.dp.size
         losses.append(float(loss))
         if ours and record_order:
-            orders.append([(op.forward, op.chunk, op.microbatch) for op in engine.megatron.pipeline_runtime.executed])
+            orders.append([(op.forward, op.chunk, op.microbatch, op.part)
+                           for op in engine.megatron.pipeline_runtime.executed])
         norm = engine.get_global_grad_norm()
         norms.append(float("nan") if norm is None else float(norm))
         if pp > 1:
@@ -182,6 +184,7 @@ def _pp_and_reference(pp_case, ref_case):
 
 ONE_CHUNK = {"pipeline_schedule": "interleaved_1f1b"}
 V2 = {"virtual_pipeline_model_parallel_size": 2}
+ZB = {"pipeline_schedule": "zero_bubble"}
 
 # fp32 tolerance 1e-5 (losses, norms, weights), from the arithmetic rather than tuned: both runs sum in float32
 # in different orders, and Adam's eps of 1e-4 (see the docstring) bounds how far an update can follow a change
@@ -212,6 +215,14 @@ CASES = {
                                      dict(pp=1, tp=1, distopt=True, precision="bf16"), 2e-2),
     "ours-pp2-v2-moe-ep2-folded": (4, dict(pp=2, tp=1, moe=True, ep=2, pipeline=V2),
                                    dict(pp=1, tp=1, moe=True, ep=2), 1e-5),
+    "ours-pp2-zb": (2, dict(pp=2, tp=1, pipeline=ZB), dict(pp=1, tp=1), 1e-5),
+    "ours-pp4-zb": (4, dict(pp=4, tp=1, pipeline=ZB), dict(pp=1, tp=1), 1e-5),
+    "ours-pp2-zb-tp2-sp": (4, dict(pp=2, tp=2, sp=True, pipeline=ZB), dict(pp=1, tp=2, sp=True), 1e-5),
+    "ours-pp2-zb-dp2-distopt-bf16": (4, dict(pp=2, tp=1, pipeline=ZB, distopt=True, precision="bf16"),
+                                     dict(pp=1, tp=1, distopt=True, precision="bf16"), 2e-2),
+    "ours-pp2-zb-moe-ep2": (4, dict(pp=2, tp=1, moe=True, ep=2, pipeline=ZB), dict(pp=1, tp=1, moe=True, ep=2), 1e-5),
+    "ours-pp2-zb-recompute": (2, dict(pp=2, tp=1, pipeline=ZB, recompute=True), dict(pp=1, tp=1), 1e-5),
+    "ours-pp2-v2-cp2": (4, dict(pp=2, tp=1, cp=2, pipeline=V2), dict(pp=1, tp=1, cp=2), 1e-5),
     "ours-pp2-v2-recompute": (2, dict(pp=2, tp=1, pipeline=V2, recompute=True), dict(pp=1, tp=1), 1e-5),
     "ours-pp2-uneven": (2, dict(pp=2, tp=1, pipeline=dict(ONE_CHUNK, decoder_first_pipeline_num_layers=1)),
                         dict(pp=1, tp=1), 1e-5),
@@ -253,5 +264,17 @@ def test_each_rank_runs_the_schedule_tables_order():
         signed = get_order(micro_batches, 2, pipeline_parallel_size=4, pipeline_parallel_rank=rank)
         assert len(orders) == STEPS
         for order in orders:
-            assert [(c + 1) * (1 if fwd else -1) for fwd, c, _ in order] == signed
-            assert order == [(op.forward, op.chunk, op.microbatch) for op in expected]
+            assert [(c + 1) * (1 if fwd else -1) for fwd, c, _, _ in order] == signed
+            assert order == [(op.forward, op.chunk, op.microbatch, op.part) for op in expected]
+
+
+def test_each_rank_runs_the_zero_bubble_order():
+    """With ``pipeline_schedule`` "zero_bubble" each rank executes ``zero_bubble_orders`` for its rank: F, B (input
+    gradient) and W (weight gradients) as the table places them."""
+    results = run_on_ranks(4, _train, 4, 1, pipeline=ZB, record_order=True, timeout=300)
+    micro_batches = GLOBAL // MBS
+    orders = zero_bubble_orders(micro_batches, 4)
+    for _, _, _, _, executed, rank in results:
+        assert len(executed) == STEPS
+        for order in executed:
+            assert order == [(op.forward, op.chunk, op.microbatch, op.part) for op in orders[rank]]

@@ -8,7 +8,7 @@ import pytest
 
 from ds_megatron.pipeline_parallel.schedule_table import (channel_messages, check_order, get_order,
                                                           interleaved_bubble, rank_operations, receives_of,
-                                                          simulate_pipeline)
+                                                          simulate_pipeline, zero_bubble_orders)
 
 CASES = [(p, v, m) for p in (2, 3, 4) for v in (1, 2, 4) for m in range(p, 4 * p + 1, p)]
 
@@ -59,3 +59,33 @@ def test_forward_only_runs_the_table():
     assert all(op.forward for op in ops)
     assert [(op.microbatch, op.chunk) for op in ops] == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1),
                                                          (3, 1)]
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in (2, 3, 4) for m in range(p, 4 * p + 1, p)])
+def test_zero_bubble_h1(p, m):
+    """ZB-H1 with F = B = W: the paper's bubble, (p - 1) / (3m + p - 1), below 1F1B's; no rank holds more
+    micro-batches alive (forwarded, W not yet run) than 1F1B's first rank, p; W's in the order of their B's."""
+    orders = zero_bubble_orders(m, p)
+    timing = simulate_pipeline(m, 1, p, schedule="zero_bubble")
+    assert timing.bubble == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+    assert timing.bubble < simulate_pipeline(m, 1, p).bubble
+    for rank, ops in enumerate(orders):
+        assert [op.microbatch for op in ops if op.forward] == list(range(m))
+        assert [op.microbatch for op in ops if op.part == "input"] == list(range(m))
+        assert [op.microbatch for op in ops if op.part == "weight"] == list(range(m))
+        alive = peak = 0
+        done_b = set()
+        for op in ops:
+            if op.forward:
+                alive += 1
+                peak = max(peak, alive)
+            elif op.part == "input":
+                done_b.add(op.microbatch)
+            else:
+                assert op.microbatch in done_b  # W after its own B
+                alive -= 1
+        assert peak <= p
+        # Forwards and B's keep 1F1B's order (the W's are what moves).
+        plain = rank_operations(m, 1, pipeline_parallel_size=p, pipeline_parallel_rank=rank)
+        assert [(op.forward, op.microbatch) for op in ops if op.part != "weight"] == \
+            [(op.forward, op.microbatch) for op in plain]

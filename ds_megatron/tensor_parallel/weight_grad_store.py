@@ -1,0 +1,97 @@
+"""Deferred weight gradients (Megatron's ``delay_wgrad_compute``): the zero-bubble schedule's W pass.
+
+A zero-bubble pipeline splits each backward into B, the input gradient the previous stage waits for,
+and W, the weight gradients nobody waits for, which the schedule runs later, in what would be
+bubble.  ``ColumnParallelLinear`` and ``RowParallelLinear`` given a ``WeightGradStore``
+(``layers.attach_weight_grad_store``) compute their weight-gradient GEMM in backward as usual, unless the
+store is deferring: then the GEMM is queued under the current key and runs when the schedule calls
+``run(key)``.  The deferred gradient is the same GEMM on the same tensors, so it is bit-identical to
+the undeferred one; it reaches the parameter through ``accumulate`` (the gradient buffers' own
+accumulation, which also tells a bucket its gradient is in).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Dict, Hashable, List, Optional
+
+import torch
+
+
+def accumulate_into_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """The default ``accumulate``: what autograd does with a leaf's gradient."""
+    param.grad = grad if param.grad is None else param.grad + grad
+
+
+class WeightGradStore:
+    """Weight-gradient GEMMs queued per key (a chunk and micro-batch) while ``deferring``, run by ``run``."""
+
+    def __init__(self, accumulate: Callable[[torch.nn.Parameter, torch.Tensor], None] = accumulate_into_grad):
+        self.accumulate = accumulate
+        self._key: Optional[Hashable] = None
+        self._pending: Dict[Hashable, List[Callable[[], None]]] = {}
+
+    @contextlib.contextmanager
+    def deferring(self, key: Hashable):
+        """Inside, weight-gradient GEMMs are queued under ``key`` instead of computed."""
+        if self._key is not None:
+            raise RuntimeError("WeightGradStore.deferring is already active")
+        self._key = key
+        self._pending.setdefault(key, [])
+        try:
+            yield
+        finally:
+            self._key = None
+
+    def put(self, compute: Callable[[], None]) -> bool:
+        """Queue ``compute`` if deferring (True), else leave it to the caller (False)."""
+        if self._key is None:
+            return False
+        self._pending[self._key].append(compute)
+        return True
+
+    def run(self, key: Hashable) -> None:
+        """Compute and accumulate the weight gradients queued under ``key``, in the order they were queued."""
+        with torch.no_grad():  # as inside backward: the saved activations must not start a graph
+            for compute in self._pending.pop(key, []):
+                compute()
+
+    @property
+    def pending(self) -> List[Hashable]:
+        return list(self._pending)
+
+
+class _LinearWithDeferrableWeightGrad(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose weight gradient may be deferred into a ``WeightGradStore``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x, weight)
+        ctx.store, ctx.has_bias, ctx.weight = store, bias is not None, weight
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] \
+            else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            def weight_grad() -> torch.Tensor:
+                return grad_output.reshape(-1, grad_output.size(-1)).t().mm(x.reshape(-1, x.size(-1)))
+            store = ctx.store
+            param = ctx.weight
+            if not store.put(lambda: store.accumulate(param, weight_grad())):
+                grad_weight = weight_grad()
+        return grad_input, grad_weight, grad_bias, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+           store: Optional[WeightGradStore]) -> torch.Tensor:
+    """``F.linear``, or with a store the linear whose weight gradient the store may defer."""
+    if store is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _LinearWithDeferrableWeightGrad.apply(x, weight, bias, store)
+
+
+__all__ = ["WeightGradStore", "accumulate_into_grad", "linear"]
