@@ -2,11 +2,11 @@
 
     python launch/bench/bench_pipeline.py [--world-size 4 --pp 1 2 4 --micro-batches 1 2 4 8 16
                                            --layers 8 --hidden 256 --seq 128 --micro-batch 2 --steps 3
-                                           --schedules deepspeed v1 v2 v4]
+                                           --schedules deepspeed v1 v2 v4 zb]
 
 Schedules: ``deepspeed`` is DeepSpeed's pipeline engine (1F1B); ``vN`` is our runtime with N chunks per
 rank (``v1``: plain 1F1B, ``v2`` / ``v4``: Megatron's interleaved 1F1B; rows whose layers or micro-batches
-do not divide are skipped, as the config would refuse them).
+do not divide are skipped, as the config would refuse them); ``zb`` is our runtime's ZB-H1.
 
 For each PP size (DP = world / PP) and each number of micro-batches m >= PP,
 one fresh gloo job (spawned here, one thread per rank) trains the same GPT
@@ -21,7 +21,8 @@ PP > 1 with the schedule's ``train_batch``.  Per row:
   footprint before the model was built;
 * bubble: on each rank, the share of the pipelined part of a step (from the
   first instruction to the gradient reduction) not spent in forward or backward
-  compute, averaged over ranks, next to the seed's ``(p - 1) / (v m + p - 1)``.
+  compute, averaged over ranks, next to the seed's ``(p - 1) / (v m + p - 1)`` (ZB-H1: the paper's
+  ``(p - 1) / (3m + p - 1)``, which assumes F = B = W).
 
 The formula assumes one device per stage.  When ranks outnumber cores (4 ranks
 on a 2-core box) stages also wait for a core, which shows up as bubble too;
@@ -59,7 +60,9 @@ def _measure(args, pp: int, m: int, schedule: str = "deepspeed"):
            "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
            "megatron": {"pipeline_model_parallel_size": pp}}
     ours = pp > 1 and schedule != "deepspeed"
-    if ours:
+    if schedule == "zb":
+        cfg["megatron"].update(pipeline_schedule="zero_bubble")
+    elif ours:
         cfg["megatron"].update(pipeline_schedule="interleaved_1f1b",
                                virtual_pipeline_model_parallel_size=int(schedule[1:]))
     model_cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
@@ -68,7 +71,7 @@ def _measure(args, pp: int, m: int, schedule: str = "deepspeed"):
     torch.manual_seed(0)
     if ours:
         from ds_megatron.models.gpt_chunks import GPTModelChunks
-        model = GPTModelChunks(model_cfg, state, num_model_chunks=int(schedule[1:]))
+        model = GPTModelChunks(model_cfg, state, num_model_chunks=1 if schedule == "zb" else int(schedule[1:]))
     elif pp > 1:
         model = ds_megatron.GPTPipelineModule(model_cfg, state)
     else:
@@ -152,7 +155,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--schedules", nargs="+", default=["deepspeed", "v1", "v2", "v4"])
+    ap.add_argument("--schedules", nargs="+", default=["deepspeed", "v1", "v2", "v4", "zb"])
     args = ap.parse_args(argv)
     print(f"world size {args.world_size} on {os.cpu_count()} cores (gloo, one thread per rank); GPT {args.layers} "
           f"layers x hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro_batch}, fp32 Adam; "
@@ -166,12 +169,12 @@ def main(argv=None):
             if pp > 1 and m < pp:
                 continue  # refused: fewer micro-batches than stages
             for schedule in (args.schedules if pp > 1 else ["none"]):
-                v = 1 if schedule in ("deepspeed", "none") else int(schedule[1:])
+                v = 1 if schedule in ("deepspeed", "none", "zb") else int(schedule[1:])
                 if v > 1 and (m % pp or args.layers % (pp * v)):
                     continue  # refused: micro-batches not in groups of pp, or layers not in pp x v chunks
                 r = run_local_job(args.world_size, _measure, args, pp, m, schedule)
                 tokens = m * args.micro_batch * r["dp"] * args.seq
-                formula = (pp - 1) / (v * m + pp - 1)
+                formula = (pp - 1) / ((3 if schedule == "zb" else v) * m + pp - 1)
                 print(f"{schedule:>9s} {pp:3d} {r['dp']:3d} {m:3d} {r['step_s'] * 1e3:9.1f} "
                       f"{tokens / r['step_s']:9.0f} {r['peak']:13.0f} {r['growth']:12.0f} {r['bubble']:7.2f} "
                       f"{formula:15.2f}", flush=True)

@@ -96,7 +96,7 @@ def _gathered_weights(named_params, state):
 
 
 def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1, impl="megatron", recompute=False,
-           clip=1.0, pipeline=None, layers=None, record_order=False, cp=1):
+           clip=1.0, pipeline=None, layers=None, record_order=False, cp=1, steps=STEPS):
     """``pipeline``: the schedule's keys of the "megatron" section (ours with ``pipeline_schedule``
     "interleaved_1f1b", the default with v > 1); ``layers``: num_layers instead of MODEL's."""
     world = dist.get_world_size()
@@ -122,7 +122,7 @@ def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1, i
         model = GPTModel(config, state)
     engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
     losses, norms, tied_equal = [], [], []
-    for step in range(STEPS):
+    for step in range(steps):
         chunks = _my_chunks(step, state.dp.size, state.dp.rank)
         if pp > 1:
             loss = engine.train_batch(iter([(t, (l, m)) for t, l, m in chunks]))
@@ -178,8 +178,16 @@ def _tied_copies_equal(model, state):
     return torch.equal(w, other)
 
 
+_REFERENCES = {}  # (world size, PP=1 case) -> its run, kept by the rank processes (the harness reuses them)
+
+
 def _pp_and_reference(pp_case, ref_case):
-    return _train(**pp_case), _train(**ref_case)
+    """The pipeline run, and the PP=1 run of the same model (computed once per world size and case: many pipeline
+    cases share one reference, and every run starts from the same seed, so the result is the same)."""
+    key = (dist.get_world_size(), repr(sorted(ref_case.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _train(**ref_case)
+    return _train(**pp_case), _REFERENCES[key]
 
 
 ONE_CHUNK = {"pipeline_schedule": "interleaved_1f1b"}
@@ -257,12 +265,12 @@ def test_pipeline_training_equals_no_pipeline(case):
 def test_each_rank_runs_the_schedule_tables_order():
     """The order our runtime executed on each rank, every step, is Megatron's ``convert_schedule_table_to_order``
     for that rank (via ``get_order``), with micro-batches as the table assigns them."""
-    results = run_on_ranks(4, _train, 4, 1, pipeline=V2, layers=8, record_order=True, timeout=300)
+    results = run_on_ranks(4, _train, 4, 1, pipeline=V2, layers=8, record_order=True, steps=2, timeout=300)
     micro_batches = GLOBAL // MBS
     for _, _, _, _, orders, rank in results:
         expected = rank_operations(micro_batches, 2, pipeline_parallel_size=4, pipeline_parallel_rank=rank)
         signed = get_order(micro_batches, 2, pipeline_parallel_size=4, pipeline_parallel_rank=rank)
-        assert len(orders) == STEPS
+        assert len(orders) == 2
         for order in orders:
             assert [(c + 1) * (1 if fwd else -1) for fwd, c, _, _ in order] == signed
             assert order == [(op.forward, op.chunk, op.microbatch, op.part) for op in expected]
@@ -271,10 +279,10 @@ def test_each_rank_runs_the_schedule_tables_order():
 def test_each_rank_runs_the_zero_bubble_order():
     """With ``pipeline_schedule`` "zero_bubble" each rank executes ``zero_bubble_orders`` for its rank: F, B (input
     gradient) and W (weight gradients) as the table places them."""
-    results = run_on_ranks(4, _train, 4, 1, pipeline=ZB, record_order=True, timeout=300)
+    results = run_on_ranks(4, _train, 4, 1, pipeline=ZB, record_order=True, steps=2, timeout=300)
     micro_batches = GLOBAL // MBS
     orders = zero_bubble_orders(micro_batches, 4)
     for _, _, _, _, executed, rank in results:
-        assert len(executed) == STEPS
+        assert len(executed) == 2
         for order in executed:
             assert order == [(op.forward, op.chunk, op.microbatch, op.part) for op in orders[rank]]
