@@ -33,7 +33,11 @@ it read 2x the measured activations at hidden 256.)  MoE layers are counted
 like a dense MLP of ``ffn_hidden_size`` (the routed tokens' activations depend
 on routing).  With pipeline parallelism each stage counts its own layers (the
 output layer and logits on the last stage) times the micro-batches it holds at
-once: 1F1B keeps ``min(pp - stage, micro-batches)`` in flight.
+once: 1F1B keeps ``min(pp - stage, micro-batches)`` in flight.  On our runtime
+(``pipeline_schedule`` "interleaved_1f1b" / "zero_bubble") the rank's own order
+(``pipeline_parallel.schedule_table``) is walked: a chunk's activations of a
+micro-batch are alive from its forward to its backward (ZB-H1: to its W, which
+over-counts the part its B already freed), and the peak of their sum is planned.
 
 MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
 split over ETP (no biases), plus a replicated router and, if configured, a
@@ -45,8 +49,10 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from ..config.model import pad_vocab_size
+from ..config.pipeline import stage_layer_counts, stage_layer_ranges
 from ..errors import ConfigError
-from .param_counts import gpt_param_counts, pipeline_stage_layers
+from ..pipeline_parallel.schedule_table import rank_operations
+from .param_counts import gpt_param_counts, layer_param_count, pipeline_stage_layers
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -110,7 +116,7 @@ class RankMemory:
     main_grad_bytes: int  # fp32 main grads, alive during the optimizer step only
     optimizer_state_bytes: int
     activation_bytes: int  # of all micro-batches in flight at once
-    in_flight_micro_batches: int = 1  # 1F1B: min(pp - stage, micro-batches); 1 without PP
+    in_flight_micro_batches: int = 1  # chunk-forwards alive at the peak (1F1B: min(pp - stage, micro-batches))
     layers: List[int] = field(default_factory=list)  # the transformer layers these ranks hold
 
     @property
@@ -122,7 +128,8 @@ class RankMemory:
 def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "adamw", momentum: float = 0.0,
                 micro_batch: int = 1, distributed_optimizer: bool = False, micro_batches: int = 1,
                 partition_method: str = "uniform", layers_per_stage: Optional[Sequence[int]] = None,
-                first: Optional[int] = None, last: Optional[int] = None) -> List[RankMemory]:
+                first: Optional[int] = None, last: Optional[int] = None, schedule: str = "1f1b",
+                num_model_chunks: int = 1, group_size: Optional[int] = None) -> List[RankMemory]:
     """One ``RankMemory`` per (pipeline stage, TP rank index): the ranks holding the same shards.
 
     ``distributed_optimizer``: fp32 main params, main grads and optimizer states
@@ -137,8 +144,16 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     """
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
-    pp = layout.pp
-    ranges = pipeline_stage_layers(cfg, layout, partition_method, layers_per_stage, first, last)
+    pp, v = layout.pp, num_model_chunks
+    if v > 1 or schedule != "1f1b":  # our runtime: chunks per rank (virtual stage c * pp + rank)
+        weights = [layer_param_count(cfg, i, layout.tp, layout.ep, layout.etp) for i in range(cfg.num_layers)] \
+            if partition_method == "parameters" else None
+        virtual = stage_layer_ranges(stage_layer_counts(cfg.num_layers, pp, partition_method, layers_per_stage,
+                                                        weights, vpp=v, first=first, last=last))
+        chunks = [[virtual[c * pp + stage] for c in range(v)] for stage in range(pp)]
+    else:
+        chunks = [[r] for r in pipeline_stage_layers(cfg, layout, partition_method, layers_per_stage, first, last)]
+    ranges = [[i for chunk in stage_chunks for i in chunk] for stage_chunks in chunks]
     low = BYTES[params_dtype]
     mixed = params_dtype != "fp32"
     groups = layout.group_ranks()
@@ -150,9 +165,11 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         # Parameters whose fp32 copies and optimizer state this rank keeps.
         owned = (-(-(counts.sharded + counts.replicated) // layout.dp) + -(-counts.expert // layout.edp)
                  if distributed_optimizer else n)
-        in_flight = min(pp - stage, micro_batches) if pp > 1 else 1
-        activations = in_flight * activation_bytes(cfg, layout.tp, micro_batch, params_dtype, len(layers),
-                                                   logits=stage == pp - 1, cp=layout.cp)
+        per_chunk = [activation_bytes(cfg, layout.tp, micro_batch, params_dtype, len(chunk),
+                                      logits=stage == pp - 1 and c == v - 1, cp=layout.cp)
+                      for c, chunk in enumerate(chunks[stage])]
+        activations, in_flight = schedule_peak_activations(per_chunk, micro_batches, pp, stage, schedule,
+                                                           group_size)
         for tp_rank in range(layout.tp):
             ranks = sorted(g[tp_rank] for g in groups["tp"] if g[tp_rank] in
                            {p[stage] for p in groups["pp"]})
@@ -167,15 +184,48 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     return plans
 
 
+def schedule_peak_activations(chunk_bytes: Sequence[int], micro_batches: int, pp: int, rank: int,
+                              schedule: str = "1f1b", group_size: Optional[int] = None):
+    """``(bytes, chunk-forwards)`` alive at the peak of ``rank``'s order: each chunk's activations of a
+    micro-batch from its forward to its backward (ZB-H1: its W).  DeepSpeed's 1F1B runs the order of ours."""
+    if pp == 1:
+        return chunk_bytes[0], 1
+    ops = rank_operations(micro_batches, len(chunk_bytes), pipeline_parallel_size=pp, pipeline_parallel_rank=rank,
+                          microbatch_group_size_per_vp_stage=group_size,
+                          schedule="zero_bubble" if schedule == "zero_bubble" else "interleaved_1f1b")
+    frees = "weight" if schedule == "zero_bubble" else "full"
+    alive = count = peak = peak_count = 0
+    for op in ops:
+        if op.forward:
+            alive, count = alive + chunk_bytes[op.chunk], count + 1
+            if alive > peak:
+                peak, peak_count = alive, count
+        elif op.part == frees:
+            alive, count = alive - chunk_bytes[op.chunk], count - 1
+    return peak, peak_count
+
+
 def _gib(n: int) -> str:
     return f"{n / 2 ** 20:,.2f} MiB"
+
+
+def _runs(layers: Sequence[int]) -> str:
+    """``0-3`` or, for a rank holding several chunks, ``0-1,4-5``."""
+    if not layers:
+        return "-"
+    runs, start = [], layers[0]
+    for prev, cur in zip(layers, list(layers[1:]) + [None]):
+        if cur != prev + 1 if cur is not None else True:
+            runs.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = cur
+    return ",".join(runs)
 
 
 def format_plan(plans: Sequence[RankMemory], header: str) -> str:
     rows = [["role", "ranks", "layers", "params", "model params", "grads", "fp32 main params", "fp32 main grads*",
              "optimizer states", "activations**", "total"]]
     for p in plans:
-        layers = f"{p.layers[0]}-{p.layers[-1]}" if p.layers else "-"
+        layers = _runs(p.layers)
         rows.append([p.role, ",".join(map(str, p.ranks)), layers, f"{p.params:,}", _gib(p.model_param_bytes),
                      _gib(p.grad_bytes), _gib(p.main_param_bytes), _gib(p.main_grad_bytes),
                      _gib(p.optimizer_state_bytes), f"{_gib(p.activation_bytes)} ({p.in_flight_micro_batches} mb)"
@@ -186,5 +236,5 @@ def format_plan(plans: Sequence[RankMemory], header: str) -> str:
         lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
     lines += ["", "* alive during the optimizer step only; ** what the GPT keeps for backward, per micro-batch, at "
                   "its peak (start of backward), times the micro-batches a stage holds at once (1F1B keeps up to "
-                  "pp - stage in flight)"]
+                  "pp - stage in flight; with chunks, the peak of the rank's own schedule order)"]
     return "\n".join(lines)

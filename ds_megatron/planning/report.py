@@ -10,8 +10,7 @@ from dataclasses import asdict
 from typing import Optional, Sequence
 
 from ..config.job import parse_job_config
-from ..config.parsing import SECTION
-from ..config.pipeline import virtual_pipeline_size
+from ..config.pipeline import pipeline_schedule, virtual_pipeline_size
 from ..errors import ConfigError
 from .comm_volume import format_comm_volume, plan_comm_volume
 from .memory import format_plan, plan_memory
@@ -32,22 +31,26 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
     distributed = job.megatron.ddp.use_distributed_optimizer
     parallel = job.megatron.parallel
     micro_batches = job.megatron.deepspeed_batch.micro_batches(layout.dp) or 1
-    if virtual_pipeline_size(parallel, job.model.num_layers, layout.pp) > 1:
-        raise ConfigError(f"{SECTION}.virtual_pipeline_model_parallel_size: ds-megatron plan does not model virtual "
-                          "pipeline stages yet (their in-flight activations differ per chunk); plan the job with "
-                          "one chunk per stage")
     uneven = dict(first=parallel.decoder_first_pipeline_num_layers, last=parallel.decoder_last_pipeline_num_layers)
+    schedule = pipeline_schedule(parallel) if layout.pp > 1 else "1f1b"
+    vpp = virtual_pipeline_size(parallel, job.model.num_layers, layout.pp)
     plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb, distributed,
                         micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage,
-                        **uneven)
+                        **uneven, schedule=schedule, num_model_chunks=vpp,
+                        group_size=parallel.microbatch_group_size_per_vp_stage)
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
-    pipeline = f" pp={layout.pp} ({micro_batches} micro-batches per step)" if layout.pp > 1 else ""
+    chunks = f", {vpp} chunks per rank" if vpp > 1 else ""
+    pipeline = (f" pp={layout.pp} ({micro_batches} micro-batches per step, schedule {schedule}{chunks})"
+                if layout.pp > 1 else "")
     context = f" cp={layout.cp} (seq {job.model.seq_length // layout.cp} tokens per rank)" if layout.cp > 1 else ""
     header = (f"world size {world_size}: tp={layout.tp}{context}{pipeline} dp={layout.dp}{experts}; "
               f"params {precision.params_dtype}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
-    if not precision.owns_optimizer:
+    if vpp > 1:
+        comm = ("bytes on the wire: not planned with virtual pipeline stages yet (each micro-batch crosses "
+                f"pp x v - 1 = {layout.pp * vpp - 1} stage boundaries)")
+    elif not precision.owns_optimizer:
         comm = "bytes on the wire: not planned on DeepSpeed's optimizer path (DeepSpeed reduces the gradients)"
     else:
         try:

@@ -87,7 +87,7 @@ def test_tp2_pp2_checkpoint_resumes_at_tp1_dp4_and_tp4(tmp_path):
     _check_follows(_resume_at(tmp_path, snapshot, "tp4", tp=4, mbs=4), full, 2e-5)
 
 
-def test_interleaved_pipeline_checkpoint_resumes_at_pp4_and_pp1(tmp_path):
+def test_interleaved_pipeline_checkpoint_resumes_at_pp4_pp1_and_zero_bubble(tmp_path):
     # Our runtime with 2 chunks per rank (layers 0 | 1 on rank 0 and 2 | 3 on rank 1 become 0, 2 | 1, 3).
     gpt4 = dict(GPT, num_layers=4)
     saving = dict(pp=2, mbs=1, model=gpt4, pipeline={"virtual_pipeline_model_parallel_size": 2})
@@ -97,6 +97,8 @@ def test_interleaved_pipeline_checkpoint_resumes_at_pp4_and_pp1(tmp_path):
     _check_follows(_resume_at(tmp_path, snapshot, "pp4_v1", pp=4, mbs=1, model=gpt4,
                               pipeline={"pipeline_schedule": "interleaved_1f1b"}), full, 2e-5)
     _check_follows(_resume_at(tmp_path, snapshot, "pp1", pp=1, mbs=1, model=gpt4), full, 2e-5)
+    _check_follows(_resume_at(tmp_path, snapshot, "zero_bubble", pp=2, mbs=1, model=gpt4,
+                              pipeline={"pipeline_schedule": "zero_bubble"}), full, 2e-5)
 
 
 def test_moe_checkpoint_reshards_across_expert_and_tensor_sizes(tmp_path):
