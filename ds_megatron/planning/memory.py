@@ -36,8 +36,10 @@ output layer and logits on the last stage) times the micro-batches it holds at
 once: 1F1B keeps ``min(pp - stage, micro-batches)`` in flight.  On our runtime
 (``pipeline_schedule`` "interleaved_1f1b" / "zero_bubble") the rank's own order
 (``pipeline_parallel.schedule_table``) is walked: a chunk's activations of a
-micro-batch are alive from its forward to its backward (ZB-H1: to its W, which
-over-counts the part its B already freed), and the peak of their sum is planned.
+micro-batch (and its output, sent on but kept for backward) are alive from its
+forward to its backward, ZB-H1 keeps each deferred linear's input and output
+gradient from B to W, receive buffers posted ahead count until taken, and the
+peak of their sum is planned.
 
 MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
 split over ETP (no biases), plus a replicated router and, if configured, a
@@ -51,7 +53,7 @@ from typing import List, Optional, Sequence
 from ..config.model import pad_vocab_size
 from ..config.pipeline import stage_layer_counts, stage_layer_ranges
 from ..errors import ConfigError
-from ..pipeline_parallel.schedule_table import rank_operations
+from ..pipeline_parallel.schedule_table import channel_messages, rank_operations, receives_of
 from .param_counts import gpt_param_counts, layer_param_count, pipeline_stage_layers
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -98,6 +100,20 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     inputs = L * sbh / (tp if sp else 1) * act
     one_layer = per_layer + 8 / tp * sbh * act if L else 0
     return int(inputs + max(backward_start, one_layer))
+
+
+def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, layers: Sequence[int],
+                               cp: int = 1) -> int:
+    """What ZB-H1 keeps of one micro-batch of a chunk between its B and its W: each deferred linear's input and
+    output gradient (QKV, attention output, and a dense MLP's fc1 and fc2; experts are not deferred)."""
+    s, b, h = cfg.seq_length // cp, micro_batch, cfg.hidden_size
+    d = cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * d
+    ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
+    per_layer_attention = h + qkv / tp + cfg.num_attention_heads * d / tp + h
+    per_layer_mlp = h + ffn / tp + cfg.ffn_hidden_size / tp + h
+    total = sum(per_layer_attention + (0 if cfg.is_moe_layer(i) else per_layer_mlp) for i in layers)
+    return int(total * s * b * BYTES[params_dtype])
 
 
 @dataclass(frozen=True)
@@ -168,8 +184,15 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         per_chunk = [activation_bytes(cfg, layout.tp, micro_batch, params_dtype, len(chunk),
                                       logits=stage == pp - 1 and c == v - 1, cp=layout.cp)
                       for c, chunk in enumerate(chunks[stage])]
+        ours = schedule != "1f1b"
+        sp = cfg.sequence_parallel and layout.tp > 1
+        message = cfg.seq_length // layout.cp // (layout.tp if sp else 1) * micro_batch * cfg.hidden_size * low
+        if ours:  # a chunk before the last virtual stage also keeps its output until its backward
+            per_chunk = [n + (0 if stage == pp - 1 and c == v - 1 else message) for c, n in enumerate(per_chunk)]
+        deferred = [deferred_weight_grad_bytes(cfg, layout.tp, micro_batch, params_dtype, chunk, layout.cp)
+                    for chunk in chunks[stage]] if schedule == "zero_bubble" else None
         activations, in_flight = schedule_peak_activations(per_chunk, micro_batches, pp, stage, schedule,
-                                                           group_size)
+                                                           group_size, message if ours else 0, deferred)
         for tp_rank in range(layout.tp):
             ranks = sorted(g[tp_rank] for g in groups["tp"] if g[tp_rank] in
                            {p[stage] for p in groups["pp"]})
@@ -185,23 +208,46 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
 
 
 def schedule_peak_activations(chunk_bytes: Sequence[int], micro_batches: int, pp: int, rank: int,
-                              schedule: str = "1f1b", group_size: Optional[int] = None):
+                              schedule: str = "1f1b", group_size: Optional[int] = None, message_bytes: int = 0,
+                              deferred_bytes: Optional[Sequence[int]] = None):
     """``(bytes, chunk-forwards)`` alive at the peak of ``rank``'s order: each chunk's activations of a
-    micro-batch from its forward to its backward (ZB-H1: its W).  DeepSpeed's 1F1B runs the order of ours."""
+    micro-batch from its forward to its backward, plus the receive buffers the runtime has posted but not yet
+    taken (``message_bytes`` each: it posts a neighbour's messages in that neighbour's send order, up to the one
+    an operation needs).  ZB-H1: from B to W a chunk keeps ``deferred_bytes`` instead.  DeepSpeed's 1F1B runs
+    the order of ours."""
     if pp == 1:
         return chunk_bytes[0], 1
-    ops = rank_operations(micro_batches, len(chunk_bytes), pipeline_parallel_size=pp, pipeline_parallel_rank=rank,
-                          microbatch_group_size_per_vp_stage=group_size,
-                          schedule="zero_bubble" if schedule == "zero_bubble" else "interleaved_1f1b")
-    frees = "weight" if schedule == "zero_bubble" else "full"
+    v = len(chunk_bytes)
+    kind = "zero_bubble" if schedule == "zero_bubble" else "interleaved_1f1b"
+
+    def order(r):
+        return rank_operations(micro_batches, v, pipeline_parallel_size=pp, pipeline_parallel_rank=r,
+                               microbatch_group_size_per_vp_stage=group_size, schedule=kind)
+    expected = {src: list(channel_messages(order(src), src, pp, v).get(rank, []))
+                for src in {(rank - 1) % pp, (rank + 1) % pp} - {rank}}
+    posted = set()
+    deferred = deferred_bytes or [0] * v
     alive = count = peak = peak_count = 0
-    for op in ops:
+    for op in order(rank):
+        needed = receives_of(op, rank, pp, v)
+        if needed is not None:
+            src, message = needed
+            while message not in posted:
+                posted.add(expected[src].pop(0))
+                alive += message_bytes
+            peak = max(peak, alive)
+            posted.discard(message)
+            alive -= message_bytes  # taken: an activation becomes the chunk's input (counted below)
         if op.forward:
             alive, count = alive + chunk_bytes[op.chunk], count + 1
-            if alive > peak:
-                peak, peak_count = alive, count
-        elif op.part == frees:
+        elif op.part == "input":  # B: the activations go, what W needs stays
+            alive += deferred[op.chunk] - chunk_bytes[op.chunk]
+        elif op.part == "weight":
+            alive, count = alive - deferred[op.chunk], count - 1
+        else:
             alive, count = alive - chunk_bytes[op.chunk], count - 1
+        if alive > peak:
+            peak, peak_count = alive, count
     return peak, peak_count
 
 
