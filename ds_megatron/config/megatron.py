@@ -79,10 +79,11 @@ class MegatronConfig:
         check_pipeline(self.parallel, self.model, self.deepspeed_batch, layout, self.optimizer_impl,
                        plain_deepspeed=not self.section_given)
         schedule = pipeline_schedule(self.parallel)
-        if layout.pp > 1 and schedule != "1f1b" and self.cuda_graph.enabled:
-            raise ConfigError(f"{SECTION}.cuda_graph with pipeline_schedule \"{schedule}\": graph capture is "
-                              "not hooked into ds_megatron's pipeline runtime yet; turn cuda_graph off or use "
-                              "pipeline_schedule \"1f1b\" with one chunk per stage")
+        if layout.pp > 1 and schedule == "zero_bubble" and self.cuda_graph.enabled:
+            # A captured layer's backward computes its weight gradients inside the graph: W cannot be deferred.
+            raise ConfigError(f"{SECTION}.cuda_graph with pipeline_schedule \"zero_bubble\": a captured layer's "
+                              "backward computes its weight gradients inside the graph, so ZB-H1 cannot defer them; "
+                              "turn cuda_graph off or use \"1f1b\" / \"interleaved_1f1b\"")
         return layout
 
     @classmethod

@@ -27,6 +27,14 @@ DeepSpeed's ``TrainSchedule``); the micro-batch index is the number of
 training forwards since the step began (the pipeline engine does not advance
 ``engine.micro_steps`` per micro-batch).
 
+With our pipeline runtime (``pipeline_schedule`` "interleaved_1f1b", a ``GPTModelChunks`` on
+DeepSpeed's plain engine) the runtime drives the graphs instead of a forward hook
+(``PipelineRuntimeCudaGraphs``): the layers are handed over chunk after chunk with each chunk's
+count, so the capture order is ``convert_schedule_table_to_order`` for this rank's v chunks, the
+order the runtime then executes; capture happens at the start of ``train_batch`` once
+``warmup_steps`` steps have run, and before each training forward the runtime names the chunk and
+micro-batch, whose graphs that chunk's layers replay.
+
 Where graphs cannot run (the engine is not on a CUDA device) one log line says so and why, and
 training proceeds eagerly; with ``required: true`` the job stops at start instead.
 """
@@ -40,6 +48,7 @@ import torch.distributed as dist
 
 from ..config.cuda_graph import CudaGraphConfig
 from ..cuda_graphs import Capturer, CudaGraphHelper, default_capturer
+from ..cuda_graphs.capture import layer_is_graphable
 from ..errors import ConfigError
 
 logger = logging.getLogger("ds_megatron.cuda_graphs")
@@ -96,8 +105,39 @@ class CudaGraphEngineHook:
         self.helper.remove()
 
 
+class PipelineRuntimeCudaGraphs:
+    """Ties one ``CudaGraphHelper`` to our pipeline runtime (see the module docstring): the runtime calls
+    ``begin_step`` at each ``train_batch`` and ``before_forward(chunk, microbatch)`` before each training forward."""
+
+    def __init__(self, engine, runtime, helper: CudaGraphHelper, config: CudaGraphConfig, chunk_of_runner):
+        self.engine, self.runtime, self.helper, self.config = engine, runtime, helper, config
+        self._warmup_start_step = engine.global_steps
+        self.num_captures = 0
+        self._runners_of_chunk = {}
+        for runner, chunk in zip(helper.runners, chunk_of_runner):
+            self._runners_of_chunk.setdefault(chunk, []).append(runner)
+
+    def begin_step(self) -> None:
+        if self.helper.captured and self.helper.stale:
+            logger.info("a layer's input changed shape; CUDA graphs dropped, recapturing after %d eager steps",
+                        self.config.warmup_steps)
+            self.helper.reset()
+            self._warmup_start_step = self.engine.global_steps
+        if not self.helper.captured and self.engine.global_steps - self._warmup_start_step >= self.config.warmup_steps:
+            self.helper.create_cudagraphs()
+            self.num_captures += 1
+
+    def before_forward(self, chunk: int, microbatch: int) -> None:
+        for runner in self._runners_of_chunk.get(chunk, ()):
+            runner.current_microbatch = microbatch
+
+    def detach(self) -> None:
+        self.runtime.cuda_graphs = None
+        self.helper.remove()
+
+
 def attach_cuda_graphs(engine, config: CudaGraphConfig, capturer: Optional[Capturer] = None,
-                       num_warmup_iters: int = 3) -> Optional[CudaGraphEngineHook]:
+                       num_warmup_iters: int = 3):
     """Hook CUDA graphs into ``engine``'s forward, or say in one line why not (None).
 
     ``capturer``: injected by tests (``EagerCapturer``); by default chosen for
@@ -116,6 +156,9 @@ def attach_cuda_graphs(engine, config: CudaGraphConfig, capturer: Optional[Captu
                                "eagerly", config.impl, why)
             return None
         logger.info("CUDA graphs: %s", why)
+    runtime = getattr(getattr(engine, "megatron", None), "pipeline_runtime", None)
+    if runtime is not None:
+        return _attach_to_runtime(engine, runtime, config, capturer, num_warmup_iters)
     layers = list(engine.module.modules())
     stages = getattr(engine, "num_stages", 1)
     helper = CudaGraphHelper(layers, config, capturer, num_microbatches=engine.gradient_accumulation_steps(),
@@ -125,4 +168,24 @@ def attach_cuda_graphs(engine, config: CudaGraphConfig, capturer: Optional[Captu
     return CudaGraphEngineHook(engine, helper, config)
 
 
-__all__ = ["CudaGraphEngineHook", "attach_cuda_graphs"]
+def _attach_to_runtime(engine, runtime, config: CudaGraphConfig, capturer: Capturer,
+                       num_warmup_iters: int) -> PipelineRuntimeCudaGraphs:
+    scope = tuple(config.scope)
+    layers, chunk_of_layer, per_chunk = [], [], []
+    for c, chunk in enumerate(runtime.model.chunks):
+        graphable = [m for m in chunk.modules() if layer_is_graphable(m, scope)]
+        layers += graphable
+        chunk_of_layer += [c] * len(graphable)
+        per_chunk.append(len(graphable))
+    state = runtime.state
+    helper = CudaGraphHelper(layers, config, capturer, num_microbatches=engine.gradient_accumulation_steps(),
+                             num_layers_per_chunk=per_chunk, pipeline_parallel_size=state.pp.size,
+                             pipeline_parallel_rank=state.pp.rank,
+                             microbatch_group_size_per_vp_stage=runtime.schedule.group_size,
+                             num_warmup_iters=num_warmup_iters)
+    graphs = PipelineRuntimeCudaGraphs(engine, runtime, helper, config, chunk_of_layer)
+    runtime.cuda_graphs = graphs
+    return graphs
+
+
+__all__ = ["CudaGraphEngineHook", "PipelineRuntimeCudaGraphs", "attach_cuda_graphs"]

@@ -58,7 +58,7 @@ from ..models.gpt_chunks import GPTModelChunks
 from ..parallel_state import ParallelState
 from ..tensor_parallel.params import is_expert_param
 from ..utils.collectives import record
-from .cuda_graphs import CudaGraphEngineHook, attach_cuda_graphs
+from .cuda_graphs import CudaGraphEngineHook, PipelineRuntimeCudaGraphs, attach_cuda_graphs
 from .gradients import MegatronDDPInEngine, complete_tp_partial_grads_in_backward
 from .moe import (check_deepspeed_moe_checkpoint_layout, hand_expert_groups_to_deepspeed, mark_engine_has_our_moe,
                   moe_layers, prepare_deepspeed_moe)
@@ -84,7 +84,7 @@ class MegatronContext:
     mpu: MegatronMPU
     ddp: Optional[DistributedDataParallel] = None  # the gradient reducer on the Megatron path
     ddp_in_engine: Optional[MegatronDDPInEngine] = None
-    cuda_graphs: Optional[CudaGraphEngineHook] = None  # when graphs are captured and replayed
+    cuda_graphs: Union[CudaGraphEngineHook, PipelineRuntimeCudaGraphs, None] = None  # when graphs are captured
     has_moe: bool = False
     pipeline_module: Optional[PipelineModule] = None  # the stage this rank runs, on DeepSpeed's pipeline engine
     pipeline_runtime: Optional[PipelineRuntime] = None  # our schedule over GPTModelChunks

@@ -16,6 +16,9 @@ with its signatures and return values, so loops written for DeepSpeed's pipeline
 With ``pipeline_schedule`` "zero_bubble" the chunks' linear layers get a ``WeightGradStore`` whose
 deferred weight gradients go into the buffers through ``DistributedDataParallel.accumulate_grad``.
 
+CUDA graphs (``integration.cuda_graphs``): captured in this schedule's order, told before each
+training forward which chunk and micro-batch it is.
+
 Megatron's overlap: before each backward the buckets holding that chunk's parameters learn whether it
 is the chunk's last backward of the step, so a bucket's reduction starts as soon as the last
 backward of every chunk it holds has produced its gradients, while other chunks still compute.
@@ -67,6 +70,7 @@ class PipelineRuntime:
                                          dtype, engine.device, group_size, schedule, store)
         self._chunk_params = [list(chunk.parameters()) for chunk in model.chunks]
         self._train_iterator: Optional[Iterator] = None
+        self.cuda_graphs = None  # integration.cuda_graphs.PipelineRuntimeCudaGraphs, when graphs are on
 
     def _before_backward(self, chunk: int, last: bool) -> None:
         # Only the buckets of this chunk's params: another chunk's may still have backwards to accumulate.
@@ -101,7 +105,11 @@ class PipelineRuntime:
         for p in self.model.parameters():
             p.grad = None
         micro_batches = engine.gradient_accumulation_steps()
-        losses = self.schedule.run(self._data(data_iter), micro_batches, before_backward=self._before_backward)
+        graphs = self.cuda_graphs
+        if graphs is not None:
+            graphs.begin_step()  # captures once warmup_steps steps have run
+        losses = self.schedule.run(self._data(data_iter), micro_batches, before_backward=self._before_backward,
+                                   before_forward=None if graphs is None else graphs.before_forward)
         engine.set_gradient_accumulation_boundary(True)
         try:
             engine.step()

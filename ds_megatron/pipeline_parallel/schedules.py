@@ -24,8 +24,9 @@ under (chunk, micro-batch), and W runs that key's GEMMs later.
 
 Nothing here knows DeepSpeed, the optimizer or the gradient buffers: ``before_backward(chunk,
 last)`` tells the caller, before each backward (or W), whether it is the chunk's last of that kind in
-the step (where its bucket reductions may start), and the loss scale is applied by the chunk's own
-output hook.
+the step (where its bucket reductions may start); ``before_forward(chunk, microbatch)`` tells it which
+micro-batch a training forward is (the CUDA graph each layer replays); the loss scale is applied by the
+chunk's own output hook.
 """
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ class PipelineSchedule:
                                schedule=self.schedule)
 
     def run(self, data_iter: Iterator[Any], num_microbatches: int, forward_only: bool = False,
-            before_backward: Optional[Callable[[int, bool], None]] = None) -> List[torch.Tensor]:
+            before_backward: Optional[Callable[[int, bool], None]] = None,
+            before_forward: Optional[Callable[[int, int], None]] = None) -> List[torch.Tensor]:
         """Execute the step; returns the last virtual stage's losses (detached, one per micro-batch; empty on
         other ranks).  ``forward_only``: the forwards in table order, without building autograd graphs."""
         p, v, rank = self.pp.size, self.num_chunks, self.pp.rank
@@ -153,6 +155,8 @@ class PipelineSchedule:
                     else:
                         inputs = receive(needed[0], needed[1])
                         inputs.requires_grad_(not forward_only)
+                    if before_forward is not None and not forward_only:
+                        before_forward(op.chunk, op.microbatch)
                     start = clock() if clock else 0.0
                     if self._is_last(op.chunk):
                         output = self.chunks[op.chunk](inputs, labels.to(self.device, non_blocking=True),

@@ -36,7 +36,7 @@ def _cfg(gas=4, **megatron):
      "decoder_first/last_pipeline_num_layers"),
     (dict(decoder_first_pipeline_num_layers=2, pipeline_num_layers_per_stage=[2, 6]), 4,
      "pipeline_num_layers_per_stage"),
-    (dict(virtual_pipeline_model_parallel_size=2, cuda_graph={"impl": "local"}), 4, "cuda_graph"),
+    (dict(pipeline_schedule="zero_bubble", cuda_graph={"impl": "local"}), 4, "cuda_graph"),
     (dict(virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_size=1), 4,
      "virtual_pipeline_model_parallel_size"),
 ])
@@ -55,6 +55,7 @@ def test_refused_in_one_line(megatron, gas, field):
     (dict(pipeline_schedule="zero_bubble"), 3),
     (dict(virtual_pipeline_model_parallel_size=2, pipeline_num_layers_per_stage=[1, 3, 3, 1]), 4),
     (dict(virtual_pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2), 4),
+    (dict(virtual_pipeline_model_parallel_size=2, cuda_graph={"impl": "local"}), 4),
 ])
 def test_accepted(megatron, gas):
     validate(_cfg(gas, **megatron), world_size=2)
