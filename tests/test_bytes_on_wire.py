@@ -32,13 +32,14 @@ to it and bounded:
   bus bytes once each way (it keeps the gathered K/V for backward).  Besides
   them: the loss's sum and token count over cp, and the gradients over dp-cp.
 
-* Pipeline (DeepSpeed's 1F1B engine on our groups): per micro-batch each stage but
-  the last sends its output hidden states (b*s*h, b*s*h/tp with sequence
-  parallelism) and each stage but the first their gradient, once; besides them
-  the tied embedding's gradient summed over the first and last stage once per
-  step, and the optimizer's one float64 over the model-parallel group.  Not
-  counted: DeepSpeed's own scalar loss broadcast over the stages (2 floats per
-  step) and the tensor metadata it sends once, on the first step.
+* Pipeline (DeepSpeed's 1F1B engine on our groups, and our runtime with v = 1, 2 and ZB-H1):
+  per micro-batch each virtual stage but the last sends its output hidden states (b*s*h,
+  b*s*h/tp with sequence parallelism) and each but the first their gradient, once; besides
+  them the tied embedding's gradient summed over the first and last stage once per step,
+  the optimizer's one float64 over the model-parallel group, and on our runtime the mean
+  loss it reports (one float over dp and one over pp).  Not counted: DeepSpeed's own scalar
+  loss broadcast over the stages (2 floats per step) and the tensor metadata it sends once,
+  on the first step.
 """
 import collections
 
@@ -50,6 +51,7 @@ from harness import run_on_ranks
 import ds_megatron
 from ds_megatron.config.model import pad_vocab_size
 from ds_megatron.models import GPTConfig, GPTModel
+from ds_megatron.models.gpt_chunks import GPTModelChunks
 from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
 from ds_megatron.utils.collectives import count_bytes
 
@@ -209,13 +211,19 @@ def test_context_parallel_moves_each_kv_block_once_per_hop(cp, precision, comm_t
 
 
 def _pipeline_step_records(megatron, micro_batches):
+    megatron = dict(megatron)
+    num_layers = megatron.pop("num_layers", L)
     cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": micro_batches,
            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
            "megatron": {"pipeline_model_parallel_size": 2, **megatron}}
     state = ds_megatron.initialize_model_parallel(cfg)
     torch.manual_seed(0)
-    model = ds_megatron.GPTPipelineModule(GPTConfig(**MODEL, sequence_parallel=megatron.get("sequence_parallel", False)),
-                                          state)
+    config = GPTConfig(**dict(MODEL, num_layers=num_layers),
+                       sequence_parallel=megatron.get("sequence_parallel", False))
+    if "pipeline_schedule" in megatron:  # our runtime
+        model = GPTModelChunks(config, state, num_model_chunks=megatron.get("virtual_pipeline_model_parallel_size", 1))
+    else:
+        model = ds_megatron.GPTPipelineModule(config, state)
     engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
     g = torch.Generator().manual_seed(10 + state.dp.rank)
     for step in range(2):  # the first step also sends DeepSpeed's tensor metadata: count the second
@@ -299,14 +307,25 @@ def test_the_plans_formula_is_what_a_step_moves(name):
         _check_plan(_measured_by_kind(records), planned, 64 * info["buffered_params"] + 128, padding)
 
 
-@pytest.mark.parametrize("megatron", [{}, {"tensor_model_parallel_size": 2, "sequence_parallel": True}],
-                         ids=["pp2", "tp2-sp-pp2"])
-def test_the_plans_formula_holds_for_each_pipeline_stage(megatron):
+V2 = {"pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_model_parallel_size": 2, "num_layers": 4}
+
+
+@pytest.mark.parametrize("megatron,m", [
+    ({}, 3), ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, 3),
+    # Our runtime: v = 2 sends from every virtual stage (rank 1's first chunk to rank 0's second), ZB-H1 the
+    # same messages as 1F1B.
+    (V2, 4), (dict(V2, tensor_model_parallel_size=2, sequence_parallel=True), 2),
+    ({"pipeline_schedule": "zero_bubble"}, 3)], ids=["pp2", "tp2-sp-pp2", "pp2-v2", "tp2-sp-pp2-v2", "pp2-zb"])
+def test_the_plans_formula_holds_for_each_pipeline_stage(megatron, m):
     from ds_megatron.planning.comm_volume import plan_comm_volume
-    m = 3
     ranks = 2 * megatron.get("tensor_model_parallel_size", 1)
-    model = {"sequence_parallel": megatron.get("sequence_parallel", False)}
+    model = {"sequence_parallel": megatron.get("sequence_parallel", False), "num_layers": megatron.get("num_layers", L)}
+    v = megatron.get("virtual_pipeline_model_parallel_size", 1)
     for records, stage, layout in run_on_ranks(ranks, _pipeline_step_records, megatron, m):
-        planned = plan_comm_volume(GPTConfig(**MODEL, **model), layout, micro_batch=B, micro_batches=m)
+        planned = plan_comm_volume(GPTConfig(**dict(MODEL, **model)), layout, micro_batch=B, micro_batches=m,
+                                   num_model_chunks=v, schedule=megatron.get("pipeline_schedule", "1f1b"))
         assert [p.stage for p in planned] == [0, 1]
         _check_plan(_measured_by_kind(records), planned[stage])
+        sends = [payload for op, group, payload, _, _ in records if op == "send"]
+        hidden = S * B * H * F32 // ranks * 2  # this rank's slice with SP
+        assert sends == [hidden] * (m * (2 * v - 1)), (stage, sends)

@@ -9,8 +9,9 @@
 """
 from .comm_volume import StageComm, format_comm_volume, plan_comm_volume
 from .memory import RankMemory, activation_bytes, format_plan, plan_memory
-from .param_counts import ParamCounts, gpt_param_counts, layer_counts, layer_param_count, pipeline_stage_layers
+from .param_counts import (ParamCounts, gpt_param_counts, layer_counts, layer_param_count, pipeline_rank_chunks,
+                           pipeline_stage_layers)
 
 __all__ = ["StageComm", "format_comm_volume", "plan_comm_volume", "RankMemory", "activation_bytes", "format_plan",
            "plan_memory", "ParamCounts", "gpt_param_counts", "layer_counts", "layer_param_count",
-           "pipeline_stage_layers"]
+           "pipeline_rank_chunks", "pipeline_stage_layers"]

@@ -27,8 +27,11 @@ element in the params dtype):
   forward's exchange again with full recomputation);
   the loss's sum and token count over ``cp``;
 * pipeline: per micro-batch the stage's output hidden states forward (all
-  stages but the last) and their gradient backward (all but the first); the
-  tied embedding's gradient summed over the first and last stage once;
+  stages but the last) and their gradient backward (all but the first); with
+  v chunks per rank (our runtime) the same per chunk, for virtual stages
+  ``c * pp + rank`` (the same messages with every schedule: ZB-H1 only moves
+  W), and the mean loss our runtime reports (one float over dp, one over pp);
+  the tied embedding's gradient summed over the first and last stage once;
 * the optimizer: one float64 (inf flag and squared norm) over the ranks that
   hold different parts of the model.
 
@@ -44,7 +47,7 @@ from typing import Dict, List, Optional, Sequence
 from ..config.model import pad_vocab_size
 from ..errors import ConfigError
 from .memory import BYTES
-from .param_counts import gpt_param_counts, layer_counts, norm_params, pipeline_stage_layers
+from .param_counts import gpt_param_counts, layer_counts, norm_params, pipeline_rank_chunks
 
 F32, F64 = 4, 8
 
@@ -73,9 +76,11 @@ class StageComm:
 def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int = 1, micro_batches: int = 1,
                      distributed_optimizer: bool = False, partition_method: str = "uniform",
                      layers_per_stage: Optional[Sequence[int]] = None, first: Optional[int] = None,
-                     last: Optional[int] = None) -> List[StageComm]:
+                     last: Optional[int] = None, num_model_chunks: int = 1,
+                     schedule: str = "1f1b") -> List[StageComm]:
     """One ``StageComm`` per pipeline stage (the ranks of a stage all move the same bytes); ``first`` / ``last``:
-    Megatron's ``decoder_first/last_pipeline_num_layers``."""
+    Megatron's ``decoder_first/last_pipeline_num_layers``; ``num_model_chunks``: v; ``schedule``: the pipeline's
+    (``pipeline_schedule``)."""
     if cfg.num_experts:
         raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
                           "the communication plan covers dense models")
@@ -85,10 +90,12 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     sp = cfg.sequence_parallel and t > 1
     recompute = cfg.recompute_granularity == "full"
     sbh = s * b * h * a
-    ranges = pipeline_stage_layers(cfg, layout, partition_method, layers_per_stage, first, last)
+    v = num_model_chunks
+    rank_chunks = pipeline_rank_chunks(cfg, layout, partition_method, layers_per_stage, first, last, v)
     kv_heads = max(cfg.query_groups // t, 1)  # per TP rank (one group's copy when TP exceeds the groups)
     out = []
-    for stage, layers in enumerate(ranges):
+    for stage, chunks in enumerate(rank_chunks):
+        layers = [i for chunk in chunks for i in chunk]
         first, last = stage == 0, stage == pp - 1
         counts = gpt_param_counts(cfg, t, layers=layers, first_stage=first, last_stage=last)
         m, n_layers = micro_batches, len(layers)
@@ -135,9 +142,13 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             passes = 1 + int(recompute) + int(cfg.cp_comm_type == "p2p")
             add("cp", m * n_layers * (cp - 1) * kv * (passes * a + acc))
             add("cp", m * _all_reduce(cp, 2 * F32) if last else 0)
-        # Pipeline: hidden states (this rank's slice with SP) forward, their gradient backward.
+        # Pipeline: hidden states (this rank's slice with SP) forward from every virtual stage but the model's
+        # last, their gradient backward from every one but the first.
         hidden = sbh / t if sp else sbh
-        add("pp", m * hidden * ((not last) + (not first)))
+        add("pp", m * hidden * (2 * v - last - first))
+        if pp > 1 and schedule != "1f1b":  # our runtime's reported loss: the mean over dp, then to every stage
+            add("dp", _all_reduce(dp, F32))
+            add("pp", _all_reduce(pp, F32))
         if pp > 1 and (first or last) and not cfg.untie_embeddings_and_output_weights:
             vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, t)
             add("embedding", _all_reduce(2, vocab // t * h * F32))

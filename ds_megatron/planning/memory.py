@@ -51,10 +51,9 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 from ..config.model import pad_vocab_size
-from ..config.pipeline import stage_layer_counts, stage_layer_ranges
 from ..errors import ConfigError
 from ..pipeline_parallel.schedule_table import channel_messages, rank_operations, receives_of
-from .param_counts import gpt_param_counts, layer_param_count, pipeline_stage_layers
+from .param_counts import gpt_param_counts, pipeline_rank_chunks
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -161,14 +160,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
     pp, v = layout.pp, num_model_chunks
-    if v > 1 or schedule != "1f1b":  # our runtime: chunks per rank (virtual stage c * pp + rank)
-        weights = [layer_param_count(cfg, i, layout.tp, layout.ep, layout.etp) for i in range(cfg.num_layers)] \
-            if partition_method == "parameters" else None
-        virtual = stage_layer_ranges(stage_layer_counts(cfg.num_layers, pp, partition_method, layers_per_stage,
-                                                        weights, vpp=v, first=first, last=last))
-        chunks = [[virtual[c * pp + stage] for c in range(v)] for stage in range(pp)]
-    else:
-        chunks = [[r] for r in pipeline_stage_layers(cfg, layout, partition_method, layers_per_stage, first, last)]
+    chunks = pipeline_rank_chunks(cfg, layout, partition_method, layers_per_stage, first, last, v)
     ranges = [[i for chunk in stage_chunks for i in chunk] for stage_chunks in chunks]
     low = BYTES[params_dtype]
     mixed = params_dtype != "fp32"

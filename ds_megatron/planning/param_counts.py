@@ -97,12 +97,21 @@ def gpt_param_counts(cfg, tp: int, ep: int = 1, etp: int = 1, layers: Optional[S
 
 def pipeline_stage_layers(cfg, layout, partition_method: str = "uniform",
                           layers_per_stage: Optional[Sequence[int]] = None, first: Optional[int] = None,
-                          last: Optional[int] = None) -> List[range]:
-    """The transformer layers of each pipeline stage (``config.pipeline``'s split: ``partition_method`` "uniform",
-    "parameters" (weighed by ``layer_param_count`` at this layout), explicit ``layers_per_stage``, or Megatron's
-    first / last stage counts)."""
+                          last: Optional[int] = None, vpp: int = 1) -> List[range]:
+    """The transformer layers of each pipeline stage, or with ``vpp`` > 1 of each of the ``pp * vpp`` virtual
+    stages (``config.pipeline``'s split: ``partition_method`` "uniform", "parameters" (weighed by
+    ``layer_param_count`` at this layout), explicit ``layers_per_stage``, or Megatron's first / last stage counts)."""
     weights = None
     if partition_method == "parameters" and layers_per_stage is None:
         weights = [layer_param_count(cfg, i, layout.tp, layout.ep, layout.etp) for i in range(cfg.num_layers)]
     return stage_layer_ranges(stage_layer_counts(cfg.num_layers, layout.pp, partition_method, layers_per_stage,
-                                                 weights, first=first, last=last))
+                                                 weights, vpp=vpp, first=first, last=last))
+
+
+def pipeline_rank_chunks(cfg, layout, partition_method: str = "uniform",
+                         layers_per_stage: Optional[Sequence[int]] = None, first: Optional[int] = None,
+                         last: Optional[int] = None, vpp: int = 1) -> List[List[range]]:
+    """Per pipeline rank, the layers of each of its ``vpp`` chunks (local chunk ``c`` is virtual stage
+    ``c * pp + rank``)."""
+    virtual = pipeline_stage_layers(cfg, layout, partition_method, layers_per_stage, first, last, vpp)
+    return [[virtual[c * layout.pp + rank] for c in range(vpp)] for rank in range(layout.pp)]

@@ -47,16 +47,13 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
               f"params {precision.params_dtype}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
-    if vpp > 1:
-        comm = ("bytes on the wire: not planned with virtual pipeline stages yet (each micro-batch crosses "
-                f"pp x v - 1 = {layout.pp * vpp - 1} stage boundaries)")
-    elif not precision.owns_optimizer:
+    if not precision.owns_optimizer:
         comm = "bytes on the wire: not planned on DeepSpeed's optimizer path (DeepSpeed reduces the gradients)"
     else:
         try:
             comm = plan_comm_volume(job.model, layout, precision.params_dtype, mb, micro_batches, distributed,
                                     parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage,
-                                    **uneven)
+                                    **uneven, num_model_chunks=vpp, schedule=schedule)
         except ConfigError as e:
             comm = f"bytes on the wire: not planned ({e})"
     return header, plans, comm
