@@ -3,7 +3,9 @@
 transformers computes RMSNorm and the MoE router's softmax in float32 whatever
 the model's dtype; the reference runs those same formulas in float64 instead
 (patched per module below), so that a float64 comparison can reach 1e-10.
-RoPE tables stay transformers' own (float32, as ours are).
+RoPE tables stay transformers' own (float32, as ours are).  ``ROPE_SCALINGS``: a
+``rope_parameters`` of each scaled type, sized so that the tiny models' frequencies
+fall on both sides of (and inside) each type's bands.
 """
 import os
 import types
@@ -15,6 +17,7 @@ FAMILIES = {
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
     "mistral": (T.MistralConfig, T.MistralForCausalLM, {"sliding_window": None}),
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 16}),  # head_dim != hidden / heads
     "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM,
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
@@ -24,6 +27,16 @@ FAMILIES = {
                    "norm_topk_prob": True}),
 }
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+# With theta 10000, 8 or 16 channels per head and an original context of 64, llama3 keeps, blends and divides
+# (wavelengths 6, 63, 628, ... against 16 and 64) and yarn ramps between pairs 0 and 2 or 3.
+ROPE_SCALINGS = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.707,
+                    "mscale_all_dim": 1.0, "beta_fast": 4.0, "truncate": False, "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+}
 VOCAB, SEQ = 100, 12
 
 
@@ -52,10 +65,13 @@ def float64_reference(model):
     return model
 
 
-def make_model(family, seed=0, dtype=torch.float64, **overrides):
+def make_model(family, seed=0, dtype=torch.float64, rope=None, **overrides):
+    """A tiny random ``family`` model; ``rope``: a key of ``ROPE_SCALINGS`` (its context: 4x the original 64)."""
     cls_config, cls_model, extra = FAMILIES[family]
     kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, **extra)
+    if rope is not None:
+        kw.update(rope_parameters=dict(ROPE_SCALINGS[rope]), max_position_embeddings=256)
     kw.update(overrides)
     config = cls_config(**kw)
     config._experts_implementation = "eager"  # the grouped-GEMM path has no float64 kernel

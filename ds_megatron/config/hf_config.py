@@ -1,8 +1,9 @@
 """Hugging Face ``config.json`` <-> our ``model`` section (pure Python, no torch).
 
 ``model_from_hf(hf)`` returns ``(family, GPTConfig keyword arguments)`` for the
-families we reproduce exactly (``FAMILIES``); anything that would change the
-model's arithmetic in a way we do not implement (scaled RoPE, sliding windows
+families we reproduce exactly (``FAMILIES``), RoPE scaling of types default,
+linear, llama3 and yarn included; anything that would change the model's
+arithmetic in a way we do not implement (other RoPE scalings, sliding windows
 shorter than the sequence, dense layers between MoE layers, an unknown field)
 raises ``ConvertError`` naming ``config.json`` and the field.  ``hf_from_model``
 is the way back: the original ``config.json`` with the architecture fields
@@ -26,6 +27,7 @@ FAMILIES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -55,14 +57,103 @@ def _fail(field: str, value: Any, fix: str) -> ConvertError:
     return ConvertError(f"config.json: {field}={value!r} is not supported; {fix}")
 
 
-def _rope(hf: Dict[str, Any]) -> Tuple[float, float]:
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise _fail("rope_parameters.rope_type", rope_type, "only the plain RoPE (rope_type \"default\") is reproduced "
-                    "exactly: convert a model without RoPE scaling")
+# The rope_parameters keys each rope_type reads (transformers' modeling_rope_utils), besides rope_type / type,
+# rope_theta and partial_rotary_factor.
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"),
+}
+
+
+def _rope(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """The RoPE fields of our model section from ``rope_parameters`` (or the older ``rope_scaling``, with ``type``
+    or ``rope_type``), reading each key as transformers does; a type or key we do not reproduce is refused."""
+    name = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = dict(hf.get(name) or {})
+    other = "rope_parameters" if name == "rope_scaling" else "rope_scaling"
+    if hf.get(other) and hf[other] != params:
+        # transformers lets rope_scaling win; two different dicts are more likely a mistake than intended
+        raise _fail(other, hf[other], f"it differs from {name}; keep one of the two")
+    if "type" in params and "rope_type" in params and params["type"] != params["rope_type"]:
+        raise _fail(f"{name}.type", params["type"], f"it differs from {name}.rope_type; keep one of the two")
+    kind = params.get("rope_type", params.get("type")) or "default"
+    if kind not in _ROPE_KEYS:
+        raise _fail(f"{name}.rope_type", kind, "ds_megatron reproduces exactly the RoPE types "
+                    f"{', '.join(_ROPE_KEYS)}: convert a model with one of them")
+    for key in params:
+        if key not in _ROPE_KEYS[kind] + ("rope_type", "type", "rope_theta", "partial_rotary_factor"):
+            raise _fail(f"{name}.{key}", params[key], f"rope_type {kind!r} does not read it here: remove it if "
+                        "it does not change the model")
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return float(theta), float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    out: Dict[str, Any] = dict(
+        rotary_base=float(theta),
+        rotary_percent=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))))
+    if kind == "default":
+        return out
+
+    def need(key):
+        if params.get(key) is None:
+            raise _fail(f"{name}.{key}", params.get(key), f"rope_type {kind!r} needs it; set it")
+        return params[key]
+
+    def original() -> int:
+        # transformers falls back to max_position_embeddings when the key is absent
+        value = params.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(f"{name}.original_max_position_embeddings", value, "give the pretraining context length "
+                        "as an integer")
+        return value
+
+    out["rope_scaling_type"] = kind
+    if kind == "linear":
+        out["rope_scaling_factor"] = float(need("factor"))
+    elif kind == "llama3":
+        out.update(rope_scaling_factor=float(need("factor")), rope_low_freq_factor=float(need("low_freq_factor")),
+                   rope_high_freq_factor=float(need("high_freq_factor")), original_max_position_embeddings=original())
+    else:  # yarn
+        orig = original()
+        factor = params.get("factor")
+        if factor is None:  # transformers: the context extension itself
+            if not hf.get("max_position_embeddings"):
+                raise _fail(f"{name}.factor", None, "set the YaRN factor")
+            factor = hf["max_position_embeddings"] / orig
+        out.update(rope_scaling_factor=float(factor), original_max_position_embeddings=orig,
+                   # transformers reads `beta or default`: a 0 is the default too
+                   yarn_beta_fast=float(params.get("beta_fast") or 32.0),
+                   yarn_beta_slow=float(params.get("beta_slow") or 1.0),
+                   yarn_correction_range_round_to_int=bool(params.get("truncate", True)))
+        if params.get("attention_factor") is not None:
+            out["yarn_attention_factor"] = float(params["attention_factor"])
+        elif params.get("mscale") and params.get("mscale_all_dim"):
+            out.update(yarn_mscale=float(params["mscale"]), yarn_mscale_all_dim=float(params["mscale_all_dim"]))
+        # else transformers uses 0.1 ln(factor) + 1 (mscale alone is ignored): our defaults 1 and 0
+    return out
+
+
+def _rope_parameters(model: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``rope_parameters`` of ``config.json`` for our model section (the way back of ``_rope``)."""
+    g = GPTConfig(**model)
+    out: Dict[str, Any] = {"rope_type": g.rope_scaling_type or "default", "rope_theta": float(g.rotary_base)}
+    kind = g.rope_scaling_type
+    if kind is not None:
+        out["factor"] = g.rope_scaling_factor
+    if kind in ("llama3", "yarn"):
+        out["original_max_position_embeddings"] = g.original_max_position_embeddings
+    if kind == "llama3":
+        out.update(low_freq_factor=g.rope_low_freq_factor, high_freq_factor=g.rope_high_freq_factor)
+    if kind == "yarn":
+        out.update(beta_fast=g.yarn_beta_fast, beta_slow=g.yarn_beta_slow)
+        if not g.yarn_correction_range_round_to_int:
+            out["truncate"] = False
+        if g.yarn_attention_factor is not None:
+            out["attention_factor"] = g.yarn_attention_factor
+        elif (g.yarn_mscale, g.yarn_mscale_all_dim) != (1.0, 0.0):
+            # transformers reads them only both non-zero; other pairs come back different and are refused
+            out.update(mscale=g.yarn_mscale, mscale_all_dim=g.yarn_mscale_all_dim)
+    return out
 
 
 def model_from_hf(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
@@ -81,12 +172,12 @@ def model_from_hf(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
         raise _fail("router_jitter_noise", hf["router_jitter_noise"], "set it to 0 (training noise not implemented)")
     if any(t != "full_attention" for t in hf.get("layer_types") or []):
         raise _fail("layer_types", hf["layer_types"], "only full attention in every layer is supported")
-    theta, rotary_percent = _rope(hf)
+    rope = _rope(hf)
     h, n = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or h // n
     seq_length = hf.get("max_position_embeddings", 2048)
     window = hf.get("sliding_window")
-    if family == "qwen2" or family in MOE_FAMILIES and "use_sliding_window" in hf:
+    if family in ("qwen2", "qwen3") or family in MOE_FAMILIES and "use_sliding_window" in hf:
         window = window if hf.get("use_sliding_window") else None
     if window:
         # Full causal attention equals sliding-window attention on sequences no longer than the window.
@@ -100,8 +191,12 @@ def model_from_hf(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
         bias_linear, qkv_bias = False, True
     elif family == "qwen2_moe":
         bias_linear, qkv_bias = False, bool(hf.get("qkv_bias", True))
-    elif family == "qwen3_moe":
-        bias_linear, qkv_bias = False, bool(hf.get("attention_bias", False))
+    elif family in ("qwen3", "qwen3_moe"):
+        if hf.get("attention_bias"):
+            # Qwen3 biases q, k, v and o_proj but not the MLP: add_bias_linear would bias the MLP too
+            raise _fail("attention_bias", hf["attention_bias"], f"{family} with attention_bias biases o_proj without "
+                        "the MLP, which ds_megatron does not express: convert a model with attention_bias false")
+        bias_linear, qkv_bias = False, False
     else:
         bias_linear, qkv_bias = False, False
     model: Dict[str, Any] = dict(
@@ -110,11 +205,11 @@ def model_from_hf(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
         kv_channels=head_dim if head_dim * n != h else None, ffn_hidden_size=hf["intermediate_size"],
         seq_length=seq_length, vocab_size=hf["vocab_size"], hidden_dropout=0.0,
         attention_dropout=float(hf.get("attention_dropout", 0.0)), init_method_std=hf.get("initializer_range", 0.02),
-        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), position_embedding_type="rope", rotary_base=theta,
-        rotary_percent=rotary_percent, normalization="RMSNorm", gated_linear_unit=True,
+        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), position_embedding_type="rope", **rope,
+        normalization="RMSNorm", gated_linear_unit=True,
         activation=hf["hidden_act"], add_bias_linear=bias_linear, add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        qk_layernorm=family == "qwen3_moe")
+        qk_layernorm=family in ("qwen3", "qwen3_moe"))
     if family in MOE_FAMILIES:
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise _fail("decoder_sparse_step", hf.get("decoder_sparse_step"), "only models whose every layer is MoE "
@@ -162,8 +257,8 @@ def hf_from_model(family: str, model: Dict[str, Any], base: Dict[str, Any]) -> D
 
 
 # Families a job trained from scratch may be exported as (train.export_hf_family): the dense ones.
-EXPORT_FAMILIES = ("llama", "mistral", "qwen2")
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+EXPORT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Model fields that are training settings, not the architecture: never compared.
 RUNTIME_FIELDS = ("seq_length", "hidden_dropout", "attention_dropout", "sequence_parallel", "recompute_granularity",
                   "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
@@ -190,15 +285,17 @@ def hf_config_from_model(family: str, model: Dict[str, Any], field: str = "train
         "num_key_value_heads": model.get("num_query_groups") or n,
         "head_dim": model.get("kv_channels") or h // n, "max_position_embeddings": model["seq_length"],
         "rms_norm_eps": model.get("norm_epsilon", 1e-5), "hidden_act": model.get("activation", "gelu"),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(model.get("rotary_base", 10000.0))},
+        "rope_parameters": _rope_parameters(model),
         "tie_word_embeddings": not model.get("untie_embeddings_and_output_weights", False),
         "initializer_range": model.get("init_method_std", 0.02), "attention_dropout": 0.0,
     }
     if family == "llama":
         bias = bool(model.get("add_bias_linear", True))
         hf.update(attention_bias=bias, mlp_bias=bias)
-    if family in ("mistral", "qwen2"):
+    if family in ("mistral", "qwen2", "qwen3"):
         hf["sliding_window"] = None
+    if family == "qwen3":
+        hf["attention_bias"] = False
     if eos_token_id is not None:
         hf["eos_token_id"] = eos_token_id
     if model.get("rotary_percent", 1.0) != 1.0:

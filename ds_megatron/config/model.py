@@ -5,7 +5,7 @@ widths divisible by TP, experts by EP, ...): the one place these rules live.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 from ..errors import ConfigError
@@ -66,6 +66,23 @@ class GPTConfig:
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # the fraction of each head's channels RoPE rotates (the first ones)
+    # RoPE scaling, each type's inverse frequencies as transformers computes them (transformer/rotary.py):
+    # None | "llama3" (Llama 3.1+) | "yarn" | "linear" (position interpolation).
+    rope_scaling_type: Optional[str] = None
+    use_rope_scaling: bool = False  # Megatron-LM's switch for Llama 3.x's scaling: rope_scaling_type "llama3"
+    rope_scaling_factor: float = 8.0  # every type's factor (Megatron-LM's name and Llama 3.1's value)
+    # llama3: Megatron-LM hard-codes 1, 4 and 8192; yarn reads original_max_position_embeddings too
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    # yarn (megatron-core's GPT names); cos and sin are multiplied by yarn_attention_factor, or when it is null by
+    # (0.1 ln(s) yarn_mscale + 1) / (0.1 ln(s) yarn_mscale_all_dim + 1) (s = rope_scaling_factor; 1 if s <= 1)
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_attention_factor: Optional[float] = None  # transformers' rope_parameters.attention_factor
+    yarn_correction_range_round_to_int: bool = True  # transformers' rope_parameters.truncate
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
     gated_linear_unit: bool = False  # fc1 -> [gate; up], act(gate) * up (SwiGLU with activation "silu")
     activation: str = "gelu"  # gelu | silu
@@ -120,6 +137,7 @@ class GPTConfig:
             raise ConfigError(f"model.recompute_granularity={self.recompute_granularity!r} is not supported; "
                               "use \"full\" or null")
         self._check_architecture()
+        self._check_rope_scaling()
         if self.recompute_granularity and self.num_experts:
             # The MoE layer keeps its routing losses from the forward; a recomputed forward would replace them.
             raise ConfigError("model.recompute_granularity is set together with model.num_experts; activation "
@@ -182,6 +200,64 @@ class GPTConfig:
                 raise ConfigError(f"model.rotary_percent={self.rotary_percent} of head_dim={self.head_dim} rotates "
                                   f"{self.rotary_dim} channels; RoPE rotates pairs: choose sizes that make "
                                   "head_dim * rotary_percent an even number >= 2")
+
+    # RoPE scaling: which fields each type reads (a field set for a type that ignores it is refused).
+    _ROPE_SCALING_FIELDS = {
+        "rope_scaling_factor": ("llama3", "yarn", "linear"),
+        "rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": ("llama3",),
+        "original_max_position_embeddings": ("llama3", "yarn"),
+        "yarn_beta_fast": ("yarn",), "yarn_beta_slow": ("yarn",), "yarn_mscale": ("yarn",),
+        "yarn_mscale_all_dim": ("yarn",), "yarn_attention_factor": ("yarn",),
+        "yarn_correction_range_round_to_int": ("yarn",),
+    }
+
+    def _check_rope_scaling(self) -> None:
+        types = (None, "llama3", "yarn", "linear")
+        if self.rope_scaling_type not in types:
+            raise ConfigError(f"model.rope_scaling_type={self.rope_scaling_type!r} is unknown; use one of null, "
+                              "\"llama3\", \"yarn\", \"linear\"")
+        if self.use_rope_scaling:
+            if self.rope_scaling_type not in (None, "llama3"):
+                raise ConfigError(f"model.use_rope_scaling is true (Llama 3.x's scaling) but model.rope_scaling_type="
+                                  f"{self.rope_scaling_type!r}; set only rope_scaling_type")
+            self.rope_scaling_type = "llama3"
+        self.use_rope_scaling = self.rope_scaling_type == "llama3"  # both names read the same afterwards
+        kind = self.rope_scaling_type
+        if kind is not None and self.position_embedding_type != "rope":
+            raise ConfigError(f"model.rope_scaling_type={kind!r} but model.position_embedding_type="
+                              f"{self.position_embedding_type!r}; RoPE scaling needs position_embedding_type \"rope\"")
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, readers in self._ROPE_SCALING_FIELDS.items():
+            if kind not in readers and getattr(self, name) != defaults[name]:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} is only read with model.rope_scaling_type in "
+                                  f"{', '.join(readers)} (it is {kind!r}); remove it or set rope_scaling_type")
+        if kind is None:
+            return
+        positive = ["rope_scaling_factor"]
+        positive += {"llama3": ["rope_low_freq_factor", "rope_high_freq_factor"],
+                     "yarn": ["yarn_beta_fast", "yarn_beta_slow"]}.get(kind, [])
+        for name in positive:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"model.{name} must be a number > 0 with rope_scaling_type {kind!r}, got {v!r}")
+        if kind in ("llama3", "yarn"):
+            v = self.original_max_position_embeddings
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"model.original_max_position_embeddings must be a positive integer (the "
+                                  f"pretraining context of rope_scaling_type {kind!r}), got {v!r}")
+        if kind == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor={self.rope_high_freq_factor} must exceed "
+                              f"model.rope_low_freq_factor={self.rope_low_freq_factor}: llama3 scaling blends the "
+                              "frequencies between the two; raise rope_high_freq_factor")
+        if kind == "yarn":
+            for name in ("yarn_mscale", "yarn_mscale_all_dim"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ConfigError(f"model.{name} must be a number, got {v!r}")
+            v = self.yarn_attention_factor
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ConfigError(f"model.yarn_attention_factor must be a number > 0 or null (derived from "
+                                  f"yarn_mscale / yarn_mscale_all_dim), got {v!r}")
 
     # MoE
     def _check_moe(self) -> None:

@@ -110,8 +110,7 @@ class ParallelAttention(torch.nn.Module):
                 # Shared by all heads, each TP rank sees only its heads: the gradient is a partial sum over TP.
                 mark_sequence_parallel(self.q_layernorm)
                 mark_sequence_parallel(self.k_layernorm)
-        self.rotary = (RotaryEmbedding(config.rotary_dim, config.rotary_base)
-                       if config.position_embedding_type == "rope" else None)
+        self.rotary = RotaryEmbedding.from_config(config) if config.position_embedding_type == "rope" else None
         self.dense = RowParallelLinear(n * d, h, tp=tp, bias=config.add_bias_linear, input_is_parallel=True,
                                        init_method=output_init_method, sequence_parallel=config.sequence_parallel)
 

@@ -21,16 +21,20 @@ def _tensors(directory):
     return out
 
 
-@pytest.mark.parametrize("family,layout,dtype", [
-    ("llama", dict(tp=2, pp=2), torch.float32), ("mistral", dict(tp=4), torch.bfloat16),
-    ("qwen2", dict(tp=2, pp=2), torch.float32), ("mixtral", dict(tp=2, ep=2, etp=1), torch.bfloat16),
-    ("qwen2_moe", dict(tp=4, pp=2, ep=2), torch.float32), ("qwen3_moe", dict(tp=4, ep=4), torch.float32)])
-def test_round_trip_is_bit_exact(tmp_path, family, layout, dtype):
-    model = hf_models.make_model(family, dtype=dtype)
+@pytest.mark.parametrize("family,layout,dtype,rope", [
+    ("llama", dict(tp=2, pp=2), torch.float32, None), ("mistral", dict(tp=4), torch.bfloat16, None),
+    ("qwen2", dict(tp=2, pp=2), torch.float32, None), ("mixtral", dict(tp=2, ep=2, etp=1), torch.bfloat16, None),
+    ("qwen2_moe", dict(tp=4, pp=2, ep=2), torch.float32, None), ("qwen3_moe", dict(tp=4, ep=4), torch.float32, None),
+    ("qwen3", dict(tp=2, pp=2), torch.bfloat16, "yarn_mscale"), ("llama", dict(pp=2), torch.float32, "llama3")])
+def test_round_trip_is_bit_exact(tmp_path, family, layout, dtype, rope):
+    model = hf_models.make_model(family, dtype=dtype, rope=rope)
     src = hf_models.save(model, str(tmp_path / "hf"))
     args = [f"--{k}={v}" for k, v in layout.items()]
     assert cli_main(["convert", src, str(tmp_path / "ours"), *args]) == 0
     assert os.path.isfile(tmp_path / "ours" / METADATA)
+    if rope is not None:  # our model section holds the scaling (config.json must come back with it, below)
+        model_section = json.load(open(tmp_path / "ours" / METADATA))["model"]
+        assert model_section["rope_scaling_type"] == hf_models.ROPE_SCALINGS[rope]["rope_type"]
     assert cli_main(["convert", str(tmp_path / "ours"), str(tmp_path / "back")]) == 0
     before, after = _tensors(src), _tensors(tmp_path / "back")
     assert sorted(before) == sorted(after)
@@ -69,9 +73,9 @@ def _fails(src, dst, match, **layout):
 def test_unsupported_config_is_refused(tmp_path, llama_dir):
     src = _copy(llama_dir, str(tmp_path / "scaled"))
     cfg = json.load(open(os.path.join(src, "config.json")))
-    cfg["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
-    _fails(src, str(tmp_path / "out"), "config.json: rope_parameters.rope_type='linear' is not supported")
+    _fails(src, str(tmp_path / "out"), "config.json: rope_parameters.rope_type='dynamic' is not supported")
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     cfg["architectures"] = ["GPT2LMHeadModel"]
     json.dump(cfg, open(os.path.join(src, "config.json"), "w"))

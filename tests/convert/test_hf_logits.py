@@ -1,5 +1,7 @@
 """Models imported from Hugging Face give transformers' logits (float64, 1e-10) at TP=1/2/4, SP, PP=2 and EP=2.
 
+Every family at every layout with plain RoPE; RoPE scaling (llama3, yarn, linear) at a few layouts each.
+
 Each rank builds our model from the converted config and loads its own shards,
 either straight from the Hugging Face directory (converted on the fly, as
 ``load_hf`` does in a job) or from a directory ``ds-megatron convert`` wrote at
@@ -82,6 +84,31 @@ def test_logits_equal_transformers(tmp_path, family, tp, pp, ep, sp, via):
         err = hf_models.max_relative_error(got, ref)
         print(f"max relative logits error {family} tp={tp} pp={pp} ep={ep} sp={sp} via {via}: {err:.1e}")
         assert err < 1e-10, (family, tp, pp, ep, sp, err)
+
+
+# family, hf_models.ROPE_SCALINGS key, layout: each type at a few layouts, not the cross product
+ROPE_CASES = [
+    ("llama", "llama3", (2, 1, 1, True, "hf")), ("llama", "llama3", (1, 2, 1, False, "ours")),
+    ("llama", "yarn", (4, 1, 1, False, "hf")), ("llama", "linear", (2, 2, 1, False, "hf")),
+    ("qwen3", "yarn", (2, 1, 1, True, "ours")), ("qwen3", "yarn_mscale", (4, 1, 1, True, "hf")),
+    ("qwen3", "llama3", (1, 1, 1, False, "hf")), ("qwen2", "yarn", (2, 2, 1, False, "ours")),
+    ("qwen3_moe", "yarn", (1, 1, 2, False, "hf")),
+]
+
+
+@pytest.mark.parametrize("family,rope,layout", ROPE_CASES,
+                         ids=[f"{f}-{r}-tp{t}-pp{p}-ep{e}{'-sp' if s else ''}-{v}" for f, r, (t, p, e, s, v) in ROPE_CASES])
+def test_scaled_rope_logits_equal_transformers(tmp_path, family, rope, layout):
+    tp, pp, ep, sp, via = layout
+    model = hf_models.make_model(family, rope=rope)
+    hf_dir = hf_models.save(model, str(tmp_path / "hf"))
+    toks = hf_models.tokens()
+    ref = hf_models.reference_logits(model, toks)
+    path = hf_dir if via == "hf" else hf_to_ours(hf_dir, str(tmp_path / "ours"), tp=tp, pp=pp, ep=ep)
+    results = [r for r in run_on_ranks(WORLD, _our_logits, path, hf_dir, tp, pp, ep, sp, toks) if r is not None]
+    assert results
+    for got in results:
+        assert hf_models.max_relative_error(got, ref) < 1e-10, (family, rope, layout)
 
 
 def test_tied_embeddings_through_the_pipeline(tmp_path):
