@@ -123,6 +123,10 @@ def check_supported(engine) -> None:
         raise CheckpointFormatError("megatron.train.ckpt_format \"torch_dist\" needs ds_megatron's optimizer path "
                                     f"(got {type(engine.optimizer).__name__}); set megatron.optimizer_impl "
                                     "\"megatron\" without a DeepSpeed optimizer section, or ckpt_format \"deepspeed\"")
+    if getattr(module.config, "moe_router_enable_expert_bias", False) and module.config.num_experts:
+        raise CheckpointFormatError("megatron.train.ckpt_format \"torch_dist\" saves parameters, not the routers' "
+                                    "expert_bias buffers (model.moe_router_enable_expert_bias); use ckpt_format "
+                                    "\"deepspeed\"")
     _param_shards(module, engine.megatron.state)
 
 

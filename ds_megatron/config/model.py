@@ -101,6 +101,14 @@ class GPTConfig:
     moe_layer_freq: int = 1  # every k-th layer (0, k, 2k, ...) is an MoE layer
     moe_router_score_function: str = "softmax"  # softmax | sigmoid
     moe_router_pre_softmax: bool = False  # softmax before top-k instead of over the chosen k
+    # DeepSeek-V3 routing (Megatron-core's names; ds_megatron/moe/router.py)
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (sigmoid scores only)
+    moe_router_bias_update_rate: float = 1e-3  # the expert bias's step per optimizer step
+    moe_router_num_groups: Optional[int] = None  # group-limited top-k: experts in this many groups ...
+    moe_router_group_topk: Optional[int] = None  # ... of which this many are kept per token
+    moe_router_topk_scaling_factor: Optional[float] = None  # the chosen weights x this
+    moe_router_dtype: Optional[str] = None  # null (the activations') | fp32 | fp64: the router's logits and scores
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
     moe_capacity_factor: Optional[float] = None  # None: no token dropping
@@ -289,6 +297,50 @@ class GPTConfig:
         if self.moe_pad_expert_input_to_capacity and self.moe_capacity_factor is None:
             raise ConfigError("model.moe_pad_expert_input_to_capacity is true but model.moe_capacity_factor is null; "
                               "padding fills experts to their capacity: set a capacity factor or turn padding off")
+        self._check_moe_router()
+
+    def _check_moe_router(self) -> None:
+        choices = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+                   "moe_router_dtype": (None, "fp32", "fp64")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} is unknown; use one of "
+                                  f"{', '.join('null' if a is None else a for a in allowed)}")
+        if self.moe_router_load_balancing_type == "none" and self.moe_aux_loss_coeff:
+            raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} with "
+                              "model.moe_router_load_balancing_type \"none\" (no balancing loss); set the coeff to 0 "
+                              "or choose a loss type")
+        if self.moe_router_enable_expert_bias:
+            if self.moe_router_score_function != "sigmoid":
+                raise ConfigError("model.moe_router_enable_expert_bias needs model.moe_router_score_function "
+                                  f"\"sigmoid\" (it is {self.moe_router_score_function!r}, which Megatron refuses too)")
+            v = self.moe_router_bias_update_rate
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ConfigError(f"model.moe_router_bias_update_rate must be a number > 0, got {v!r}")
+        v = self.moe_router_topk_scaling_factor
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            raise ConfigError(f"model.moe_router_topk_scaling_factor must be a number > 0 or null, got {v!r}")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ConfigError("model.moe_router_num_groups and model.moe_router_group_topk go together (group-limited "
+                              "top-k): set both or neither")
+        if groups is None:
+            return
+        for name in ("moe_router_num_groups", "moe_router_group_topk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"model.{name} must be a positive integer or null, got {v!r}")
+        if self.num_experts % groups:
+            raise ConfigError(f"model.num_experts={self.num_experts} is not divisible by model.moe_router_num_groups="
+                              f"{groups}; the groups are equal: choose a divisor")
+        if group_topk > groups:
+            raise ConfigError(f"model.moe_router_group_topk={group_topk} is larger than model.moe_router_num_groups="
+                              f"{groups}; lower it")
+        k, per_group = self.moe_router_topk, self.num_experts // groups
+        if not group_topk <= k <= group_topk * per_group:
+            # a group scores its best topk // group_topk experts (0 would be none), and the kept groups need k experts
+            raise ConfigError(f"model.moe_router_topk={k} must be in [moe_router_group_topk, moe_router_group_topk x "
+                              f"experts per group] = [{group_topk}, {group_topk * per_group}]; change topk or the groups")
 
     def is_moe_layer(self, layer_index: int) -> bool:
         """Whether layer ``layer_index`` (0-based) uses an MoE MLP (Megatron's integer moe_layer_freq)."""
@@ -324,10 +376,6 @@ class GPTConfig:
         if self.attention_dropout > 0:
             raise ConfigError(f"model.attention_dropout={self.attention_dropout} with context_parallel_size={cp}: the "
                               "context-parallel attention has no dropout; set model.attention_dropout to 0")
-        if self.num_experts and (self.moe_aux_loss_coeff or self.moe_z_loss_coeff):
-            raise ConfigError(f"model.moe_aux_loss_coeff / moe_z_loss_coeff with context_parallel_size={cp}: the "
-                              "routing losses are not yet computed over the whole context-parallel sequence; set "
-                              "both to 0 or context_parallel_size to 1")
 
     def check_tensor_parallel(self, tp: int) -> None:
         for name in ("num_attention_heads", "ffn_hidden_size"):

@@ -19,6 +19,10 @@ gradient, in this order:
    each copy sits alone in its bucket, whose shards are then the same slice of
    the weight on both stages, so the reduced shard is summed with its peer.
 
+4. the aux-loss-free expert bias of every router that has one moves once, from the step's token counts
+   summed over the ranks routing for the same experts (``moe.router.update_expert_bias``: the
+   sequence group, then dp), Megatron's place for it.
+
 The Megatron optimizer wrappers call it at the start of ``step()``, the one
 point of a DeepSpeed loop that every rank reaches once per accumulation window.
 It runs once per window: a second call (a loop that wants the reduced
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..moe.router import expert_bias_routers, update_expert_bias
 from ..parallel_state import ParallelState
 from ..tensor_parallel.params import allreduce_tp_partial_grads, grad_of, tp_partial_params
 from ..utils.collectives import all_reduce
@@ -46,5 +51,6 @@ def finalize_model_grads(model_chunks: Sequence[DistributedDataParallel], parall
                 if getattr(p, "shared_embedding", False) and grad_of(p) is not None]
         for p in tied:  # only first and last stage hold them, and those are in the embedding group
             all_reduce(grad_of(p), parallel_state["embedding"])
+    update_expert_bias(expert_bias_routers(chunk.module for chunk in chunks))
     for chunk in chunks:
         chunk.grads_finalized = True

@@ -139,14 +139,22 @@ class MoELayer(BaseMoELayer):
         # give each TP rank its slice for the experts (distinct tokens across the EP group).
         self.scatter_tokens = self.tp.size > 1 and not self.sequence_parallel
 
+        # The router sees its part of each sequence: split over tp (sequence parallelism) and cp.  Dense
+        # gradients are averaged over dp-cp, so its losses' gradients are scaled by cp (as the LM loss's are).
+        seq_group = (state["tp-cp"] if self.sequence_parallel else state.cp)
         self.router = TopKRouter(
             config.hidden_size, config.num_experts, config.moe_router_topk,
             score_function=config.moe_router_score_function, pre_softmax=config.moe_router_pre_softmax,
             aux_loss_coeff=config.moe_aux_loss_coeff, z_loss_coeff=config.moe_z_loss_coeff,
             capacity_factor=config.moe_capacity_factor, drop_policy=config.moe_token_drop_policy,
             pad_to_capacity=config.moe_pad_expert_input_to_capacity,
-            tp_cp=self.tp if self.sequence_parallel else None, sequence_parallel=self.sequence_parallel,
-            init_method=init_method, layer_number=layer_number, aux_loss_tracker=aux_loss_tracker)
+            tp_cp=seq_group, sequence_parallel=self.sequence_parallel,
+            init_method=init_method, layer_number=layer_number, aux_loss_tracker=aux_loss_tracker,
+            load_balancing_type=config.moe_router_load_balancing_type,
+            enable_expert_bias=config.moe_router_enable_expert_bias,
+            bias_update_rate=config.moe_router_bias_update_rate, num_groups=config.moe_router_num_groups,
+            group_topk=config.moe_router_group_topk, topk_scaling_factor=config.moe_router_topk_scaling_factor,
+            router_dtype=config.moe_router_dtype, dp=state.dp, grad_scale=state.cp.size)
         experts_cls = experts_class(config.moe_grouped_gemm)
         self.experts = experts_cls(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size,
                                    ep=state.ep, etp=state.etp, init_method=init_method,

@@ -4,14 +4,34 @@ For tokens ``x [T, h]`` the router computes ``logits = x W^T`` (``W [E, h]``,
 replicated, drawn from the default RNG so it is the same for every parallel
 layout) and returns Megatron's pair:
 
-* ``probs [T, E]``: the weight of each chosen expert (0 elsewhere);
+* ``probs [T, E]``: the weight of each chosen expert (0 elsewhere), in the activations' dtype;
 * ``routing_map [T, E]`` (bool): which experts each token is sent to.
+
+``router_dtype`` (Megatron's ``moe_router_dtype``: None, fp32 or fp64): the logits,
+scores and routing losses are computed in that dtype; the probs go back to the
+activations' dtype for the experts.
 
 Scores: ``softmax`` after top-k (Megatron's default: softmax over the k chosen
 logits), ``softmax`` before top-k (``pre_softmax``), or ``sigmoid`` (chosen
-scores renormalized to sum to 1 when k > 1).  Ties are broken towards the
-lower expert index (a stable sort, not ``torch.topk``, whose order for equal
-values is unspecified), so every rank and every run routes identically.
+scores renormalized to sum to 1 when k > 1).  ``topk_scaling_factor``
+multiplies the chosen weights afterwards (Megatron's order).  Ties are broken
+towards the lower expert index (a stable sort, not ``torch.topk``, whose order
+for equal values is unspecified), so every rank and every run routes identically.
+
+DeepSeek-V3 routing (Megatron-core's names):
+
+* group-limited top-k (``num_groups`` G, ``group_topk``): the experts form G
+  contiguous groups; a group's score is the sum of its best ``topk // group_topk``
+  selection scores; the ``group_topk`` best groups stay and the top-k is taken
+  among their experts (the others masked to -inf);
+* expert bias (``enable_expert_bias``, aux-loss-free balancing): the selection
+  (groups and top-k) uses ``scores + expert_bias``, the weights the scores
+  alone.  ``expert_bias [E]`` is an fp32 buffer (in the state dict, kept fp32
+  when the model is cast); training forwards add their routed tokens to
+  ``local_tokens_per_expert`` (not checkpointed) and ``update_expert_bias``
+  (called once per optimizer step by ``finalize_model_grads``) sums them over
+  the ranks routing for these experts and moves the bias by
+  ``rate * sign(mean - count)``.
 
 Capacity (``capacity_factor``): each expert keeps at most
 ``ceil(T * k / E * capacity_factor)`` tokens; the rest are dropped (their
@@ -20,28 +40,45 @@ weights, ``"position"`` the earliest tokens; ties go to the earlier token.
 ``pad_to_capacity`` fills every expert to exactly its capacity with
 zero-weight tokens (fixed shapes for the dispatch).
 
-Losses (added to the model's loss and recorded in an ``MoEAuxLossTracker``):
+Losses (added to the model's loss and recorded in an ``MoEAuxLossTracker``).
+``score`` is the softmax (or normalized sigmoid) over all experts, and the
+counts come from the top-k of these scores (no bias, no groups, no dropping:
+Megatron's ``compute_routing_scores_for_aux_loss``):
 
-* load balancing (Switch/GShard), over the whole sequence::
+* ``load_balancing_type "aux_loss"`` (Switch/GShard), over the micro-batch::
 
       aux = coeff * E / (k * N^2) * sum_e (sum_t score_te) * tokens_e
 
-  with ``N`` the sequence's token count, ``score`` the softmax (or normalized
-  sigmoid) over all experts, ``tokens_e`` the tokens routed to expert e.
-  Under sequence parallelism each TP rank routes its own slice of the
-  sequence: ``tokens_e`` is summed over ``tp_cp`` and ``N`` counts
-  every slice, as Megatron does, so the sum over TP ranks of the local terms
-  is the loss of the whole sequence;
-* z-loss: ``coeff * mean_t logsumexp(logits_t)^2`` over the whole sequence.
+  with ``N`` the tokens of the micro-batch (every sequence part), ``tokens_e``
+  the tokens routed to expert e;
+* ``"seq_aux_loss"`` (DeepSeek-V3's sequence-wise loss), per sequence b of the
+  micro-batch (tokens laid out ``[s, b]``)::
 
-Each local term's gradient is the gradient of that rank's share; the value
-returned is the whole-sequence loss on every TP rank (``_whole_sequence``),
-so the logged loss is the same everywhere.
+      seq_aux = coeff * mean_b sum_e (E / (k * S) * tokens_be) * (1 / S * sum_{t in b} score_te)
+
+  with ``S`` the sequence length (every part);
+* ``"global_aux_loss"``: ``aux`` with ``tokens_e`` and ``N`` over the global
+  micro-batch (also summed over data parallelism); each micro-batch on its own
+  (Megatron also averages the counts over the step's micro-batches so far; we
+  do not);
+* ``"none"``: no balancing loss (a coefficient with it is refused by the config);
+* z-loss: ``coeff * mean_t logsumexp(logits_t)^2`` over the micro-batch.
+
+Sequence parts (``seq_group``): under sequence parallelism each TP rank routes
+its slice of the sequence, under context parallelism each CP rank its chunks;
+the counts are summed over that group and ``N`` / ``S`` count every part, as
+Megatron does, so the sum over the group of the local terms is the loss of the
+whole sequence.  Each local term's gradient is ``grad_scale`` (the CP size, and
+x DP for the global loss) times the gradient of that rank's share: dense
+gradients are averaged over dp-cp, as the LM loss compensates with ``x cp``, so
+the reduced gradient is the gradient of the whole loss.  The value returned is
+the whole loss on every rank of the group (``_whole_sequence``), so the logged
+loss is the same everywhere.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,6 +89,8 @@ from .aux_loss_tracker import MoEAuxLossTracker
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
 
 def _softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -65,6 +104,20 @@ def stable_topk(scores: torch.Tensor, k: int, dim: int = -1) -> Tuple[torch.Tens
     """``torch.topk`` with ties broken towards the lower index (deterministic)."""
     values, indices = torch.sort(scores, dim=dim, descending=True, stable=True)
     return values.narrow(dim, 0, k), indices.narrow(dim, 0, k)
+
+
+def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int,
+                       group_topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's group-limited ("node-limited") top-k of ``scores [T, E]``: keep the ``group_topk`` groups (of
+    ``E / num_groups`` contiguous experts) whose best ``k // group_topk`` scores sum highest, then the top-k of their
+    experts.  Ties go to the lower group / expert index."""
+    num_tokens, num_experts = scores.shape
+    grouped = scores.reshape(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = stable_topk(grouped, k // group_topk)[0].sum(dim=-1)
+    kept = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=scores.device)
+    kept = kept.scatter(1, stable_topk(group_scores, group_topk)[1], True)
+    allowed = kept.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+    return stable_topk(scores.masked_fill(~allowed, float("-inf")), k)
 
 
 def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
@@ -101,45 +154,67 @@ def switch_load_balancing_loss_func(scores: torch.Tensor, tokens_per_expert: tor
         num_experts * coeff / (topk * total_num_tokens * total_num_tokens))
 
 
+def sequence_load_balancing_loss_func(scores: torch.Tensor, routing_map: torch.Tensor, batch_size: int,
+                                      seq_group: "ParallelGroup", topk: int, coeff: float) -> torch.Tensor:
+    """This rank's share of DeepSeek-V3's sequence-wise loss (see the module docstring).
+
+    ``scores`` / ``routing_map`` ``[T_local, E]`` are this rank's tokens in ``[s_local, b]`` order; the sequences'
+    other parts are on the ranks of ``seq_group`` (their counts are summed here)."""
+    num_experts = scores.size(-1)
+    scores = scores.reshape(-1, batch_size, num_experts)
+    counts = routing_map.reshape(-1, batch_size, num_experts).sum(dim=0).to(torch.float32)  # [b, E]
+    all_reduce(counts, seq_group)
+    seq_length = scores.size(0) * seq_group.size
+    f = counts.to(scores.dtype) * (num_experts / (topk * seq_length))
+    p_share = scores.sum(dim=0) / seq_length  # [b, E]
+    return (f * p_share).sum(dim=-1).mean() * coeff
+
+
 def z_loss_func(logits: torch.Tensor, total_num_tokens: int, coeff: float) -> torch.Tensor:
     """This rank's share of ``coeff * mean(logsumexp(logits)^2)`` over ``total_num_tokens`` tokens."""
     return torch.square(torch.logsumexp(logits, dim=-1)).sum() * (coeff / total_num_tokens)
 
 
 class _WholeSequenceValue(torch.autograd.Function):
-    """Forward: the sum of ``local`` over ``group`` (the whole-sequence loss); backward: identity.
+    """Forward: the sum of ``local`` over ``groups`` (the whole loss); backward: ``grad_scale`` x the gradient.
 
-    Each rank's backward then yields the gradient of its own share; the
-    router weight's gradient is summed over the group afterwards (it is marked
-    ``sequence_parallel``), which gives the gradient of the whole loss once.
+    Each rank's backward yields ``grad_scale`` x the gradient of its own share; summed over TP (the router is
+    marked ``sequence_parallel`` under SP) and averaged over dp-cp by the gradient buffers, that is the gradient
+    of the whole loss once.
     """
 
     @staticmethod
-    def forward(ctx, local, group):
+    def forward(ctx, local, groups, grad_scale):
         total = local.detach().clone()
-        all_reduce(total, group)
+        for group in groups:
+            all_reduce(total, group)
+        ctx.grad_scale = grad_scale
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad * ctx.grad_scale, None, None
 
 
-def _whole_sequence(local: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
-    if group.size == 1:
+def _whole_sequence(local: torch.Tensor, groups: Sequence[ParallelGroup], grad_scale: float = 1.0) -> torch.Tensor:
+    groups = [g for g in groups if g.size > 1]
+    if not groups and grad_scale == 1.0:
         return local
-    return _WholeSequenceValue.apply(local, group)
+    return _WholeSequenceValue.apply(local, groups, grad_scale)
 
 
 class TopKRouter(torch.nn.Module):
-    """Top-k router with capacity, aux loss and z-loss; ``forward(x [T, h]) -> (probs, routing_map)``.
+    """Top-k router with capacity, routing losses and DeepSeek-V3's rules; ``forward(x) -> (probs, routing_map)``.
 
-    ``tp_cp``: the group the sequence is split over when this rank routes only
-    its slice of it (sequence parallelism); a group of one when it routes the
-    whole sequence.  After ``forward``, ``self.aux_losses`` holds the routing
-    losses of the last call by name (differentiable scalars, whole-sequence
-    values, already recorded in the tracker) and ``self.aux_loss`` their sum
-    (0 when off).
+    ``x``: ``[s, b, h]`` (or ``[T, h]``; ``seq_aux_loss`` needs the ``[s, b, h]`` form to find the sequences).
+    ``tp_cp`` (``seq_group``): the group the sequence is split over when this rank routes only its part of it
+    (sequence parallelism: ``tp`` or ``tp-cp``; context parallelism alone: ``cp``); a group of one when it
+    routes the whole sequence.  ``dp``: the data-parallel group (the global aux loss and the expert bias sum
+    their counts over it).  ``grad_scale``: the factor dense gradients are divided by beyond DP (the CP
+    size, see the module docstring).  After ``forward``, ``self.aux_losses`` holds the routing losses of the
+    last call by name (differentiable scalars, whole-sequence values, already recorded in the tracker) and
+    ``self.aux_loss`` their sum (0 when off).  The balancing loss is recorded as ``load_balancing_loss``
+    whatever its type.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, topk: int, *, score_function: str = "softmax",
@@ -148,7 +223,11 @@ class TopKRouter(torch.nn.Module):
                  tp_cp: Optional[ParallelGroup] = None, sequence_parallel: bool = False,
                  init_method: Optional[InitMethod] = None,
                  layer_number: int = 0, aux_loss_tracker: Optional[MoEAuxLossTracker] = None,
-                 params_dtype: torch.dtype = torch.float32):
+                 params_dtype: torch.dtype = torch.float32, load_balancing_type: str = "aux_loss",
+                 enable_expert_bias: bool = False, bias_update_rate: float = 1e-3,
+                 num_groups: Optional[int] = None, group_topk: Optional[int] = None,
+                 topk_scaling_factor: Optional[float] = None, router_dtype: Optional[str] = None,
+                 dp: Optional[ParallelGroup] = None, grad_scale: float = 1.0):
         super().__init__()
         if not 1 <= topk <= num_experts:
             raise ValueError(f"moe_router_topk={topk} must be in [1, num_experts={num_experts}]")
@@ -158,11 +237,30 @@ class TopKRouter(torch.nn.Module):
             raise ValueError(f"moe_token_drop_policy={drop_policy!r} is unknown; use one of {DROP_POLICIES}")
         if pad_to_capacity and capacity_factor is None:
             raise ValueError("moe_pad_expert_input_to_capacity needs moe_capacity_factor; set it or turn padding off")
+        if load_balancing_type not in LOAD_BALANCING_TYPES:
+            raise ValueError(f"moe_router_load_balancing_type={load_balancing_type!r} is unknown; use one of "
+                             f"{LOAD_BALANCING_TYPES}")
+        if router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"moe_router_dtype={router_dtype!r} is unknown; use null, \"fp32\" or \"fp64\"")
+        if enable_expert_bias and score_function != "sigmoid":
+            raise ValueError("moe_router_enable_expert_bias needs moe_router_score_function \"sigmoid\" (as Megatron)")
+        if (num_groups is None) != (group_topk is None):
+            raise ValueError("moe_router_num_groups and moe_router_group_topk go together: set both or neither")
+        if num_groups is not None and (num_experts % num_groups or not 1 <= group_topk <= num_groups
+                                       or not group_topk <= topk <= group_topk * (num_experts // num_groups)):
+            raise ValueError(f"moe_router_num_groups={num_groups} / moe_router_group_topk={group_topk} do not fit "
+                             f"num_experts={num_experts}, topk={topk}")
         self.num_experts, self.topk = num_experts, topk
         self.score_function, self.pre_softmax = score_function, pre_softmax
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
+        self.load_balancing_type = load_balancing_type
         self.capacity_factor, self.drop_policy, self.pad_to_capacity = capacity_factor, drop_policy, pad_to_capacity
+        self.num_groups, self.group_topk = num_groups, group_topk
+        self.topk_scaling_factor = topk_scaling_factor
+        self.router_dtype = ROUTER_DTYPES[router_dtype]
         self.tp_cp = tp_cp if tp_cp is not None else ParallelGroup.single("tp-cp")
+        self.dp = dp if dp is not None else ParallelGroup.single("dp")
+        self.grad_scale = float(grad_scale)
         self.layer_number = layer_number
         self.aux_loss_tracker = aux_loss_tracker
         self.weight = torch.nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype))
@@ -173,54 +271,110 @@ class TopKRouter(torch.nn.Module):
         # Under sequence parallelism this rank sees only its tokens: the gradient is a partial
         # sum that the model adds up over TP (see GPTModel's sequence-parallel grad hook).
         self.weight.sequence_parallel = sequence_parallel
+        self.enable_expert_bias, self.bias_update_rate = enable_expert_bias, float(bias_update_rate)
+        if enable_expert_bias:
+            # Buffers, not parameters: no optimizer sees them.  The bias is checkpointed; the counts are per step.
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32),
+                                 persistent=False)
+        else:
+            self.expert_bias = self.local_tokens_per_expert = None
         self.aux_losses: Dict[str, torch.Tensor] = {}
         self.aux_loss: torch.Tensor = torch.zeros(())
 
+    def _apply(self, fn, *args, **kwargs):
+        # .half() / .bfloat16() / .double() cast buffers too: the bias and counts stay fp32 (Megatron's
+        # _maintain_float32_expert_bias), so 1e-3 steps are not rounded away and every rank adds the same.
+        super()._apply(fn, *args, **kwargs)
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            t = getattr(self, name)
+            if t is not None and t.dtype != torch.float32:
+                t.data = t.data.to(torch.float32)
+        return self
+
     def gating(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight.to(x.dtype))
+        dtype = self.router_dtype or x.dtype
+        return torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype))
 
     def _total_tokens(self, num_local: int) -> int:
         return num_local * self.tp_cp.size
 
-    def routing(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(probs, routing_map) from ``logits [T, E]``; records the routing losses in ``self.aux_loss``."""
+    def _select(self, selection: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' indices ``[T, k]`` by ``selection`` scores (group-limited when configured)."""
+        if self.num_groups is not None:
+            return group_limited_topk(selection, self.topk, self.num_groups, self.group_topk)[1]
+        return stable_topk(selection, self.topk)[1]
+
+    def routing(self, logits: torch.Tensor, batch_size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(probs, routing_map) from ``logits [T, E]`` (``T = s x b`` in [s, b] order); records the routing losses."""
         num_tokens, E, k = logits.size(0), self.num_experts, self.topk
         total_tokens = self._total_tokens(num_tokens)
+        training = self.training and torch.is_grad_enabled()
         losses: Dict[str, torch.Tensor] = {}
         if self.z_loss_coeff > 0 and self.training:
-            losses["z_loss"] = _whole_sequence(z_loss_func(logits, total_tokens, self.z_loss_coeff), self.tp_cp)
+            losses["z_loss"] = _whole_sequence(z_loss_func(logits, total_tokens, self.z_loss_coeff), [self.tp_cp],
+                                               self.grad_scale)
 
+        bias = None if self.expert_bias is None else self.expert_bias.to(logits.device)
         if self.score_function == "softmax":
             if self.pre_softmax:
                 scores = _softmax(logits)
-                top_probs, top_indices = stable_topk(scores, k)
+                top_indices = self._select(scores)
+                top_probs = scores.gather(1, top_indices)
             else:
-                top_logits, top_indices = stable_topk(logits, k)
-                top_probs = _softmax(top_logits)
+                top_indices = self._select(logits)
+                top_probs = _softmax(logits.gather(1, top_indices))
             scores_for_aux = _softmax(logits)
         else:
             scores = torch.sigmoid(logits)
-            top_probs, top_indices = stable_topk(scores, k)
+            # The bias picks the experts; the weights are the scores without it.
+            top_indices = self._select(scores if bias is None else scores + bias)
+            top_probs = scores.gather(1, top_indices)
             if k > 1:
                 top_probs = top_probs / (top_probs.sum(dim=-1, keepdim=True) + 1e-20)
             scores_for_aux = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.topk_scaling_factor is not None:
+            top_probs = top_probs * self.topk_scaling_factor
 
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_indices, True)
         routing_probs = torch.zeros_like(logits).scatter(1, top_indices, top_probs)
 
-        if self.aux_loss_coeff > 0 and self.training:
-            tokens_per_expert = routing_map.sum(dim=0)
-            all_reduce(tokens_per_expert, self.tp_cp)
-            losses["load_balancing_loss"] = _whole_sequence(switch_load_balancing_loss_func(
-                scores_for_aux, tokens_per_expert, total_tokens, k, E, self.aux_loss_coeff), self.tp_cp)
+        if self.aux_loss_coeff > 0 and self.training and self.load_balancing_type != "none":
+            losses["load_balancing_loss"] = self._balancing_loss(scores_for_aux, total_tokens, batch_size)
         self.set_aux_losses(losses, logits)
 
+        real_map = routing_map
         if self.capacity_factor is not None:
             capacity = get_capacity(num_tokens * k, E, self.capacity_factor)
             keep = capacity_mask(routing_probs.detach(), routing_map, capacity, self.drop_policy)
-            routing_map = keep if self.pad_to_capacity else routing_map & keep
+            real_map = routing_map & keep
+            routing_map = keep if self.pad_to_capacity else real_map
             routing_probs = routing_probs * routing_map.to(routing_probs.dtype)
+        if self.enable_expert_bias and training:
+            # The tokens the experts really get (padding slots are not load).
+            with torch.no_grad():
+                self.local_tokens_per_expert += real_map.sum(dim=0).to(torch.float32)
         return routing_probs, routing_map
+
+    def _balancing_loss(self, scores: torch.Tensor, total_tokens: int, batch_size: Optional[int]) -> torch.Tensor:
+        k, E, coeff = self.topk, self.num_experts, self.aux_loss_coeff
+        # Counts by Megatron's rule: the top-k of the unbiased scores over all experts.
+        loss_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, stable_topk(scores, k)[1], True)
+        if self.load_balancing_type == "seq_aux_loss":
+            if batch_size is None:
+                raise ValueError("moe_router_load_balancing_type \"seq_aux_loss\" needs the router input as "
+                                 "[s, b, h] to find the sequences")
+            local = sequence_load_balancing_loss_func(scores, loss_map, batch_size, self.tp_cp, k, coeff)
+            return _whole_sequence(local, [self.tp_cp], self.grad_scale)
+        groups = [self.tp_cp] + ([self.dp] if self.load_balancing_type == "global_aux_loss" else [])
+        tokens_per_expert = loss_map.sum(dim=0)
+        for group in groups:
+            all_reduce(tokens_per_expert, group)
+        total = total_tokens * math.prod(g.size for g in groups[1:])
+        # The global loss is summed over dp too, whose mean the gradient buffers take: x dp keeps its gradient.
+        grad_scale = self.grad_scale * math.prod(g.size for g in groups[1:])
+        local = switch_load_balancing_loss_func(scores, tokens_per_expert, total, k, E, coeff)
+        return _whole_sequence(local, groups, grad_scale)
 
     def set_aux_losses(self, losses: Dict[str, torch.Tensor], like: torch.Tensor) -> None:
         """Keep this forward's routing losses (and their sum) and record them in the tracker.
@@ -234,10 +388,45 @@ class TopKRouter(torch.nn.Module):
                 self.aux_loss_tracker.record(name, self.layer_number, value)
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, h]`` (or ``[s, b, h]``, flattened) -> ``(probs [T, E], routing_map [T, E])``."""
-        x = x.reshape(-1, x.size(-1))
-        return self.routing(self.gating(x))
+        """``x [s, b, h]`` (or ``[T, h]``) -> ``(probs [T, E], routing_map [T, E])``, probs in ``x``'s dtype."""
+        batch_size = x.size(1) if x.dim() == 3 else None
+        x2 = x.reshape(-1, x.size(-1))
+        probs, routing_map = self.routing(self.gating(x2), batch_size)
+        if self.aux_losses and self.router_dtype not in (None, x.dtype):
+            # The model adds these to its loss: in the activations' dtype, not promoted to the router's.
+            self.aux_losses = {name: value.to(x.dtype) for name, value in self.aux_losses.items()}
+            self.aux_loss = self.aux_loss.to(x.dtype)
+        return probs.to(x.dtype), routing_map
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, topk={self.topk}, score_function={self.score_function}, "
-                f"pre_softmax={self.pre_softmax}, capacity_factor={self.capacity_factor}")
+                f"pre_softmax={self.pre_softmax}, capacity_factor={self.capacity_factor}, "
+                f"load_balancing_type={self.load_balancing_type}, expert_bias={self.enable_expert_bias}, "
+                f"groups={self.num_groups}/{self.group_topk}")
+
+
+def update_expert_bias(routers: Iterable[TopKRouter]) -> None:
+    """One optimizer step's aux-loss-free update of every router with an expert bias (collective over the
+    routers' sequence and data-parallel groups; every rank of them calls it once per step).
+
+    The counts of the step's training forwards are summed over the ranks that route for the same experts
+    (the sequence group, then dp: two all-reduces for all layers), and in fp32
+    ``expert_bias += rate * sign(mean(counts) - counts)``; the counts restart from zero.
+    """
+    routers: List[TopKRouter] = [r for r in routers if r.enable_expert_bias]
+    if not routers:
+        return
+    with torch.no_grad():
+        counts = torch.stack([r.local_tokens_per_expert for r in routers])  # [layers, E], fp32
+        all_reduce(counts, routers[0].tp_cp)
+        all_reduce(counts, routers[0].dp)
+        step = torch.sign(counts.mean(dim=-1, keepdim=True) - counts)
+        for r, s in zip(routers, step):
+            r.expert_bias.add_(s * r.bias_update_rate)
+            r.local_tokens_per_expert.zero_()
+
+
+def expert_bias_routers(modules: Iterable[torch.nn.Module]) -> List[TopKRouter]:
+    """The routers with an expert bias inside ``modules`` (in module order, the same on every rank)."""
+    return [m for module in modules for m in module.modules()
+            if isinstance(m, TopKRouter) and m.enable_expert_bias]

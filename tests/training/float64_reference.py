@@ -3,7 +3,8 @@
 ``train(job, ...)`` trains fp32 / bf16 / fp16 params only (``FP32Optimizer`` wraps float32 params), so the
 layout-equivalence tests cannot run the job itself in float64.  ``train_float64(cfg)`` repeats, on one rank
 and without the engine, what the job does there, with the same pieces: ``build_model`` (the job's seed, so the
-same initial weights, cast exactly to float64), the same datasets (``build_datasets``) and loader,
+same initial weights, cast exactly to float64; an expert bias stays fp32 and moves once per step as the job's
+``finalize_model_grads`` moves it), the same datasets (``build_datasets``) and loader,
 ``get_param_groups`` + ``torch.optim.AdamW`` with the job's hyper-parameters, ``build_lr_scheduler``, gradient
 accumulation (each micro-batch's loss / gas), Megatron's clipping by the global norm (``max_norm / (norm + 1e-6)``
 when below 1) and the validation mean.
@@ -40,6 +41,7 @@ import torch
 
 from ds_megatron.config.job import load_job
 from ds_megatron.data.sampler import build_data_loader
+from ds_megatron.moe import expert_bias_routers, update_expert_bias
 from ds_megatron.optimizer import get_param_groups
 from ds_megatron.parallel_state import ParallelState
 from ds_megatron.training.build import build_datasets, build_model
@@ -61,8 +63,11 @@ def train_float64(cfg, dtype=torch.float64,
     """
     job = load_job(cfg, 1)
     tcfg, model_cfg = job.train, job.model
-    assert not (model_cfg.num_experts and (model_cfg.moe_aux_loss_coeff or model_cfg.moe_z_loss_coeff)), \
-        "routing losses (per micro-batch) are not reproduced here"
+    # The z-loss and the sequence-wise balancing loss are means over tokens / sequences, which the split keeps;
+    # the micro-batch-wide balancing losses are not.
+    assert not (model_cfg.num_experts and model_cfg.moe_aux_loss_coeff and split > 1
+                and model_cfg.moe_router_load_balancing_type in ("aux_loss", "global_aux_loss")), \
+        "a micro-batch-wide balancing loss changes when the micro-batch is split"
     assert "optimizer" not in job.ds_config and "scheduler" not in job.ds_config
     assert job.megatron.precision.params_dtype == "fp32" and not job.train.load_hf
     mbs = job.ds_config["train_micro_batch_size_per_gpu"]
@@ -98,6 +103,7 @@ def train_float64(cfg, dtype=torch.float64,
             (loss / (gas * split)).backward()
             total += float(loss.detach()) / (gas * split)
         losses[step + 1] = total
+        update_expert_bias(expert_bias_routers([model]))  # the job's finalize_model_grads does it here
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
         if clip > 0 and clip / (norm + 1e-6) < 1.0:  # Megatron's clip_coefficient

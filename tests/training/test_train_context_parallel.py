@@ -1,4 +1,5 @@
-"""Context parallelism through ``ds-megatron train``: CP=2 (alone, with TP=2 + SP, with PP=2, with MoE)
+"""Context parallelism through ``ds-megatron train``: CP=2 (alone, with TP=2 + SP, with PP=2, with MoE, with MoE
+routing losses and the expert bias)
 trains the CP=1 model on the same global batch: the same per-step and validation losses, the same final weights.
 
 The reference is the single-rank model; the final weights come from each run's last checkpoint, consolidated
@@ -113,6 +114,22 @@ def test_cp2_on_deepspeeds_optimizer_path_trains_the_cp1_model(tmp_path):
 def test_cp2_moe_ep2_trains_the_cp1_model(tmp_path):
     model = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32}
     _check_same_run(tmp_path, 2, {"cp": 2, "ep": 2}, model=model)
+
+
+# DeepSeek-V3 routing: sigmoid scores with the aux-loss-free expert bias, the sequence-wise balancing loss and the
+# z-loss (both means the reference's split micro-batches keep), computed over the whole CP (and SP) sequence.
+ROUTED = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_router_score_function": "sigmoid",
+          "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.01,
+          "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001}
+
+
+def test_cp2_moe_routing_losses_and_expert_bias_train_the_cp1_model(tmp_path):
+    _check_same_run(tmp_path, 2, {"cp": 2}, model=ROUTED)
+
+
+def test_cp2_tp2_sp_moe_routing_losses_and_expert_bias_train_the_cp1_model(tmp_path):
+    _check_same_run(tmp_path, 4, {"cp": 2, "tp": 2, "sp": True}, model={**ROUTED, "moe_router_num_groups": 2,
+                                                                       "moe_router_group_topk": 1})
 
 
 @pytest.mark.parametrize("changes, fields", [
