@@ -63,11 +63,12 @@ def load_dist_checkpoint(engine, directory):
     return _impl(engine, directory)
 
 
-_PIPELINE_NAMES = ("GPTPipelineModule", "pipeline_topology")
+_PIPELINE_NAMES = ("GPTModelChunks", "GPTPipelineModule", "pipeline_topology")
 
 
 def __getattr__(name):
-    # The pipeline model needs DeepSpeed (a PipelineModule): loaded on first use, like the entry points above.
+    # The pipeline models (ours, and DeepSpeed's PipelineModule of the GPT): loaded on first use, like the entry
+    # points above.
     if name in _PIPELINE_NAMES:
         from .integration import pipeline  # boundary: torch and DeepSpeed load here
         return getattr(pipeline, name)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -54,6 +55,7 @@ from ..integration.seams import expert_checkpoint_name, pipeline_layer_state_dic
 from ..moe.moe_layer import BaseMoELayer
 from ..optimizer import MegatronOptimizer
 from ..utils.collectives import barrier
+from .torch_dist import CheckpointFormatError
 from .export_fp32 import RECORD_KEY, export_record, guard_zero_recovery_scripts
 
 
@@ -133,6 +135,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
 def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, **kwargs) -> Tuple[Optional[str], Any]:
     """``engine.load_checkpoint`` plus our experts and their optimizer states; ``(None, None)`` when DeepSpeed
     found nothing to load."""
+    _check_same_pipeline_runtime(engine, load_dir, tag)
     ours = _saves_moe_optimizer_itself(engine)
     load_optimizer = kwargs.pop("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
     # With ours, DeepSpeed's file holds data-parallel rank 0's optimizer state, which is not every rank's.
@@ -154,6 +157,36 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, **kwargs) 
         else:
             engine.optimizer.refresh_fp32_params()  # the weights just loaded, experts included, are the model
     return path, client_state
+
+
+def _check_same_pipeline_runtime(engine, load_dir: str, tag: Optional[str]) -> None:
+    """DeepSpeed's ``PipelineEngine`` keeps the model in per-layer files (``layer_NN-model_states.pt``), our
+    pipeline runtime (DeepSpeed's plain engine) in each model-parallel rank's ``mp_rank_NN`` file; an engine of one
+    kind would find no weights in the other's checkpoint (and the plain engine would silently keep its initial
+    ones), so a mismatch is refused before anything loads."""
+    if tag is None:
+        latest_file = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest_file):
+            return
+        with open(latest_file) as f:
+            tag = f.read().strip()
+    tag_dir = os.path.join(load_dir, str(tag))
+    if not os.path.isdir(tag_dir):
+        return
+    has_layer_files = any(re.fullmatch(r"layer_\d+-.*model_states\.pt", name) for name in os.listdir(tag_dir))
+    on_pipeline_engine = getattr(getattr(engine, "megatron", None), "pipeline_module", None) is not None
+    if has_layer_files and not on_pipeline_engine:
+        raise CheckpointFormatError(
+            f"{tag_dir} was saved by DeepSpeed's PipelineEngine (per-layer files of a GPTPipelineModule), but this "
+            "job runs ds_megatron's pipeline runtime, which reads the model from mp_rank files; resume it with the "
+            "ds_megatron version that wrote it and save with megatron.train.ckpt_format \"torch_dist\" (which "
+            "every runtime and layout resumes), or train on DeepSpeed's engine (optimizer_impl \"deepspeed\")")
+    if on_pipeline_engine and not has_layer_files and any(
+            name.startswith("mp_rank_") for name in os.listdir(tag_dir)):
+        raise CheckpointFormatError(
+            f"{tag_dir} was saved by ds_megatron's pipeline runtime (mp_rank files), but this job runs DeepSpeed's "
+            "PipelineEngine, which reads per-layer files; resume it with ds_megatron's runtime "
+            "(a GPTModelChunks, optimizer_impl \"megatron\") or save with ckpt_format \"torch_dist\"")
 
 
 @torch.no_grad()

@@ -11,7 +11,8 @@ is put together from its rank files:
   ``mp_rank_XX_model_states.pt``, how that rank's weights map to the whole model
   (``export_record``): each parameter's ``GPTModel`` name and the dimension TP splits
   it along, which entries are experts (their own files hold them), and, under PP,
-  which entry of which ``layer_XX-model_YY-model_states.pt`` file is which parameter.
+  which entry of which ``layer_XX-model_YY-model_states.pt`` file is which parameter (DeepSpeed's
+  ``PipelineEngine``), or which entry of the rank's own file (our pipeline runtime's chunks).
 * Dense weights are placed where ``global_shards`` (the layout-independent
   checkpoint's map) puts each rank's rows: blocks of rows or columns, a gated fc1's
   ``[gate; up]`` halves, the KV heads copied over TP ranks.  Every element of every
@@ -125,6 +126,8 @@ def export_record(module: torch.nn.Module, parallel_state, layer_files: Optional
     if layer_files is not None:
         record["layer_files"] = {layer: {entry: names[id(t)] for entry, t in entries.items()}
                                  for layer, entries in layer_files.items()}
+    elif hasattr(module, "gpt_name"):  # our runtime's chunks: the module entry holds them under their own names
+        record["module_names"] = {key: to_gpt(key) for key in module.state_dict()}
     return record
 
 
@@ -180,8 +183,8 @@ def consolidate(tag_dir: str) -> Dict[str, torch.Tensor]:
         record = saved.get(RECORD_KEY)
         if record is None:
             raise ExportError(f"{path} has no {RECORD_KEY} record: the checkpoint was not saved by "
-                              "ds_megatron.save_checkpoint (the training job's checkpoints are) from a GPTModel "
-                              "or GPTPipelineModule")
+                              "ds_megatron.save_checkpoint (the training job's checkpoints are) from a GPTModel, "
+                              "GPTModelChunks or GPTPipelineModule")
         if record.get("version") not in (1, RECORD_VERSION):
             raise ExportError(f"{path}: {RECORD_KEY} version {record.get('version')}, this ds_megatron reads "
                               f"versions 1 to {RECORD_VERSION}")
@@ -196,7 +199,8 @@ def consolidate(tag_dir: str) -> Dict[str, torch.Tensor]:
                 layer_state = _load(os.path.join(tag_dir, f"{layer}-model_{record['tp_rank']:02d}-model_states.pt"))
                 module.update({name: layer_state[entry] for entry, name in entries.items()})
         else:
-            module = saved["module"]
+            renamed = record.get("module_names", {})
+            module = {renamed.get(key, key): t for key, t in saved["module"].items()}
         experts = set(record["experts"])
         modules.append((path, record, {name: t for name, t in module.items() if name not in experts}))
     first = records[0]

@@ -15,10 +15,13 @@ transformer layers are divided among the stages:
 
 With ``virtual_pipeline_model_parallel_size`` v > 1 (or ``num_layers_per_virtual_pipeline_stage``)
 the model is cut into ``p * v`` virtual stages and rank ``r`` holds stages ``r, r + p, ...``; each
-rank's layers are split evenly over its v chunks.  ``pipeline_schedule`` picks the runtime:
-``"1f1b"`` (default with one chunk) is DeepSpeed's ``PipelineEngine``; ``"interleaved_1f1b"``
-(default with v > 1, allowed with v = 1) and ``"zero_bubble"`` (ZB-H1, one chunk) are ours
-(``pipeline_parallel.schedules``).
+rank's layers are split evenly over its v chunks.  ``pipeline_schedule``: ``"1f1b"`` (default with
+one chunk), ``"interleaved_1f1b"`` (default with v > 1, allowed with v = 1) or ``"zero_bubble"``
+(ZB-H1, one chunk).  ds_megatron's GPT runs every one of them on our runtime
+(``pipeline_parallel.schedules``, a ``GPTModelChunks``); ``pipeline_runtime`` says which runtime a
+job gets: DeepSpeed's ``PipelineEngine`` only runs a ``PipelineModule`` (a user's, or
+``GPTPipelineModule``), which ``ds-megatron train`` builds only on DeepSpeed's optimizer path
+(``optimizer_impl "deepspeed"``, whose reduction and optimizer are DeepSpeed's, with "1f1b").
 
 ``check_pipeline`` holds every rule that makes a pipeline job wrong or
 unrunnable, checked against the world size before any process group exists.
@@ -157,6 +160,15 @@ def pipeline_schedule(parallel) -> str:
         or parallel.num_layers_per_virtual_pipeline_stage is not None else "1f1b"
 
 
+def pipeline_runtime(parallel, optimizer_impl: str) -> str:
+    """Which runtime ``ds-megatron train`` runs a pipeline job's GPT on: ``"ds_megatron"`` (ours, a
+    ``GPTModelChunks``) or ``"deepspeed"`` (DeepSpeed's ``PipelineEngine`` over a ``GPTPipelineModule``,
+    for ``pipeline_schedule`` "1f1b" on DeepSpeed's optimizer path, which our runtime cannot drive)."""
+    if pipeline_schedule(parallel) == "1f1b" and optimizer_impl != "megatron":
+        return "deepspeed"
+    return "ds_megatron"
+
+
 def virtual_pipeline_size(parallel, num_layers: Optional[int], pp: int) -> int:
     """v: ``virtual_pipeline_model_parallel_size``, or ``num_layers / (pp * num_layers_per_virtual_pipeline_stage)``
     (ConfigError if both are given, or the layers do not divide)."""
@@ -249,7 +261,7 @@ def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer
     if explicit is not None and (first is not None or last is not None):
         raise ConfigError(f"{SECTION}.pipeline_num_layers_per_stage and decoder_first/last_pipeline_num_layers are "
                           "both set; give one")
-    if schedule != "1f1b":
+    if schedule != "1f1b" or (optimizer_impl == "megatron" and not plain_deepspeed):
         _check_our_runtime(parallel, batch, layout, optimizer_impl, vpp, plain_deepspeed, schedule)
     pipeline_grid_axes(layout.dense_generator().order, {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": pp, "ep": 1})
     if batch.zero_stage > 1:

@@ -15,11 +15,12 @@ names the groups DeepSpeed would have made.  Any section, even ``{}``, selects
 the Megatron optimizer path, whose gradients our buffers reduce
 (``integration.gradients``).  ``engine.megatron`` holds what was built.
 
-With ``pipeline_model_parallel_size > 1`` the model is a ``GPTPipelineModule``
-(or any DeepSpeed ``PipelineModule`` built on ``pipeline_topology``) and
-``initialize`` returns DeepSpeed's ``PipelineEngine``: ``engine.train_batch(it)``
-runs ``gradient_accumulation_steps`` micro-batches through the stages and
-steps (``integration.pipeline``).  Without a section, a DeepSpeed
+With ``pipeline_model_parallel_size > 1`` the model is this rank's ``GPTModelChunks``:
+``initialize`` returns DeepSpeed's plain engine with our pipeline runtime as its
+``train_batch(it)`` / ``eval_batch`` (``integration.pipeline_runtime``), which run
+``gradient_accumulation_steps`` micro-batches through the stages and step.  A
+DeepSpeed ``PipelineModule`` built on ``pipeline_topology`` (a user's, or
+``GPTPipelineModule``) gets DeepSpeed's ``PipelineEngine`` (``integration.pipeline``).  Without a section, a DeepSpeed
 ``PipelineModule`` brings its own topology, as it does to ``deepspeed.initialize``.
 
 Checks that need the built model run here too, before the engine exists: the config alone

@@ -261,22 +261,21 @@ def destroy_pipeline_module_groups(module: PipelineModule) -> None:
 
 
 def check_model_stages(model, pp: int, schedule: str = "1f1b", vpp: int = 1) -> None:
-    """The model is split into ``pp`` stages exactly when the config says pp > 1: a ``PipelineModule`` for
-    DeepSpeed's engine (``pipeline_schedule`` "1f1b"), ``GPTModelChunks`` with ``vpp`` chunks for ours."""
-    if isinstance(model, GPTModelChunks) or (pp > 1 and schedule != "1f1b" and isinstance(model, GPTPipelineModule)):
-        if schedule == "1f1b" or not isinstance(model, GPTModelChunks):
-            raise ConfigError(f"megatron.pipeline_schedule {schedule!r} runs on "
-                              f"{'DeepSpeed' if schedule == '1f1b' else 'ds_megatron'}'s pipeline runtime, which "
-                              f"takes a {'GPTPipelineModule' if schedule == '1f1b' else 'GPTModelChunks'}; build "
-                              "that model (ds-megatron train picks it from the config)")
+    """The model is split into ``pp`` stages exactly when the config says pp > 1: ``GPTModelChunks`` with ``vpp``
+    chunks for our runtime (every schedule), or for "1f1b" a ``PipelineModule`` for DeepSpeed's engine."""
+    if isinstance(model, GPTModelChunks):
         if model.num_model_chunks != vpp:
             raise ConfigError(f"the GPTModelChunks holds {model.num_model_chunks} chunks per rank but "
                               f"megatron.virtual_pipeline_model_parallel_size is {vpp}; build it with the same v")
         return
+    if pp > 1 and schedule != "1f1b" and isinstance(model, PipelineModule):
+        raise ConfigError(f"megatron.pipeline_schedule {schedule!r} runs on ds_megatron's pipeline runtime, which "
+                          "takes a GPTModelChunks, not a PipelineModule (DeepSpeed's engine runs \"1f1b\" only); "
+                          "build that model (ds-megatron train picks it from the config)")
     stages = model.num_stages if isinstance(model, PipelineModule) else 1
     if pp > 1 and not isinstance(model, PipelineModule):
         raise ConfigError(f"megatron.pipeline_model_parallel_size={pp} needs the model split into stages: pass "
-                          "model=ds_megatron.GPTPipelineModule(config, parallel_state) (or a deepspeed PipelineModule "
+                          "model=ds_megatron.GPTModelChunks(config, parallel_state) (or a deepspeed PipelineModule "
                           "built with topology=ds_megatron.pipeline_topology(parallel_state.layout))")
     if stages != pp:
         raise ConfigError(f"the PipelineModule has {stages} stages but megatron.pipeline_model_parallel_size "

@@ -288,7 +288,7 @@ class GPTModel(torch.nn.Module):
         config.check_layout(state.layout)
         if state.layout.pp > 1:
             raise ValueError(f"GPTModel is the whole model on every rank but the layout has pp={state.layout.pp}; "
-                             "build the stages with ds_megatron.GPTPipelineModule")
+                             "build this rank's part with ds_megatron.GPTModelChunks")
         self.moe_aux_loss_tracker = MoEAuxLossTracker() if config.num_experts else None
         self.config = config
         self.tp, self.cp = state.tp, state.cp

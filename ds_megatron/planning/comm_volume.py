@@ -77,10 +77,10 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
                      distributed_optimizer: bool = False, partition_method: str = "uniform",
                      layers_per_stage: Optional[Sequence[int]] = None, first: Optional[int] = None,
                      last: Optional[int] = None, num_model_chunks: int = 1,
-                     schedule: str = "1f1b") -> List[StageComm]:
+                     deepspeed_engine: bool = False) -> List[StageComm]:
     """One ``StageComm`` per pipeline stage (the ranks of a stage all move the same bytes); ``first`` / ``last``:
-    Megatron's ``decoder_first/last_pipeline_num_layers``; ``num_model_chunks``: v; ``schedule``: the pipeline's
-    (``pipeline_schedule``)."""
+    Megatron's ``decoder_first/last_pipeline_num_layers``; ``num_model_chunks``: v; ``deepspeed_engine``: the
+    stages run on DeepSpeed's ``PipelineEngine`` (a ``GPTPipelineModule``) instead of our runtime."""
     if cfg.num_experts:
         raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
                           "the communication plan covers dense models")
@@ -146,7 +146,7 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         # last, their gradient backward from every one but the first.
         hidden = sbh / t if sp else sbh
         add("pp", m * hidden * (2 * v - last - first))
-        if pp > 1 and schedule != "1f1b":  # our runtime's reported loss: the mean over dp, then to every stage
+        if pp > 1 and not deepspeed_engine:  # our runtime's reported loss: the mean over dp, then to every stage
             add("dp", _all_reduce(dp, F32))
             add("pp", _all_reduce(pp, F32))
         if pp > 1 and (first or last) and not cfg.untie_embeddings_and_output_weights:

@@ -34,7 +34,7 @@ like a dense MLP of ``ffn_hidden_size`` (the routed tokens' activations depend
 on routing).  With pipeline parallelism each stage counts its own layers (the
 output layer and logits on the last stage) times the micro-batches it holds at
 once: 1F1B keeps ``min(pp - stage, micro-batches)`` in flight.  On our runtime
-(``pipeline_schedule`` "interleaved_1f1b" / "zero_bubble") the rank's own order
+(every ``pipeline_schedule`` of ds_megatron's GPT) the rank's own order
 (``pipeline_parallel.schedule_table``) is walked: a chunk's activations of a
 micro-batch (and its output, sent on but kept for backward) are alive from its
 forward to its backward, ZB-H1 keeps each deferred linear's input and output
@@ -144,7 +144,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
                 micro_batch: int = 1, distributed_optimizer: bool = False, micro_batches: int = 1,
                 partition_method: str = "uniform", layers_per_stage: Optional[Sequence[int]] = None,
                 first: Optional[int] = None, last: Optional[int] = None, schedule: str = "1f1b",
-                num_model_chunks: int = 1, group_size: Optional[int] = None) -> List[RankMemory]:
+                num_model_chunks: int = 1, group_size: Optional[int] = None,
+                deepspeed_engine: bool = False) -> List[RankMemory]:
     """One ``RankMemory`` per (pipeline stage, TP rank index): the ranks holding the same shards.
 
     ``distributed_optimizer``: fp32 main params, main grads and optimizer states
@@ -155,7 +156,9 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     ``layers_per_stage``, ``first`` / ``last``: Megatron's
     ``decoder_first/last_pipeline_num_layers``), the embedding on the first and the final norm and
     tied output copy on the last, and keeps the activations of up to
-    ``pp - stage`` of the step's ``micro_batches`` (1F1B's in-flight count).
+    ``pp - stage`` of the step's ``micro_batches`` (1F1B's in-flight count).  ``deepspeed_engine``: the stage
+    runs on DeepSpeed's ``PipelineEngine`` (a ``GPTPipelineModule``: no chunk output kept beside the
+    activations, no receive posted ahead) instead of our runtime.
     """
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
@@ -176,7 +179,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         per_chunk = [activation_bytes(cfg, layout.tp, micro_batch, params_dtype, len(chunk),
                                       logits=stage == pp - 1 and c == v - 1, cp=layout.cp)
                       for c, chunk in enumerate(chunks[stage])]
-        ours = schedule != "1f1b"
+        ours = not deepspeed_engine
         sp = cfg.sequence_parallel and layout.tp > 1
         message = cfg.seq_length // layout.cp // (layout.tp if sp else 1) * micro_batch * cfg.hidden_size * low
         if ours:  # a chunk before the last virtual stage also keeps its output until its backward

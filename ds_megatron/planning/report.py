@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Optional, Sequence
 
 from ..config.job import parse_job_config
-from ..config.pipeline import pipeline_schedule, virtual_pipeline_size
+from ..config.pipeline import pipeline_runtime, pipeline_schedule, virtual_pipeline_size
 from ..errors import ConfigError
 from .comm_volume import format_comm_volume, plan_comm_volume
 from .memory import format_plan, plan_memory
@@ -33,13 +33,15 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
     micro_batches = job.megatron.deepspeed_batch.micro_batches(layout.dp) or 1
     uneven = dict(first=parallel.decoder_first_pipeline_num_layers, last=parallel.decoder_last_pipeline_num_layers)
     schedule = pipeline_schedule(parallel) if layout.pp > 1 else "1f1b"
+    deepspeed_engine = layout.pp > 1 and pipeline_runtime(parallel, precision.optimizer_impl) == "deepspeed"
     vpp = virtual_pipeline_size(parallel, job.model.num_layers, layout.pp)
     plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb, distributed,
                         micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage,
                         **uneven, schedule=schedule, num_model_chunks=vpp,
-                        group_size=parallel.microbatch_group_size_per_vp_stage)
+                        group_size=parallel.microbatch_group_size_per_vp_stage, deepspeed_engine=deepspeed_engine)
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
     chunks = f", {vpp} chunks per rank" if vpp > 1 else ""
+    chunks += " on DeepSpeed's PipelineEngine" if deepspeed_engine else ""
     pipeline = (f" pp={layout.pp} ({micro_batches} micro-batches per step, schedule {schedule}{chunks})"
                 if layout.pp > 1 else "")
     context = f" cp={layout.cp} (seq {job.model.seq_length // layout.cp} tokens per rank)" if layout.cp > 1 else ""
@@ -53,7 +55,7 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
         try:
             comm = plan_comm_volume(job.model, layout, precision.params_dtype, mb, micro_batches, distributed,
                                     parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage,
-                                    **uneven, num_model_chunks=vpp, schedule=schedule)
+                                    **uneven, num_model_chunks=vpp, deepspeed_engine=deepspeed_engine)
         except ConfigError as e:
             comm = f"bytes on the wire: not planned ({e})"
     return header, plans, comm

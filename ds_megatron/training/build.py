@@ -14,7 +14,7 @@ import torch
 
 from ..checkpointing.torch_dist import check_supported
 from ..config.job import JobConfig
-from ..config.pipeline import pipeline_schedule, virtual_pipeline_size
+from ..config.pipeline import pipeline_runtime, virtual_pipeline_size
 from ..convert.model_io import load_weights, stage_layers
 from ..data.corpus import build_default_dataset
 from ..data.gpt_dataset import GPTDataset, build_train_valid_datasets
@@ -56,8 +56,9 @@ class TrainingSetup:
 
 
 def build_model(job: JobConfig, state: ParallelState):
-    """The job's model and its RNG tracker: ``GPTModel``, or with PP this rank's ``GPTPipelineModule`` stage
-    (``pipeline_schedule`` "1f1b", DeepSpeed's engine) or ``GPTModelChunks`` (our runtime).
+    """The job's model and its RNG tracker: ``GPTModel``, or with PP this rank's ``GPTModelChunks`` (our
+    runtime, every schedule), or on DeepSpeed's optimizer path with "1f1b" its ``GPTPipelineModule`` stage
+    (DeepSpeed's engine; ``config.pipeline.pipeline_runtime``).
 
     The dropout streams are seeded after construction (``seed + 100 * pp_rank`` for the default
     generator, a TP-rank offset for the tracker), so that no two stages or TP ranks draw the same masks.
@@ -69,7 +70,11 @@ def build_model(job: JobConfig, state: ParallelState):
     uneven = dict(layers_per_stage=parallel.pipeline_num_layers_per_stage,
                   first_stage_layers=parallel.decoder_first_pipeline_num_layers,
                   last_stage_layers=parallel.decoder_last_pipeline_num_layers)
-    if state.pp.size > 1 and pipeline_schedule(parallel) != "1f1b":  # our runtime
+    if state.pp.size > 1 and pipeline_runtime(parallel, job.megatron.optimizer_impl) == "ds_megatron":
+        if parallel.pipeline_partition_method == "parameters" and not any(uneven.values()):
+            # One chunk per stage (the config refuses "parameters" with v > 1): the split as counts.
+            uneven["layers_per_stage"] = [len(r) for r in pipeline_stage_layers(job.model, state.layout,
+                                                                                "parameters")]
         model = GPTModelChunks(job.model, state, rng_tracker=tracker,
                                num_model_chunks=virtual_pipeline_size(parallel, job.model.num_layers, state.pp.size),
                                **uneven)

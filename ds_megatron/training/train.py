@@ -2,7 +2,7 @@
 
 ``train`` runs named phases over one running state (``Trainer``):
 
-* **build** (``training.build``): groups, the TP GPT (a ``GPTPipelineModule`` stage with PP),
+* **build** (``training.build``): groups, the TP GPT (this rank's ``GPTModelChunks`` with PP),
   AdamW and the warmup + decay schedule, ``ds_megatron.initialize``; then ``--resume`` from the
   latest checkpoint, and the data (embedded stdlib corpus or a preprocessed ``.bin/.idx``) from
   the consumed position on;

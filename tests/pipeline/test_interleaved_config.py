@@ -59,3 +59,18 @@ def test_refused_in_one_line(megatron, gas, field):
 ])
 def test_accepted(megatron, gas):
     validate(_cfg(gas, **megatron), world_size=2)
+
+
+@pytest.mark.parametrize("megatron,runtime", [
+    (dict(), "ds_megatron"),  # "1f1b" on our optimizer path: our runtime, one chunk
+    (dict(optimizer_impl="deepspeed"), "deepspeed"),  # DeepSpeed's reduction and ZeRO: DeepSpeed's PipelineEngine
+    (dict(virtual_pipeline_model_parallel_size=2), "ds_megatron"),
+    (dict(pipeline_schedule="zero_bubble"), "ds_megatron"),
+])
+def test_which_runtime_train_builds(megatron, runtime):
+    import ds_megatron
+    from ds_megatron.config.pipeline import pipeline_runtime
+    from ds_megatron.models.gpt_chunks import GPTModelChunks
+    _, mcfg = validate(_cfg(4, **megatron), world_size=2)
+    assert pipeline_runtime(mcfg.parallel, mcfg.optimizer_impl) == runtime
+    assert ds_megatron.GPTModelChunks is GPTModelChunks  # the public name the docs build it by

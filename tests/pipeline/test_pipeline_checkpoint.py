@@ -1,4 +1,4 @@
-"""Pipeline checkpoints: each stage saves its own layers; ``--resume`` continues bit-exact.
+"""Pipeline checkpoints (our runtime): each stage saves its own chunks; ``--resume`` continues bit-exact.
 
 A 12-step run is compared with the same run stopped after step 6 (saved at
 4 and 6) and resumed from the latest checkpoint: the resumed steps' losses
@@ -73,17 +73,19 @@ def test_pipeline_resume_is_bit_exact(case, ckpt_format, tmp_path):
         assert ".metadata" in files and not any(f.endswith("model_states.pt") for f in files), sorted(files)
     elif kwargs.get("moe"):
         # The experts of all 4 MoE layers go to distinct files whichever stage holds them (whole-model layer ids);
-        # the optimizer state to one file per (tp, pp, ep, etp); DeepSpeed writes each stage's layers.
+        # the optimizer state to one file per (tp, pp, ep, etp); each stage's dense part to its model-parallel
+        # rank's file.
         assert sorted(f for f in files if "_expert_" in f) == sorted(
             f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in range(4) for e in range(4))
         assert sorted(f for f in files if f.startswith("moe_optim_")) == sorted(
             f"moe_optim_tp_00_pp_{pp:02d}_ep_{ep:03d}_etp_00.pt" for pp in range(2) for ep in range(2))
-        assert len([f for f in files if f.startswith("layer_") and f.endswith("-model_states.pt")]) == 7
+        assert sorted(f for f in files if f.startswith("mp_rank_")) == ["mp_rank_00_model_states.pt",
+                                                                        "mp_rank_01_model_states.pt"]
     else:
-        # DeepSpeed's per-layer files, one per TP rank: word embedding, positions, 4 layers, final norm.  The
-        # last stage's tied copy has no file: DeepSpeed broadcasts it from the first stage after loading.
-        layer_files = [f for f in files if f.startswith("layer_") and f.endswith("-model_states.pt")]
-        assert len(layer_files) == 7 * kwargs.get("tp", 1), sorted(layer_files)
+        # Our runtime on DeepSpeed's plain engine: one file per model-parallel rank (tp x pp), each holding its
+        # stage's chunks (both copies of the tied embedding among them) and its optimizer state.
+        assert sorted(f for f in files if f.endswith("model_states.pt")) == [
+            f"mp_rank_{r:02d}_model_states.pt" for r in range(2 * kwargs.get("tp", 1))]
     second, second_val = run_on_ranks(4, _train, cfg, True)[0]
     assert sorted(second) == list(range(7, 13))
     for step in range(1, 7):
@@ -91,3 +93,39 @@ def test_pipeline_resume_is_bit_exact(case, ckpt_format, tmp_path):
     for step in range(7, 13):
         assert second[step] == full[step], step  # bit-exact
     assert second_val[12] == full_val[12]
+
+
+def _save_then_load_on_the_other_runtime(tmp, saver_chunks):
+    import torch
+    import ds_megatron
+    from ds_megatron.checkpointing.torch_dist import CheckpointFormatError
+    from ds_megatron.models import GPTConfig
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "megatron": {"pipeline_model_parallel_size": 2}}
+    config = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=32)
+
+    def engine_of(chunks):
+        state = ds_megatron.initialize_model_parallel(cfg)
+        torch.manual_seed(0)
+        model = ds_megatron.GPTModelChunks(config, state) if chunks else ds_megatron.GPTPipelineModule(config, state)
+        return ds_megatron.initialize(model=model, config=cfg, parallel_state=state)[0]
+
+    engine = engine_of(saver_chunks)
+    ds_megatron.save_checkpoint(engine, tmp, tag="t")
+    engine.megatron.destroy()
+    engine = engine_of(not saver_chunks)
+    try:
+        ds_megatron.load_checkpoint(engine, tmp, tag="t")
+        return "loaded"
+    except CheckpointFormatError as e:
+        return str(e)
+    finally:
+        engine.megatron.destroy()
+
+
+@pytest.mark.parametrize("saver_chunks", [True, False], ids=["ours-to-pipeline-engine", "pipeline-engine-to-ours"])
+def test_a_deepspeed_format_checkpoint_is_refused_by_the_other_pipeline_runtime(tmp_path, saver_chunks):
+    # Each runtime keeps the model in files the other does not read: loading across them is refused, never a
+    # model left at its initial weights.
+    for message in run_on_ranks(2, _save_then_load_on_the_other_runtime, str(tmp_path), saver_chunks):
+        assert "PipelineEngine" in message and "torch_dist" in message and "\n" not in message, message
