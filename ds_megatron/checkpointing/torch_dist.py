@@ -123,10 +123,6 @@ def check_supported(engine) -> None:
         raise CheckpointFormatError("megatron.train.ckpt_format \"torch_dist\" needs ds_megatron's optimizer path "
                                     f"(got {type(engine.optimizer).__name__}); set megatron.optimizer_impl "
                                     "\"megatron\" without a DeepSpeed optimizer section, or ckpt_format \"deepspeed\"")
-    if getattr(module.config, "moe_router_enable_expert_bias", False) and module.config.num_experts:
-        raise CheckpointFormatError("megatron.train.ckpt_format \"torch_dist\" saves parameters, not the routers' "
-                                    "expert_bias buffers (model.moe_router_enable_expert_bias); use ckpt_format "
-                                    "\"deepspeed\"")
     _param_shards(module, engine.megatron.state)
 
 
@@ -185,6 +181,14 @@ def _add_sharded(state: Dict[str, Any], prefix: str, tensor: torch.Tensor, views
             entry.add(s.offsets, local[s.local_rows[0]:s.local_rows[1]])
 
 
+def _expert_biases(module) -> Dict[str, torch.Tensor]:
+    """The routers' aux-loss-free ``expert_bias`` buffers under their one-rank names (``model.`` + name): fp32,
+    the same on every rank of a stage (every layout routes over all experts), so saved whole."""
+    to_gpt = getattr(module, "gpt_name", lambda name: name)
+    return {f"model.{to_gpt(name)}": b for name, b in module.named_buffers()
+            if name.endswith("router.expert_bias") and b is not None}
+
+
 def _names(views: ViewShards) -> List[str]:
     """The one-rank names of the tensors cut out of a parameter (none: all vocab padding)."""
     return sorted({s.name for _, shards in views for s in shards})
@@ -197,6 +201,7 @@ def save(engine, directory: str, client_state: Dict[str, Any]) -> None:
     state: Dict[str, Any] = {}
     for param, views in by_param.values():
         _add_sharded(state, "model.", param, views)
+    state.update({key: bias.detach().clone() for key, bias in _expert_biases(module).items()})
     saved = optimizer.state_dict()  # the distributed optimizer gathers here (a collective)
     groups, float16_groups = optimizer.state_dict_params()
     for index, param in enumerate(p for group in groups for p in group):
@@ -248,6 +253,13 @@ def load(engine, directory: str) -> Dict[str, Any]:
 
     for param, views in by_param.values():
         add("model.", param, views)  # read straight into the parameters
+    biases = _expert_biases(module)
+    for key, bias in biases.items():
+        expect(key, bias.shape)
+        state[key] = bias  # read straight into the buffer
+    if not biases and any(k.endswith("router.expert_bias") for k in saved_md):
+        raise CheckpointFormatError(f"{directory} holds the routers' expert_bias but this model has none; set "
+                                    "model.moe_router_enable_expert_bias as the checkpoint's job did")
     groups, float16_groups = optimizer.state_dict_params()
     moments: Dict[int, Dict[str, Any]] = {}  # state index -> {name: buffer, or the key of a replicated value}
     for index, param in enumerate(p for group in groups for p in group):

@@ -126,7 +126,7 @@ class MegatronConfig:
                 model_section[key] = getattr(parallel, key)
             model = parse_section(GPTConfig, model_section, f"{SECTION}.model")
         nested["cuda_graph"].check_moe_settings(model)
-        _check_expert_bias(model, precision, nested["train"], nested["cuda_graph"], notices)
+        _check_expert_bias(model, precision, nested["cuda_graph"])
         _check_ckpt_format(nested["train"], precision)
         train_keys = tuple(section.get("train", {})) if isinstance(section.get("train"), dict) else ()
         return cls(parallel=parallel, ddp=ddp, precision=precision, model=model, notices=notices,
@@ -163,9 +163,8 @@ def _check_gradient_reducer(ds_config: Dict[str, Any], precision: PrecisionConfi
                       f"the key, or set optimizer_impl \"megatron\"")
 
 
-def _check_expert_bias(model: Optional[GPTConfig], precision: PrecisionConfig, train: TrainConfig,
-                       cuda_graph: CudaGraphConfig, notices: List[str]) -> None:
-    """The expert bias moves in our ``finalize_model_grads`` and is a buffer: refuse the paths that would lose it."""
+def _check_expert_bias(model: Optional[GPTConfig], precision: PrecisionConfig, cuda_graph: CudaGraphConfig) -> None:
+    """The expert bias moves in our ``finalize_model_grads``: refuse the paths that would not move it."""
     if model is None or not model.num_experts or not model.moe_router_enable_expert_bias:
         return
     what = f"{SECTION}.model.moe_router_enable_expert_bias"
@@ -176,13 +175,6 @@ def _check_expert_bias(model: Optional[GPTConfig], precision: PrecisionConfig, t
     if cuda_graph.enabled:
         raise ConfigError(f"{what} with {SECTION}.cuda_graph: the token counts the bias update reads are not "
                           "checked under graph replay; turn cuda_graph off or the expert bias off")
-    if train.ckpt_format == "torch_dist":
-        raise ConfigError(f"{what} with {SECTION}.train.ckpt_format \"torch_dist\": the layout-independent "
-                          "checkpoint saves parameters, not the expert_bias buffer; set ckpt_format \"deepspeed\"")
-    if train.ckpt_format is None:
-        train.ckpt_format = "deepspeed"
-        notices.append(f"{what}: checkpoints are written in the DeepSpeed format ({SECTION}.train.ckpt_format "
-                       "\"deepspeed\"), which keeps the expert bias; torch_dist would lose it")
 
 
 def _check_ckpt_format(train: TrainConfig, precision: PrecisionConfig) -> None:

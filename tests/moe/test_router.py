@@ -275,9 +275,8 @@ def test_expert_bias_refused_where_it_would_not_update_or_be_saved():
              "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
     base = {"train_micro_batch_size_per_gpu": 1, "megatron": {"model": model}}
     _, mcfg = split_config(base)
-    assert mcfg.train.ckpt_format == "deepspeed"  # the default that keeps the buffer
+    assert mcfg.train.ckpt_format == "torch_dist"  # the default, which keeps the buffer
     for extra, field in (({"optimizer_impl": "deepspeed"}, "optimizer_impl"),
-                         ({"train": {"ckpt_format": "torch_dist"}}, "ckpt_format \"torch_dist\""),
                          ({"cuda_graph": {"impl": "transformer_engine", "scope": ["moe_router"]}}, "cuda_graph")):
         with pytest.raises(ConfigError, match="moe_router_enable_expert_bias") as err:
             split_config({**base, "megatron": {**base["megatron"], **extra}})
@@ -348,6 +347,35 @@ def test_expert_bias_update_over_dp_and_tp_sp_equals_one_rank():
     for counts, bias, reduces, zeroed in out:
         assert torch.equal(bias, ref_bias) and bias.dtype == torch.float32
         assert reduces == ["tp-cp", "dp"] and zeroed
+
+
+def _bias_after_steps_saved_as_torch_dist(save_dir, tp):
+    import ds_megatron
+    from ds_megatron.models import GPTModel
+    cfg = _engine_cfg(tp=tp, sp=tp > 1)
+    state = ds_megatron.initialize_model_parallel(cfg)
+    torch.manual_seed(41)
+    engine, *_ = ds_megatron.initialize(model=GPTModel(moe_config(sequence_parallel=tp > 1, **BIAS), state),
+                                        config=cfg, parallel_state=state)
+    routers = [layer.mlp.router for layer in engine.module.layers]
+    if save_dir.endswith("saved"):
+        for step in range(3):
+            engine.backward(engine(*_tokens(0, step)))
+            engine.step()
+        ds_megatron.save_dist_checkpoint(engine, save_dir)
+    else:
+        ds_megatron.load_dist_checkpoint(engine, save_dir.replace("loaded", "saved"))
+    out = torch.stack([r.expert_bias.clone() for r in routers])
+    engine.megatron.destroy()
+    return out
+
+
+def test_expert_bias_resumes_from_a_torch_dist_checkpoint_at_another_layout(tmp_path):
+    from harness import run_on_ranks
+    saved = run_on_ranks(2, _bias_after_steps_saved_as_torch_dist, str(tmp_path / "saved"), 2)
+    loaded = run_on_ranks(1, _bias_after_steps_saved_as_torch_dist, str(tmp_path / "loaded"), 1)[0]
+    assert saved[0].abs().sum() > 0 and torch.equal(saved[0], saved[1])
+    assert torch.equal(loaded, saved[0]) and loaded.dtype == torch.float32
 
 
 def _bf16_bias_and_checkpoint(save_dir):
