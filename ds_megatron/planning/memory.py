@@ -128,7 +128,7 @@ class RankMemory:
     model_param_bytes: int
     grad_bytes: int
     main_param_bytes: int
-    main_grad_bytes: int  # fp32 main grads, alive during the optimizer step only
+    main_grad_bytes: int  # fp32 main grads of 16-bit gradients, alive during the optimizer step only
     optimizer_state_bytes: int
     activation_bytes: int  # of all micro-batches in flight at once
     in_flight_micro_batches: int = 1  # chunk-forwards alive at the peak (1F1B: min(pp - stage, micro-batches))
@@ -145,7 +145,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
                 partition_method: str = "uniform", layers_per_stage: Optional[Sequence[int]] = None,
                 first: Optional[int] = None, last: Optional[int] = None, schedule: str = "1f1b",
                 num_model_chunks: int = 1, group_size: Optional[int] = None,
-                deepspeed_engine: bool = False) -> List[RankMemory]:
+                deepspeed_engine: bool = False, grad_reduce_in_fp32: Optional[bool] = None) -> List[RankMemory]:
     """One ``RankMemory`` per (pipeline stage, TP rank index): the ranks holding the same shards.
 
     ``distributed_optimizer``: fp32 main params, main grads and optimizer states
@@ -156,7 +156,15 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     ``layers_per_stage``, ``first`` / ``last``: Megatron's
     ``decoder_first/last_pipeline_num_layers``), the embedding on the first and the final norm and
     tied output copy on the last, and keeps the activations of up to
-    ``pp - stage`` of the step's ``micro_batches`` (1F1B's in-flight count).  ``deepspeed_engine``: the stage
+    ``pp - stage`` of the step's ``micro_batches`` (1F1B's in-flight count).
+
+    Gradients are what our path allocates: one gradient buffer per rank holding every parameter's gradient
+    (not sharded, also with the distributed optimizer, whose reduce-scatter leaves each rank's shard in it),
+    in fp32 with ``grad_reduce_in_fp32`` (None: on for 16-bit params, Megatron's default), where the
+    optimizer's fp32 main grads are views of it (no bytes of their own); with 16-bit gradients the optimizer
+    makes fp32 main grads of the parameters it owns for the step.  So bf16 params with fp32 grads and Adam
+    take 2 + 4 + 4 + 8 = 18 bytes per parameter, and 2 + 4 + 12 / DP with the distributed optimizer
+    (megatron-core's table).  ``deepspeed_engine``: the stage
     runs on DeepSpeed's ``PipelineEngine`` (a ``GPTPipelineModule``: no chunk output kept beside the
     activations, no receive posted ahead) instead of our runtime.
     """
@@ -167,6 +175,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     ranges = [[i for chunk in stage_chunks for i in chunk] for stage_chunks in chunks]
     low = BYTES[params_dtype]
     mixed = params_dtype != "fp32"
+    grad_elem = 4 if (mixed if grad_reduce_in_fp32 is None else grad_reduce_in_fp32) else low
     groups = layout.group_ranks()
     plans = []
     for stage, layers in enumerate(ranges):
@@ -195,8 +204,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
             plans.append(RankMemory(
                 role=role, ranks=ranks, params=n, params_sharded=counts.sharded,
                 params_replicated=counts.replicated, params_expert=counts.expert, model_param_bytes=n * low,
-                grad_bytes=n * low, main_param_bytes=4 * owned if mixed else 0,
-                main_grad_bytes=4 * owned if mixed else 0,
+                grad_bytes=n * grad_elem, main_param_bytes=4 * owned if mixed else 0,
+                main_grad_bytes=4 * owned if mixed and grad_elem < 4 else 0,
                 optimizer_state_bytes=owned * optimizer_state_bytes_per_param(optimizer_type, momentum),
                 activation_bytes=activations, in_flight_micro_batches=in_flight, layers=list(layers)))
     return plans
@@ -275,7 +284,8 @@ def format_plan(plans: Sequence[RankMemory], header: str) -> str:
     lines = [header, ""]
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-    lines += ["", "* alive during the optimizer step only; ** what the GPT keeps for backward, per micro-batch, at "
+    lines += ["", "* copies of 16-bit gradients, alive during the optimizer step only (with fp32 gradients, the "
+                  "default for 16-bit params, the main grads are the gradient buffer itself); ** what the GPT keeps for backward, per micro-batch, at "
                   "its peak (start of backward), times the micro-batches a stage holds at once (1F1B keeps up to "
                   "pp - stage in flight; with chunks, the peak of the rank's own schedule order)"]
     return "\n".join(lines)

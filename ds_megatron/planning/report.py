@@ -38,7 +38,8 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
     plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb, distributed,
                         micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage,
                         **uneven, schedule=schedule, num_model_chunks=vpp,
-                        group_size=parallel.microbatch_group_size_per_vp_stage, deepspeed_engine=deepspeed_engine)
+                        group_size=parallel.microbatch_group_size_per_vp_stage, deepspeed_engine=deepspeed_engine,
+                        grad_reduce_in_fp32=job.megatron.ddp.grad_dtype_is_fp32(precision.params_dtype != "fp32"))
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
     chunks = f", {vpp} chunks per rank" if vpp > 1 else ""
     chunks += " on DeepSpeed's PipelineEngine" if deepspeed_engine else ""
@@ -49,6 +50,9 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
               f"params {precision.params_dtype}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
+    if not precision.owns_optimizer:
+        header += ("\ngradients, fp32 copies and optimizer states: not planned on DeepSpeed's optimizer path (DeepSpeed "
+                   "allocates its own); the columns below are what ds_megatron's path would hold")
     if not precision.owns_optimizer:
         comm = "bytes on the wire: not planned on DeepSpeed's optimizer path (DeepSpeed reduces the gradients)"
     else:

@@ -1,5 +1,6 @@
 """``ds-megatron plan`` figures against the tensors a built GPTModel and our optimizer allocate per rank."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,8 +14,8 @@ from harness import run_on_ranks
 import ds_megatron
 from ds_megatron.models.gpt import GPTModel
 from ds_megatron.config import GPTConfig
-from ds_megatron.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, get_param_groups
 from ds_megatron.planning import activation_bytes, plan_memory
+from ds_megatron.planning.memory import BYTES
 
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=300,
              hidden_dropout=0.0, attention_dropout=0.0)
@@ -24,44 +25,114 @@ def _nbytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _measure(dtype):
-    state = ds_megatron.initialize_model_parallel({"megatron": {"tensor_model_parallel_size": 2}})
-    model = GPTModel(GPTConfig(**MODEL), state).to(dtype)
-    inner = torch.optim.AdamW(get_param_groups(model, 0.1), lr=1e-3)
-    opt = (FP32Optimizer(inner, parallel_state=state) if dtype == torch.float32 else
-           Float16OptimizerWithFloat16Params(inner, grad_scaler=None, parallel_state=state))
-    tokens = torch.randint(0, 300, (2, 17))
-    model({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}).backward()
-    params = list(model.parameters())
-    measured = {"params": sum(p.numel() for p in params), "model_param_bytes": _nbytes(params),
-                "grad_bytes": _nbytes([p.grad for p in params])}
-    if dtype != torch.float32:
-        opt._copy_model_grads_to_main_grads()
-        measured["main_grad_bytes"] = _nbytes([p.main_param.grad for p in params])
-        measured["main_param_bytes"] = _nbytes([p.main_param for p in params])
-    opt.step()
-    measured["optimizer_state_bytes"] = _nbytes([t for s in opt.state.values() for k, t in s.items() if k != "step"])
-    tp_rank = state.tp.rank
-    state.destroy()
-    return tp_rank, measured
+PRECISION = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}},
+             "fp32": {}}
+# (tp of 4 ranks, so DP = 4 / tp; precision; use_distributed_optimizer; grad_reduce_in_fp32 (None: the default))
+ENGINE_CASES = [(tp, name, distopt, fp32_grads) for tp in (4, 2, 1) for name, distopt, fp32_grads in (
+    ("bf16", False, None), ("bf16", True, None), ("bf16", False, False), ("bf16", True, False),
+    ("fp16", False, None), ("fp16", True, False), ("fp32", False, None), ("fp32", True, None))]
 
 
-def test_plan_matches_measured_tensors_on_every_rank():
-    cfg = GPTConfig(**MODEL)
+def _engine_tensors(tp, name, distopt, fp32_grads):
+    """What ``ds_megatron.initialize``'s engine holds on this rank after one step, by the plan's columns; the
+    buffers' alignment padding apart (the plan leaves it out), with the padding itself."""
+    megatron = {"tensor_model_parallel_size": tp, "use_distributed_optimizer": distopt}
+    if fp32_grads is not None:
+        megatron["grad_reduce_in_fp32"] = fp32_grads
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **PRECISION[name], "megatron": megatron}
+    state = ds_megatron.initialize_model_parallel(cfg)
+    torch.manual_seed(0)
+    engine, *_ = ds_megatron.initialize(model=GPTModel(GPTConfig(**MODEL), state), config=cfg, parallel_state=state)
+    tokens = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(state.dp.rank))
+    engine.backward(engine({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}))
+    buffers = engine.megatron.ddp.all_buffers
+    padding = sum(b.numel - sum(p.numel() for p in b.params) for b in buffers)  # param starts and bucket ends
+    bound = sum(63 * len(b.params) + math.lcm(state.dp.size, 128) * len(b.buckets) for b in buffers) if distopt else 0
+    model_params = list(engine.module.parameters())
+    out = {"params": sum(p.numel() for p in model_params),
+           "model_param_bytes": _nbytes(model_params),  # views of the param buffer with the distributed optimizer
+           "param_buffer_bytes": sum(_nbytes([b.param_data]) for b in buffers if b.param_data is not None),
+           "grad_bytes": sum(_nbytes([b.grad_data]) for b in buffers), "padding": padding, "padding_bound": bound,
+           "grad_elem": buffers[0].grad_data.element_size()}
+    inner = engine.optimizer.optimizer  # the torch optimizer: it steps the fp32 main params (or their shards)
+    main = [p for g in inner.param_groups for p in g["params"]]
+    if name != "fp32":
+        out["main_param_bytes"] = _nbytes(main)
+        engine.optimizer._copy_model_grads_to_main_grads()  # what the step makes (fp32 copies of 16-bit grads)
+        in_buffer = {b.grad_data.untyped_storage().data_ptr() for b in buffers}
+        out["main_grad_bytes"] = _nbytes([p.grad for p in main if p.grad is not None
+                                          and p.grad.untyped_storage().data_ptr() not in in_buffer])
+    engine.step()
+    out["optimizer_state_bytes"] = _nbytes([t for st in inner.state.values() for k, t in st.items() if k != "step"])
+    out["main_numel"] = sum(p.numel() for p in main)
+    out["tp_rank"], out["dp"] = state.tp.rank, state.dp.size
+    engine.megatron.destroy()
+    return out
+
+
+def _all_engine_cases():
+    return [_engine_tensors(*case) for case in ENGINE_CASES]
+
+
+def test_plan_static_bytes_are_what_the_engine_allocates_on_every_rank():
+    """The plan's parameters, gradient buffer, fp32 main params and grads and optimizer states against the
+    tensors the real engine holds, for bf16 / fp16 / fp32, with and without the distributed optimizer and
+    grad_reduce_in_fp32, at DP 1, 2 and 4: equal up to the buffers' alignment padding, which is measured."""
     from ds_megatron.config import ParallelConfig
-    layout = ParallelConfig(tensor_model_parallel_size=2).layout(4)
-    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
-        plans = plan_memory(cfg, layout, name, "adamw", micro_batch=2)
-        for rank, (tp_rank, measured) in enumerate(run_on_ranks(4, _measure, dtype)):
-            plan = plans[tp_rank]
-            assert rank in plan.ranks
-            for key, value in measured.items():
-                assert getattr(plan, key) == value, (name, rank, key)
-            if name == "bf16":  # the seed's accounting: 2 + 2 + 4 + 8 bytes per param (+4 main grads)
-                assert plan.model_param_bytes + plan.grad_bytes + plan.main_param_bytes + \
-                    plan.optimizer_state_bytes == 16 * plan.params
+    cfg = GPTConfig(**MODEL)
+    results = run_on_ranks(4, _all_engine_cases)
+    for i, (tp, name, distopt, fp32_grads) in enumerate(ENGINE_CASES):
+        layout = ParallelConfig(tensor_model_parallel_size=tp).layout(4)
+        plans = plan_memory(cfg, layout, name, "adamw", micro_batch=2, distributed_optimizer=distopt,
+                            grad_reduce_in_fp32=fp32_grads)
+        for rank, measured in enumerate(r[i] for r in results):
+            plan = plans[measured["tp_rank"]]
+            what = (tp, name, distopt, fp32_grads, rank)
+            assert rank in plan.ranks and plan.params == measured["params"], what
+            elem = measured["grad_elem"]
+            assert plan.grad_bytes == measured["grad_bytes"] - measured["padding"] * elem, what
+            assert measured["padding"] <= measured["padding_bound"], what
+            if distopt:  # the params live in the param buffer
+                low = BYTES[name]
+                assert plan.model_param_bytes == measured["param_buffer_bytes"] - measured["padding"] * low, what
             else:
-                assert plan.main_param_bytes == 0 and plan.optimizer_state_bytes == 8 * plan.params
+                assert plan.model_param_bytes == measured["model_param_bytes"], what
+            # The distributed optimizer's shards are 1/DP of the padded buffers, so a rank's share of the params
+            # is the plan's 1/DP within the padding; over the DP ranks they cover every param once.
+            slack = measured["padding"] if distopt else 0
+            owned = plan.optimizer_state_bytes // 8
+            assert abs(measured["main_numel"] - owned) <= slack, what
+            assert measured["optimizer_state_bytes"] == 8 * measured["main_numel"], what
+            if name != "fp32":
+                assert measured["main_param_bytes"] == 4 * measured["main_numel"], what
+                assert plan.main_param_bytes == 4 * owned, what
+                # fp32 gradients: the main grads are the buffer itself; 16-bit ones: fp32 copies for the step.
+                assert measured["main_grad_bytes"] == (0 if elem == 4 else 4 * measured["main_numel"]), what
+                assert plan.main_grad_bytes == (0 if elem == 4 else 4 * owned), what
+            else:
+                assert plan.main_param_bytes == plan.main_grad_bytes == 0, what
+        for tp_rank in range(tp):
+            shares = [r[i]["main_numel"] for r in results if r[i]["tp_rank"] == tp_rank]
+            assert sum(shares) == plans[tp_rank].params * (1 if distopt else 4 // tp), (tp, name, distopt, shares)
+
+
+def test_plan_reproduces_megatron_cores_bytes_per_parameter():
+    """megatron-core's table: bf16 params with fp32 grads and Adam take 18 bytes per parameter, 6 + 12 / d with
+    the distributed optimizer (fp16 the same; fp32: 4 + 4 + 8)."""
+    from ds_megatron.config import ParallelConfig
+    big = GPTConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=128, vocab_size=32000)
+    for dp in (1, 2, 4, 8):
+        layout = ParallelConfig().layout(dp)
+        for name, distopt, per_param in (("bf16", False, 18), ("fp16", False, 18), ("bf16", True, 6 + 12 / dp),
+                                         ("fp32", False, 16), ("fp32", True, 8 + 8 / dp)):
+            plan = plan_memory(big, layout, name, "adamw", distributed_optimizer=distopt)[0]
+            static = (plan.model_param_bytes + plan.grad_bytes + plan.main_param_bytes + plan.main_grad_bytes
+                      + plan.optimizer_state_bytes)
+            assert static / plan.params == pytest.approx(per_param, rel=1e-5), (dp, name, distopt)
+        # 16-bit gradients instead: 2 + 2 + 4 + 8, and the step's fp32 copies of them (+4).
+        plan = plan_memory(big, layout, "bf16", "adamw", grad_reduce_in_fp32=False)[0]
+        assert plan.grad_bytes == 2 * plan.params and plan.main_grad_bytes == 4 * plan.params
 
 
 def test_cli_prints_each_role_and_fails_in_one_line(tmp_path):
