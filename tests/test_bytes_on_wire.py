@@ -187,7 +187,7 @@ def test_expert_all_to_all_moves_tokens_times_topk_rows():
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
 def test_context_parallel_moves_each_kv_block_once_per_hop(cp, precision, comm_type):
     heads, groups = MODEL["num_attention_heads"], 2  # grouped-query attention: only the KV heads travel
     bf16 = precision == "bf16"
@@ -198,6 +198,18 @@ def test_context_parallel_moves_each_kv_block_once_per_hop(cp, precision, comm_t
     for records, info in results:
         common = {("all_reduce", "cp", 2 * F32): 1,  # the loss: masked sum and token count
                   ("all_reduce", "dp-cp", info["params"] * F32): 1}  # gradients
+        if comm_type == "a2a":
+            # Ulysses: q and the output (all 4 heads), k and v (2 KV heads; expanded to 4 when cp = 4 exceeds
+            # them), forward, and their gradients backward, in the model's dtype; each all-to-all keeps 1/cp.
+            elem = BF16 if bf16 else F32
+            q_bytes = B * (S // cp) * H * elem
+            kv_bytes = q_bytes if groups % cp else q_bytes // heads * groups
+            calls = collections.Counter({("all_to_all", "cp", q_bytes): 4 * L})
+            calls[("all_to_all", "cp", kv_bytes)] += 4 * L
+            assert _calls(records) == {**calls, **common}, records
+            moved = _bus(records, group="cp") - 2 * (cp - 1) / cp * 2 * F32
+            assert moved == pytest.approx(L * (cp - 1) / cp * 4 * (q_bytes + kv_bytes), rel=1e-12)
+            continue
         if comm_type == "p2p":
             ring = collections.Counter({("ring_exchange", "cp", kv_in): 2 * L * (cp - 1)})
             ring[("ring_exchange", "cp", kv_acc)] += L * (cp - 1)
@@ -287,6 +299,8 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
     "cp2-bf16-gqa": (2, {"context_parallel_size": 2}, BF16_ON, {"num_query_groups": 2}),
     "cp2-all-gather-recompute": (2, {"context_parallel_size": 2}, {},
                                  {"cp_comm_type": "all_gather", "recompute_granularity": "full"}),
+    "cp2-a2a-bf16-gqa-recompute": (2, {"context_parallel_size": 2}, BF16_ON,
+                                   {"cp_comm_type": "a2a", "num_query_groups": 2, "recompute_granularity": "full"}),
     "tp2-cp2-sp-dp": (4, {"tensor_model_parallel_size": 2, "context_parallel_size": 2, "sequence_parallel": True},
                       {}, {"sequence_parallel": True}),
 }

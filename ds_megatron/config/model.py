@@ -28,7 +28,7 @@ def pad_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128
     return -(-orig_vocab_size // multiple) * multiple
 
 
-CP_COMM_TYPES = ("p2p", "all_gather")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 def check_context_parallel_seq_length(seq_length: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
@@ -92,7 +92,7 @@ class GPTConfig:
     add_qkv_bias: bool = False  # biases of QKV alone (Qwen2); QKV has a bias when either is set
     untie_embeddings_and_output_weights: bool = False  # a separate output layer instead of the word embedding
     qk_layernorm: bool = False  # a norm (of `normalization`) over each head's query and key
-    # Context parallelism's K/V exchange (Megatron's TransformerConfig.cp_comm_type): "p2p" (ring) or "all_gather"
+    # Context parallelism's exchange (Megatron's TransformerConfig.cp_comm_type): "p2p" (ring), "all_gather" or "a2a"
     cp_comm_type: str = "p2p"
     # MoE (ds_megatron/moe; Megatron-LM's argument names)
     num_experts: Optional[int] = None  # None: a dense model
@@ -373,6 +373,10 @@ class GPTConfig:
 
     def check_context_parallel(self, cp: int, tp: int) -> None:
         check_context_parallel_seq_length(self.seq_length, cp, tp, self.sequence_parallel)
+        if self.cp_comm_type == "a2a" and (self.num_attention_heads // tp) % cp:
+            raise ConfigError(f"model.cp_comm_type \"a2a\" splits each TP rank's {self.num_attention_heads // tp} "
+                              f"attention heads over context_parallel_size={cp}, which must divide them; use "
+                              "cp_comm_type \"p2p\" or a context_parallel_size that divides the heads")
         if self.attention_dropout > 0:
             raise ConfigError(f"model.attention_dropout={self.attention_dropout} with context_parallel_size={cp}: the "
                               "context-parallel attention has no dropout; set model.attention_dropout to 0")

@@ -25,7 +25,10 @@ element in the params dtype):
   and ``cp - 1`` K/V blocks and dK/dV accumulators (fp32 for 16-bit models)
   backward on the ring, or one all-gather and one reduce-scatter of them (the
   forward's exchange again with full recomputation);
-  the loss's sum and token count over ``cp``;
+  with ``cp_comm_type "a2a"`` (Ulysses) q, k, v and the attention output
+  all-to-all'd forward and their gradients backward ((cp-1)/cp of each, K/V
+  expanded to the query heads when fewer than cp); the loss's sum and token
+  count over ``cp``;
 * pipeline: per micro-batch the stage's output hidden states forward (all
   stages but the last) and their gradient backward (all but the first); with
   v chunks per rank (our runtime) the same per chunk, for virtual stages
@@ -135,7 +138,15 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             partial += n_layers * cfg.query_groups * 2 * d * (h + int(cfg.qkv_bias))
         add("tp", _all_reduce(t, partial * F32))
         # Context parallelism: K/V of this rank's s tokens.
-        if cp > 1:
+        if cp > 1 and cfg.cp_comm_type == "a2a":
+            # Ulysses: q, k, v and the output all-to-all'd forward (again with recomputation), their gradients
+            # backward; K/V with fewer heads than cp travel expanded to the query heads.
+            heads = cfg.num_attention_heads // t
+            a2a_kv_heads = kv_heads if kv_heads % cp == 0 else heads
+            moved = 2 * b * s * heads * d + 2 * b * s * a2a_kv_heads * d
+            add("cp", m * n_layers * (2 + int(recompute)) * _gather_or_scatter(cp, moved * a))
+            add("cp", m * _all_reduce(cp, 2 * F32) if last else 0)
+        elif cp > 1:
             kv = 2 * b * s * kv_heads * d
             acc = F32 if a < F32 else a
             # Forward (and its recomputation); the ring sends K/V again in backward, the all-gather keeps them.

@@ -30,6 +30,17 @@ exact attention of its queries over the whole sequence:
   gathered K/V kept for backward; dK/dV reduce-scattered back (float32 for
   16-bit inputs).
 
+- ``"a2a"`` (DeepSpeed-Ulysses): an all-to-all over ``cp`` trades the sequence split
+  for a head split: each rank sends its ``s/cp`` tokens of head group ``j`` to
+  rank ``j`` and receives every rank's tokens of its own ``heads/cp`` heads, runs
+  causal attention over the whole sequence for them (the keys in the ranks'
+  zigzag order, masked by their positions, so the layout is kept and never
+  undone), and a second all-to-all gives every rank its tokens of all heads back.
+  Backward is the same all-to-alls in reverse.  Per layer a rank sends
+  ``(cp - 1) / cp`` of its q, k, v and output forward and as much of their
+  gradients backward.  K/V with fewer heads than ``cp`` (grouped-query attention)
+  are expanded to the query heads first, as megatron-core does.
+
 Scores are accumulated in float32 for 16-bit inputs and in the input dtype
 otherwise (float64 stays float64).  Grouped-query K/V are expanded per block
 on the rank that computes it; only ``kv_heads`` heads are communicated.
@@ -43,7 +54,7 @@ import torch
 
 from ..config.model import CP_COMM_TYPES as COMM_TYPES, check_context_parallel_seq_length  # noqa: F401
 from ..parallel_state import ParallelGroup
-from ..utils.collectives import all_gather_into, reduce_scatter_into, ring_exchange
+from ..utils.collectives import all_gather_into, all_to_all_single, reduce_scatter_into, ring_exchange
 
 _KV_TAG, _DKV_TAG = 0, 1  # both flow to the same neighbour during backward
 
@@ -273,6 +284,92 @@ class _AllGatherAttention(torch.autograd.Function):
         return dq.to(q.dtype), mine[0].to(k_dtype), mine[1].to(v_dtype), None, None, None
 
 
+# ---------------------------------------------------------------- all-to-all (Ulysses)
+
+def _heads_to_sequence(x: torch.Tensor, cp_group: ParallelGroup) -> torch.Tensor:
+    """``[b, heads, s/cp, d]`` (this rank's tokens, every head) -> ``[b, heads/cp, s, d]`` (every rank's tokens in
+    rank order, this rank's head group)."""
+    cp = cp_group.size
+    b, heads, local, d = x.shape
+    send = x.reshape(b, cp, heads // cp, local, d).transpose(0, 1).contiguous()  # [cp (to), b, h/cp, s/cp, d]
+    recv = torch.empty_like(send)  # [cp (from), b, h/cp, s/cp, d]
+    all_to_all_single(recv, send, None, None, cp_group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, heads // cp, cp * local, d)
+
+
+def _sequence_to_heads(x: torch.Tensor, cp_group: ParallelGroup) -> torch.Tensor:
+    """The inverse of ``_heads_to_sequence``: ``[b, heads/cp, s, d]`` -> ``[b, heads, s/cp, d]``."""
+    cp = cp_group.size
+    b, group_heads, seq, d = x.shape
+    send = x.reshape(b, group_heads, cp, seq // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp (to), ...]
+    recv = torch.empty_like(send)  # [cp (from: head group), b, h/cp, s/cp, d]
+    all_to_all_single(recv, send, None, None, cp_group)
+    return recv.transpose(0, 1).reshape(b, cp * group_heads, seq // cp, d)
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp_group: ParallelGroup):
+        ctx.cp_group = cp_group
+        return _heads_to_sequence(x, cp_group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad.contiguous(), ctx.cp_group), None
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp_group: ParallelGroup):
+        ctx.cp_group = cp_group
+        return _sequence_to_heads(x, cp_group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_sequence(grad.contiguous(), ctx.cp_group), None
+
+
+def _all_to_all_attention(q, k, v, cp_group: ParallelGroup, causal: bool, scale: float) -> torch.Tensor:
+    cp, heads = cp_group.size, q.size(1)
+    if heads % cp:
+        raise ValueError(f"cp_comm_type \"a2a\" splits the {heads} heads of a TP rank over cp={cp}; they must divide")
+    if k.size(1) % cp:  # fewer KV heads than cp: every query head gets its own copy
+        k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    qs, ks, vs = (_HeadsToSequence.apply(t, cp_group) for t in (q, k, v))
+    return _SequenceToHeads.apply(_WholeSequenceAttention.apply(qs, ks, vs, causal, scale, cp), cp_group)
+
+
+class _WholeSequenceAttention(torch.autograd.Function):
+    """Attention of a head group over the whole sequence whose tokens are in the ranks' zigzag order: the
+    probabilities are recomputed in backward from the saved log-sum-exp (flash-attention's way), so only
+    the output and one float per query row are kept, not the [s, s] probabilities."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float, cp: int):
+        cdt = _compute_dtype(q.dtype)
+        allowed = None
+        if causal:
+            positions = _gathered_positions(q.size(2), cp, q.device)
+            allowed = positions.unsqueeze(0) <= positions.unsqueeze(1)
+        out, lse = _block_forward(q.to(cdt), k.to(cdt), v.to(cdt), scale, allowed)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.cp = causal, scale, cp
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        allowed = None
+        if ctx.causal:
+            positions = _gathered_positions(q.size(2), ctx.cp, q.device)
+            allowed = positions.unsqueeze(0) <= positions.unsqueeze(1)
+        cdt = out.dtype
+        dout = dout.to(cdt)
+        dq, dk, dv = _block_backward(q.to(cdt), k.to(cdt), v.to(cdt), dout, lse, (dout * out).sum(-1), ctx.scale,
+                                     allowed)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: ParallelGroup,
                                comm_type: str = "p2p", causal: bool = True,
                                softmax_scale: Optional[float] = None) -> torch.Tensor:
@@ -288,5 +385,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if q.size(2) % 2:
         raise ValueError(f"each CP rank holds two equal chunks; local sequence length {q.size(2)} is odd")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(-1))
+    if comm_type == "a2a":
+        return _all_to_all_attention(q, k, v, cp_group, causal, scale)
     impl = _RingAttention if comm_type == "p2p" else _AllGatherAttention
     return impl.apply(q, k, v, cp_group, causal, scale)

@@ -92,6 +92,19 @@ def test_cp2_all_gather_with_rope_and_gqa_trains_the_cp1_model(tmp_path):
     _check_same_run(tmp_path, 2, {"cp": 2}, model=model)
 
 
+def test_cp2_all_to_all_with_rope_and_gqa_trains_the_cp1_model(tmp_path):
+    # Ulysses: the sequence split traded for a head split around the attention core.
+    model = {"position_embedding_type": "rope", "num_query_groups": 2, "normalization": "RMSNorm",
+             "cp_comm_type": "a2a"}
+    _check_same_run(tmp_path, 2, {"cp": 2}, model=model)
+
+
+def test_cp2_all_to_all_tp2_sequence_parallel_trains_the_cp1_model(tmp_path):
+    # Heads split over TP first (2 per rank), then over CP; one KV head per TP rank, expanded for the all-to-all.
+    model = {"position_embedding_type": "rope", "num_query_groups": 2, "cp_comm_type": "a2a"}
+    _check_same_run(tmp_path, 4, {"cp": 2, "tp": 2, "sp": True}, model=model)
+
+
 def test_cp2_tp2_sequence_parallel_rope_trains_the_cp1_model(tmp_path):
     model = {"position_embedding_type": "rope", "num_query_groups": 2, "recompute_granularity": "full"}
     _check_same_run(tmp_path, 4, {"cp": 2, "tp": 2, "sp": True}, model=model)
@@ -140,7 +153,9 @@ def test_cp2_tp2_sp_moe_routing_losses_and_expert_bias_train_the_cp1_model(tmp_p
      ["model.seq_length 36", "tensor_model_parallel_size", "sequence_parallel"]),
     ({"context_parallel_size": 2, "model": {**BASE_MODEL, "attention_dropout": 0.1}},
      ["model.attention_dropout", "context_parallel_size"]),
-    ({"context_parallel_size": 2, "model": {**BASE_MODEL, "cp_comm_type": "a2a"}}, ["model.cp_comm_type"]),
+    ({"context_parallel_size": 2, "model": {**BASE_MODEL, "cp_comm_type": "ring"}}, ["model.cp_comm_type"]),
+    ({"context_parallel_size": 4, "model": {**BASE_MODEL, "cp_comm_type": "a2a", "num_attention_heads": 2}},
+     ["model.cp_comm_type \"a2a\"", "context_parallel_size=4"]),
 ])
 def test_context_parallel_config_errors_name_the_fields(tmp_path, changes, fields):
     cfg = _config(str(tmp_path))

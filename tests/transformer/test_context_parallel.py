@@ -1,4 +1,5 @@
-"""Context-parallel attention (zigzag layout, ring and all-gather) against dense one-rank attention, in float64."""
+"""Context-parallel attention (zigzag layout; ring, all-gather and all-to-all) against dense one-rank attention, in
+float64."""
 import math
 
 import pytest
@@ -57,7 +58,8 @@ def _rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-CASES = [(cp, comm, kvh) for cp in (2, 4) for comm in ("p2p", "all_gather") for kvh in (4, 2, 1)]
+# a2a with kv_heads 2 at cp = 4 (and 1 at cp = 2, 4): fewer KV heads than cp, expanded before the all-to-all.
+CASES = [(cp, comm, kvh) for cp in (2, 4) for comm in ("p2p", "all_gather", "a2a") for kvh in (4, 2, 1)]
 
 
 @pytest.mark.parametrize("cp,comm_type,kv_heads", CASES)
@@ -71,7 +73,7 @@ def test_matches_dense_attention(cp, comm_type, kv_heads):
         assert err < TOL, (name, err)
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
 def test_not_causal(comm_type):
     expected = _dense(*_inputs(2), causal=False)
     per_rank = run_on_ranks(2, _cp_rank, 2, comm_type, False, timeout=120)
@@ -79,7 +81,7 @@ def test_not_causal(comm_type):
         assert _rel(zigzag_unsplit([r[i] for r in per_rank], seq_dim=2), expected[i]) < TOL
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
 def test_bfloat16_inputs_match_dense_attention_to_bfloat16_rounding(comm_type):
     # K/V travel in bf16, blocks are computed and dK/dV accumulated in float32: the result is the exact
     # attention of the bf16 inputs up to bf16's rounding of the outputs (2^-8 relative).
