@@ -6,7 +6,7 @@ widths divisible by TP, experts by EP, ...): the one place these rules live.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import List, Optional
 
 from ..errors import ConfigError
 
@@ -29,6 +29,7 @@ def pad_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128
 
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 
 
 def check_context_parallel_seq_length(seq_length: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
@@ -59,9 +60,14 @@ class GPTConfig:
     make_vocab_size_divisible_by: int = 128
     sequence_parallel: bool = False
     label_smoothing: float = 0.0
-    # Megatron's activation recomputation: None, or "full" (every layer's activations are
-    # recomputed in backward, through DeepSpeed's activation checkpointing).
+    # Megatron's activation recomputation: None; "full" (a layer keeps only its input and reruns in backward;
+    # recompute_method "uniform" (every layer, recompute_num_layers 1) or "block" (the first recompute_num_layers
+    # layers of each pipeline stage or chunk)); "selective" (only recompute_modules: "core_attn" (default),
+    # "mlp", "layernorm").
     recompute_granularity: Optional[str] = None
+    recompute_modules: Optional[List[str]] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
     # Architecture (Megatron-LM's argument names); the defaults are GPT-2's.
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
     rotary_base: float = 10000.0
@@ -141,15 +147,61 @@ class GPTConfig:
                 raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(self, name)!r}")
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ConfigError(f"model.cp_comm_type={self.cp_comm_type!r} is not one of {CP_COMM_TYPES}")
-        if self.recompute_granularity not in (None, "full"):
-            raise ConfigError(f"model.recompute_granularity={self.recompute_granularity!r} is not supported; "
-                              "use \"full\" or null")
+        self._check_recompute()
         self._check_architecture()
         self._check_rope_scaling()
         if self.recompute_granularity and self.num_experts:
             # The MoE layer keeps its routing losses from the forward; a recomputed forward would replace them.
             raise ConfigError("model.recompute_granularity is set together with model.num_experts; activation "
                               "recomputation is not supported for MoE models yet: set it to null")
+
+    def _check_recompute(self) -> None:
+        granularity = self.recompute_granularity
+        if granularity not in (None, "full", "selective"):
+            raise ConfigError(f"model.recompute_granularity={granularity!r} is not supported; use \"full\", "
+                              "\"selective\" or null")
+        if self.recompute_modules is not None and granularity != "selective":
+            raise ConfigError("model.recompute_modules is set but model.recompute_granularity is not \"selective\"; "
+                              "set it, or drop recompute_modules")
+        if granularity == "selective":
+            if self.recompute_modules is None:
+                self.recompute_modules = ["core_attn"]  # Megatron's default
+            modules = self.recompute_modules
+            if not isinstance(modules, list) or not modules:
+                raise ConfigError(f"model.recompute_modules={modules!r} must be a non-empty list of "
+                                  f"{', '.join(RECOMPUTE_MODULES)}")
+            for m in modules:
+                if m in ("moe", "moe_act", "mla_up_proj"):
+                    raise ConfigError(f"model.recompute_modules entry {m!r} is not supported yet (MoE layers are "
+                                      "not recomputed; no multi-latent attention); use core_attn, mlp, layernorm")
+                if m not in RECOMPUTE_MODULES:
+                    raise ConfigError(f"model.recompute_modules entry {m!r} is unknown; use "
+                                      f"{', '.join(RECOMPUTE_MODULES)}")
+        if (self.recompute_method is not None or self.recompute_num_layers is not None) and granularity != "full":
+            raise ConfigError("model.recompute_method / recompute_num_layers need model.recompute_granularity "
+                              "\"full\"; set it, or drop them")
+        if granularity == "full":
+            method = self.recompute_method or "uniform"
+            if method not in ("uniform", "block"):
+                raise ConfigError(f"model.recompute_method={method!r} is unknown; use \"uniform\" or \"block\"")
+            n = self.recompute_num_layers
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise ConfigError(f"model.recompute_num_layers must be an integer >= 0, got {n!r}")
+            if method == "uniform" and n not in (None, 1):
+                # Megatron checkpoints groups of n layers as one; ours recomputes layer by layer.
+                raise ConfigError(f"model.recompute_num_layers={n} with recompute_method \"uniform\": groups of "
+                                  "layers recomputed as one are not implemented; use 1 (every layer on its own) or "
+                                  "recompute_method \"block\"")
+            if method == "block" and n is None:
+                raise ConfigError("model.recompute_method \"block\" needs model.recompute_num_layers (the layers "
+                                  "of each pipeline stage or chunk recomputed, from its first)")
+
+    def recomputes_layer(self, local_index: int) -> bool:
+        """Whether the layer at ``local_index`` in its owner (the model, a pipeline stage or chunk) is recomputed
+        whole (``recompute_granularity`` "full", by ``recompute_method``)."""
+        if self.recompute_granularity != "full":
+            return False
+        return self.recompute_method != "block" or local_index < self.recompute_num_layers
 
     def _resolve_aliases(self) -> None:
         for old, new, default in (("layernorm_epsilon", "norm_epsilon", 1e-5),

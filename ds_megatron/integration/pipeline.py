@@ -48,7 +48,7 @@ from ..config.model import GPTConfig
 from ..config.parallel import ParallelConfig
 from ..config.pipeline import pipeline_grid_axes
 from ..errors import ConfigError
-from ..models.gpt import build_gpt_modules, language_model_loss, output_logits
+from ..models.gpt import build_gpt_modules, language_model_loss, output_logits, set_recompute_method
 from ..models.gpt_chunks import GPTModelChunks, routing_loss_hook
 from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer
@@ -183,6 +183,7 @@ class GPTPipelineModule(PipelineModule):
             word_embeddings.weight.shared_embedding = True
             if self.is_last_stage:
                 word_embeddings.weight.shared = True
+        set_recompute_method([specs[2 + i] for i in self.stage_layers], config)  # "block": the stage's first
         for spec in specs[2:n_items - 2]:
             if spec is not None and isinstance(getattr(spec, "mlp", None), BaseMoELayer):
                 spec.register_forward_hook(routing_loss_hook(self._routing_loss_scale))

@@ -40,6 +40,7 @@ from ..tensor_parallel import (LogitsBuffer, RNGStatesTracker, VocabParallelEmbe
 from ..tensor_parallel import ColumnParallelLinear
 from ..transformer import ParallelTransformerLayer
 from ..transformer.context_parallel import zigzag_chunk_indices, zigzag_split
+from ..transformer.layer import set_recompute_method
 from ..transformer.mlp import build_mlp
 from ..utils.collectives import all_reduce
 from ..transformer.norm import build_norm
@@ -301,6 +302,7 @@ class GPTModel(torch.nn.Module):
                 setattr(self, name, module)
             if name == "position_embeddings":
                 self.layers = torch.nn.ModuleList()  # registered here: parameters() follow the build order
+        set_recompute_method(self.layers, config)
         self.logits_buffer = LogitsBuffer()  # the tied output layer's [V/tp, tokens] logits on a CPU, step to step
 
     def forward(self, tokens, labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):

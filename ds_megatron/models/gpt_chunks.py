@@ -26,7 +26,7 @@ from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer
 from ..parallel_state import ParallelState
 from ..tensor_parallel import LogitsBuffer, RNGStatesTracker, pad_vocab_size
-from .gpt import build_gpt_modules, language_model_head
+from .gpt import build_gpt_modules, language_model_head, set_recompute_method
 
 
 def routing_loss_hook(scale: Callable[[], torch.Tensor]):
@@ -125,6 +125,8 @@ class GPTModelChunks(torch.nn.Module):
             elif name in ("final_layernorm", "output_layer") and last:
                 setattr(self.chunks[-1], name, module)
             del module  # pieces of other stages are dropped as they come
+        for chunk in self.chunks:  # recompute_method "block": the first layers of each chunk
+            set_recompute_method(chunk.layers, config)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("GPTModelChunks is run by the pipeline runtime: call engine.train_batch(data_iter) / "

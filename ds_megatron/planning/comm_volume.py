@@ -91,7 +91,9 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     a = BYTES[params_dtype]
     s, b, h, d = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.head_dim
     sp = cfg.sequence_parallel and t > 1
-    recompute = cfg.recompute_granularity == "full"
+    # Layers recomputed whole ("full", by recompute_method), and selective "mlp" (its rerun reaches the fc1 input
+    # gather under sequence parallelism, torch's early stop leaves fc2 out).
+    selective_mlp = cfg.recompute_granularity == "selective" and "mlp" in (cfg.recompute_modules or ())
     sbh = s * b * h * a
     v = num_model_chunks
     rank_chunks = pipeline_rank_chunks(cfg, layout, partition_method, layers_per_stage, first, last, v)
@@ -99,6 +101,7 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     out = []
     for stage, chunks in enumerate(rank_chunks):
         layers = [i for chunk in chunks for i in chunk]
+        recomputed = sum(cfg.recomputes_layer(i) for chunk in chunks for i in range(len(chunk)))
         first, last = stage == 0, stage == pp - 1
         counts = gpt_param_counts(cfg, t, layers=layers, first_stage=first, last_stage=last)
         m, n_layers = micro_batches, len(layers)
@@ -121,12 +124,12 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         # backward); the output layer's input gradient is reduced (SP: its input gathered, the gradient scattered).
         ar, g = _all_reduce(t, sbh), _gather_or_scatter(t, sbh)
         if sp:
-            per_layer = (8 + 3 * recompute) * g
+            layer_bytes = n_layers * 8 * g + recomputed * 3 * g + (n_layers * g if selective_mlp else 0)
             ends = (ar + g) * first + 2 * g * last
         else:
-            per_layer = (4 + recompute) * ar
+            layer_bytes = n_layers * 4 * ar + recomputed * ar
             ends = ar * (first + last)
-        add("tp", m * (n_layers * per_layer + ends))
+        add("tp", m * (layer_bytes + ends))
         if last:  # the cross entropy: the max, then the target logit and the sum of exponentials, in fp32
             add("tp", m * _all_reduce(t, 3 * s * b * F32))
         # Replicated weights whose gradients are partial sums over TP, summed once per step (in fp32).
@@ -144,14 +147,14 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             heads = cfg.num_attention_heads // t
             a2a_kv_heads = kv_heads if kv_heads % cp == 0 else heads
             moved = 2 * b * s * heads * d + 2 * b * s * a2a_kv_heads * d
-            add("cp", m * n_layers * (2 + int(recompute)) * _gather_or_scatter(cp, moved * a))
+            add("cp", m * (2 * n_layers + recomputed) * _gather_or_scatter(cp, moved * a))
             add("cp", m * _all_reduce(cp, 2 * F32) if last else 0)
         elif cp > 1:
             kv = 2 * b * s * kv_heads * d
             acc = F32 if a < F32 else a
             # Forward (and its recomputation); the ring sends K/V again in backward, the all-gather keeps them.
-            passes = 1 + int(recompute) + int(cfg.cp_comm_type == "p2p")
-            add("cp", m * n_layers * (cp - 1) * kv * (passes * a + acc))
+            passes = n_layers * (1 + int(cfg.cp_comm_type == "p2p")) + recomputed
+            add("cp", m * (cp - 1) * kv * (passes * a + n_layers * acc))
             add("cp", m * _all_reduce(cp, 2 * F32) if last else 0)
         # Pipeline: hidden states (this rank's slice with SP) forward from every virtual stage but the model's
         # last, their gradient backward from every one but the first.

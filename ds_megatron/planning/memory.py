@@ -93,12 +93,16 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         output_weight_grad = (vocab // tp) * h * act
         backward_start = head + logit_bytes + output_weight_grad
     if cfg.recompute_granularity != "full":
+        # "selective" is planned as no recomputation: an upper bound (what it saves is not planned yet).
         return int(L * per_layer + backward_start)
-    # Recomputation: the layers' inputs, then at most one layer's set (with its MLP's two 4h gradients)
-    # or what the start of backward holds, whichever is larger.
-    inputs = L * sbh / (tp if sp else 1) * act
-    one_layer = per_layer + 8 / tp * sbh * act if L else 0
-    return int(inputs + max(backward_start, one_layer))
+    # Recomputation: the recomputed layers' inputs (recompute_method "block": the first recompute_num_layers of
+    # the stage or chunk), then the larger of what the start of backward holds (with the later, not recomputed
+    # layers' activations) and one recomputed layer's set with its MLP's two 4h gradients (by then the later
+    # layers' backward is done).
+    recomputed = sum(1 for i in range(L) if cfg.recomputes_layer(i))
+    inputs = recomputed * sbh / (tp if sp else 1) * act
+    one_layer = per_layer + 8 / tp * sbh * act if recomputed else 0
+    return int(inputs + max(backward_start + (L - recomputed) * per_layer, one_layer))
 
 
 def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, layers: Sequence[int],

@@ -36,6 +36,7 @@ from ..parallel_state import ParallelGroup
 from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_tensor_model_parallel_region,
                                gather_from_sequence_parallel_region, mark_sequence_parallel, mark_tp_replica,
                                set_tensor_model_parallel_attributes)
+from ..tensor_parallel.random import checkpoint
 from ..tensor_parallel.utils import divide
 from .context_parallel import context_parallel_attention, zigzag_chunk_indices
 from .norm import build_norm
@@ -81,6 +82,10 @@ class ParallelAttention(torch.nn.Module):
         self.groups_per_partition = max(g // tp.size, 1)
         self.attention_dropout = config.attention_dropout
         self.rng_tracker = rng_tracker
+        # Selective recomputation of the core (softmax(QK^T)V and its dropout).  Not under context parallelism,
+        # whose cores keep only their output and log-sum-exp already (a rerun would repeat their exchange).
+        self.recompute_core = (config.recompute_granularity == "selective"
+                               and "core_attn" in (config.recompute_modules or ()))
         self.sequence_parallel = config.sequence_parallel and tp.size > 1
         bias = config.qkv_bias
         master = torch.empty(g * (self.q_per_group + 2) * d, h)
@@ -152,11 +157,18 @@ class ParallelAttention(torch.nn.Module):
         heads_per_kv = q.size(1) // k.size(1)
         if heads_per_kv > 1:
             k, v = k.repeat_interleave(heads_per_kv, dim=1), v.repeat_interleave(heads_per_kv, dim=1)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            # Selective recomputation ("core_attn"): keep q, k, v; rerun the core (its dropout replayed).
+            ctx = checkpoint(self._core, self.rng_tracker, q, k, v)
+        else:
+            ctx = self._core(q, k, v)
+        return self._output(ctx)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (dropout > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
         with fork:
-            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return self._output(ctx)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
     def _output(self, ctx: torch.Tensor) -> torch.Tensor:
         """``ctx [b, heads, s, d]`` -> the row-parallel output projection, [s(/tp), b, h]."""

@@ -63,8 +63,12 @@ class ParallelTransformerLayer(GraphableLayer):
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = config.sequence_parallel
         self.rng_tracker = rng_tracker
-        # Megatron's full activation recomputation ("full"): the layer keeps only its input.
+        # Megatron's full activation recomputation ("full"): the layer keeps only its input (its owner turns
+        # it off for the layers recompute_method "block" leaves out: set_recompute_method).  "selective":
+        # only the named modules are rerun in backward.
         self.recompute = config.recompute_granularity == "full"
+        modules = set(config.recompute_modules or ()) if config.recompute_granularity == "selective" else set()
+        self.recompute_mlp, self.recompute_layernorm = "mlp" in modules, "layernorm" in modules
         self.input_layernorm = build_norm(config, h, sequence_parallel=sp)
         self.self_attention = ParallelAttention(config, tp=tp, init_method=init_method,
                                                 output_init_method=output_init_method, rng_tracker=rng_tracker, cp=cp)
@@ -79,11 +83,17 @@ class ParallelTransformerLayer(GraphableLayer):
         with fork:
             return F.dropout(x, p=self.hidden_dropout, training=True)
 
+    def _selective(self, on: bool, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if on and self.training and torch.is_grad_enabled():
+            return checkpoint(module, self.rng_tracker, x)  # keeps x, reruns module in backward
+        return module(x)
+
     def forward_attention(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self._dropout(self.self_attention(self.input_layernorm(hidden)))
+        normed = self._selective(self.recompute_layernorm, self.input_layernorm, hidden)
+        return hidden + self._dropout(self.self_attention(normed))
 
     def pre_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.post_attention_layernorm(hidden)
+        return self._selective(self.recompute_layernorm, self.post_attention_layernorm, hidden)
 
     def post_mlp(self, hidden: torch.Tensor, mlp_output: torch.Tensor) -> torch.Tensor:
         return hidden + self._dropout(mlp_output)
@@ -93,4 +103,15 @@ class ParallelTransformerLayer(GraphableLayer):
             # Rerun in backward, replaying the default generator and the tracker's streams (the same
             # dropout masks).  Inside the layer, so that every owner (GPTModel, a pipeline stage) gets it.
             return checkpoint(super().forward, self.rng_tracker, hidden)
+        if self.recompute_mlp:
+            hidden = self.forward_attention(hidden)
+            return self.post_mlp(hidden, self._selective(True, self.mlp, self.pre_mlp(hidden)))
         return super().forward(hidden)
+
+
+def set_recompute_method(layers, config) -> None:
+    """Full recomputation by ``recompute_method``: of an owner's layers in order (the model's, a pipeline
+    stage's or a chunk's), "block" recomputes the first ``recompute_num_layers``, "uniform" every one."""
+    for index, layer in enumerate(layers):
+        if isinstance(layer, ParallelTransformerLayer):
+            layer.recompute = config.recomputes_layer(index)

@@ -121,9 +121,67 @@ def test_full_activation_recomputation_gives_the_same_loss_and_gradients_with_dr
     run_on_ranks(4, _recompute_vs_plain, 2)
 
 
-def test_recompute_granularity_is_checked():
-    with pytest.raises(ConfigError, match="model.recompute_granularity='selective' is not supported"):
-        GPTConfig(**CFG, recompute_granularity="selective")
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(recompute_granularity="partial"), "model.recompute_granularity='partial'"),
+    (dict(recompute_modules=["mlp"]), "model.recompute_modules"),
+    (dict(recompute_granularity="selective", recompute_modules=["attn"]), "'attn' is unknown"),
+    (dict(recompute_granularity="selective", recompute_modules=["moe_act"]), "'moe_act' is not supported"),
+    (dict(recompute_granularity="selective", recompute_method="block"), "model.recompute_method"),
+    (dict(recompute_granularity="full", recompute_method="block"), "needs model.recompute_num_layers"),
+    (dict(recompute_granularity="full", recompute_num_layers=2), "recompute_method \"uniform\""),
+])
+def test_recompute_settings_are_checked(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        GPTConfig(**CFG, **kwargs)
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def _grads_and_reruns(**recompute):
+    """Loss, gradients and how often each recomputable module ran, for a float64 GPT with dropout (the
+    tracker's streams and the default generator drive it) after one forward and backward."""
+    from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
+    torch.manual_seed(3)
+    cfg = GPTConfig(**dict(CFG, hidden_dropout=0.1, attention_dropout=0.1, num_layers=3), **recompute)
+    tracker = RNGStatesTracker()
+    model = GPTModel(cfg, ParallelState.single(), rng_tracker=tracker).double()
+    model_parallel_seed(5, 0, tracker=tracker)
+    runs = {"core": 0, "mlp": 0, "norm": 0, "layer": 0}
+
+    def counter(key):
+        def hook(*_):
+            runs[key] += 1
+        return hook
+    for layer in model.layers:
+        layer.register_forward_pre_hook(counter("layer"))
+        layer.mlp.register_forward_pre_hook(counter("mlp"))
+        layer.input_layernorm.register_forward_pre_hook(counter("norm"))
+        attn = layer.self_attention
+        core = attn._core
+        attn._core = lambda *a, core=core: (counter("core")(), core(*a))[1]
+    torch.manual_seed(11)
+    tokens, labels, mask = _batch()
+    loss = model(tokens, labels, mask)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, runs
+
+
+@pytest.mark.parametrize("recompute,reruns", [
+    (dict(recompute_granularity="selective"), {"core": 3}),  # Megatron's default: core_attn
+    (dict(recompute_granularity="selective", recompute_modules=["mlp", "layernorm"]), {"mlp": 3, "norm": 3}),
+    (dict(recompute_granularity="full"), {"core": 3, "mlp": 3, "norm": 3, "layer": 0}),
+    (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
+     {"core": 2, "mlp": 2, "norm": 2}),
+])
+def test_recomputation_reruns_what_it_names_and_keeps_the_gradients(recompute, reruns):
+    """Every recomputation setting gives the loss and gradients of no recomputation bit for bit (float64, with
+    attention and hidden dropout replayed), and reruns exactly the named modules in backward."""
+    ref_loss, ref_grads, ref_runs = _grads_and_reruns()
+    loss, grads, runs = _grads_and_reruns(**recompute)
+    assert torch.equal(loss, ref_loss)
+    for name, grad in ref_grads.items():
+        assert torch.equal(grads[name], grad), name
+    extra = {k: runs[k] - ref_runs[k] for k in runs}
+    assert extra == {**{k: 0 for k in runs}, **reruns}, extra
 
 
 def test_the_kept_logits_buffer_gives_the_logits_path_loss_and_gradients_step_after_step():

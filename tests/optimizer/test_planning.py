@@ -253,13 +253,28 @@ def _measured_activations(tp, extra, dtype_name, cp=1):
 
 @pytest.mark.parametrize("tp,extra,dtype_name", [
     (1, {}, "fp32"), (1, {}, "bf16"), (1, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, "fp32"),
-    (1, {"recompute_granularity": "full"}, "fp32"), (2, {}, "fp32"), (2, {"sequence_parallel": True}, "fp32")],
-    ids=["fp32", "bf16", "dropout", "recompute", "tp2", "tp2-sp"])
+    (1, {"recompute_granularity": "full"}, "fp32"),
+    (1, {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}, "fp32"),
+    (2, {}, "fp32"), (2, {"sequence_parallel": True}, "fp32")],
+    ids=["fp32", "bf16", "dropout", "recompute", "recompute-block", "tp2", "tp2-sp"])
 def test_activation_plan_is_within_ten_percent_of_the_measured_peak(tp, extra, dtype_name):
     cfg = GPTConfig(**{**ACTIVATION_MODEL, **extra})
     planned = activation_bytes(cfg, tp, 4, dtype_name)
     for measured in run_on_ranks(2, _measured_activations, tp, extra, dtype_name):
         assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+def test_selective_recomputation_is_planned_as_an_upper_bound_and_saves_memory():
+    # The plan counts "selective" as no recomputation (it says so); the measured peak must stay under it and
+    # under the measured peak without recomputation.
+    base = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
+    selective = dict(base, recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"])
+    planned = activation_bytes(GPTConfig(**{**ACTIVATION_MODEL, **selective}), 1, 4, "fp32")
+    without = run_on_ranks(2, _measured_activations, 1, base, "fp32")
+    with_recompute = run_on_ranks(2, _measured_activations, 1, selective, "fp32")
+    for a, b in zip(with_recompute, without):
+        assert a < b and a <= planned, (a, b, planned)
+        print(f"selective core_attn+mlp+layernorm: {a / 2 ** 20:.2f} MiB against {b / 2 ** 20:.2f} MiB without")
 
 
 def test_activation_plan_falls_with_context_parallelism_as_measured():
