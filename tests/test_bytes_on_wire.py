@@ -302,6 +302,8 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
     "tp2-sp-selective-recompute": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {},
                                    {"sequence_parallel": True, "recompute_granularity": "selective",
                                     "recompute_modules": ["core_attn", "mlp", "layernorm"]}),
+    "tp2-sp-tiled-mlp-and-loss": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {},
+                                  {"sequence_parallel": True, "mlp_sequence_tiles": 4, "loss_sequence_tiles": 4}),
     "tp2-block-recompute-one-of-two": (2, {"tensor_model_parallel_size": 2}, {},
                                        {"recompute_granularity": "full", "recompute_method": "block",
                                         "recompute_num_layers": 1}),

@@ -261,7 +261,8 @@ EXPORT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Model fields that are training settings, not the architecture: never compared.
 RUNTIME_FIELDS = ("seq_length", "hidden_dropout", "attention_dropout", "sequence_parallel", "recompute_granularity",
-                  "recompute_modules", "recompute_method", "recompute_num_layers",
+                  "recompute_modules", "recompute_method", "recompute_num_layers", "mlp_sequence_tiles",
+                  "loss_sequence_tiles",
                   "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
                   "moe_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
                   "init_method_std", "label_smoothing", "make_vocab_size_divisible_by", "layernorm_epsilon",

@@ -102,7 +102,8 @@ def map_activation_checkpointing(ds_config: Dict[str, Any], mcfg: MegatronConfig
 
 # Model keys a job may still set when the architecture comes from a checkpoint (load_hf).
 RUNTIME_MODEL_KEYS = ("seq_length", "hidden_dropout", "attention_dropout", "recompute_granularity", "recompute_modules",
-                      "recompute_method", "recompute_num_layers", "label_smoothing",
+                      "recompute_method", "recompute_num_layers", "mlp_sequence_tiles",
+                      "loss_sequence_tiles", "label_smoothing",
                       "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
                       "moe_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity")
 

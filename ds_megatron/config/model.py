@@ -68,6 +68,11 @@ class GPTConfig:
     recompute_modules: Optional[List[str]] = None
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
+    # Tiling (Arctic Long Sequence Training's idea; names ours): the MLP and the output layer + cross entropy run
+    # over this many sequence tiles, each recomputed in backward, so the [s, ffn] and [s, vocab/tp]
+    # intermediates exist one tile at a time.  1: untiled.
+    mlp_sequence_tiles: int = 1
+    loss_sequence_tiles: int = 1
     # Architecture (Megatron-LM's argument names); the defaults are GPT-2's.
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
     rotary_base: float = 10000.0
@@ -148,6 +153,7 @@ class GPTConfig:
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ConfigError(f"model.cp_comm_type={self.cp_comm_type!r} is not one of {CP_COMM_TYPES}")
         self._check_recompute()
+        self._check_tiles()
         self._check_architecture()
         self._check_rope_scaling()
         if self.recompute_granularity and self.num_experts:
@@ -195,6 +201,16 @@ class GPTConfig:
             if method == "block" and n is None:
                 raise ConfigError("model.recompute_method \"block\" needs model.recompute_num_layers (the layers "
                                   "of each pipeline stage or chunk recomputed, from its first)")
+
+    def _check_tiles(self) -> None:
+        for name in ("mlp_sequence_tiles", "loss_sequence_tiles"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"model.{name} must be a positive integer (1: untiled), got {v!r}")
+        if self.mlp_sequence_tiles > 1 and self.num_experts:
+            # The routing losses and capacity of a tile are not the whole sequence's.
+            raise ConfigError("model.mlp_sequence_tiles > 1 with model.num_experts: MoE layers route the whole "
+                              "sequence at once; set mlp_sequence_tiles to 1")
 
     def recomputes_layer(self, local_index: int) -> bool:
         """Whether the layer at ``local_index`` in its owner (the model, a pipeline stage or chunk) is recomputed

@@ -32,7 +32,7 @@ from ..config.model import GPTConfig
 from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer, MoELayer
 from ..parallel_state import ParallelGroup, ParallelState
-from ..tensor_parallel import (LogitsBuffer, RNGStatesTracker, VocabParallelEmbedding,
+from ..tensor_parallel import (LogitsBuffer, RNGStatesTracker, VocabParallelEmbedding, checkpoint,
                                copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                                init_method_normal, linear_vocab_parallel_cross_entropy, pad_vocab_size,
                                scaled_init_method_normal, scatter_to_sequence_parallel_region,
@@ -162,6 +162,25 @@ def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: O
     return _masked_mean(losses, loss_mask, cp)
 
 
+def tiled_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
+               config: GPTConfig, tp: ParallelGroup, cp: Optional[ParallelGroup]) -> torch.Tensor:
+    """``language_model_loss`` over ``config.loss_sequence_tiles`` sequence tiles: each tile's logits
+    [tile, b, V/tp] are made, turned into per-token losses and dropped, and made again in backward (a checkpoint
+    per tile), so no [s, b, V/tp] tensor ever exists.  The same mean over the masked tokens."""
+    labels, loss_mask = _labels_of_this_cp_rank(labels, loss_mask, cp)
+    x = _output_layer_input(hidden, config, tp)  # [s, b, h], gathered once
+    bounds = torch.tensor_split(torch.arange(x.size(0)), min(config.loss_sequence_tiles, x.size(0)))
+
+    def tile_losses(x_tile: torch.Tensor, w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        logits = F.linear(x_tile, w)  # [tile, b, V/tp]
+        return vocab_parallel_cross_entropy(logits, labels[:, start:stop].transpose(0, 1), tp,
+                                            label_smoothing=config.label_smoothing, vocab_size=config.vocab_size,
+                                            inplace=True)
+    pieces = [checkpoint(tile_losses, None, x[int(b[0]):int(b[-1]) + 1], weight, int(b[0]), int(b[-1]) + 1)
+              for b in bounds if b.numel()]
+    return _masked_mean(torch.cat(pieces, dim=0).transpose(0, 1), loss_mask, cp)
+
+
 def _labels_of_this_cp_rank(labels: torch.Tensor, loss_mask: Optional[torch.Tensor], cp: Optional[ParallelGroup]):
     """The whole sample's labels / loss mask -> this CP rank's zigzag chunks (unchanged without CP)."""
     if cp is None or cp.size == 1:
@@ -241,6 +260,9 @@ def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tens
     rank's vocab-parallel logits [b, s, V/tp].  ``output_layer``: the untied one, None when tied to the word
     embedding (``word_embeddings_weight``).  The whole model and a pipeline's last chunk end here."""
     weight = word_embeddings_weight
+    if labels is not None and config.loss_sequence_tiles > 1 and torch.is_grad_enabled():
+        return tiled_loss(hidden, weight if output_layer is None else output_layer.weight, labels, loss_mask, config,
+                          tp, cp)
     if (labels is not None and output_layer is None and weight.dtype in (torch.float32, torch.float64)):
         # 16-bit weights keep the separate GEMM below: the fused loss would add a 16-bit gradient to its
         # fp32 logits.  On a CPU, fp32 logits of 32 MiB or more go into a buffer kept across steps: glibc

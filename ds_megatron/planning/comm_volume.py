@@ -93,7 +93,10 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     sp = cfg.sequence_parallel and t > 1
     # Layers recomputed whole ("full", by recompute_method), and selective "mlp" (its rerun reaches the fc1 input
     # gather under sequence parallelism, torch's early stop leaves fc2 out).
-    selective_mlp = cfg.recompute_granularity == "selective" and "mlp" in (cfg.recompute_modules or ())
+    # Tiled MLP reruns each tile in backward too; the tiled loss reruns its cross entropy's reductions.
+    selective_mlp = (cfg.recompute_granularity == "selective" and "mlp" in (cfg.recompute_modules or ())
+                     or cfg.mlp_sequence_tiles > 1)
+    loss_passes = 2 if cfg.loss_sequence_tiles > 1 else 1
     sbh = s * b * h * a
     v = num_model_chunks
     rank_chunks = pipeline_rank_chunks(cfg, layout, partition_method, layers_per_stage, first, last, v)
@@ -131,7 +134,7 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             ends = ar * (first + last)
         add("tp", m * (layer_bytes + ends))
         if last:  # the cross entropy: the max, then the target logit and the sum of exponentials, in fp32
-            add("tp", m * _all_reduce(t, 3 * s * b * F32))
+            add("tp", m * loss_passes * _all_reduce(t, 3 * s * b * F32))
         # Replicated weights whose gradients are partial sums over TP, summed once per step (in fp32).
         if sp:  # norms and row-parallel biases see this rank's tokens only (the q/k norms its heads)
             partial = sum(layer_counts(cfg, i, t).replicated for i in layers) + (norm_params(cfg) if last else 0)

@@ -89,7 +89,9 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     if logits:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
         head = sbh * ((1 / tp + 1) if sp else 2) * act  # final LayerNorm input, output layer input
-        logit_bytes = s * b * (vocab // tp) * (act + (4 if act < 4 else 0))
+        # loss_sequence_tiles: one tile's logits at a time (each tile's made again in its backward).
+        tile_rows = -(-s // max(1, min(cfg.loss_sequence_tiles, s)))
+        logit_bytes = tile_rows * b * (vocab // tp) * (act + (4 if act < 4 else 0))
         output_weight_grad = (vocab // tp) * h * act
         backward_start = head + logit_bytes + output_weight_grad
     if cfg.recompute_granularity != "full":

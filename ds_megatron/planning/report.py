@@ -50,6 +50,9 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
               f"params {precision.params_dtype}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
+    if job.model.mlp_sequence_tiles > 1:
+        header += ("\nactivations: mlp_sequence_tiles is planned as an untiled MLP, an upper bound (what it saves is "
+                   "not planned yet)")
     if job.model.recompute_granularity == "selective":
         header += ("\nactivations: recompute_granularity \"selective\" is planned as no recomputation, an upper bound "
                    "(what it saves is not planned yet)")

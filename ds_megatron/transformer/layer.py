@@ -69,6 +69,7 @@ class ParallelTransformerLayer(GraphableLayer):
         self.recompute = config.recompute_granularity == "full"
         modules = set(config.recompute_modules or ()) if config.recompute_granularity == "selective" else set()
         self.recompute_mlp, self.recompute_layernorm = "mlp" in modules, "layernorm" in modules
+        self.mlp_sequence_tiles = config.mlp_sequence_tiles
         self.input_layernorm = build_norm(config, h, sequence_parallel=sp)
         self.self_attention = ParallelAttention(config, tp=tp, init_method=init_method,
                                                 output_init_method=output_init_method, rng_tracker=rng_tracker, cp=cp)
@@ -103,10 +104,20 @@ class ParallelTransformerLayer(GraphableLayer):
             # Rerun in backward, replaying the default generator and the tracker's streams (the same
             # dropout masks).  Inside the layer, so that every owner (GPTModel, a pipeline stage) gets it.
             return checkpoint(super().forward, self.rng_tracker, hidden)
+        if self.mlp_sequence_tiles > 1 and self.training and torch.is_grad_enabled():
+            hidden = self.forward_attention(hidden)
+            return self.post_mlp(hidden, self._tiled_mlp(self.pre_mlp(hidden)))
         if self.recompute_mlp:
             hidden = self.forward_attention(hidden)
             return self.post_mlp(hidden, self._selective(True, self.mlp, self.pre_mlp(hidden)))
         return super().forward(hidden)
+
+    def _tiled_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP over sequence tiles of ``x [s, b, h]``, each kept as its input and rerun in backward: the
+        [tile, b, ffn] intermediates exist one tile at a time.  Per token, so the tiles' order (under sequence
+        parallelism each rank's tile t is gathered with the others' tile t) does not matter."""
+        tiles = torch.tensor_split(x, min(self.mlp_sequence_tiles, x.size(0)), dim=0)
+        return torch.cat([checkpoint(self.mlp, self.rng_tracker, t) for t in tiles], dim=0)
 
 
 def set_recompute_method(layers, config) -> None:

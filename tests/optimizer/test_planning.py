@@ -255,8 +255,9 @@ def _measured_activations(tp, extra, dtype_name, cp=1):
     (1, {}, "fp32"), (1, {}, "bf16"), (1, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, "fp32"),
     (1, {"recompute_granularity": "full"}, "fp32"),
     (1, {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}, "fp32"),
+    (1, {"loss_sequence_tiles": 4}, "fp32"),
     (2, {}, "fp32"), (2, {"sequence_parallel": True}, "fp32")],
-    ids=["fp32", "bf16", "dropout", "recompute", "recompute-block", "tp2", "tp2-sp"])
+    ids=["fp32", "bf16", "dropout", "recompute", "recompute-block", "loss-tiles", "tp2", "tp2-sp"])
 def test_activation_plan_is_within_ten_percent_of_the_measured_peak(tp, extra, dtype_name):
     cfg = GPTConfig(**{**ACTIVATION_MODEL, **extra})
     planned = activation_bytes(cfg, tp, 4, dtype_name)
