@@ -122,6 +122,8 @@ def global_shards(config: GPTConfig, name: str, shape: Tuple[int, ...], tensor_p
         start = group * group_rows + (copy * shape[0] if which == "linear_q" else per_group * d)
         return [GlobalShard(f"{prefix}query_key_value.{kind}", (g * group_rows,) + shape[1:], (0, shape[0]),
                             (start,) + (0,) * (len(shape) - 1))]
+    if name.endswith(".eh_proj.weight"):  # multi-token prediction's column-parallel projection
+        return _block(name, shape, tp, t)
     if name.endswith(_ROW_PARALLEL):
         return _columns(name, shape, tp, t)
     if name.endswith(_FC1):

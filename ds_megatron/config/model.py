@@ -73,6 +73,10 @@ class GPTConfig:
     # intermediates exist one tile at a time.  1: untiled.
     mlp_sequence_tiles: int = 1
     loss_sequence_tiles: int = 1
+    # Multi-token prediction (DeepSeek-V3; Megatron's names): mtp_num_layers modules after the main model, depth k
+    # predicting the token k + 1 ahead; their mean loss x mtp_loss_scaling_factor is added to the main loss.
+    mtp_num_layers: Optional[int] = None
+    mtp_loss_scaling_factor: float = 0.1
     # Architecture (Megatron-LM's argument names); the defaults are GPT-2's.
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
     rotary_base: float = 10000.0
@@ -154,6 +158,7 @@ class GPTConfig:
             raise ConfigError(f"model.cp_comm_type={self.cp_comm_type!r} is not one of {CP_COMM_TYPES}")
         self._check_recompute()
         self._check_tiles()
+        self._check_mtp()
         self._check_architecture()
         self._check_rope_scaling()
         if self.recompute_granularity and self.num_experts:
@@ -201,6 +206,18 @@ class GPTConfig:
             if method == "block" and n is None:
                 raise ConfigError("model.recompute_method \"block\" needs model.recompute_num_layers (the layers "
                                   "of each pipeline stage or chunk recomputed, from its first)")
+
+    def _check_mtp(self) -> None:
+        n = self.mtp_num_layers
+        if n is None or n == 0:
+            return
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"model.mtp_num_layers must be a non-negative integer (null or 0: off), got {n!r}")
+        if not self.mtp_loss_scaling_factor > 0:
+            raise ConfigError(f"model.mtp_loss_scaling_factor must be > 0, got {self.mtp_loss_scaling_factor!r}")
+        if self.num_experts:
+            raise ConfigError("model.mtp_num_layers with model.num_experts: MoE multi-token-prediction layers are not "
+                              "supported yet; set mtp_num_layers to null or train a dense model")
 
     def _check_tiles(self) -> None:
         for name in ("mlp_sequence_tiles", "loss_sequence_tiles"):
@@ -435,6 +452,11 @@ class GPTConfig:
         self.check_expert_parallel(layout.ep, layout.etp)
         if layout.cp > 1:
             self.check_context_parallel(layout.cp, layout.tp)
+        if self.mtp_num_layers and (layout.pp > 1 or layout.cp > 1):
+            # The modules predict tokens shifted along the whole sequence, on the stage with the output layer.
+            raise ConfigError(f"model.mtp_num_layers={self.mtp_num_layers} with pipeline_model_parallel_size="
+                              f"{layout.pp} / context_parallel_size={layout.cp}: multi-token prediction runs without "
+                              "pipeline and context parallelism for now; set both to 1 or mtp_num_layers to null")
         if layout.pp > self.num_layers:
             raise ConfigError(f"model.num_layers={self.num_layers} is below megatron.pipeline_model_parallel_size="
                               f"{layout.pp}: every stage needs a transformer layer; lower the pipeline size")

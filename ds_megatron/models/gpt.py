@@ -34,6 +34,7 @@ from ..moe.moe_layer import BaseMoELayer, MoELayer
 from ..parallel_state import ParallelGroup, ParallelState
 from ..tensor_parallel import (LogitsBuffer, RNGStatesTracker, VocabParallelEmbedding, checkpoint,
                                copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                               gather_from_tensor_model_parallel_region,
                                init_method_normal, linear_vocab_parallel_cross_entropy, pad_vocab_size,
                                scaled_init_method_normal, scatter_to_sequence_parallel_region,
                                vocab_parallel_cross_entropy)
@@ -250,6 +251,42 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
     if config.untie_embeddings_and_output_weights:
         yield "output_layer", OutputLayer(config.hidden_size, padded_vocab_size, tp=tp, bias=False,
                                           init_method=embedding_init, sequence_parallel=config.sequence_parallel)
+    for k in range(config.mtp_num_layers or 0):
+        yield f"mtp.{k}", MultiTokenPredictionLayer(config, parallel_state, rng_tracker, init, out_init,
+                                                    functools.partial(mlp, config.num_layers + k))
+
+
+class MultiTokenPredictionLayer(torch.nn.Module):
+    """One depth of DeepSeek-V3's multi-token prediction (megatron-core's ``MultiTokenPredictionLayer``):
+    ``eh_proj([enorm(embedding of the tokens k ahead); hnorm(previous depth's hidden)])`` through one transformer
+    layer and its own final norm, then the shared output layer.  ``eh_proj`` is column-parallel, its output
+    gathered over TP (and scattered over the sequence with sequence parallelism) for the layer."""
+
+    def __init__(self, config: GPTConfig, state: ParallelState, rng_tracker, init, out_init, build_mlp):
+        super().__init__()
+        h, sp = config.hidden_size, config.sequence_parallel
+        self.tp, self.sequence_parallel = state.tp, sp and state.tp.size > 1
+        self.enorm = build_norm(config, h, sequence_parallel=sp)
+        self.hnorm = build_norm(config, h, sequence_parallel=sp)
+        self.eh_proj = ColumnParallelLinear(2 * h, h, tp=state.tp, bias=False,
+                                            gather_output=not self.sequence_parallel, init_method=init,
+                                            sequence_parallel=sp)
+        self.layer = ParallelTransformerLayer(config, tp=state.tp, build_mlp=build_mlp, init_method=init,
+                                              output_init_method=out_init, rng_tracker=rng_tracker, cp=state.cp)
+        self.final_layernorm = build_norm(config, h, sequence_parallel=sp)
+
+    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``embedded``, ``hidden`` (the previous depth's, or the main model's after its final norm, as in
+        megatron-core): [s(/tp), b, h] -> this depth's hidden states after its final norm."""
+        x, _ = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1))
+        if self.sequence_parallel:  # [s, b, h/tp] (the sequence gathered for the projection) -> [s/tp, b, h]
+            x = scatter_to_sequence_parallel_region(gather_from_tensor_model_parallel_region(x, self.tp), self.tp)
+        return self.final_layernorm(self.layer(x))
+
+
+def _shift_left(t: torch.Tensor, k: int, fill=0) -> torch.Tensor:
+    """[b, s] shifted k tokens left (position i gets i + k), the last k filled."""
+    return torch.cat((t[:, k:], torch.full_like(t[:, :k], fill)), dim=1)
 
 
 def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor,
@@ -317,9 +354,16 @@ class GPTModel(torch.nn.Module):
         self.tp, self.cp = state.tp, state.cp
         self.rng_tracker = rng_tracker
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, state.tp.size)
+        self.mtp = torch.nn.ModuleList() if config.mtp_num_layers else None
+        # The multi-token-prediction loss is logged beside the routing losses (the training loop reads one tracker).
+        if config.mtp_num_layers and self.moe_aux_loss_tracker is None:
+            self.moe_aux_loss_tracker = MoEAuxLossTracker()
+        self.mtp_loss_tracker = self.moe_aux_loss_tracker
         for name, module in build_gpt_modules(config, state, rng_tracker, self.moe_aux_loss_tracker):
             if name.startswith("layers."):
                 self.layers.append(module)
+            elif name.startswith("mtp."):
+                self.mtp.append(module)
             else:
                 setattr(self, name, module)
             if name == "position_embeddings":
@@ -338,7 +382,27 @@ class GPTModel(torch.nn.Module):
         output_layer = self.output_layer if self.config.untie_embeddings_and_output_weights else None
         out = language_model_head(hidden, self.word_embeddings.weight, output_layer, labels, loss_mask, self.config,
                                   self.tp, self.cp, self.logits_buffer)
-        return out if labels is None else out + self.moe_aux_loss()
+        if labels is None:
+            return out
+        if self.mtp is not None:
+            out = out + self.mtp_loss(tokens, labels, loss_mask, hidden, output_layer)
+        return out + self.moe_aux_loss()
+
+    def mtp_loss(self, tokens, labels, loss_mask, hidden, output_layer) -> torch.Tensor:
+        """``mtp_loss_scaling_factor`` x the mean over depths of each depth's loss (depth k, from 1: the main
+        model's labels k tokens further on, the last k positions masked); recorded as "mtp_loss" (the mean)."""
+        depths = len(self.mtp)
+        mask = torch.ones_like(labels, dtype=torch.float64) if loss_mask is None else loss_mask
+        total = 0.0
+        for k, module in enumerate(self.mtp, start=1):
+            embedded = self.position_embeddings(self.word_embeddings(_shift_left(tokens, k)))
+            hidden = module(embedded, hidden)
+            loss_k = language_model_head(hidden, self.word_embeddings.weight, output_layer, _shift_left(labels, k),
+                                         _shift_left(mask, k), self.config, self.tp, self.cp, None)
+            total = total + loss_k
+        mean = total / depths
+        self.mtp_loss_tracker.record("mtp_loss", 0, mean)
+        return self.config.mtp_loss_scaling_factor * mean
 
     def moe_aux_loss(self):
         """The routing losses (load balancing, z) of the last forward, summed over MoE layers; 0 without MoE."""

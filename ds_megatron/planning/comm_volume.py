@@ -87,6 +87,8 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     if cfg.num_experts:
         raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
                           "the communication plan covers dense models")
+    if cfg.mtp_num_layers:
+        raise ConfigError("model.mtp_num_layers: the multi-token-prediction layers' traffic is not planned yet")
     t, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
     a = BYTES[params_dtype]
     s, b, h, d = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.head_dim

@@ -50,6 +50,9 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
               f"params {precision.params_dtype}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
+    if job.model.mtp_num_layers:
+        header += ("\nactivations: the multi-token-prediction layers' activations are not planned yet (their "
+                   "parameters are)")
     if job.model.mlp_sequence_tiles > 1:
         header += ("\nactivations: mlp_sequence_tiles is planned as an untiled MLP, an upper bound (what it saves is "
                    "not planned yet)")

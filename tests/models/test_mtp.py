@@ -1,0 +1,158 @@
+"""Multi-token prediction (DeepSeek-V3's MTP, megatron-core's layout): the loss is the seed's formula, computed here
+by hand in float64 from the model's weights; TP = 2 with sequence parallelism gives the one-rank loss and gradients;
+a torch_dist checkpoint saved at TP = 2 loads at TP = 1 with the same weights; the config refuses what it cannot run."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_on_ranks
+from ds_megatron.config import ConfigError
+from ds_megatron.models import GPTConfig, GPTModel
+from ds_megatron.parallel_state import ParallelState
+
+CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16, vocab_size=60,
+           hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8, normalization="RMSNorm",
+           position_embedding_type="rope", mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, CFG["vocab_size"], (3, CFG["seq_length"] + 1), generator=g)
+    mask = (torch.rand(3, CFG["seq_length"], generator=g) > 0.2).double()
+    return tokens[:, :-1], tokens[:, 1:], mask
+
+
+def _masked_ce(hidden, weight, labels, mask):
+    logits = (hidden @ weight.t())[..., :CFG["vocab_size"]].transpose(0, 1)  # [b, s, V]
+    losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="none")
+    return (losses * mask.reshape(-1)).sum() / mask.sum()
+
+
+def _shift(t, k):
+    return torch.cat((t[:, k:], torch.zeros_like(t[:, :k])), dim=1)
+
+
+def test_loss_is_the_main_loss_plus_the_scaled_mean_of_each_depths_loss():
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**CFG)).double()
+    tokens, labels, mask = _batch()
+    got = model(tokens, labels, mask)
+    with torch.no_grad():
+        w = model.word_embeddings.weight
+
+        def embed(t):
+            return model.position_embeddings(model.word_embeddings(t))
+        h = embed(tokens)
+        for layer in model.layers:
+            h = layer(h)
+        h = model.final_layernorm(h)
+        expected = _masked_ce(h, w, labels, mask)
+        depth_losses = []
+        for k, mtp in enumerate(model.mtp, start=1):
+            x = F.linear(torch.cat((mtp.enorm(embed(_shift(tokens, k))), mtp.hnorm(h)), dim=-1), mtp.eh_proj.weight)
+            h = mtp.final_layernorm(mtp.layer(x))
+            depth_losses.append(_masked_ce(h, w, _shift(labels, k), _shift(mask, k)))
+        expected = expected + 0.3 * sum(depth_losses) / 2
+    assert torch.allclose(got.detach(), expected, rtol=1e-12, atol=0)
+    tracked = model.moe_aux_loss_tracker.averages()["mtp_loss"]  # logged beside the main loss: the mean over depths
+    assert torch.allclose(tracked, sum(depth_losses) / 2, rtol=1e-12, atol=0)
+    got.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.mtp.parameters())
+
+
+def _tp_loss_and_grads(tp, sp):
+    import torch.distributed as dist
+    from ds_megatron.parallel.layout import ParallelLayout
+    from ds_megatron.tensor_parallel import allreduce_tp_partial_grads
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp))
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**CFG, sequence_parallel=sp), state).double()
+    loss = model(*_batch())
+    loss.backward()
+    allreduce_tp_partial_grads(model, model.tp)
+    out = loss.detach(), {n: _gathered_grad(p, state) for n, p in model.named_parameters()}
+    state.destroy()
+    return out
+
+
+def _gathered_grad(p, state):
+    import torch.distributed as dist
+    g = p.grad.detach()
+    if not getattr(p, "tensor_model_parallel", False) or state.tp.size == 1:
+        return g
+    parts = [torch.empty_like(g) for _ in range(state.tp.size)]
+    dist.all_gather(parts, g.contiguous(), group=state.tp.group)
+    return torch.cat(parts, dim=p.partition_dim)
+
+
+def test_tensor_and_sequence_parallel_give_the_one_rank_loss_and_gradients():
+    (loss, grads), = run_on_ranks(1, _tp_loss_and_grads, 1, False)
+    for t_loss, t_grads in run_on_ranks(2, _tp_loss_and_grads, 2, True):
+        assert torch.allclose(t_loss, loss, rtol=1e-12, atol=0)
+        for name, grad in grads.items():
+            got = t_grads[name][:grad.size(0)] if name == "word_embeddings.weight" else t_grads[name]
+            assert torch.allclose(got, grad, rtol=1e-9, atol=1e-13), name
+
+
+def _save_at_tp2_load_at_tp1(directory, tp):
+    import ds_megatron
+    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "megatron": {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1}}
+    state = ds_megatron.initialize_model_parallel(cfg)
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**CFG, sequence_parallel=tp > 1), state)
+    engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
+    if tp > 1:
+        tokens, labels, mask = _batch()
+        engine.backward(engine(tokens, labels, mask.float()))
+        engine.step()
+        ds_megatron.save_dist_checkpoint(engine, directory)
+    else:
+        ds_megatron.load_dist_checkpoint(engine, directory)
+    weights = {n: _gathered_param(p, state) for n, p in model.named_parameters() if n.startswith("mtp.")}
+    engine.megatron.destroy()
+    return weights
+
+
+def _gathered_param(p, state):
+    import torch.distributed as dist
+    if not getattr(p, "tensor_model_parallel", False) or state.tp.size == 1:
+        return p.detach().clone()
+    parts = [torch.empty_like(p) for _ in range(state.tp.size)]
+    dist.all_gather(parts, p.detach().contiguous(), group=state.tp.group)
+    return torch.cat(parts, dim=p.partition_dim)
+
+
+def test_a_torch_dist_checkpoint_of_the_mtp_layers_moves_between_tensor_parallel_sizes(tmp_path):
+    saved = run_on_ranks(2, _save_at_tp2_load_at_tp1, str(tmp_path / "ckpt"), 2)[0]
+    loaded = run_on_ranks(1, _save_at_tp2_load_at_tp1, str(tmp_path / "ckpt"), 1)[0]
+    assert sorted(saved) == sorted(loaded) and any("eh_proj" in n for n in saved)
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(mtp_num_layers=-1), "model.mtp_num_layers"),
+    (dict(mtp_loss_scaling_factor=0.0), "model.mtp_loss_scaling_factor"),
+    (dict(num_experts=2, moe_router_topk=1), "model.mtp_num_layers with model.num_experts"),
+])
+def test_mtp_settings_are_checked(kwargs, field):
+    with pytest.raises(ConfigError) as err:
+        GPTConfig(**{**CFG, **kwargs})
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_mtp_with_pipeline_or_context_parallelism_is_refused():
+    from ds_megatron.parallel.layout import ParallelLayout
+    for layout in (ParallelLayout(world_size=2, pp=2), ParallelLayout(world_size=2, cp=2)):
+        with pytest.raises(ConfigError, match="model.mtp_num_layers=2 with pipeline_model_parallel_size"):
+            GPTConfig(**CFG).check_layout(layout)
+
+
+def test_the_plan_counts_the_mtp_parameters():
+    from ds_megatron.planning import gpt_param_counts
+    for untied in (False, True):
+        cfg = GPTConfig(**CFG, untie_embeddings_and_output_weights=untied)
+        model = GPTModel(cfg)
+        assert gpt_param_counts(cfg, 1).total == sum(p.numel() for p in model.parameters())
