@@ -95,6 +95,33 @@ class ParallelState:
         return cls(layout, {kind: ParallelGroup.single(kind) for kind in ALL_GROUPS}, layout.group_ranks(), [],
                    ParallelGroup.single("world"))
 
+    def build_hierarchical_context_parallel(self, inner: int) -> None:
+        """Megatron's hierarchical CP groups (collective, every rank once): each CP group cut into groups of
+        ``inner`` consecutive ranks ("hcp-a2a") and the groups of the ranks at the same place in them
+        ("hcp-p2p"), so CP rank ``j * inner + i`` is rank i of its a2a group and rank j of its ring."""
+        if inner < 1 or self.layout.cp % inner:
+            raise ValueError(f"inner hierarchical CP size {inner} does not divide cp={self.layout.cp}")
+        me = dist.get_rank()
+        for kind, cut in (("hcp-a2a", lambda r: [r[o:o + inner] for o in range(0, len(r), inner)]),
+                          ("hcp-p2p", lambda r: [r[i::inner] for i in range(inner)])):
+            lists = [sub for ranks in self.all_ranks["cp"] for sub in cut(ranks)]
+            self.all_ranks[kind] = lists
+            for ranks in lists:
+                key = tuple(ranks)
+                pg = dist.new_group(list(key)) if len(key) > 1 else None
+                if pg is not None:
+                    self._owned.append(pg)
+                if me in key:
+                    self.groups[kind] = ParallelGroup(kind, key, key.index(me), pg) if pg is not None else \
+                        ParallelGroup.single(kind)
+
+    @property
+    def hierarchical_context_parallel(self):
+        """(a2a group, ring group) of Megatron's hierarchical CP, or None when not built."""
+        if "hcp-a2a" not in self.groups:
+            return None
+        return self.groups["hcp-a2a"], self.groups["hcp-p2p"]
+
     def destroy(self) -> None:
         """Tear the groups down (collective); the object is unusable afterwards."""
         for pg in self._owned:

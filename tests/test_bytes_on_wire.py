@@ -299,6 +299,11 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
     "cp2-bf16-gqa": (2, {"context_parallel_size": 2}, BF16_ON, {"num_query_groups": 2}),
     "cp2-all-gather-recompute": (2, {"context_parallel_size": 2}, {},
                                  {"cp_comm_type": "all_gather", "recompute_granularity": "full"}),
+    "cp4-a2a+p2p-2x2-bf16-gqa": (4, {"context_parallel_size": 4, "hierarchical_context_parallel_sizes": [2, 2]},
+                                 BF16_ON, {"cp_comm_type": "a2a+p2p", "num_query_groups": 2}),
+    "cp4-a2a+p2p-2x2-recompute": (4, {"context_parallel_size": 4, "hierarchical_context_parallel_sizes": [2, 2]},
+                                  {}, {"cp_comm_type": "a2a+p2p", "num_query_groups": 1,
+                                       "recompute_granularity": "full"}),
     "tp2-sp-selective-recompute": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {},
                                    {"sequence_parallel": True, "recompute_granularity": "selective",
                                     "recompute_modules": ["core_attn", "mlp", "layernorm"]}),
@@ -323,7 +328,9 @@ def test_the_plans_formula_is_what_a_step_moves(name):
     distopt = megatron.get("use_distributed_optimizer", False)
     for records, info in run_on_ranks(ranks, _step_records, megatron, precision, model, m):
         planned, = plan_comm_volume(GPTConfig(**MODEL, **model), info["layout"], dtype, micro_batch=B,
-                                    micro_batches=m, distributed_optimizer=distopt)
+                                    micro_batches=m, distributed_optimizer=distopt,
+                                    hierarchical_inner=(megatron.get("hierarchical_context_parallel_sizes")
+                                                        or [None])[0])
         n = info["layout"].dp * info["layout"].cp
         padding = (n - 1) / n * (F32 + (BF16 if precision else F32)) if distopt else 0.0
         _check_plan(_measured_by_kind(records), planned, 64 * info["buffered_params"] + 128, padding)

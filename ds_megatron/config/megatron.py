@@ -78,6 +78,7 @@ class MegatronConfig:
             self.model.check_layout(layout)
         check_pipeline(self.parallel, self.model, self.deepspeed_batch, layout, self.optimizer_impl,
                        plain_deepspeed=not self.section_given)
+        _check_hierarchical_cp(self.parallel, self.model, layout)
         schedule = pipeline_schedule(self.parallel)
         if layout.pp > 1 and schedule == "zero_bubble" and self.cuda_graph.enabled:
             # A captured layer's backward computes its weight gradients inside the graph: W cannot be deferred.
@@ -161,6 +162,23 @@ def _check_gradient_reducer(ds_config: Dict[str, Any], precision: PrecisionConfi
     raise ConfigError(f"{SECTION}.{key} configures Megatron's gradient buffers, which reduce gradients on the megatron "
                       f"optimizer path only; with {SECTION}.optimizer_impl \"deepspeed\" DeepSpeed reduces them: drop "
                       f"the key, or set optimizer_impl \"megatron\"")
+
+
+def _check_hierarchical_cp(parallel, model: Optional[GPTConfig], layout) -> None:
+    """``cp_comm_type "a2a+p2p"`` and ``hierarchical_context_parallel_sizes`` come together."""
+    sizes = parallel.hierarchical_context_parallel_sizes
+    comm = model.cp_comm_type if model is not None else None
+    if sizes is not None and model is not None and comm != "a2a+p2p":
+        raise ConfigError(f"{SECTION}.hierarchical_context_parallel_sizes={sizes} is set but model.cp_comm_type is "
+                          f"{comm!r}; set cp_comm_type \"a2a+p2p\" or drop the sizes")
+    if comm == "a2a+p2p" and layout.cp > 1:
+        if sizes is None:
+            raise ConfigError(f"model.cp_comm_type \"a2a+p2p\" needs {SECTION}.hierarchical_context_parallel_sizes "
+                              f"[a2a, p2p] (product context_parallel_size={layout.cp}); set them")
+        heads = model.num_attention_heads // layout.tp
+        if heads % sizes[0]:
+            raise ConfigError(f"{SECTION}.hierarchical_context_parallel_sizes={sizes}: the all-to-all splits each TP "
+                              f"rank's {heads} attention heads over {sizes[0]} ranks, which must divide them")
 
 
 def _check_expert_bias(model: Optional[GPTConfig], precision: PrecisionConfig, cuda_graph: CudaGraphConfig) -> None:

@@ -28,7 +28,7 @@ def pad_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128
     return -(-orig_vocab_size // multiple) * multiple
 
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 
 

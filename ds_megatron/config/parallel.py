@@ -21,6 +21,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
+    # Megatron's hierarchical context parallelism ([inner, outer], product context_parallel_size): with the model's
+    # cp_comm_type "a2a+p2p", all-to-all inside groups of `inner` consecutive CP ranks, the ring across them.
+    hierarchical_context_parallel_sizes: Optional[List[int]] = None
     expert_model_parallel_size: int = 1
     # None means "same as tensor_model_parallel_size", as in Megatron-LM.
     expert_tensor_parallel_size: Optional[int] = None
@@ -53,6 +56,14 @@ class ParallelConfig:
                      "decoder_last_pipeline_num_layers"):
             if getattr(self, name) is not None:
                 check_positive_int(f"{SECTION}.{name}", getattr(self, name))
+        sizes = self.hierarchical_context_parallel_sizes
+        if sizes is not None:
+            if (not isinstance(sizes, list) or len(sizes) != 2
+                    or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes)
+                    or sizes[0] * sizes[1] != self.context_parallel_size):
+                raise ConfigError(f"{SECTION}.hierarchical_context_parallel_sizes={sizes!r} must be [a2a, p2p], two "
+                                  f"positive integers whose product is context_parallel_size="
+                                  f"{self.context_parallel_size}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError(f"{SECTION}.sequence_parallel is true but tensor_model_parallel_size is 1; "
                               "sequence parallelism shards along TP ranks: set tensor_model_parallel_size > 1 "

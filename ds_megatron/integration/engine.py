@@ -157,7 +157,16 @@ def initialize_model_parallel(config: Union[ConfigLike, MegatronConfig]) -> Para
     """Validate, start torch.distributed if needed, and build every group: a ``ParallelState``."""
     mcfg = config if isinstance(config, MegatronConfig) else validate_config(config)[1]
     _init_distributed()
-    return ParallelState.build(mcfg.layout(dist.get_world_size()))
+    return build_parallel_state(mcfg, mcfg.layout(dist.get_world_size()))
+
+
+def build_parallel_state(mcfg: MegatronConfig, layout) -> ParallelState:
+    """Every group of ``layout``, and Megatron's hierarchical CP groups when the config asks for them."""
+    state = ParallelState.build(layout)
+    sizes = mcfg.parallel.hierarchical_context_parallel_sizes
+    if sizes is not None:
+        state.build_hierarchical_context_parallel(sizes[0])
+    return state
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -189,7 +198,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     _init_distributed(dist_init_required)
     layout = mcfg.layout(dist.get_world_size())
     if parallel_state is None:
-        parallel_state = ParallelState.build(layout)
+        parallel_state = build_parallel_state(mcfg, layout)
     elif parallel_state.layout != layout:
         raise ConfigError(f"parallel_state was built for {parallel_state.layout} but the config asks for {layout}; "
                           "build it from the same config")

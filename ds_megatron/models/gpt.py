@@ -243,10 +243,17 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
         return build_mlp(config, config.hidden_size, config.ffn_hidden_size, tp=tp, init_method=init,
                          output_init_method=out_init, sequence_parallel=config.sequence_parallel)
 
+    hcp = None
+    if config.cp_comm_type == "a2a+p2p" and parallel_state.cp.size > 1:
+        hcp = parallel_state.hierarchical_context_parallel
+        if hcp is None:
+            raise ValueError("model.cp_comm_type \"a2a+p2p\" needs the hierarchical CP groups: build the "
+                             "ParallelState from a config with megatron.hierarchical_context_parallel_sizes")
     for i in range(config.num_layers):
         yield f"layers.{i}", ParallelTransformerLayer(config, tp=tp, build_mlp=functools.partial(mlp, i),
                                                       init_method=init, output_init_method=out_init,
-                                                      rng_tracker=rng_tracker, cp=parallel_state.cp)
+                                                      rng_tracker=rng_tracker, cp=parallel_state.cp,
+                                                      hierarchical_cp=hcp)
     yield "final_layernorm", build_norm(config, config.hidden_size, sequence_parallel=config.sequence_parallel)
     if config.untie_embeddings_and_output_weights:
         yield "output_layer", OutputLayer(config.hidden_size, padded_vocab_size, tp=tp, bias=False,

@@ -27,7 +27,9 @@ element in the params dtype):
   forward's exchange again with full recomputation);
   with ``cp_comm_type "a2a"`` (Ulysses) q, k, v and the attention output
   all-to-all'd forward and their gradients backward ((cp-1)/cp of each, K/V
-  expanded to the query heads when fewer than cp); the loss's sum and token
+  expanded to the query heads when fewer than cp); with ``"a2a+p2p"`` the
+  all-to-all inside the inner groups and the ring of the a2a'd K/V across
+  them; the loss's sum and token
   count over ``cp``;
 * pipeline: per micro-batch the stage's output hidden states forward (all
   stages but the last) and their gradient backward (all but the first); with
@@ -65,7 +67,8 @@ def _gather_or_scatter(n: int, nbytes: float) -> float:
 
 @dataclass(frozen=True)
 class StageComm:
-    """Bus bytes per step of every rank of one pipeline stage, by group kind (``tp``, ``cp``, ``dp-cp``, ``pp``,
+    """Bus bytes per step of every rank of one pipeline stage, by group kind (``tp``, ``cp`` (and its hierarchical
+    ``hcp-a2a`` / ``hcp-p2p``), ``dp-cp``, ``pp``,
     ``embedding``, and ``optimizer`` for the norm's one scalar)."""
 
     stage: int
@@ -80,10 +83,11 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
                      distributed_optimizer: bool = False, partition_method: str = "uniform",
                      layers_per_stage: Optional[Sequence[int]] = None, first: Optional[int] = None,
                      last: Optional[int] = None, num_model_chunks: int = 1,
-                     deepspeed_engine: bool = False) -> List[StageComm]:
+                     deepspeed_engine: bool = False, hierarchical_inner: Optional[int] = None) -> List[StageComm]:
     """One ``StageComm`` per pipeline stage (the ranks of a stage all move the same bytes); ``first`` / ``last``:
     Megatron's ``decoder_first/last_pipeline_num_layers``; ``num_model_chunks``: v; ``deepspeed_engine``: the
-    stages run on DeepSpeed's ``PipelineEngine`` (a ``GPTPipelineModule``) instead of our runtime."""
+    stages run on DeepSpeed's ``PipelineEngine`` (a ``GPTPipelineModule``) instead of our runtime;
+    ``hierarchical_inner``: the a2a size of ``hierarchical_context_parallel_sizes``."""
     if cfg.num_experts:
         raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
                           "the communication plan covers dense models")
@@ -146,7 +150,20 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             partial += n_layers * cfg.query_groups * 2 * d * (h + int(cfg.qkv_bias))
         add("tp", _all_reduce(t, partial * F32))
         # Context parallelism: K/V of this rank's s tokens.
-        if cp > 1 and cfg.cp_comm_type == "a2a":
+        if cp > 1 and cfg.cp_comm_type == "a2a+p2p":
+            # Hierarchical: the all-to-all of q, k, v and the output inside groups of `inner` ranks (as "a2a"),
+            # then the ring of the a2a'd K/V across the `cp / inner` groups (as "p2p", the same bytes per message).
+            inner = hierarchical_inner or cp
+            outer = cp // inner
+            heads = cfg.num_attention_heads // t
+            a2a_kv_heads = kv_heads if kv_heads % inner == 0 else heads
+            moved = 2 * b * s * heads * d + 2 * b * s * a2a_kv_heads * d
+            add("hcp-a2a", m * (2 * n_layers + recomputed) * _gather_or_scatter(inner, moved * a))
+            kv = 2 * b * s * a2a_kv_heads * d
+            acc = F32 if a < F32 else a
+            add("hcp-p2p", m * (outer - 1) * kv * ((2 * n_layers + recomputed) * a + n_layers * acc))
+            add("cp", m * _all_reduce(cp, 2 * F32) if last else 0)
+        elif cp > 1 and cfg.cp_comm_type == "a2a":
             # Ulysses: q, k, v and the output all-to-all'd forward (again with recomputation), their gradients
             # backward; K/V with fewer heads than cp travel expanded to the query heads.
             heads = cfg.num_attention_heads // t

@@ -68,7 +68,8 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
         try:
             comm = plan_comm_volume(job.model, layout, precision.params_dtype, mb, micro_batches, distributed,
                                     parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage,
-                                    **uneven, num_model_chunks=vpp, deepspeed_engine=deepspeed_engine)
+                                    **uneven, num_model_chunks=vpp, deepspeed_engine=deepspeed_engine,
+                                    hierarchical_inner=(parallel.hierarchical_context_parallel_sizes or [None])[0])
         except ConfigError as e:
             comm = f"bytes on the wire: not planned ({e})"
     return header, plans, comm

@@ -67,11 +67,13 @@ class ParallelAttention(torch.nn.Module):
     """``config``: a ``GPTConfig`` (heads, query groups, kv_channels, biases, RoPE, qk norm, dropout, SP)."""
 
     def __init__(self, config, *, tp: ParallelGroup, init_method, output_init_method, rng_tracker=None,
-                 cp: Optional[ParallelGroup] = None):
+                 cp: Optional[ParallelGroup] = None, hierarchical_cp=None):
         """``cp``: the context-parallel group; with more than one rank the hidden states hold this rank's
-        zigzag chunks of the sequence and the core attention is ``context_parallel_attention``."""
+        zigzag chunks of the sequence and the core attention is ``context_parallel_attention``.
+        ``hierarchical_cp``: its (a2a, ring) groups for ``cp_comm_type "a2a+p2p"``."""
         super().__init__()
         self.cp = cp if cp is not None else ParallelGroup.single("cp")
+        self.hierarchical_cp = hierarchical_cp
         self.cp_comm_type = config.cp_comm_type
         n, g, d, h = config.num_attention_heads, config.query_groups, config.head_dim, config.hidden_size
         self.tp = tp
@@ -152,7 +154,7 @@ class ParallelAttention(torch.nn.Module):
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if self.cp.size > 1:
             # GQA-aware: only the kv heads travel; no attention dropout here (refused at config time).
-            ctx = context_parallel_attention(q, k, v, self.cp, self.cp_comm_type)
+            ctx = context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, hierarchical=self.hierarchical_cp)
             return self._output(ctx)
         heads_per_kv = q.size(1) // k.size(1)
         if heads_per_kv > 1:

@@ -161,9 +161,34 @@ def _halves(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------- the ring (p2p)
 
+def _merge_rows(out, lse, block_out, block_lse) -> None:
+    """``_merge`` for blocks in which some query rows see no key (their lse is -inf): those rows keep theirs."""
+    new = torch.logaddexp(lse, block_lse)
+    seen = torch.isfinite(new)
+    safe = torch.where(seen, new, torch.zeros_like(new))
+    keep = torch.where(torch.isfinite(lse), torch.exp(lse - safe), torch.zeros_like(lse))
+    take = torch.where(torch.isfinite(block_lse), torch.exp(block_lse - safe), torch.zeros_like(block_lse))
+    out.mul_(keep.unsqueeze(-1)).add_(torch.nan_to_num(block_out) * take.unsqueeze(-1))
+    lse.copy_(new)
+
+
+def _block_forward_rows(q, k, v, scale, allowed):
+    """``_block_forward`` where a query row may see no key of the block: its output 0, its lse -inf."""
+    s = _scores(q, _expand_kv(k, q.size(1)), scale, allowed)
+    lse = torch.logsumexp(s, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.matmul(torch.exp(s - safe.unsqueeze(-1)), _expand_kv(v, q.size(1))), lse
+
+
 class _RingAttention(torch.autograd.Function):
+    """The ring over ``cp_group``.  Without ``positions`` each member holds its two zigzag chunks (the pair
+    shortcut below); with ``positions [members, local]`` (hierarchical CP: a ring of a2a groups) member r holds
+    the tokens at ``positions[r]`` and each block is masked by position."""
+
     @staticmethod
-    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float):
+    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float, positions=None):
+        if positions is not None:
+            return _RingAttention._forward_positions(ctx, q, k, v, cp_group, causal, scale, positions)
         cdt = _compute_dtype(q.dtype)
         qc, kv = q.to(cdt), torch.stack((k, v))  # K and V travel as one message, in their own dtype
         c = q.size(2) // 2
@@ -187,13 +212,46 @@ class _RingAttention(torch.autograd.Function):
                     w.wait()
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.causal, ctx.scale = cp_group, causal, scale
+        ctx.cp_group, ctx.causal, ctx.scale, ctx.positions = cp_group, causal, scale, None
+        return out.to(q.dtype)
+
+    @staticmethod
+    def _allowed(positions, rank, src, causal):
+        if not causal:
+            return None
+        return positions[src].unsqueeze(0) <= positions[rank].unsqueeze(1)
+
+    @staticmethod
+    def _forward_positions(ctx, q, k, v, cp_group, causal, scale, positions):
+        cdt = _compute_dtype(q.dtype)
+        qc, kv = q.to(cdt), torch.stack((k, v))
+        out = torch.zeros_like(qc)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=cdt, device=q.device)
+        cp, rank = cp_group.size, cp_group.rank
+        for step in range(cp):
+            src = (rank - step) % cp
+            if step + 1 < cp:
+                incoming = torch.empty_like(kv)
+                works = ring_exchange(kv, incoming, cp_group, tag=_KV_TAG)
+            allowed = _RingAttention._allowed(positions, rank, src, causal)
+            if allowed is None or bool(allowed.any()):
+                block = kv.to(cdt)
+                o, l = _block_forward_rows(qc, block[0], block[1], scale, allowed)
+                _merge_rows(out, lse, o, l)
+            if step + 1 < cp:
+                for w in works:
+                    w.wait()
+                kv = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp_group, ctx.causal, ctx.scale, ctx.positions = cp_group, causal, scale, positions
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp_group, causal, scale = ctx.cp_group, ctx.causal, ctx.scale
+        if ctx.positions is not None:
+            return _RingAttention._backward_positions(ctx, q, k, v, out, lse, dout)
         cdt = out.dtype
         qc, kv, dout = q.to(cdt), torch.stack((k, v)), dout.to(cdt)
         delta = (dout * out).sum(-1)
@@ -237,7 +295,47 @@ class _RingAttention(torch.autograd.Function):
         for w in dkv_works:
             w.wait()
         dkv = own if dkv_in is None else own.add_(dkv_in)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+
+    @staticmethod
+    def _backward_positions(ctx, q, k, v, out, lse, dout):
+        """As ``backward``, each block whole and masked by position (the accumulators travel the same way)."""
+        cp_group, causal, scale, positions = ctx.cp_group, ctx.causal, ctx.scale, ctx.positions
+        cdt = out.dtype
+        qc, kv, dout = q.to(cdt), torch.stack((k, v)), dout.to(cdt)
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros_like(qc)
+        cp, rank = cp_group.size, cp_group.rank
+        own, dkv_in, dkv_works = None, None, []
+        for step in range(cp):
+            src = (rank - step) % cp
+            if step + 1 < cp:
+                incoming = torch.empty_like(kv)
+                works = ring_exchange(kv, incoming, cp_group, tag=_KV_TAG)
+            block = kv.to(cdt)
+            contribution = torch.zeros_like(block)
+            allowed = _RingAttention._allowed(positions, rank, src, causal)
+            if allowed is None or bool(allowed.any()):
+                g_q, g_k, g_v = _block_backward(qc, block[0], block[1], dout, lse, delta, scale, allowed)
+                dq.add_(g_q)
+                contribution[0].add_(g_k)
+                contribution[1].add_(g_v)
+            if step == 0:
+                own = contribution
+            else:
+                for w in dkv_works:
+                    w.wait()
+                dkv = contribution if step == 1 else dkv_in.add_(contribution)
+                dkv_in = torch.empty_like(dkv)
+                dkv_works = ring_exchange(dkv, dkv_in, cp_group, tag=_DKV_TAG)
+            if step + 1 < cp:
+                for w in works:
+                    w.wait()
+                kv = incoming
+        for w in dkv_works:
+            w.wait()
+        dkv = own if dkv_in is None else own.add_(dkv_in)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 # ---------------------------------------------------------------- all-gather
@@ -370,9 +468,29 @@ class _WholeSequenceAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
+def _hierarchical_attention(q, k, v, cp_group: ParallelGroup, inner: ParallelGroup, outer: ParallelGroup,
+                            causal: bool, scale: float) -> torch.Tensor:
+    """``"a2a+p2p"``: the all-to-all inside ``inner`` (consecutive CP ranks) gives each rank its a2a group's
+    tokens of ``heads / inner`` heads, the ring across ``outer`` runs attention over the whole sequence with
+    each block masked by its tokens' positions, and the all-to-all back."""
+    heads = q.size(1)
+    if heads % inner.size:
+        raise ValueError(f"cp_comm_type \"a2a+p2p\" splits the {heads} heads of a TP rank over {inner.size} "
+                         "ranks; they must divide")
+    if k.size(1) % inner.size:
+        k, v = _expand_kv(k, heads), _expand_kv(v, heads)
+    cp, seq = cp_group.size, q.size(2) * cp_group.size
+    # Ring member j holds the zigzag chunks of CP ranks j * inner + i, i in inner-rank order.
+    positions = torch.stack([torch.cat([zigzag_chunk_indices(seq, cp, j * inner.size + i)
+                                        for i in range(inner.size)]) for j in range(outer.size)]).to(q.device)
+    qs, ks, vs = (_HeadsToSequence.apply(t, inner) for t in (q, k, v))
+    out = _RingAttention.apply(qs, ks, vs, outer, causal, scale, positions)
+    return _SequenceToHeads.apply(out, inner)
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: ParallelGroup,
                                comm_type: str = "p2p", causal: bool = True,
-                               softmax_scale: Optional[float] = None) -> torch.Tensor:
+                               softmax_scale: Optional[float] = None, hierarchical=None) -> torch.Tensor:
     """Attention of this CP rank's queries over the whole sequence; inputs and output in the zigzag layout.
 
     ``q [b, heads, s/cp, d]``, ``k, v [b, kv_heads, s/cp, d]`` with ``kv_heads`` dividing ``heads``; the
@@ -387,5 +505,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(-1))
     if comm_type == "a2a":
         return _all_to_all_attention(q, k, v, cp_group, causal, scale)
-    impl = _RingAttention if comm_type == "p2p" else _AllGatherAttention
-    return impl.apply(q, k, v, cp_group, causal, scale)
+    if comm_type == "a2a+p2p":
+        if hierarchical is None:
+            raise ValueError("cp_comm_type \"a2a+p2p\" needs the hierarchical CP groups (ParallelState."
+                             "build_hierarchical_context_parallel, from megatron.hierarchical_context_parallel_sizes)")
+        return _hierarchical_attention(q, k, v, cp_group, *hierarchical, causal, scale)
+    if comm_type == "p2p":
+        return _RingAttention.apply(q, k, v, cp_group, causal, scale, None)
+    return _AllGatherAttention.apply(q, k, v, cp_group, causal, scale)

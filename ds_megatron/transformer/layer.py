@@ -56,7 +56,7 @@ class ParallelTransformerLayer(GraphableLayer):
     after attention so that weights are drawn in Megatron's order whatever the MLP is."""
 
     def __init__(self, config, *, tp: ParallelGroup, build_mlp: Callable[[], torch.nn.Module], init_method,
-                 output_init_method, rng_tracker=None, cp: Optional[ParallelGroup] = None):
+                 output_init_method, rng_tracker=None, cp: Optional[ParallelGroup] = None, hierarchical_cp=None):
         super().__init__()
         h = config.hidden_size
         sp = config.sequence_parallel
@@ -72,7 +72,8 @@ class ParallelTransformerLayer(GraphableLayer):
         self.mlp_sequence_tiles = config.mlp_sequence_tiles
         self.input_layernorm = build_norm(config, h, sequence_parallel=sp)
         self.self_attention = ParallelAttention(config, tp=tp, init_method=init_method,
-                                                output_init_method=output_init_method, rng_tracker=rng_tracker, cp=cp)
+                                                output_init_method=output_init_method, rng_tracker=rng_tracker, cp=cp,
+                                                hierarchical_cp=hierarchical_cp)
         self.post_attention_layernorm = build_norm(config, h, sequence_parallel=sp)
         self.mlp = build_mlp()
 

@@ -105,6 +105,14 @@ def test_cp2_all_to_all_tp2_sequence_parallel_trains_the_cp1_model(tmp_path):
     _check_same_run(tmp_path, 4, {"cp": 2, "tp": 2, "sp": True}, model=model)
 
 
+def test_cp4_hierarchical_a2a_within_pairs_and_ring_across_trains_the_cp1_model(tmp_path):
+    # hierarchical_context_parallel_sizes [2, 2]: all-to-all inside CP ranks {0, 1} and {2, 3}, the ring across.
+    model = {"position_embedding_type": "rope", "num_query_groups": 2, "normalization": "RMSNorm",
+             "cp_comm_type": "a2a+p2p"}
+    _check_same_run(tmp_path, 4, {"cp": 4, "megatron": {"hierarchical_context_parallel_sizes": [2, 2]}},
+                    model=model)
+
+
 def test_cp2_tp2_sequence_parallel_rope_trains_the_cp1_model(tmp_path):
     model = {"position_embedding_type": "rope", "num_query_groups": 2, "recompute_granularity": "full"}
     _check_same_run(tmp_path, 4, {"cp": 2, "tp": 2, "sp": True}, model=model)
@@ -156,6 +164,15 @@ def test_cp2_tp2_sp_moe_routing_losses_and_expert_bias_train_the_cp1_model(tmp_p
     ({"context_parallel_size": 2, "model": {**BASE_MODEL, "cp_comm_type": "ring"}}, ["model.cp_comm_type"]),
     ({"context_parallel_size": 4, "model": {**BASE_MODEL, "cp_comm_type": "a2a", "num_attention_heads": 2}},
      ["model.cp_comm_type \"a2a\"", "context_parallel_size=4"]),
+    ({"context_parallel_size": 4, "model": {**BASE_MODEL, "cp_comm_type": "a2a+p2p"}},
+     ["model.cp_comm_type \"a2a+p2p\" needs megatron.hierarchical_context_parallel_sizes"]),
+    ({"context_parallel_size": 4, "hierarchical_context_parallel_sizes": [2, 2], "model": dict(BASE_MODEL)},
+     ["megatron.hierarchical_context_parallel_sizes=[2, 2]", "cp_comm_type"]),
+    ({"context_parallel_size": 4, "hierarchical_context_parallel_sizes": [2, 3],
+      "model": {**BASE_MODEL, "cp_comm_type": "a2a+p2p"}}, ["hierarchical_context_parallel_sizes=[2, 3]"]),
+    ({"context_parallel_size": 4, "hierarchical_context_parallel_sizes": [4, 1],
+      "model": {**BASE_MODEL, "cp_comm_type": "a2a+p2p", "num_attention_heads": 2}},
+     ["hierarchical_context_parallel_sizes=[4, 1]", "2 attention heads"]),
 ])
 def test_context_parallel_config_errors_name_the_fields(tmp_path, changes, fields):
     cfg = _config(str(tmp_path))

@@ -42,11 +42,17 @@ def _cp_rank(kv_heads, comm_type, causal, dtype=torch.float64):
     from ds_megatron.parallel_state import ParallelState
     cp = dist.get_world_size()
     state = ParallelState.build(ParallelLayout(world_size=cp, cp=cp))
+    hierarchical = None
+    if comm_type.startswith("a2a+p2p"):  # "a2a+p2p:INNER"
+        comm_type, inner = comm_type.split(":")
+        state.build_hierarchical_context_parallel(int(inner))
+        hierarchical = state.hierarchical_context_parallel
     try:
         group = state.cp
         q, k, v, dout = (zigzag_split(t, cp, group.rank, seq_dim=2).to(dtype) for t in _inputs(kv_heads))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = context_parallel_attention(q, k, v, group, comm_type=comm_type, causal=causal)
+        out = context_parallel_attention(q, k, v, group, comm_type=comm_type, causal=causal,
+                                         hierarchical=hierarchical)
         out.backward(dout)
         assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
         return out.detach(), q.grad, k.grad, v.grad
@@ -60,6 +66,9 @@ def _rel(a, b):
 
 # a2a with kv_heads 2 at cp = 4 (and 1 at cp = 2, 4): fewer KV heads than cp, expanded before the all-to-all.
 CASES = [(cp, comm, kvh) for cp in (2, 4) for comm in ("p2p", "all_gather", "a2a") for kvh in (4, 2, 1)]
+# Hierarchical: a2a inside groups of 2 (or 1, 4) consecutive CP ranks, the position-masked ring across them.
+CASES += [(4, "a2a+p2p:2", kvh) for kvh in (4, 2, 1)] + [(4, "a2a+p2p:1", 2), (4, "a2a+p2p:4", 2),
+                                                         (2, "a2a+p2p:2", 1)]
 
 
 @pytest.mark.parametrize("cp,comm_type,kv_heads", CASES)
@@ -73,7 +82,7 @@ def test_matches_dense_attention(cp, comm_type, kv_heads):
         assert err < TOL, (name, err)
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a", "a2a+p2p:2"])
 def test_not_causal(comm_type):
     expected = _dense(*_inputs(2), causal=False)
     per_rank = run_on_ranks(2, _cp_rank, 2, comm_type, False, timeout=120)
@@ -81,7 +90,7 @@ def test_not_causal(comm_type):
         assert _rel(zigzag_unsplit([r[i] for r in per_rank], seq_dim=2), expected[i]) < TOL
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a", "a2a+p2p:2"])
 def test_bfloat16_inputs_match_dense_attention_to_bfloat16_rounding(comm_type):
     # K/V travel in bf16, blocks are computed and dK/dV accumulated in float32: the result is the exact
     # attention of the bf16 inputs up to bf16's rounding of the outputs (2^-8 relative).
