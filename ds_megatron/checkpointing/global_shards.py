@@ -17,7 +17,8 @@ The layouts (Megatron's, see ``transformer/attention.py``, ``transformer/mlp.py`
   rows and ``linear_kv`` the group's ``[k, v]`` (the same block on each replica);
 * fc1 with ``gated_linear_unit``: ``[gate rows of this rank; up rows of this rank]``, two
   blocks of the whole ``[gate; up]``; without it one block;
-* row-parallel weights (attention ``dense``, fc2, the experts' fc2): a block of columns;
+* multi-latent attention's up-projections (``q_proj`` / ``q_b_proj``, ``kv_b_proj``): whole heads, a block of rows;
+* row-parallel weights (attention ``dense`` or ``o_proj``, fc2, the experts' fc2): a block of columns;
 * experts: global expert index in the name, fc1 / fc2 split over the expert-tensor ranks;
 * everything else (norms, biases of row-parallel layers, position embeddings, the router,
   the shared-expert gate) whole on every rank that holds it.
@@ -35,7 +36,9 @@ from typing import List, Tuple
 from ..config.model import GPTConfig, pad_vocab_size
 
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
-_ROW_PARALLEL = (".self_attention.dense.weight", ".mlp.dense_4h_to_h.weight", ".shared_experts.dense_4h_to_h.weight")
+_ROW_PARALLEL = (".self_attention.dense.weight", ".self_attention.o_proj.weight", ".mlp.dense_4h_to_h.weight", ".shared_experts.dense_4h_to_h.weight")
+# multi-latent attention's column-parallel up-projections: whole heads per rank, one block of rows
+_MLA_UP = (".self_attention.q_proj.weight", ".self_attention.q_b_proj.weight", ".self_attention.kv_b_proj.weight")
 _FC1 = (".mlp.dense_h_to_4h.weight", ".mlp.dense_h_to_4h.bias", ".shared_experts.dense_h_to_4h.weight",
         ".shared_experts.dense_h_to_4h.bias")
 
@@ -122,6 +125,8 @@ def global_shards(config: GPTConfig, name: str, shape: Tuple[int, ...], tensor_p
         start = group * group_rows + (copy * shape[0] if which == "linear_q" else per_group * d)
         return [GlobalShard(f"{prefix}query_key_value.{kind}", (g * group_rows,) + shape[1:], (0, shape[0]),
                             (start,) + (0,) * (len(shape) - 1))]
+    if name.endswith(_MLA_UP):
+        return _block(name, shape, tp, t)
     if name.endswith(".eh_proj.weight"):  # multi-token prediction's column-parallel projection
         return _block(name, shape, tp, t)
     if name.endswith(_ROW_PARALLEL):

@@ -6,7 +6,7 @@ widths divisible by TP, experts by EP, ...): the one place these rules live.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from ..errors import ConfigError
 
@@ -107,13 +107,25 @@ class GPTConfig:
     add_qkv_bias: bool = False  # biases of QKV alone (Qwen2); QKV has a bias when either is set
     untie_embeddings_and_output_weights: bool = False  # a separate output layer instead of the word embedding
     qk_layernorm: bool = False  # a norm (of `normalization`) over each head's query and key
+    # Multi-latent attention (DeepSeek-V2/V3; megatron-core's names; transformer/multi_latent_attention.py): q from
+    # h -> q_lora_rank -> norm -> heads x (qk_head_dim + qk_pos_emb_head_dim) (null q_lora_rank: one projection), k and
+    # v from h -> kv_lora_rank -> norm -> heads x (qk_head_dim + v_head_dim), plus a qk_pos_emb_head_dim RoPE key
+    # shared by the heads.  The defaults are megatron-core's.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = 512
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128  # the per-head q/k channels without position (DeepSeek's qk_nope_head_dim)
+    qk_pos_emb_head_dim: int = 64  # the per-head q/k channels RoPE turns (DeepSeek's qk_rope_head_dim)
+    v_head_dim: int = 128
     # Context parallelism's exchange (Megatron's TransformerConfig.cp_comm_type): "p2p" (ring), "all_gather" or "a2a"
     cp_comm_type: str = "p2p"
     # MoE (ds_megatron/moe; Megatron-LM's argument names)
     num_experts: Optional[int] = None  # None: a dense model
     moe_ffn_hidden_size: Optional[int] = None  # None: ffn_hidden_size
     moe_router_topk: int = 2
-    moe_layer_freq: int = 1  # every k-th layer (0, k, 2k, ...) is an MoE layer
+    # int k: every k-th layer (0, k, 2k, ...) is an MoE layer; or Megatron's list form, one 0 (dense MLP of
+    # ffn_hidden_size) or 1 (MoE) per layer, e.g. [0, 0, 0] + [1] * 58 for DeepSeek-V3's dense first layers
+    moe_layer_freq: Union[int, List[int]] = 1
     moe_router_score_function: str = "softmax"  # softmax | sigmoid
     moe_router_pre_softmax: bool = False  # softmax before top-k instead of over the chosen k
     # DeepSeek-V3 routing (Megatron-core's names; ds_megatron/moe/router.py)
@@ -147,7 +159,7 @@ class GPTConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"model.{name} must be a positive integer, got {v!r}")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads and not self.multi_latent_attention:
             raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by "
                               f"model.num_attention_heads={self.num_attention_heads}; pick sizes that divide, or set "
                               "model.kv_channels")
@@ -159,6 +171,7 @@ class GPTConfig:
         self._check_recompute()
         self._check_tiles()
         self._check_mtp()
+        self._check_mla()
         self._check_architecture()
         self._check_rope_scaling()
         if self.recompute_granularity and self.num_experts:
@@ -184,7 +197,8 @@ class GPTConfig:
             for m in modules:
                 if m in ("moe", "moe_act", "mla_up_proj"):
                     raise ConfigError(f"model.recompute_modules entry {m!r} is not supported yet (MoE layers are "
-                                      "not recomputed; no multi-latent attention); use core_attn, mlp, layernorm")
+                                      "not recomputed, nor multi-latent attention's up-projections alone); use "
+                                      "core_attn, mlp, layernorm")
                 if m not in RECOMPUTE_MODULES:
                     raise ConfigError(f"model.recompute_modules entry {m!r} is unknown; use "
                                       f"{', '.join(RECOMPUTE_MODULES)}")
@@ -264,8 +278,41 @@ class GPTConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """How many channels of each head RoPE rotates."""
+        """How many channels of each head RoPE rotates (multi-latent attention: the positional part)."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.head_dim * self.rotary_percent)
+
+    _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+    # Standard-attention fields multi-latent attention has no counterpart for: only these values are accepted.
+    _MLA_REFUSED = {"kv_channels": (None,), "qk_layernorm": (False,), "add_qkv_bias": (False,), "rotary_percent": (1.0,)}
+
+    def _check_mla(self) -> None:
+        defaults = {f.name: f.default for f in fields(self)}
+        if not self.multi_latent_attention:
+            for name in self._MLA_FIELDS:
+                if getattr(self, name) != defaults[name]:
+                    raise ConfigError(f"model.{name}={getattr(self, name)!r} is only read with "
+                                      "model.multi_latent_attention true; remove it or turn multi-latent attention on")
+            return
+        for name in self._MLA_FIELDS:
+            v = getattr(self, name)
+            if not (name == "q_lora_rank" and v is None) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"model.{name} must be a positive integer{' or null' * (name == 'q_lora_rank')} with "
+                                  f"model.multi_latent_attention, got {v!r}")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ConfigError(f"model.qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} is odd; RoPE rotates pairs of "
+                              "channels: choose an even number")
+        if self.position_embedding_type != "rope":
+            raise ConfigError(f"model.position_embedding_type={self.position_embedding_type!r} with "
+                              "model.multi_latent_attention: its positions are the RoPE part of q and k; set \"rope\"")
+        if self.num_query_groups not in (None, self.num_attention_heads):
+            raise ConfigError(f"model.num_query_groups={self.num_query_groups} with model.multi_latent_attention: every "
+                              "head has its own k and v from the latent; set it to null")
+        for name, allowed in self._MLA_REFUSED.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} is not supported with "
+                                  f"model.multi_latent_attention; set it to {allowed[0]!r}".replace("None", "null"))
 
     def _check_architecture(self) -> None:
         choices = {"position_embedding_type": ("learned_absolute", "rope", "none"),
@@ -358,7 +405,9 @@ class GPTConfig:
             return
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
-        for name in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq"):
+        self._check_moe_layer_pattern()
+        for name in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk") + (
+                () if isinstance(self.moe_layer_freq, list) else ("moe_layer_freq",)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"model.{name} must be a positive integer, got {v!r}")
@@ -427,9 +476,36 @@ class GPTConfig:
             raise ConfigError(f"model.moe_router_topk={k} must be in [moe_router_group_topk, moe_router_group_topk x "
                               f"experts per group] = [{group_topk}, {group_topk * per_group}]; change topk or the groups")
 
+    def _check_moe_layer_pattern(self) -> None:
+        if isinstance(self.moe_layer_freq, tuple):
+            self.moe_layer_freq = list(self.moe_layer_freq)
+        freq = self.moe_layer_freq
+        if not isinstance(freq, list):
+            return
+        if len(freq) != self.num_layers or any(isinstance(v, bool) or v not in (0, 1) for v in freq):
+            raise ConfigError(f"model.moe_layer_freq={freq!r} must be an integer or a list of {self.num_layers} "
+                              "(num_layers) 0s and 1s, 1 where the layer is MoE; fix its length or values")
+        if not any(freq):
+            raise ConfigError("model.moe_layer_freq has no 1, so no layer is MoE; mark the MoE layers with 1, or "
+                              "unset model.num_experts for a dense model")
+
     def is_moe_layer(self, layer_index: int) -> bool:
-        """Whether layer ``layer_index`` (0-based) uses an MoE MLP (Megatron's integer moe_layer_freq)."""
-        return self.num_experts is not None and layer_index % self.moe_layer_freq == 0
+        """Whether layer ``layer_index`` (0-based) uses an MoE MLP (Megatron's moe_layer_freq: every k-th layer
+        for an integer k, else the layer's entry of the 0/1 list); the others use a dense MLP of ffn_hidden_size."""
+        if self.num_experts is None:
+            return False
+        if isinstance(self.moe_layer_freq, list):
+            if not 0 <= layer_index < len(self.moe_layer_freq):
+                # beyond the decoder (multi-token prediction with MoE is refused): no entry to read
+                raise IndexError(f"layer {layer_index} is not one of the {len(self.moe_layer_freq)} layers of "
+                                 "model.moe_layer_freq")
+            return bool(self.moe_layer_freq[layer_index])
+        return layer_index % self.moe_layer_freq == 0
+
+    @property
+    def moe_layer_pattern(self) -> List[int]:
+        """One 0 (dense) or 1 (MoE) per decoder layer: Megatron's list form of ``moe_layer_freq``."""
+        return [int(self.is_moe_layer(i)) for i in range(self.num_layers)]
 
     def check_expert_parallel(self, ep: int, etp: int) -> None:
         """The expert sizes of the layout fit this model (ConfigError naming the fields otherwise)."""
@@ -462,6 +538,9 @@ class GPTConfig:
                               f"{layout.pp}: every stage needs a transformer layer; lower the pipeline size")
 
     def check_context_parallel(self, cp: int, tp: int) -> None:
+        if self.multi_latent_attention:  # its q/k heads are wider than v; the CP cores exchange equal k and v
+            raise ConfigError(f"model.multi_latent_attention with context_parallel_size={cp} is not supported yet; "
+                              "set context_parallel_size to 1")
         check_context_parallel_seq_length(self.seq_length, cp, tp, self.sequence_parallel)
         if self.cp_comm_type == "a2a" and (self.num_attention_heads // tp) % cp:
             raise ConfigError(f"model.cp_comm_type \"a2a\" splits each TP rank's {self.num_attention_heads // tp} "

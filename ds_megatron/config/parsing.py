@@ -29,6 +29,14 @@ def coerce(where: str, value, tp):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if len(args) > 1:  # e.g. Union[int, List[int]]: the first type the value fits
+            for arg in args:
+                try:
+                    return coerce(where, value, arg)
+                except ConfigError:
+                    pass
+            names = [str(a).replace("typing.", "") if typing.get_origin(a) else _type_name(a) for a in args]
+            raise ConfigError(f"{where} must be one of {', '.join(names)}, got {value!r}")
         return coerce(where, value, args[0])
     if dataclasses.is_dataclass(tp):
         return parse_section(tp, value, where)

@@ -120,7 +120,10 @@ class MegatronOptimizer(torch.optim.Optimizer):
         # found_inf must agree on every rank; the model-parallel group covers ranks whose dense
         # grads differ (DP peers share reduced grads); under MoE folding the expert one spans others.
         self.found_inf_groups: List[ParallelGroup] = [state.mp]
-        self.has_experts = any(is_expert_param(p) for p in self.get_parameters())
+        # Every rank of the expert group must join its norm all-reduce, a pipeline stage without MoE layers
+        # (moe_layer_freq's dense layers) too: the model's config says whether any stage has experts.
+        self.has_experts = any(is_expert_param(p) for p in self.get_parameters()) or any(
+            getattr(getattr(getattr(c, "module", c), "config", None), "num_experts", None) for c in self.model_chunks)
         if state.expert_mp.ranks != state.mp.ranks and self.has_experts:
             self.found_inf_groups.append(state.expert_mp)
         self._step_plan: Optional[_StepPlan] = None

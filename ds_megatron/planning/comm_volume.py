@@ -93,6 +93,9 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
                           "the communication plan covers dense models")
     if cfg.mtp_num_layers:
         raise ConfigError("model.mtp_num_layers: the multi-token-prediction layers' traffic is not planned yet")
+    if cfg.multi_latent_attention:
+        raise ConfigError("model.multi_latent_attention: its traffic (the replicated down-projections' TP-partial "
+                          "gradients) is not planned yet")
     t, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
     a = BYTES[params_dtype]
     s, b, h, d = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.head_dim

@@ -45,6 +45,19 @@ def norm_params(cfg, width: Optional[int] = None) -> int:
     return width if cfg.normalization == "RMSNorm" else 2 * width
 
 
+def _mla_counts(cfg, tp: int) -> ParamCounts:
+    """Multi-latent attention: the up-projections (q_proj or q_b_proj, kv_b_proj) and o_proj split by heads; the
+    down-projections (biased with add_bias_linear), the latent norms and o_proj's bias replicated."""
+    h, heads, bias = cfg.hidden_size, cfg.num_attention_heads // tp, int(cfg.add_bias_linear)
+    qk, pos, v, kv_rank = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    q_in = h if cfg.q_lora_rank is None else cfg.q_lora_rank
+    sharded = q_in * heads * (qk + pos) + kv_rank * heads * (qk + v) + heads * v * h
+    replicated = (h + bias) * (kv_rank + pos) + norm_params(cfg, kv_rank) + bias * h
+    if cfg.q_lora_rank is not None:
+        replicated += (h + bias) * cfg.q_lora_rank + norm_params(cfg, cfg.q_lora_rank)
+    return ParamCounts(sharded, replicated)
+
+
 def layer_counts(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> ParamCounts:
     """Transformer layer ``layer``'s parameters on one rank (dense or MoE, as ``cfg.is_moe_layer`` says)."""
     h, d, n, g = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
@@ -52,6 +65,9 @@ def layer_counts(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> ParamCo
     sharded = qkv_rows * (h + int(cfg.qkv_bias)) + h * (n * d // tp)  # QKV (weight + bias), output projection
     replicated = (2 * norm_params(cfg) + (h if cfg.add_bias_linear else 0)
                   + (2 * norm_params(cfg, d) if cfg.qk_layernorm else 0))
+    if cfg.multi_latent_attention:  # its projections instead of QKV and dense; the two layer norms as before
+        mla = _mla_counts(cfg, tp)
+        sharded, replicated = mla.sharded, 2 * norm_params(cfg) + mla.replicated
     expert = 0
     if cfg.is_moe_layer(layer):
         replicated += cfg.num_experts * h  # router

@@ -2,5 +2,6 @@
 from .attention import ParallelAttention
 from .layer import GraphableLayer, ParallelTransformerLayer
 from .mlp import ParallelMLP
+from .multi_latent_attention import MLASelfAttention
 
-__all__ = ["GraphableLayer", "ParallelAttention", "ParallelMLP", "ParallelTransformerLayer"]
+__all__ = ["GraphableLayer", "MLASelfAttention", "ParallelAttention", "ParallelMLP", "ParallelTransformerLayer"]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..parallel_state import ParallelGroup
 from ..tensor_parallel import checkpoint
 from .attention import ParallelAttention
+from .multi_latent_attention import MLASelfAttention
 from .norm import build_norm
 
 
@@ -71,9 +72,10 @@ class ParallelTransformerLayer(GraphableLayer):
         self.recompute_mlp, self.recompute_layernorm = "mlp" in modules, "layernorm" in modules
         self.mlp_sequence_tiles = config.mlp_sequence_tiles
         self.input_layernorm = build_norm(config, h, sequence_parallel=sp)
-        self.self_attention = ParallelAttention(config, tp=tp, init_method=init_method,
-                                                output_init_method=output_init_method, rng_tracker=rng_tracker, cp=cp,
-                                                hierarchical_cp=hierarchical_cp)
+        attention = MLASelfAttention if config.multi_latent_attention else ParallelAttention
+        self.self_attention = attention(config, tp=tp, init_method=init_method,
+                                        output_init_method=output_init_method, rng_tracker=rng_tracker, cp=cp,
+                                        hierarchical_cp=hierarchical_cp)
         self.post_attention_layernorm = build_norm(config, h, sequence_parallel=sp)
         self.mlp = build_mlp()
 

@@ -37,6 +37,8 @@ CASES = {  # name: (model, tp, pp, ep, etp)
     "qwen-moe-tp2-ep2-etp2": (QWEN_MOE, 2, 1, 2, 2),
     "qwen-moe-tp1-ep4": (QWEN_MOE, 1, 1, 4, 1),
     "gpt2-moe-tp4-ep2-etp2": (MIXTRAL_GPT2, 4, 1, 2, 2),
+    # dense layers among the MoE ones (moe_layer_freq's list form): stage 0 holds no expert
+    "qwen-moe-dense-first-tp2-pp2-ep2": (dict(QWEN_MOE, num_layers=4, moe_layer_freq=[0, 0, 1, 1]), 2, 2, 2, 1),
 }
 
 
