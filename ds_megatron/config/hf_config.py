@@ -4,7 +4,7 @@
 families we reproduce exactly (``FAMILIES``), RoPE scaling of types default,
 linear, llama3 and yarn included; anything that would change the model's
 arithmetic in a way we do not implement (other RoPE scalings, sliding windows
-shorter than the sequence, dense layers between MoE layers, an unknown field)
+shorter than the sequence, an unknown field)
 raises ``ConvertError`` naming ``config.json`` and the field.  ``hf_from_model``
 is the way back: the original ``config.json`` with the architecture fields
 written from the model section.
@@ -211,10 +211,10 @@ def model_from_hf(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         qk_layernorm=family in ("qwen3", "qwen3_moe"))
     if family in MOE_FAMILIES:
-        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-            raise _fail("decoder_sparse_step", hf.get("decoder_sparse_step"), "only models whose every layer is MoE "
-                        "(decoder_sparse_step 1, mlp_only_layers []) are supported")
         experts = hf.get("num_local_experts") or hf.get("num_experts")
+        pattern = _moe_layer_pattern(family, hf)
+        if not all(pattern):  # dense layers (MLP of intermediate_size) between the MoE layers: Megatron's list form
+            model["moe_layer_freq"] = pattern
         model.update(num_experts=experts, moe_router_topk=hf["num_experts_per_tok"],
                      moe_ffn_hidden_size=hf["intermediate_size"] if family == "mixtral" else hf["moe_intermediate_size"],
                      # Mixtral renormalizes the top-k softmax (= softmax over the k chosen logits); Qwen does when
@@ -225,6 +225,26 @@ def model_from_hf(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
             model.update(moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
                          moe_shared_expert_gate=True)
     return family, model
+
+
+def _moe_layer_pattern(family: str, hf: Dict[str, Any]) -> list:
+    """One 0 (dense MLP) or 1 (MoE) per layer, as transformers builds the layers: in Qwen2-MoE / Qwen3-MoE layer i
+    is sparse when ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0``; Mixtral's are all sparse."""
+    step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if family == "mixtral":
+        if step != 1 or only:  # transformers' Mixtral reads neither: more likely a mistake than intended
+            raise _fail("decoder_sparse_step" if step != 1 else "mlp_only_layers", step if step != 1 else only,
+                        "Mixtral's layers are all MoE and transformers ignores it: remove it")
+        return [1] * hf["num_hidden_layers"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise _fail("decoder_sparse_step", step, "use a positive integer (every step-th layer is MoE)")
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise _fail("mlp_only_layers", only, "use a list of layer indices")
+    pattern = [int(i not in only and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"])]
+    if not any(pattern):
+        raise _fail("decoder_sparse_step", step, f"with mlp_only_layers={only!r} no layer is MoE; convert it as a "
+                    "dense model or mark MoE layers")
+    return pattern
 
 
 def model_of_checkpoint(path: str) -> Optional[Dict[str, Any]]:

@@ -120,3 +120,39 @@ def test_tied_embeddings_through_the_pipeline(tmp_path):
     for tp, pp in ((2, 1), (2, 2)):
         results = [r for r in run_on_ranks(WORLD, _our_logits, hf_dir, hf_dir, tp, pp, 1, False, toks) if r is not None]
         assert all(hf_models.max_relative_error(r, ref) < 1e-10 for r in results)
+
+
+# Dense layers (intermediate_size) between the MoE layers, as transformers builds them: Qwen2-MoE every second layer
+# sparse (decoder_sparse_step 2: layers 1, 3), Qwen3-MoE with its first two layers dense (mlp_only_layers), so that
+# pipeline stage 0 holds no expert.  Imported (moe_layer_freq [0, 1, 0, 1] / [0, 0, 1, 1]), run, exported back.
+SPARSE_CASES = [("qwen2_moe", dict(decoder_sparse_step=2), [0, 1, 0, 1], (2, 1, 2, True, "ours")),
+                ("qwen3_moe", dict(mlp_only_layers=[0, 1]), [0, 0, 1, 1], (1, 2, 2, False, "ours"))]
+
+
+@pytest.mark.parametrize("family,sparsity,pattern,layout", SPARSE_CASES, ids=[c[0] for c in SPARSE_CASES])
+def test_dense_layers_between_moe_layers_equal_transformers(tmp_path, family, sparsity, pattern, layout):
+    import json
+    import os
+    from ds_megatron.convert.checkpoint import HFSource, METADATA, ours_to_hf
+    from safetensors.torch import load_file
+
+    def _tensors(d):
+        return {k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors")
+                for k, v in load_file(os.path.join(d, f)).items()}
+    tp, pp, ep, sp, via = layout
+    model = hf_models.make_model(family, num_hidden_layers=4, **sparsity)
+    assert [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in model.model.layers] == \
+        [bool(p) for p in pattern]
+    hf_dir = hf_models.save(model, str(tmp_path / "hf"))
+    assert HFSource(hf_dir).gpt_config().moe_layer_freq == pattern
+    toks = hf_models.tokens()
+    ref = hf_models.reference_logits(model, toks)
+    ours = hf_to_ours(hf_dir, str(tmp_path / "ours"), tp=tp, pp=pp, ep=ep)
+    assert json.load(open(tmp_path / "ours" / METADATA))["model"]["moe_layer_freq"] == pattern
+    for path in (ours, hf_dir):  # a directory of ours, and the Hugging Face one read directly (--load-hf)
+        results = [r for r in run_on_ranks(WORLD, _our_logits, path, hf_dir, tp, pp, ep, sp, toks) if r is not None]
+        assert results and all(hf_models.max_relative_error(r, ref) < 1e-10 for r in results), family
+    back = ours_to_hf(ours, str(tmp_path / "back"))
+    before, after = _tensors(hf_dir), _tensors(back)
+    assert sorted(before) == sorted(after) and all(torch.equal(before[n], after[n]) for n in before)
+    assert json.load(open(tmp_path / "hf" / "config.json")) == json.load(open(tmp_path / "back" / "config.json"))

@@ -51,6 +51,19 @@ def _refused(cfg, match):
     assert "\n" not in msg and msg.startswith("config.json: ") and match in msg, msg
 
 
+def test_moe_layer_sparsity_maps_to_the_list_form_as_transformers_builds_it():
+    # transformers: layer i is sparse when i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    for family in ("qwen2_moe", "qwen3_moe"):
+        cfg = _config_json(family, num_hidden_layers=6)
+        assert "moe_layer_freq" not in model_from_hf(cfg)[1]  # every layer MoE: the integer default
+        assert model_from_hf({**cfg, "decoder_sparse_step": 3})[1]["moe_layer_freq"] == [0, 0, 1, 0, 0, 1]
+        assert model_from_hf({**cfg, "decoder_sparse_step": 2, "mlp_only_layers": [1, 4, 9]})[1][
+            "moe_layer_freq"] == [0, 0, 0, 1, 0, 1]
+        _refused({**cfg, "decoder_sparse_step": 0}, "decoder_sparse_step=0")
+        _refused({**cfg, "mlp_only_layers": list(range(6))}, "no layer is MoE")
+    _refused({**_config_json("mixtral"), "decoder_sparse_step": 2}, "decoder_sparse_step=2")
+
+
 def test_unreproduced_rope_is_refused_naming_the_field():
     cfg = _config_json()
     _refused({**cfg, "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0],
