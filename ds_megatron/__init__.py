@@ -63,6 +63,13 @@ def load_dist_checkpoint(engine, directory):
     return _impl(engine, directory)
 
 
+def from_pretrained(path, parallel_state=None, **options):
+    """This rank's model (``GPTModel``, or with PP its ``GPTModelChunks``) built from a Hugging Face directory or
+    one ``ds-megatron convert`` wrote, with its weights: see ``ds_megatron.checkpointing.pretrained``."""
+    from .checkpointing.pretrained import from_pretrained as _impl  # boundary: torch and DeepSpeed load here
+    return _impl(path, parallel_state, **options)
+
+
 _PIPELINE_NAMES = ("GPTModelChunks", "GPTPipelineModule", "pipeline_topology")
 
 
@@ -77,4 +84,4 @@ def __getattr__(name):
 
 __all__ = ["ConfigError", "MegatronConfig", "initialize", "initialize_model_parallel", "validate_config",
            "add_config_arguments", "save_checkpoint", "load_checkpoint", "save_dist_checkpoint",
-           "load_dist_checkpoint", *_PIPELINE_NAMES]
+           "load_dist_checkpoint", "from_pretrained", *_PIPELINE_NAMES]

@@ -9,6 +9,7 @@
 | ``global_shards`` | where each of a rank's tensors lies in the one-rank model (torch-free) |
 | ``rng`` | each rank's random-number state |
 | ``export_fp32`` | ``ds-megatron export-fp32``: any checkpoint as one fp32 state dict of ``GPTModel`` |
+| ``pretrained`` | ``ds_megatron.from_pretrained``: this rank's model built from a Hugging Face or converted directory |
 
 Importing this package imports nothing, so the torch-free ``run_dir`` stays torch-free.  Hugging Face
 conversion lives in ``ds_megatron.convert``.
