@@ -25,6 +25,22 @@ import torch.distributed as dist
 from .parallel.layout import ALL_GROUPS, ParallelLayout
 
 
+# The collective timeout the job's process group was made with (``integration.runtime.init_distributed`` sets it).
+# torch's new_group takes its backend's default (30 minutes) whatever init_process_group was given, so every group
+# the package creates passes this one: a peer lost without a FIN (a node cut off) fails the job within it.
+_collective_timeout = None
+
+
+def set_collective_timeout(timeout) -> None:
+    global _collective_timeout
+    _collective_timeout = timeout
+
+
+def collective_timeout():
+    """A ``datetime.timedelta`` for ``dist.new_group(..., timeout=)``, or None (torch's default)."""
+    return _collective_timeout
+
+
 @dataclass(frozen=True)
 class ParallelGroup:
     """This rank's group of one kind: its global ranks, this rank's index in them, and the torch group."""
@@ -80,7 +96,7 @@ class ParallelState:
             for ranks in all_ranks[kind]:
                 key = tuple(ranks)
                 if key not in by_ranks:
-                    pg = dist.new_group(list(key))
+                    pg = dist.new_group(list(key), timeout=collective_timeout())
                     by_ranks[key] = pg
                     owned.append(pg)
                 if me in key:
@@ -108,7 +124,7 @@ class ParallelState:
             self.all_ranks[kind] = lists
             for ranks in lists:
                 key = tuple(ranks)
-                pg = dist.new_group(list(key)) if len(key) > 1 else None
+                pg = dist.new_group(list(key), timeout=collective_timeout()) if len(key) > 1 else None
                 if pg is not None:
                     self._owned.append(pg)
                 if me in key:

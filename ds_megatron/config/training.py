@@ -56,8 +56,14 @@ class TrainConfig:
     # save_checkpoint files (resumable at the same TP / PP / EP sizes, any DP).  null: torch_dist on our
     # optimizer path, deepspeed on DeepSpeed's (config/megatron.py decides).  --resume reads either.
     ckpt_format: Optional[str] = None
+    # Megatron's --distributed-timeout-minutes: how long any collective waits for a peer before the rank fails
+    # (torch.distributed's default is 30 minutes; a node cut off sends nothing, so this bounds the wait).
+    collective_timeout_minutes: float = 10.0
 
     def __post_init__(self):
+        if not (isinstance(self.collective_timeout_minutes, (int, float)) and self.collective_timeout_minutes > 0):
+            raise ConfigError(f"{SECTION}.train.collective_timeout_minutes must be > 0, "
+                              f"got {self.collective_timeout_minutes!r}")
         if self.ckpt_format is not None and self.ckpt_format not in CKPT_FORMATS:
             raise ConfigError(f"{SECTION}.train.ckpt_format {self.ckpt_format!r} is unknown; use "
                               f"{' or '.join(repr(f) for f in CKPT_FORMATS)}")

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple, Union
@@ -146,17 +147,19 @@ def validate_config(config: ConfigLike, world_size: Optional[int] = None) -> Tup
     return ds_config, mcfg
 
 
-def _init_distributed(dist_init_required: Optional[bool] = None) -> None:
+def _init_distributed(dist_init_required: Optional[bool] = None, mcfg: Optional[MegatronConfig] = None) -> None:
     if dist.is_initialized():
         adopt_existing_process_group(dist_init_required)
-    else:
+    elif mcfg is None:
         init_distributed_from_env()
+    else:  # megatron.train.collective_timeout_minutes bounds every collective's wait for a peer
+        init_distributed_from_env(timeout=datetime.timedelta(minutes=mcfg.train.collective_timeout_minutes))
 
 
 def initialize_model_parallel(config: Union[ConfigLike, MegatronConfig]) -> ParallelState:
     """Validate, start torch.distributed if needed, and build every group: a ``ParallelState``."""
     mcfg = config if isinstance(config, MegatronConfig) else validate_config(config)[1]
-    _init_distributed()
+    _init_distributed(mcfg=mcfg)
     return build_parallel_state(mcfg, mcfg.layout(dist.get_world_size()))
 
 
@@ -195,7 +198,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         check_model_stages(model, parallel.pipeline_model_parallel_size, pipeline_schedule(parallel),
                            virtual_pipeline_size(parallel, getattr(getattr(model, "config", None), "num_layers", None),
                                                  parallel.pipeline_model_parallel_size))
-    _init_distributed(dist_init_required)
+    _init_distributed(dist_init_required, mcfg)
     layout = mcfg.layout(dist.get_world_size())
     if parallel_state is None:
         parallel_state = build_parallel_state(mcfg, layout)

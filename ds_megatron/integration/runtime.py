@@ -18,6 +18,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import logger as deepspeed_logger
 
+from ..parallel_state import set_collective_timeout
 from ..utils.dist_env import launcher_env_for_torch
 from ..utils.runtime_env import use_cuda
 from .seams import skip_shm_comm_build
@@ -44,6 +45,7 @@ def accelerator_device() -> torch.device:
 def init_distributed(backend: Optional[str] = None, timeout: datetime.timedelta = datetime.timedelta(minutes=10),
                      verbose: bool = True) -> None:
     """DeepSpeed's comm layer over the torch variables already in the environment (nccl with CUDA, else gloo)."""
+    set_collective_timeout(timeout)  # every group we create gets it too (parallel_state.collective_timeout)
     prepare_cpu_runtime()
     cuda = use_cuda()
     if cuda:

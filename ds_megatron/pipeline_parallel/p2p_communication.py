@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from ..parallel_state import ParallelGroup, ParallelState
+from ..parallel_state import ParallelGroup, ParallelState, collective_timeout
 from ..utils.collectives import record
 
 
@@ -38,7 +38,7 @@ class PipelineChannels:
                     if a != b and edge not in edges:
                         edges.append(edge)
             for edge in edges:
-                group = dist.new_group(sorted(edge))
+                group = dist.new_group(sorted(edge), timeout=collective_timeout())  # bounded: a peer may be lost
                 self._all.append(group)
                 if me in edge:
                     self._groups[edge] = group

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit codes: 0 trained (or stopped gracefully, checkpoint saved), 2 bad config or a checkpoint that does
-    not fit it, 3 the loss stayed non-finite (``megatron.train.check_for_nan_in_loss_and_grad``)."""
+    not fit it, 3 the loss stayed non-finite (``megatron.train.check_for_nan_in_loss_and_grad``), 4 a collective
+    failed: a peer rank was lost or did not answer within ``megatron.train.collective_timeout_minutes``."""
     args, _ = build_parser().parse_known_args(argv)
     try:
         job = load_job(args.config, world_size_from_env() or 1, args.train_iters, args.output_dir, args.load_hf)
@@ -50,5 +51,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"ds-megatron train: error: {e}", file=sys.stderr, flush=True)
         loop.shutdown(e.exit_code)
+    except RuntimeError as e:  # a peer lost mid-collective (node down or cut off, a rank stalled): no barrier now
+        line = loop.lost_peer_message(e, job.train.collective_timeout_minutes)
+        if line is None:
+            raise
+        sys.stderr.write(line + "\n")  # one write: the launcher interleaves the ranks' output
+        loop.abort(loop.LOST_PEER_EXIT_CODE)
     loop.shutdown()
     return 0

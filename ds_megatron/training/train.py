@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -247,6 +248,33 @@ def shutdown(exit_code: int = 0) -> None:
     if dist.is_initialized():
         barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
+
+
+LOST_PEER_EXIT_CODE = 4
+# How gloo and NCCL word a collective that failed because a peer went away or never answered.
+_LOST_PEER_MARKERS = ("Timed out waiting", "Connection reset by peer", "Connection closed by peer",
+                      "Connection refused", "Broken pipe", "Socket Timeout", "collective operation timeout",
+                      "Watchdog caught", "NCCL communicator was aborted")
+
+
+def lost_peer_message(error: BaseException, timeout_minutes: float) -> Optional[str]:
+    """One line for a collective that failed on a lost or silent peer (None for any other error): this rank, its
+    host, the timeout, and the backend's words (gloo names the peer's address when the connection broke)."""
+    text = str(error)
+    if not any(marker in text for marker in _LOST_PEER_MARKERS):
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+    detail = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return (f"ds-megatron train: error: rank {rank} on {socket.gethostname()}: a collective failed: a peer rank was "
+            f"lost (its node down or cut off) or did not answer within megatron.train.collective_timeout_minutes="
+            f"{timeout_minutes:g}: {detail}; the checkpoint 'latest' names is complete: restart with --resume")
+
+
+def abort(exit_code: int) -> None:
+    """Leave at once, without the barrier ``shutdown`` waits on (a lost peer would hold it up to the timeout)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)

@@ -1,0 +1,255 @@
+"""Several real "nodes" on one machine (``tests/nodes.py``): network and PID namespaces with their own addresses,
+interfaces and sshd, reached from the root namespace (the login node) by ``deepspeed --hostfile`` over ssh.
+
+* ``launch/deepspeed_multinode.sh`` with DeepSpeed's pdsh runner, 2 nodes x 2 ranks, TP = 2 inside each node x
+  DP = 2 across them: the one-node 4-rank run's losses exactly; ``metrics.jsonl`` and the checkpoint on the shared
+  path, written once.
+* A node lost mid-run, killed (its PID namespace's init dies) or cut off (its link down: no FIN, no RST): every
+  surviving rank fails within ``megatron.train.collective_timeout_minutes`` (0.25 here; it also bounds the
+  rendezvous, so the nodes' ranks must start within it of each other) with one line naming itself, its host and
+  the timeout, the launcher exits non-zero well within 60 s, nothing of the job is left behind, and ``latest``
+  names a complete checkpoint.
+
+Root only (CI is root); skipped with the reason where namespaces or sshd cannot be had.  Select with
+``pytest tests/test_nodes.py``.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ds_megatron.config import ConfigError
+from ds_megatron.config.training import TrainConfig
+from harness import run_on_ranks
+from nodes import Nodes, NodesUnavailable
+from test_launchers import ROOT, _clean_env
+
+VENV_BIN = os.path.dirname(sys.executable)
+TIMEOUT_MINUTES = 0.25
+# Each job's wall-clock limit: about 40 s on an idle 2-core box, generous for a loaded one; past it the test fails
+# (and the fixture ends everything), it never hangs.
+LIMIT_S = 420
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    cluster = Nodes(n=2, slots=2)
+    try:
+        cluster.start()
+    except (NodesUnavailable, subprocess.TimeoutExpired, OSError) as e:
+        pytest.skip(f"no namespaced nodes here: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+        left = cluster.leftovers()
+        assert not left, f"left behind: {left}"
+
+
+@pytest.mark.parametrize("bad", [0, -1.5, "10"])
+def test_a_bad_collective_timeout_is_refused_in_one_line(bad):
+    with pytest.raises(ConfigError, match=r"megatron.train.collective_timeout_minutes must be > 0"):
+        TrainConfig(collective_timeout_minutes=bad)
+
+
+def _group_timeouts(seconds):
+    """Every group ParallelState and the pipeline channels make gets the job's collective timeout (torch's
+    new_group would take 30 minutes, whatever init_process_group was given)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from ds_megatron.parallel.layout import ParallelLayout
+    from ds_megatron.parallel_state import ParallelState
+    from ds_megatron.pipeline_parallel.p2p_communication import PipelineChannels
+    from ds_megatron import parallel_state as dist_env
+
+    def timeout_of(pg):
+        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    before = dist_env.collective_timeout()
+    dist_env.set_collective_timeout(datetime.timedelta(seconds=seconds))
+    try:
+        state = ParallelState.build(ParallelLayout(world_size=2, pp=2))
+        channels = PipelineChannels(state)
+        mine = [pg for pg in state._owned + channels._all if isinstance(pg, dist.ProcessGroup)]  # not NON_MEMBER
+        found = sorted({timeout_of(pg) for pg in mine})
+        channels.destroy()
+        state.destroy()
+        return found
+    finally:
+        dist_env.set_collective_timeout(before)
+
+
+def test_every_group_gets_the_collective_timeout():
+    assert run_on_ranks(2, _group_timeouts, 77) == [[77.0], [77.0]]
+
+
+def _config(out_dir, steps, **train):
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10 ** 6,
+        "megatron": {
+            "tensor_model_parallel_size": 2,
+            "model": {"num_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "seq_length": 16,
+                      "vocab_size": 257, "hidden_dropout": 0.1, "attention_dropout": 0.1},
+            "train": {"train_iters": steps, "lr": 3e-3, "lr_decay_style": "constant", "lr_warmup_iters": 0,
+                      "eval_interval": 10 ** 6, "eval_iters": 1, "output_dir": out_dir, **train},
+            "data": {"default_corpus_bytes": 200_000, "split": "90,10"},
+        },
+    }
+
+
+def _job_dir(tmp_path, cfg):
+    """The job's directory on the shared path: its config and the ``.deepspeed_env`` every node's ranks get."""
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "cfg.json").write_text(json.dumps(cfg))
+    (job / ".deepspeed_env").write_text(
+        f"PATH={VENV_BIN}:/usr/local/bin:/usr/bin:/bin\nDS_ACCELERATOR=cpu\nGLOO_SOCKET_IFNAME={Nodes.IFNAME}\n"
+        "OMP_NUM_THREADS=1\nPYTHONUNBUFFERED=1\nCUDA_VISIBLE_DEVICES=\n")
+    return job
+
+
+def _launch(nodes, job, log):
+    """``launch/deepspeed_multinode.sh HOSTFILE -m ds_megatron.cli train --config cfg.json`` from the job directory
+    on the login node (its own process group, so a test that fails can end it)."""
+    env = dict(_clean_env(), PATH=f"{nodes.bin}:{os.environ['PATH']}", PDSH_SSH_ARGS_APPEND=f"-F {nodes.ssh_config}",
+               PYTHON=sys.executable, GLOO_SOCKET_IFNAME=Nodes.IFNAME, OMP_NUM_THREADS="1")
+    return subprocess.Popen(["bash", os.path.join(ROOT, "launch/deepspeed_multinode.sh"), nodes.hostfile,
+                             "-m", "ds_megatron.cli", "train", "--config", str(job / "cfg.json")],
+                            cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(proc, timeout):
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def _losses(path):
+    records = [json.loads(line) for line in open(path)]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert len(steps) == len(set(steps)), f"metrics.jsonl written more than once per step: {steps}"
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _job_processes(nodes, i):
+    """Node i's processes other than its sshd listener (and the unshare / sh that started it)."""
+    pids = subprocess.run(["ip", "netns", "pids", nodes.netns[i]], capture_output=True, text=True).stdout.split()
+    out = []
+    for pid in pids:
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        if cmd and "[listener]" not in cmd and not cmd.startswith(("unshare ", "sh -c hostname")):
+            out.append(f"{pid} {cmd[:160]}")
+    return out
+
+
+def _no_job_left(nodes, deadline_s=15):
+    deadline = time.monotonic() + deadline_s
+    while True:
+        left = [p for i in range(nodes.n) if nodes.inits[i] and nodes.inits[i].poll() is None
+                for p in _job_processes(nodes, i)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.3)
+
+
+def _one_node_losses(tmp_path, steps):
+    out = str(tmp_path / "one_node")
+    cfg = tmp_path / "one_node.json"
+    cfg.write_text(json.dumps(_config(out, steps)))
+    env = dict(_clean_env(), DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "launch/deepspeed_cpu.sh", "4", "-m", "ds_megatron.cli", "train", "--config",
+                           str(cfg)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMIT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _losses(os.path.join(out, "metrics.jsonl"))
+
+
+def test_pdsh_tp2_inside_nodes_dp2_across_them_gives_the_one_node_losses(nodes, tmp_path):
+    steps = 4
+    out = str(tmp_path / "run")
+    job = _job_dir(tmp_path, _config(out, steps))
+    with open(tmp_path / "launcher.log", "w") as log:
+        code = _wait(_launch(nodes, job, log), timeout=LIMIT_S)
+    output = (tmp_path / "launcher.log").read_text()
+    assert code == 0, output[-4000:]
+    assert "pdsh" in output and nodes.addresses[0] in output and nodes.addresses[1] in output, output[-3000:]
+    losses = _losses(os.path.join(out, "metrics.jsonl"))
+    assert sorted(losses) == list(range(1, steps + 1))
+    assert open(os.path.join(out, "latest")).read().strip() == f"iter_{steps:07d}"
+    assert losses == _one_node_losses(tmp_path, steps)
+    assert not _no_job_left(nodes)
+
+
+def _run_until_then(nodes, tmp_path, fault):
+    """A long job saving every 2 steps; once its checkpoint at step 2 is complete and step 4 is logged, ``fault``
+    strikes node 1.  Returns (launcher exit code, seconds from the fault to the launcher's exit, output, out dir)."""
+    out = str(tmp_path / "run")
+    job = _job_dir(tmp_path, _config(out, 10 ** 6, save_interval=2, collective_timeout_minutes=TIMEOUT_MINUTES))
+    metrics, log_path = os.path.join(out, "metrics.jsonl"), tmp_path / "launcher.log"
+    with open(log_path, "w") as log:
+        proc = _launch(nodes, job, log)
+        try:
+            deadline = time.monotonic() + LIMIT_S
+            while not (os.path.exists(metrics) and len(_losses(metrics)) >= 4
+                       and os.path.exists(os.path.join(out, "latest"))):
+                assert proc.poll() is None, log_path.read_text()[-4000:]
+                assert time.monotonic() < deadline, "the job never reached step 4: " + log_path.read_text()[-4000:]
+                time.sleep(0.2)
+            fault(1)
+            struck = time.monotonic()
+            code = _wait(proc, timeout=90)
+            took = time.monotonic() - struck
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    return code, took, log_path.read_text(), out
+
+
+def _check_after_loss(nodes, code, took, output, out, what):
+    print(f"{what}: launcher exited {code} after {took:.1f} s")
+    if os.environ.get("DSM_NODES_SHOW"):
+        print("\n".join(line for line in output.splitlines()
+                        if any(w in line for w in ("Error", "error", "timed out", "Timed out", "lost", "exit"))))
+    assert code != 0, output[-4000:]
+    assert took < 60, f"{took:.1f} s: " + output[-4000:]
+    assert not _no_job_left(nodes), output[-3000:]  # node 0's ranks and launch.py are gone, not orphaned
+    tag = open(os.path.join(out, "latest")).read().strip()
+    assert os.path.isfile(os.path.join(out, tag, ".metadata")) or os.listdir(os.path.join(out, tag)), tag
+    return tag
+
+
+def test_a_node_killed_mid_run_ends_the_job_nonzero(nodes, tmp_path):
+    code, took, output, out = _run_until_then(nodes, tmp_path, nodes.kill)
+    try:
+        _check_after_loss(nodes, code, took, output, out, "node killed")
+        assert "a peer rank was lost" in output, output[-4000:]
+    finally:
+        nodes.inits[1] = None
+        nodes._boot(1)
+        nodes._wait_for_ssh()
+
+
+def test_a_node_cut_off_mid_run_ends_the_job_within_the_collective_timeout(nodes, tmp_path):
+    code, took, output, out = _run_until_then(nodes, tmp_path, nodes.cut)
+    try:
+        _check_after_loss(nodes, code, took, output, out, "node cut off")
+        # Node 0's ranks name themselves, their host and the timeout in one line each, and exit 4.
+        lines = [line for line in output.splitlines() if "a peer rank was lost" in line]
+        assert any(f"{nodes.addresses[0]}: ds-megatron train: error: rank " in line and " on node0: " in line
+                   and f"collective_timeout_minutes={TIMEOUT_MINUTES:g}" in line and "Timed out" in line
+                   for line in lines), output[-4000:]
+    finally:
+        nodes.kill(1)
