@@ -8,7 +8,9 @@ interfaces and sshd, reached from the root namespace (the login node) by ``deeps
   surviving rank fails within ``megatron.train.collective_timeout_minutes`` (0.25 here; it also bounds the
   rendezvous, so the nodes' ranks must start within it of each other) with one line naming itself, its host and
   the timeout, the launcher exits non-zero well within 60 s, nothing of the job is left behind, and ``latest``
-  names a complete checkpoint.
+  names a complete checkpoint.  After the kill the job resumes on node 0 alone (TP = 2, DP = 1, the global batch
+  kept by gradient accumulation; the torch_dist checkpoint re-sharded), then on both nodes again: every step in
+  ``metrics.jsonl`` once, in order.
 
 Root only (CI is root); skipped with the reason where namespaces or sshd cannot be had.  Select with
 ``pytest tests/test_nodes.py``.
@@ -115,13 +117,13 @@ def _job_dir(tmp_path, cfg):
     return job
 
 
-def _launch(nodes, job, log):
+def _launch(nodes, job, log, hostfile=None, config="cfg.json", *extra):
     """``launch/deepspeed_multinode.sh HOSTFILE -m ds_megatron.cli train --config cfg.json`` from the job directory
     on the login node (its own process group, so a test that fails can end it)."""
     env = dict(_clean_env(), PATH=f"{nodes.bin}:{os.environ['PATH']}", PDSH_SSH_ARGS_APPEND=f"-F {nodes.ssh_config}",
                PYTHON=sys.executable, GLOO_SOCKET_IFNAME=Nodes.IFNAME, OMP_NUM_THREADS="1")
-    return subprocess.Popen(["bash", os.path.join(ROOT, "launch/deepspeed_multinode.sh"), nodes.hostfile,
-                             "-m", "ds_megatron.cli", "train", "--config", str(job / "cfg.json")],
+    return subprocess.Popen(["bash", os.path.join(ROOT, "launch/deepspeed_multinode.sh"), hostfile or nodes.hostfile,
+                             "-m", "ds_megatron.cli", "train", "--config", str(job / config), *extra],
                             cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -231,15 +233,56 @@ def _check_after_loss(nodes, code, took, output, out, what):
     return tag
 
 
-def test_a_node_killed_mid_run_ends_the_job_nonzero(nodes, tmp_path):
+def _resume_on(nodes, tmp_path, hosts, grad_acc, steps):
+    """``--resume`` on node 0 alone (``hosts`` 1) or on both over pdsh (2), 2 ranks a node (TP=2 inside it), the
+    global batch kept by ``grad_acc``, until step ``steps``; returns the launcher's output."""
+    job = tmp_path / "job"
+    cfg = json.loads((job / "cfg.json").read_text())
+    cfg["gradient_accumulation_steps"] = grad_acc
+    # no fault here: the default-like timeout, so ranks that start far apart on a loaded box still meet
+    cfg["megatron"]["train"].update(train_iters=steps, collective_timeout_minutes=2)
+    name = f"resume_{hosts}.json"
+    (job / name).write_text(json.dumps(cfg))
+    if hosts == 1:  # deepspeed with one host runs locally, not over pdsh: on a cluster, logged in on that node
+        proc = nodes.ssh(0, f"cd {job} && PATH={VENV_BIN}:/usr/bin:/bin DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 "
+                            f"bash {ROOT}/launch/deepspeed_cpu.sh 2 -m ds_megatron.cli train --config {name} --resume",
+                         timeout=LIMIT_S)
+        code, output = proc.returncode, proc.stdout + proc.stderr
+    else:
+        log_path = tmp_path / f"resume_{hosts}.log"
+        with open(log_path, "w") as log:
+            code = _wait(_launch(nodes, job, log, None, name, "--resume"), timeout=LIMIT_S)
+        output = log_path.read_text()
+    assert code == 0, output[-4000:]
+    return output
+
+
+def test_a_node_killed_mid_run_ends_the_job_nonzero_and_it_resumes_on_one_node_then_two(nodes, tmp_path):
     code, took, output, out = _run_until_then(nodes, tmp_path, nodes.kill)
     try:
-        _check_after_loss(nodes, code, took, output, out, "node killed")
+        tag = _check_after_loss(nodes, code, took, output, out, "node killed")
         assert "a peer rank was lost" in output, output[-4000:]
     finally:
         nodes.inits[1] = None
         nodes._boot(1)
         nodes._wait_for_ssh()
+    # What is left (node 0: TP=2, DP=1, 2 micro-batches per step: the same global batch) resumes from the torch_dist
+    # checkpoint, re-sharded; then both nodes again (DP=2).  Every step is in metrics.jsonl once, in order, with no
+    # gap: the lost run's steps after the checkpoint move aside, the resumed runs train them anew.
+    saved = int(tag[len("iter_"):])
+    metrics = os.path.join(out, "metrics.jsonl")
+    lost = [s for s in _losses(metrics) if s > saved]
+    t0 = time.monotonic()
+    one = _resume_on(nodes, tmp_path, 1, 2, saved + 2)
+    t1 = time.monotonic()
+    assert f"--resume at step {saved}: {len(lost)} metrics.jsonl records" in one or not lost, one[-3000:]
+    assert sorted(_losses(metrics)) == list(range(1, saved + 3))
+    _resume_on(nodes, tmp_path, 2, 1, saved + 4)
+    print(f"resumed on 1 node in {t1 - t0:.1f} s, then on 2 nodes in {time.monotonic() - t1:.1f} s")
+    losses = _losses(metrics)
+    assert sorted(losses) == list(range(1, saved + 5)) and all(v == v and v < 10 for v in losses.values()), losses
+    assert open(os.path.join(out, "latest")).read().strip() == f"iter_{saved + 4:07d}"
+    assert not _no_job_left(nodes)
 
 
 def test_a_node_cut_off_mid_run_ends_the_job_within_the_collective_timeout(nodes, tmp_path):

@@ -40,6 +40,32 @@ def start_fresh_metrics(out_dir: str) -> Optional[str]:
     return f"{path}.{n}"
 
 
+def rewind_metrics(out_dir: str, step: int) -> int:
+    """A run resumed at ``step`` continues ``metrics.jsonl`` from there: records of later steps (logged by the run
+    that was lost before it saved again; the resumed run trains those steps anew) move, in order, to
+    ``metrics.jsonl.after-<step>`` (the first free name), so every step is in the file once.  Returns how many moved."""
+    path = os.path.join(out_dir, METRICS)
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    steps = [json.loads(line).get("step", 0) for line in lines]
+    keep = [line for line, s in zip(lines, steps) if s <= step]
+    later = [line for line, s in zip(lines, steps) if s > step]
+    if not later:
+        return 0
+    side, n = f"{path}.after-{step}", 1
+    while os.path.exists(side):
+        side, n = f"{path}.after-{step}.{n}", n + 1
+    with open(side, "w") as f:
+        f.writelines(later)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one
+    return len(later)
+
+
 class MetricsLog:
     """Appends one strict-JSON object per line; ``--resume`` continues the file of the run it resumes."""
 

@@ -36,7 +36,7 @@ from ..config.job import JobConfig
 from ..convert.model_io import save_job_model
 from ..utils.collectives import barrier
 from .build import TrainingSetup, build, build_data
-from .metrics import METRICS, MetricsLog, plot_loss_curve, start_fresh_metrics
+from .metrics import METRICS, MetricsLog, plot_loss_curve, rewind_metrics, start_fresh_metrics
 from .monitoring import NonFiniteGuard, PendingSteps, ProgressOutput, Reporter
 from .signals import StopRequest
 from .steps import MicroBatchStep, PipelineStep
@@ -108,6 +108,11 @@ class Trainer:
             step, consumed = client["step"], client["consumed_train_samples"]
         elif resume:
             self.say(f"--resume: no checkpoint in {self.out_dir} (no {LATEST} file); starting at step 0", flush=True)
+        if step > 0 and self.rank == 0:
+            moved = rewind_metrics(self.out_dir, step)
+            if moved:
+                self.say(f"--resume at step {step}: {moved} {METRICS} records of later steps (trained again now) "
+                         f"moved to {METRICS}.after-{step}", flush=True)
         if step == 0 and self.rank == 0:
             moved = start_fresh_metrics(self.out_dir)
             if moved:

@@ -274,3 +274,16 @@ def test_progress_survives_a_zero_width_terminal():
         assert wide.bar is not None
         wide.close()
     assert b"step 3/10 | loss 1.0" in os.read(master, 4096)
+
+
+def test_resume_rewinds_metrics_to_the_checkpoint_and_keeps_the_lost_steps_aside(tmp_path):
+    from ds_megatron.training.metrics import METRICS, rewind_metrics
+    records = [{"step": s, "loss": 5.0 - s} for s in range(1, 7)] + [{"step": 4, "val_loss": 1.5}]
+    path = tmp_path / METRICS
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert rewind_metrics(str(tmp_path), 4) == 2  # steps 5 and 6 were logged by the run lost after iter_4
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records[:4] + records[6:]
+    assert [json.loads(line)["step"] for line in (tmp_path / f"{METRICS}.after-4").read_text().splitlines()] == [5, 6]
+    assert rewind_metrics(str(tmp_path), 4) == 0 and rewind_metrics(str(tmp_path), 6) == 0  # nothing later: untouched
+    path.write_text(json.dumps({"step": 5, "loss": 0.1}) + "\n")
+    assert rewind_metrics(str(tmp_path), 4) == 1 and (tmp_path / f"{METRICS}.after-4.1").exists()  # never overwritten
