@@ -438,18 +438,31 @@ def _all_to_all_attention(q, k, v, cp_group: ParallelGroup, causal: bool, scale:
 
 
 class _WholeSequenceAttention(torch.autograd.Function):
-    """Attention of a head group over the whole sequence whose tokens are in the ranks' zigzag order: the
-    probabilities are recomputed in backward from the saved log-sum-exp (flash-attention's way), so only
-    the output and one float per query row are kept, not the [s, s] probabilities."""
+    """Attention of a head group over the whole sequence whose tokens are in the ranks' zigzag order, one zigzag
+    chunk of ``s / 2cp`` query rows at a time: a score tile is ``[b, heads/cp, s/2cp, s]`` (a ring step's block of
+    ``[b, heads, s/cp, s/cp]`` has twice as many), never ``[b, heads/cp, s, s]``.  The probabilities are recomputed in backward from the saved log-sum-exp
+    (flash-attention's way), so only the output and one float per query row are kept."""
+
+    @staticmethod
+    def _tiles(seq: int, cp: int):
+        rows = seq // (2 * cp)  # the zigzag chunk (check_context_parallel_seq_length: 2cp divides s)
+        return [(i, i + rows) for i in range(0, seq, rows)]
+
+    @staticmethod
+    def _allowed(positions, i0: int, i1: int):
+        return None if positions is None else positions.unsqueeze(0) <= positions[i0:i1].unsqueeze(1)
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, cp: int):
         cdt = _compute_dtype(q.dtype)
-        allowed = None
-        if causal:
-            positions = _gathered_positions(q.size(2), cp, q.device)
-            allowed = positions.unsqueeze(0) <= positions.unsqueeze(1)
-        out, lse = _block_forward(q.to(cdt), k.to(cdt), v.to(cdt), scale, allowed)
+        positions = _gathered_positions(q.size(2), cp, q.device) if causal else None
+        qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+        outs, lses = [], []
+        for i0, i1 in _WholeSequenceAttention._tiles(q.size(2), cp):
+            o, lse = _block_forward(qc[:, :, i0:i1], kc, vc, scale, _WholeSequenceAttention._allowed(positions, i0, i1))
+            outs.append(o)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.cp = causal, scale, cp
         return out.to(q.dtype)
@@ -457,14 +470,20 @@ class _WholeSequenceAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        allowed = None
-        if ctx.causal:
-            positions = _gathered_positions(q.size(2), ctx.cp, q.device)
-            allowed = positions.unsqueeze(0) <= positions.unsqueeze(1)
+        positions = _gathered_positions(q.size(2), ctx.cp, q.device) if ctx.causal else None
         cdt = out.dtype
         dout = dout.to(cdt)
-        dq, dk, dv = _block_backward(q.to(cdt), k.to(cdt), v.to(cdt), dout, lse, (dout * out).sum(-1), ctx.scale,
-                                     allowed)
+        qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+        delta = (dout * out).sum(-1)
+        dq = torch.empty_like(qc)
+        dk = torch.zeros_like(kc)
+        dv = torch.zeros_like(vc)
+        for i0, i1 in _WholeSequenceAttention._tiles(q.size(2), ctx.cp):
+            dq[:, :, i0:i1], dk_t, dv_t = _block_backward(
+                qc[:, :, i0:i1], kc, vc, dout[:, :, i0:i1], lse[..., i0:i1], delta[..., i0:i1], ctx.scale,
+                _WholeSequenceAttention._allowed(positions, i0, i1))
+            dk += dk_t
+            dv += dv_t
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

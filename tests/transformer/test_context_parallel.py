@@ -134,3 +134,33 @@ def test_seq_length_refusal_names_the_fields():
     assert "tensor_model_parallel_size" not in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"model.seq_length 24 .*context_parallel_size.*tensor_model_parallel_size"):
         check_context_parallel_seq_length(24, cp=2, tp=4, sequence_parallel=True)
+
+
+def _peak_scores_fraction(comm_type, seq):
+    """The peak of one a2a / p2p forward + backward on this rank, as a fraction of one [b, heads/cp, s, s] fp32
+    score tensor (what an untiled whole-sequence attention would hold at least once)."""
+    import torch.distributed as dist
+    from ds_megatron.parallel import ParallelLayout
+    from ds_megatron.parallel_state import ParallelState
+    from ds_megatron.utils.memory import peak_allocated_bytes
+    cp = dist.get_world_size()
+    state = ParallelState.build(ParallelLayout(world_size=cp, cp=cp))
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, HEADS, seq // cp, D, generator=g).requires_grad_() for _ in range(3))
+
+        def step():
+            context_parallel_attention(q, k, v, state.cp, comm_type=comm_type, causal=True).sum().backward()
+        step()  # warm-up
+        peak = peak_allocated_bytes(step)[0]
+        return peak / (HEADS // cp * seq * seq * 4)
+    finally:
+        state.destroy()
+
+
+def test_all_to_all_attention_holds_score_tiles_not_the_whole_square():
+    # Ulysses attends over the whole sequence: in tiles of s/2cp query rows its scores are [b, h/cp, s/2cp, s] at a
+    # time (half a ring block), not [b, h/cp, s, s] (untiled: 3.4 squares at the peak, measured), so its peak
+    # stays near the ring's.
+    fractions = dict(zip(("a2a", "p2p"), (run_on_ranks(4, _peak_scores_fraction, c, 512)[0] for c in ("a2a", "p2p"))))
+    assert fractions["a2a"] < 0.75 and fractions["a2a"] < 1.5 * fractions["p2p"], fractions
