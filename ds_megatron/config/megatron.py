@@ -38,7 +38,7 @@ from .training import DataConfig, TrainConfig
 _PATH_KEYS = {"optimizer_impl": str, "log_num_zeros_in_grad": bool, "use_megatron_ddp": Optional[bool]}
 _NESTED = {"cuda_graph": CudaGraphConfig, "model": GPTConfig, "train": TrainConfig, "data": DataConfig}
 # Model fields set for the whole layout at the top of the section; the model inherits them.
-_INHERITED_MODEL_KEYS = ("sequence_parallel", "make_vocab_size_divisible_by")
+INHERITED_MODEL_KEYS = ("sequence_parallel", "make_vocab_size_divisible_by")
 
 
 @dataclass
@@ -121,7 +121,7 @@ class MegatronConfig:
             if not isinstance(model_section, dict):
                 raise ConfigError(f"{SECTION}.model must be a JSON object, got {type(model_section).__name__}")
             model_section = dict(model_section)
-            for key in _INHERITED_MODEL_KEYS:
+            for key in INHERITED_MODEL_KEYS:
                 if key in model_section:
                     raise ConfigError(f"{SECTION}.model.{key} is set at {SECTION}.{key}; move it there")
                 model_section[key] = getattr(parallel, key)

@@ -7,13 +7,15 @@ model before the engine exists, so the optimizer's fp32 main params start from t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterator, Optional
 
 import torch
 
 from ..checkpointing.torch_dist import check_supported
 from ..config.job import JobConfig
+from ..config.megatron import INHERITED_MODEL_KEYS
+from ..config.parsing import load_ds_config
 from ..config.pipeline import pipeline_runtime, virtual_pipeline_size
 from ..convert.model_io import load_weights, stage_layers
 from ..data.corpus import build_default_dataset
@@ -103,12 +105,30 @@ def build_optimizer(job: JobConfig, model: torch.nn.Module):
     return optimizer, scheduler
 
 
+def engine_config(job: JobConfig, config_source):
+    """The config ``ds_megatron.initialize`` validates again.  With ``train.load_hf`` the file's model section holds
+    only runtime keys, which on their own read as a default dense model (and EP > 1 would be refused against it):
+    the engine gets the job's resolved model instead, the checkpoint's architecture with those keys applied."""
+    if job.train.load_hf is None:
+        return config_source
+    config = load_ds_config(config_source)
+    model = asdict(job.model)
+    # aliases resolved into their fields; keys the section's top level sets (sequence_parallel, ...) stay there
+    for key in ("layernorm_epsilon", "moe_shared_expert_ffn_hidden_size", *INHERITED_MODEL_KEYS):
+        model.pop(key, None)
+    section = config.setdefault("megatron", {})
+    section["model"] = model
+    section.setdefault("train", {}).pop("load_hf", None)  # already resolved into the model section
+    return config
+
+
 def build(job: JobConfig, config_source) -> TrainingSetup:
     """Groups, model, optimizer and engine; refuses now a ``torch_dist`` job whose state that format cannot hold."""
     state = initialize_model_parallel(job.megatron)
     model, tracker = build_model(job, state)
     optimizer, scheduler = build_optimizer(job, model)
-    engine, _, _, _ = initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config_source,
+    engine, _, _, _ = initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                 config=engine_config(job, config_source),
                                  model_parameters=get_param_groups(model) if optimizer is None else None,
                                  parallel_state=state)
     if job.train.ckpt_format == "torch_dist":
