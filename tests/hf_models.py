@@ -1,8 +1,8 @@
 """Tiny random Hugging Face models of each family, and their float64 reference logits.
 
-transformers computes RMSNorm and the MoE router's softmax in float32 whatever
-the model's dtype; the reference runs those same formulas in float64 instead
-(patched per module below), so that a float64 comparison can reach 1e-10.
+transformers computes RMSNorm and the MoE router's softmax (DeepSeek-V3: its whole
+router) in float32 whatever the model's dtype; the reference runs those same formulas
+in float64 instead (patched per module below), so that a float64 comparison can reach 1e-10.
 RoPE tables stay transformers' own (float32, as ours are).  ``ROPE_SCALINGS``: a
 ``rope_parameters`` of each scaled type, sized so that the tiny models' frequencies
 fall on both sides of (and inside) each type's bands.
@@ -53,6 +53,23 @@ def _router_f64(self, x):
     return logits, top, index
 
 
+def _deepseek_v3_router_f64(self, x):
+    """transformers' ``DeepseekV3TopkRouter.forward`` with float64 in place of its float32."""
+    x = x.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(x, self.weight)
+    scores = logits.sigmoid()
+    choice = scores + self.e_score_correction_bias
+    per_group = self.num_experts // self.num_group
+    groups = choice.view(-1, self.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    kept = torch.zeros_like(groups).scatter_(1, torch.topk(groups, k=self.topk_group, dim=-1)[1], 1)
+    mask = kept.unsqueeze(-1).expand(-1, self.num_group, per_group).reshape(-1, self.num_experts)
+    index = torch.topk(choice.masked_fill(~mask.bool(), float("-inf")), k=self.top_k, dim=-1)[1]
+    weights = scores.gather(1, index)
+    if self.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits, weights * self.routed_scaling_factor, index
+
+
 def float64_reference(model):
     """``model`` in float64, eval mode, norms and routers computing in float64."""
     model = model.double().eval()
@@ -62,7 +79,41 @@ def float64_reference(model):
             module.forward = types.MethodType(_rms_f64, module)
         elif name.endswith("TopKRouter"):
             module.forward = types.MethodType(_router_f64, module)
+        elif name == "DeepseekV3TopkRouter":
+            module.forward = types.MethodType(_deepseek_v3_router_f64, module)
     return model
+
+
+# A tiny DeepSeek-V3 with every part in play: query compression, YaRN with mscale / mscale_all_dim (factor 4 over an
+# original 64 positions), 4 experts in 2 groups of which 1 is kept (top-2 inside it), a shared expert, scaled
+# weights, layer 0 dense (intermediate_size) and layer 1 MoE (moe_intermediate_size).
+DEEPSEEK_V3 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=8, kv_lora_rank=12,
+                   qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, n_routed_experts=4, n_shared_experts=1,
+                   num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                   first_k_dense_replace=1, num_nextn_predict_layers=0, max_position_embeddings=256,
+                   tie_word_embeddings=False, rope_interleave=True,
+                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                    "mscale": 0.707, "mscale_all_dim": 1.0, "rope_theta": 10000.0})
+
+
+def make_deepseek_v3(seed=0, dtype=torch.float64, **overrides):
+    """A tiny random ``DeepseekV3ForCausalLM`` (``DEEPSEEK_V3`` with ``overrides``), every weight random and the
+    routers' ``e_score_correction_bias`` too (fp32 values, as transformers keeps the buffer), so that it steers
+    the choice of experts."""
+    config = T.DeepseekV3Config(**{**DEEPSEEK_V3, **overrides})
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = T.DeepseekV3ForCausalLM(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # of the size of the sigmoid scores' spread
+                b.copy_(0.2 * torch.randn(b.shape, generator=g))
+    return model.to(dtype).eval()
 
 
 def make_model(family, seed=0, dtype=torch.float64, rope=None, **overrides):

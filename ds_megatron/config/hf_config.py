@@ -1,8 +1,8 @@
 """Hugging Face ``config.json`` <-> our ``model`` section (pure Python, no torch).
 
 ``model_from_hf(hf)`` returns ``(family, GPTConfig keyword arguments)`` for the
-families we reproduce exactly (``FAMILIES``), RoPE scaling of types default,
-linear, llama3 and yarn included; anything that would change the model's
+families we reproduce exactly (``FAMILIES``; DeepSeek-V3 by ``_deepseek_v3``), RoPE scaling
+of types default, linear, llama3 and yarn included; anything that would change the model's
 arithmetic in a way we do not implement (other RoPE scalings, sliding windows
 shorter than the sequence, an unknown field)
 raises ``ConvertError`` naming ``config.json`` and the field.  ``hf_from_model``
@@ -12,6 +12,7 @@ written from the model section.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Dict, Optional, Tuple
 
@@ -31,9 +32,10 @@ FAMILIES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # Kimi K2 too (model_type kimi_k2, the same architecture)
 }
 ARCHITECTURES = {family: arch for arch, family in FAMILIES.items()}
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 # Fields that never change the forward pass (ids, caching, bookkeeping, training-only switches).
 _NEUTRAL = {
@@ -162,6 +164,8 @@ def model_from_hf(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
     if len(archs) != 1 or archs[0] not in FAMILIES:
         raise _fail("architectures", archs, f"supported: {', '.join(FAMILIES)}")
     family = FAMILIES[archs[0]]
+    if family == "deepseek_v3":
+        return family, _deepseek_v3(hf)
     for key in hf:
         if key not in _NEUTRAL:
             raise _fail(key, hf[key], "ds_megatron does not know what this field changes: remove it if it does not "
@@ -247,6 +251,153 @@ def _moe_layer_pattern(family: str, hf: Dict[str, Any]) -> list:
     return pattern
 
 
+# DeepSeek-V3 (transformers' DeepseekV3ForCausalLM; Kimi K2 is the same architecture) ---------------------------
+# Fields that never change the forward pass, in any family.
+_BOOKKEEPING = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "output_router_logits", "pretraining_tp",
+    "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder", "chunk_size_feed_forward",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id",
+    "task_specific_params", "finetuning_task", "attn_implementation", "_attn_implementation_autoset",
+    "cross_attention_hidden_size", "add_cross_attention", "tf_legacy_loss", "use_bfloat16", "torchscript",
+    "pruned_heads", "is_decoder",
+    "auto_map", "ep_size",  # the original remote code's class names and its inference expert-parallel size
+}
+# transformers' DeepseekV3Config defaults: a field config.json leaves out is read as transformers reads it.
+_DEEPSEEK_V3_DEFAULTS = {
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": None, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu",
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_interleave": True,
+    "attention_bias": False, "attention_dropout": 0.0,
+    # the original remote code's (DeepSeek-V3, Kimi K2 config.json): transformers reads none of them
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1, "seq_aux": True, "aux_loss_alpha": 0.0,
+}
+_DEEPSEEK_V3_FIELDS = set(_DEEPSEEK_V3_DEFAULTS) | {"rope_theta", "rope_scaling", "rope_parameters", "head_dim",
+                                                   "qk_head_dim", "num_nextn_predict_layers", "num_mtp_layers",
+                                                   "quantization_config"}
+
+
+def _int(field: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _fail(field, value, f"use an integer >= {low}")
+    return value
+
+
+def _deepseek_v3(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """Our model section of a DeepSeek-V3 ``config.json`` (multi-latent attention, sigmoid group-limited routing with
+    the expert bias, a shared expert, dense first layers), read as transformers' ``DeepseekV3ForCausalLM`` does."""
+    for key in hf:
+        if key not in _BOOKKEEPING and key not in _DEEPSEEK_V3_FIELDS:
+            raise _fail(key, hf[key], "ds_megatron does not know what this field changes in deepseek_v3: remove it "
+                        "if it does not change the model")
+
+    def get(key):
+        return hf[key] if key in hf else _DEEPSEEK_V3_DEFAULTS[key]
+
+    if hf.get("quantization_config"):
+        raise _fail("quantization_config", hf["quantization_config"], "quantized (FP8) weights are not converted: "
+                    "dequantize the checkpoint to bf16 or fp32 first")
+    for key, only, fix in (
+            ("scoring_func", "sigmoid", "DeepSeek-V3 scores experts with a sigmoid: convert a model with 'sigmoid'"),
+            ("topk_method", "noaux_tc", "ds_megatron routes DeepSeek-V3's way (expert bias, group-limited): "
+                                        "convert a model with 'noaux_tc'"),
+            ("moe_layer_freq", 1, "transformers makes every layer from first_k_dense_replace on MoE: set it to 1"),
+            ("rope_interleave", True, "ds_megatron's multi-latent attention rotates DeepSeek's interleaved channel "
+                                      "pairs: convert a model with rope_interleave true"),
+            ("attention_bias", False, "it biases the attention projections without the MLP, which ds_megatron does "
+                                      "not express: convert a model with attention_bias false"),
+            ("rms_norm_eps", 1e-6, "transformers fixes the latent norms' eps at 1e-6 and ds_megatron uses one "
+                                   "norm_epsilon for every norm: convert a model with rms_norm_eps 1e-6")):
+        if get(key) != only or isinstance(get(key), bool) != isinstance(only, bool):
+            raise _fail(key, get(key), fix)
+    # transformers' two names of one field (its default: 1)
+    mtp = ({k: hf[k] for k in ("num_nextn_predict_layers", "num_mtp_layers") if k in hf}
+           or {"num_nextn_predict_layers": 1})
+    for key, value in mtp.items():
+        if _int(key, value, 0):
+            raise _fail(key, value, "ds_megatron has no MoE multi-token-prediction layers and transformers' forward "
+                        "does not run them: set it to 0 (and leave the MTP layer's tensors out) to convert the main "
+                        "model")
+    if get("hidden_act") not in ("silu", "gelu"):
+        raise _fail("hidden_act", get("hidden_act"), "use silu (SwiGLU) or gelu")
+    layers, h, n = (_int(k, get(k), 1) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+    if get("num_key_value_heads") not in (None, n):  # MLA's k and v have every head; transformers would repeat them
+        raise _fail("num_key_value_heads", get("num_key_value_heads"), f"set it to num_attention_heads ({n})")
+    nope, pos, v = (_int(k, get(k), 1) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    for key, derived in (("qk_head_dim", nope + pos), ("head_dim", pos)):  # transformers derives them
+        if hf.get(key) not in (None, derived):
+            raise _fail(key, hf[key], f"transformers derives it as {derived} from qk_nope_head_dim and "
+                        "qk_rope_head_dim: set that or remove it")
+    q_lora = get("q_lora_rank")
+    if q_lora is not None:
+        _int("q_lora_rank", q_lora, 1)
+    experts, topk = _int("n_routed_experts", get("n_routed_experts"), 1), _int("num_experts_per_tok",
+                                                                              get("num_experts_per_tok"), 1)
+    groups, group_topk = _int("n_group", get("n_group"), 1), _int("topk_group", get("topk_group"), 1)
+    if experts % groups or group_topk > groups:  # transformers views the experts as n_group equal groups
+        raise _fail("n_group", groups, f"use a divisor of n_routed_experts ({experts}) of at least topk_group "
+                    f"({group_topk})")
+    if group_topk < groups and topk // group_topk != 2:
+        # transformers scores a group by its best 2 experts, Megatron (and ds_megatron) by its best k / topk_group
+        raise _fail("topk_group", group_topk, f"transformers scores a group by its 2 best experts and ds_megatron by "
+                    f"its num_experts_per_tok // topk_group = {topk // group_topk}: use num_experts_per_tok = 2 x "
+                    "topk_group (or topk_group = n_group)")
+    if bool(get("norm_topk_prob")) != (topk > 1):
+        # ds_megatron (as Megatron) renormalizes the chosen sigmoid scores exactly when more than one is chosen
+        raise _fail("norm_topk_prob", get("norm_topk_prob"), "ds_megatron renormalizes the chosen sigmoid scores "
+                    "when num_experts_per_tok > 1 and not for 1: convert a model with norm_topk_prob "
+                    f"{str(topk > 1).lower()}")
+    shared = _int("n_shared_experts", get("n_shared_experts"), 1)
+    dense = _int("first_k_dense_replace", get("first_k_dense_replace"), 0)
+    if dense >= layers:
+        raise _fail("first_k_dense_replace", dense, f"every one of the {layers} layers is dense: convert it as a "
+                    "dense model or lower it")
+    rope = _rope(hf)
+    if rope["rotary_percent"] != 1.0:
+        raise _fail("partial_rotary_factor", rope["rotary_percent"], "DeepSeek-V3 rotates all qk_rope_head_dim "
+                    "channels: remove it")
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    if rope.get("rope_scaling_type") == "yarn" and params.get("mscale_all_dim"):
+        # transformers multiplies MLA's softmax scale by m(factor, mscale_all_dim)^2 whatever mscale is, and scales
+        # cos and sin by attention_factor, else m(factor, mscale) / m(factor, mscale_all_dim) when mscale is set,
+        # else m(factor, 1) (m(s, k) = 0.1 k ln(s) + 1)
+        if params.get("factor") is None:
+            raise _fail("rope_parameters.factor", None, "transformers' DeepSeek-V3 reads it with mscale_all_dim: "
+                        "set it")
+        rope["yarn_mscale_all_dim"] = float(params["mscale_all_dim"])
+        if "yarn_attention_factor" not in rope and not params.get("mscale"):
+            factor = rope["rope_scaling_factor"]
+            rope["yarn_attention_factor"] = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    model: Dict[str, Any] = dict(
+        num_layers=layers, hidden_size=h, num_attention_heads=n, ffn_hidden_size=_int(
+            "intermediate_size", get("intermediate_size"), 1), seq_length=get("max_position_embeddings"),
+        vocab_size=get("vocab_size"), hidden_dropout=0.0, attention_dropout=float(get("attention_dropout") or 0.0),
+        init_method_std=hf.get("initializer_range", 0.02), norm_epsilon=float(get("rms_norm_eps")),
+        position_embedding_type="rope", **rope, normalization="RMSNorm", gated_linear_unit=True,
+        activation=get("hidden_act"), add_bias_linear=False, add_qkv_bias=False,
+        untie_embeddings_and_output_weights=not get("tie_word_embeddings"),
+        multi_latent_attention=True, q_lora_rank=q_lora, kv_lora_rank=_int("kv_lora_rank", get("kv_lora_rank"), 1),
+        qk_head_dim=nope, qk_pos_emb_head_dim=pos, v_head_dim=v,
+        num_experts=experts, moe_router_topk=topk,
+        moe_ffn_hidden_size=_int("moe_intermediate_size", get("moe_intermediate_size"), 1),
+        moe_shared_expert_intermediate_size=shared * get("moe_intermediate_size"), moe_shared_expert_gate=False,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=float(get("routed_scaling_factor")),
+        # transformers keeps the gate and the bias in fp32 and routes in fp32 whatever the model's dtype
+        moe_router_dtype="fp32",
+        # the original code's sequence-wise balancing loss (seq_aux) of weight aux_loss_alpha; transformers has none
+        moe_router_load_balancing_type="seq_aux_loss" if get("seq_aux") else "aux_loss",
+        moe_aux_loss_coeff=float(get("aux_loss_alpha") or 0.0))
+    if group_topk < groups:  # all groups kept (or one group) is plain top-k
+        model.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+    if dense:
+        model["moe_layer_freq"] = [0] * dense + [1] * (layers - dense)
+    return model
+
+
 def model_of_checkpoint(path: str) -> Optional[Dict[str, Any]]:
     """The model section of a checkpoint directory: ours (``METADATA``) or a Hugging Face one (``config.json``);
     None when ``path`` holds neither."""
@@ -266,7 +417,8 @@ def hf_from_model(family: str, model: Dict[str, Any], base: Dict[str, Any]) -> D
     anything else is refused, since the fields we do not map would no longer describe it."""
     _, expected = model_from_hf(base)
     for key, value in expected.items():
-        if key in ("seq_length", "attention_dropout", "hidden_dropout", "moe_aux_loss_coeff", "init_method_std"):
+        if key in ("seq_length", "attention_dropout", "hidden_dropout", "moe_aux_loss_coeff", "init_method_std",
+                   "moe_router_dtype"):
             continue  # training settings, not the architecture
         if model.get(key, value) != value:
             raise ConvertError(f"model.{key}={model.get(key)!r} differs from the Hugging Face model it came from "
@@ -286,7 +438,7 @@ RUNTIME_FIELDS = ("seq_length", "hidden_dropout", "attention_dropout", "sequence
                   "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
                   "moe_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
                   "init_method_std", "label_smoothing", "make_vocab_size_divisible_by", "layernorm_epsilon",
-                  "moe_shared_expert_ffn_hidden_size")
+                  "moe_shared_expert_ffn_hidden_size", "moe_router_dtype")
 
 
 def hf_config_from_model(family: str, model: Dict[str, Any], field: str = "train.export_hf_family",

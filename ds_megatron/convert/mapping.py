@@ -14,9 +14,11 @@ Our files, one per distinct set of tensors of a layout:
 
 Sharding (Megatron's layouts, see ``transformer/attention.py`` and ``transformer/mlp.py``):
 QKV per query group ``[q heads, k, v]``, groups split over TP (or, when TP exceeds
-the groups, ``linear_q`` split and ``linear_kv`` the rank's group); fc1 ``[gate; up]``
-rows per rank; row-parallel weights by columns; the vocab by rows, padded with
-zeros to the padded vocab; norms, the router and the shared-expert gate whole.
+the groups, ``linear_q`` split and ``linear_kv`` the rank's group); multi-latent
+attention's up-projections by whole heads, its down-projections and latent norms
+whole; fc1 ``[gate; up]`` rows per rank; row-parallel weights by columns; the vocab
+by rows, padded with zeros to the padded vocab; norms, the router, its expert bias
+(a buffer: DeepSeek-V3's ``gate.e_score_correction_bias``) and the shared-expert gate whole.
 """
 from __future__ import annotations
 
@@ -93,6 +95,9 @@ class _Names:
     def moe(self, i: int, rest: str) -> str:
         return self.layer(i, ("block_sparse_moe." if self.family == "mixtral" else "mlp.") + rest)
 
+    def shared(self, i: int, rest: str) -> str:
+        return self.moe(i, ("shared_experts." if self.family == "deepseek_v3" else "shared_expert.") + rest)
+
     def expert(self, i: int, e: int, which: str) -> str:
         if self.family == "mixtral":
             return self.moe(i, f"experts.{e}.{ {'gate': 'w1', 'up': 'w3', 'down': 'w2'}[which]}.weight")
@@ -128,25 +133,30 @@ class Mapping:
             att = lambda rest: nm.layer(i, "self_attn." + rest)  # noqa: E731
             out[nm.layer(i, "input_layernorm.weight")] = (h,)
             out[nm.layer(i, "post_attention_layernorm.weight")] = (h,)
-            out.update({att("q_proj.weight"): (n * d, h), att("k_proj.weight"): (g * d, h),
-                        att("v_proj.weight"): (g * d, h), att("o_proj.weight"): (h, n * d)})
-            if c.qkv_bias:
-                out.update({att("q_proj.bias"): (n * d,), att("k_proj.bias"): (g * d,), att("v_proj.bias"): (g * d,)})
-            if c.add_bias_linear:
-                out[att("o_proj.bias")] = (h,)
+            if c.multi_latent_attention:
+                out.update({att(name): shape for name, shape in self._mla_shapes().items()})
+            else:
+                out.update({att("q_proj.weight"): (n * d, h), att("k_proj.weight"): (g * d, h),
+                            att("v_proj.weight"): (g * d, h), att("o_proj.weight"): (h, n * d)})
+                if c.qkv_bias:
+                    out.update({att("q_proj.bias"): (n * d,), att("k_proj.bias"): (g * d,),
+                                att("v_proj.bias"): (g * d,)})
+                if c.add_bias_linear:
+                    out[att("o_proj.bias")] = (h,)
             if c.qk_layernorm:
                 out.update({att("q_norm.weight"): (d,), att("k_norm.weight"): (d,)})
             if c.is_moe_layer(i):
                 f = c.moe_ffn_hidden_size
                 out[nm.moe(i, "gate.weight")] = (c.num_experts, h)
+                if c.moe_router_enable_expert_bias:
+                    out[nm.moe(i, "gate.e_score_correction_bias")] = (c.num_experts,)
                 for e in range(c.num_experts):
                     out.update({nm.expert(i, e, "gate"): (f, h), nm.expert(i, e, "up"): (f, h),
                                 nm.expert(i, e, "down"): (h, f)})
                 if c.moe_shared_expert_intermediate_size:
                     s = c.moe_shared_expert_intermediate_size
-                    out.update({nm.moe(i, "shared_expert.gate_proj.weight"): (s, h),
-                                nm.moe(i, "shared_expert.up_proj.weight"): (s, h),
-                                nm.moe(i, "shared_expert.down_proj.weight"): (h, s)})
+                    out.update({nm.shared(i, "gate_proj.weight"): (s, h), nm.shared(i, "up_proj.weight"): (s, h),
+                                nm.shared(i, "down_proj.weight"): (h, s)})
                     if c.moe_shared_expert_gate:
                         out[nm.moe(i, "shared_expert_gate.weight")] = (1, h)
             else:
@@ -156,6 +166,26 @@ class Mapping:
                 if c.add_bias_linear:
                     out.update({nm.layer(i, "mlp.gate_proj.bias"): (f,), nm.layer(i, "mlp.up_proj.bias"): (f,),
                                 nm.layer(i, "mlp.down_proj.bias"): (h,)})
+        return out
+
+    def _mla_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """Multi-latent attention's tensors (transformers' DeepSeek-V3 names under ``self_attn.``) with shapes."""
+        c = self.config
+        h, n, pos = c.hidden_size, c.num_attention_heads, c.qk_pos_emb_head_dim
+        q_rows = n * (c.qk_head_dim + pos)
+        out: Dict[str, Tuple[int, ...]] = {}
+        if c.q_lora_rank is None:
+            out["q_proj.weight"] = (q_rows, h)
+        else:
+            out.update({"q_a_proj.weight": (c.q_lora_rank, h), "q_a_layernorm.weight": (c.q_lora_rank,),
+                        "q_b_proj.weight": (q_rows, c.q_lora_rank)})
+        out.update({"kv_a_proj_with_mqa.weight": (c.kv_lora_rank + pos, h), "kv_a_layernorm.weight": (c.kv_lora_rank,),
+                    "kv_b_proj.weight": (n * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank),
+                    "o_proj.weight": (h, n * c.v_head_dim)})
+        if c.add_bias_linear:  # attention_bias: the down-projections and o_proj
+            if c.q_lora_rank is not None:
+                out["q_a_proj.bias"] = (c.q_lora_rank,)
+            out.update({"kv_a_proj_with_mqa.bias": (c.kv_lora_rank + pos,), "o_proj.bias": (h,)})
         return out
 
     # -- our side ------------------------------------------------------------------------------------
@@ -195,8 +225,26 @@ class Mapping:
     def _whole(name: str, source: str, shape: Tuple[int, ...]) -> Target:
         return Target(name, shape, (_rows(source, (0, shape[0])),))
 
+    def _mla(self, i: int, t: int) -> List[Target]:
+        """Multi-latent attention: the up-projections by whole heads (a block of rows), ``o_proj`` by columns,
+        the down-projections, latent norms and biases whole (``transformer/multi_latent_attention.py``)."""
+        tp = self.layout.tp
+        ours = f"layers.{i}.self_attention."
+        out = []
+        for name, shape in self._mla_shapes().items():
+            source = self.names.layer(i, "self_attn." + name)
+            if name in ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight"):
+                out.append(self._column(ours + name, (source,), shape[0], tp, t, shape[1]))
+            elif name == "o_proj.weight":
+                out.append(self._row_parallel(ours + name, source, shape[0], shape[1], tp, t))
+            else:
+                out.append(self._whole(ours + name, source, shape))
+        return out
+
     def _attention(self, i: int, t: int) -> List[Target]:
         c, nm, tp = self.config, self.names, self.layout.tp
+        if c.multi_latent_attention:
+            return self._mla(i, t)
         h, d, n, g = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups
         qpg = n // g
         ours = f"layers.{i}.self_attention."
@@ -251,10 +299,13 @@ class Mapping:
             if c.is_moe_layer(i):
                 ours = f"layers.{i}.mlp."
                 out.append(self._whole(ours + "router.weight", nm.moe(i, "gate.weight"), (c.num_experts, h)))
+                if c.moe_router_enable_expert_bias:  # the router's fp32 buffer, whole on every rank of the stage
+                    out.append(self._whole(ours + "router.expert_bias", nm.moe(i, "gate.e_score_correction_bias"),
+                                           (c.num_experts,)))
                 if c.moe_shared_expert_intermediate_size:
-                    se = lambda rest: nm.moe(i, "shared_expert." + rest)  # noqa: E731
-                    out += self._mlp(ours + "shared_experts.", se("gate_proj.weight"), se("up_proj.weight"),
-                                     se("down_proj.weight"), c.moe_shared_expert_intermediate_size, t, None)
+                    out += self._mlp(ours + "shared_experts.", nm.shared(i, "gate_proj.weight"),
+                                     nm.shared(i, "up_proj.weight"), nm.shared(i, "down_proj.weight"),
+                                     c.moe_shared_expert_intermediate_size, t, None)
                     if c.moe_shared_expert_gate:
                         out.append(self._whole(ours + "shared_experts.gate_weight",
                                                nm.moe(i, "shared_expert_gate.weight"), (1, h)))

@@ -1,7 +1,8 @@
 """A built model's own tensors in and out of a checkpoint, each rank only its shards.
 
-``model_tensors(model)``: this rank's tensors under the names of our files
-(``GPTModel`` names; experts by global index, whatever the experts class).
+``model_tensors(model)``: this rank's parameters under the names of our files
+(``GPTModel`` names; experts by global index, whatever the experts class);
+``expert_bias_tensors(model)`` the routers' expert-bias buffers, which the files hold too.
 ``load_weights(model, path, parallel_state, stage_layers)`` fills them from a
 Hugging Face directory (converted on the fly: this rank reads only the rows and
 columns of its own shards) or from our directory of the same layout.
@@ -52,6 +53,17 @@ def model_tensors(model) -> Dict[str, torch.Tensor]:
     return out
 
 
+def expert_bias_tensors(model) -> Dict[str, torch.Tensor]:
+    """The routers' ``expert_bias`` buffers (fp32, not parameters) under the names our files use."""
+    to_gpt = getattr(model, "gpt_name", lambda name: name)
+    return {to_gpt(name): b for name, b in model.named_buffers() if name.endswith("router.expert_bias")}
+
+
+def _file_tensors(model) -> Dict[str, torch.Tensor]:
+    """Every tensor of this rank our files hold: the parameters and the expert-bias buffers."""
+    return {**model_tensors(model), **expert_bias_tensors(model)}
+
+
 def stage_layers(model) -> List[List[int]]:
     """The transformer layers of every pipeline stage of a built model (one stage without PP)."""
     return getattr(model, "all_stage_layers", None) or [list(range(model.config.num_layers))]
@@ -79,7 +91,7 @@ def _check_same_model(config, model_config, where: str) -> None:
             "loss_sequence_tiles",
             "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
             "moe_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "init_method_std",
-            "label_smoothing", "make_vocab_size_divisible_by"}
+            "label_smoothing", "make_vocab_size_divisible_by", "moe_router_dtype"}
     for key, value in vars(config).items():
         if key not in skip and getattr(model_config, key) != value:
             raise ConvertError(f"{where}: the checkpoint has model.{key}={value!r} but the model being loaded has "
@@ -116,7 +128,7 @@ def load_weights(model, path: str, parallel_state, stage_layers: Sequence[Sequen
     targets = rank_targets(mapping, parallel_state)
     if is_our_dir(path):
         source.validate({f for f, _ in targets})
-    tensors = model_tensors(model)
+    tensors = _file_tensors(model)
     names = [t.name for _, t in targets]
     if sorted(names) != sorted(tensors):
         missing = sorted(set(tensors) - set(names)) or sorted(set(names) - set(tensors))
@@ -135,7 +147,7 @@ def save_weights(model, directory: str, parallel_state, stage_layers: Sequence[S
     ``files`` (tokenizer, generation config) go to its ``hf_files/``, which the export copies beside the weights."""
     layout = rank_layout(parallel_state, stage_layers)
     mapping = Mapping(family, model.config, layout)
-    tensors = model_tensors(model)
+    tensors = _file_tensors(model)
     s = parallel_state
     by_file: Dict[str, List[Target]] = {}
     for fname, t in rank_targets(mapping, s):

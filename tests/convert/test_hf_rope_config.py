@@ -1,5 +1,6 @@
 """RoPE scaling and Qwen3 in ``config.json`` <-> our model section: both spellings, refusals in one line naming the
-field, and the way back (a from-scratch export) read by transformers into the same tables."""
+field, and the way back (a from-scratch export) read by transformers into the same tables; DeepSeek-V3's YaRN
+(mscale / mscale_all_dim, attention_factor) into transformers' tables and multi-latent attention's softmax scale."""
 import json
 
 import pytest
@@ -109,3 +110,25 @@ def test_export_refuses_what_transformers_cannot_express():
     assert hf_from_model(family, model, base) == base
     with pytest.raises(ConvertError, match=r"model.rope_scaling_factor=16.0 differs from the Hugging Face model"):
         hf_from_model(family, {**model, "rope_scaling_factor": 16.0}, base)
+
+
+@pytest.mark.parametrize("scaling", [dict(mscale=0.707, mscale_all_dim=1.0), dict(mscale_all_dim=1.0),
+                                     dict(attention_factor=1.2, mscale_all_dim=0.8), dict(mscale=0.707), {}],
+                         ids=["both", "all_dim_only", "attention_factor", "mscale_only", "neither"])
+def test_deepseek_v3_yarn_gives_transformers_tables_and_softmax_scale(scaling):
+    """DeepSeek-V3's YaRN: transformers scales MLA's softmax by m(factor, mscale_all_dim)^2 whenever mscale_all_dim
+    is set, and cos / sin by attention_factor, or m(factor, mscale) / m(factor, mscale_all_dim) with both set, or
+    the paper's 0.1 ln(factor) + 1."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+    from ds_megatron.transformer.multi_latent_attention import mla_softmax_scale
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
+            **scaling}
+    hf = T.DeepseekV3Config(**{**hf_models.DEEPSEEK_V3, "rope_parameters": rope})
+    cfg = json.loads(hf.to_json_string())
+    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
+    ours = GPTConfig(**model_from_hf(cfg)[1])
+    ref, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    inv_freq, our_factor = rope_frequencies(ours)
+    assert torch.equal(inv_freq, ref) and our_factor == pytest.approx(factor, rel=1e-15)
+    qk = hf.qk_nope_head_dim + hf.qk_rope_head_dim
+    assert mla_softmax_scale(ours) == pytest.approx(yarn_apply_mscale(hf.rope_parameters, qk ** -0.5), rel=1e-15)
