@@ -4,7 +4,7 @@ Pure Python and fast: ``ds_megatron.config`` is torch-free, and nothing here sta
 
 * ``docs/configuration.md`` documents every key the ``"megatron"`` parser accepts exactly once, and names no key it
   does not accept.  The accepted set is derived from the parser's own pieces (``field_names`` of the dataclasses
-  it reads the flat keys into, ``_PATH_KEYS``, the nested sections of ``_NESTED`` less ``_INHERITED_MODEL_KEYS``)
+  it reads the flat keys into, ``_PATH_KEYS``, the nested sections of ``_NESTED`` less ``INHERITED_MODEL_KEYS``)
   and cross-checked against the key list the parser prints for an unknown key.  Every documented default is the
   dataclass default, and the documented defaults, fed to the parser, give the same config as an empty section.
 * Its DeepSpeed tables cover exactly the top-level DeepSpeed keys our path has a rule for.
@@ -40,7 +40,7 @@ DEEPSPEED_HEADING = "DeepSpeed's own keys"
 FLAT_CLASSES = (ParallelConfig, DistributedDataParallelConfig)
 PATH_KEYS = megatron_section._PATH_KEYS
 NESTED = megatron_section._NESTED
-INHERITED_MODEL_KEYS = megatron_section._INHERITED_MODEL_KEYS
+INHERITED_MODEL_KEYS = megatron_section.INHERITED_MODEL_KEYS
 
 KEY_CELL = re.compile(r"`([A-Za-z_][A-Za-z0-9_.]*)`")
 JSON_CELL = re.compile(r"`([^`]*)`")
