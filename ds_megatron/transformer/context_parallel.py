@@ -180,6 +180,13 @@ def _block_forward_rows(q, k, v, scale, allowed):
     return torch.matmul(torch.exp(s - safe.unsqueeze(-1)), _expand_kv(v, q.size(1))), lse
 
 
+def _row_tiles(rows: int, parts: int = 4):
+    """``[(start, end)]`` splitting ``rows`` query rows into ``parts`` tiles (the last may be shorter): a block's
+    scores are made a tile at a time, a quarter of the block's square alive at once."""
+    size = -(-rows // parts)
+    return [(i, min(i + size, rows)) for i in range(0, rows, size)]
+
+
 class _RingAttention(torch.autograd.Function):
     """The ring over ``cp_group``.  Without ``positions`` each member holds its two zigzag chunks (the pair
     shortcut below); with ``positions [members, local]`` (hierarchical CP: a ring of a2a groups) member r holds
@@ -236,8 +243,10 @@ class _RingAttention(torch.autograd.Function):
             allowed = _RingAttention._allowed(positions, rank, src, causal)
             if allowed is None or bool(allowed.any()):
                 block = kv.to(cdt)
-                o, l = _block_forward_rows(qc, block[0], block[1], scale, allowed)
-                _merge_rows(out, lse, o, l)
+                for r0, r1 in _row_tiles(q.size(2)):  # a position-masked block is a whole [local, local] square
+                    o, l = _block_forward_rows(qc[:, :, r0:r1], block[0], block[1], scale,
+                                               None if allowed is None else allowed[r0:r1])
+                    _merge_rows(out[:, :, r0:r1], lse[:, :, r0:r1], o, l)
             if step + 1 < cp:
                 for w in works:
                     w.wait()
@@ -299,7 +308,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def _backward_positions(ctx, q, k, v, out, lse, dout):
-        """As ``backward``, each block whole and masked by position (the accumulators travel the same way)."""
+        """As ``backward``, each block masked by position, a tile of query rows at a time (the accumulators travel
+        the same way)."""
         cp_group, causal, scale, positions = ctx.cp_group, ctx.causal, ctx.scale, ctx.positions
         cdt = out.dtype
         qc, kv, dout = q.to(cdt), torch.stack((k, v)), dout.to(cdt)
@@ -316,10 +326,13 @@ class _RingAttention(torch.autograd.Function):
             contribution = torch.zeros_like(block)
             allowed = _RingAttention._allowed(positions, rank, src, causal)
             if allowed is None or bool(allowed.any()):
-                g_q, g_k, g_v = _block_backward(qc, block[0], block[1], dout, lse, delta, scale, allowed)
-                dq.add_(g_q)
-                contribution[0].add_(g_k)
-                contribution[1].add_(g_v)
+                for r0, r1 in _row_tiles(q.size(2)):
+                    g_q, g_k, g_v = _block_backward(qc[:, :, r0:r1], block[0], block[1], dout[:, :, r0:r1],
+                                                    lse[:, :, r0:r1], delta[:, :, r0:r1], scale,
+                                                    None if allowed is None else allowed[r0:r1])
+                    dq[:, :, r0:r1].add_(g_q)
+                    contribution[0].add_(g_k)
+                    contribution[1].add_(g_v)
             if step == 0:
                 own = contribution
             else:

@@ -145,12 +145,18 @@ def _peak_scores_fraction(comm_type, seq):
     from ds_megatron.utils.memory import peak_allocated_bytes
     cp = dist.get_world_size()
     state = ParallelState.build(ParallelLayout(world_size=cp, cp=cp))
+    hierarchical = None
+    if comm_type.startswith("a2a+p2p"):
+        comm_type, inner = comm_type.split(":")
+        state.build_hierarchical_context_parallel(int(inner))
+        hierarchical = state.hierarchical_context_parallel
     try:
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, HEADS, seq // cp, D, generator=g).requires_grad_() for _ in range(3))
 
         def step():
-            context_parallel_attention(q, k, v, state.cp, comm_type=comm_type, causal=True).sum().backward()
+            context_parallel_attention(q, k, v, state.cp, comm_type=comm_type, causal=True,
+                                       hierarchical=hierarchical).sum().backward()
         step()  # warm-up
         peak = peak_allocated_bytes(step)[0]
         return peak / (HEADS // cp * seq * seq * 4)
@@ -158,9 +164,13 @@ def _peak_scores_fraction(comm_type, seq):
         state.destroy()
 
 
-def test_all_to_all_attention_holds_score_tiles_not_the_whole_square():
+def test_all_to_all_and_hierarchical_attention_hold_score_tiles_not_the_whole_square():
     # Ulysses attends over the whole sequence: in tiles of s/2cp query rows its scores are [b, h/cp, s/2cp, s] at a
     # time (half a ring block), not [b, h/cp, s, s] (untiled: 3.4 squares at the peak, measured), so its peak
     # stays near the ring's.
-    fractions = dict(zip(("a2a", "p2p"), (run_on_ranks(4, _peak_scores_fraction, c, 512)[0] for c in ("a2a", "p2p"))))
+    # Hierarchical 2 x 2: each position-masked ring block is a [s/2, s/2] square of heads/2, made a quarter of its
+    # query rows at a time (whole: 1.9 squares at the peak, measured).
+    kinds = ("a2a", "p2p", "a2a+p2p:2")
+    fractions = dict(zip(kinds, (run_on_ranks(4, _peak_scores_fraction, c, 512)[0] for c in kinds)))
     assert fractions["a2a"] < 0.75 and fractions["a2a"] < 1.5 * fractions["p2p"], fractions
+    assert fractions["a2a+p2p:2"] < 1.0 and fractions["a2a+p2p:2"] < 2 * fractions["p2p"], fractions
