@@ -438,7 +438,7 @@ RUNTIME_FIELDS = ("seq_length", "hidden_dropout", "attention_dropout", "sequence
                   "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
                   "moe_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
                   "init_method_std", "label_smoothing", "make_vocab_size_divisible_by", "layernorm_epsilon",
-                  "moe_shared_expert_ffn_hidden_size", "moe_router_dtype")
+                  "moe_shared_expert_ffn_hidden_size", "moe_router_dtype", "cp_comm_type")
 
 
 def hf_config_from_model(family: str, model: Dict[str, Any], field: str = "train.export_hf_family",

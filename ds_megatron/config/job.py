@@ -106,7 +106,8 @@ RUNTIME_MODEL_KEYS = ("seq_length", "hidden_dropout", "attention_dropout", "reco
                       "loss_sequence_tiles", "label_smoothing",
                       "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
                       "moe_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-                      "moe_router_dtype")  # the router's precision (DeepSeek-V3 maps fp32), not its weights
+                      "moe_router_dtype",  # the router's precision (DeepSeek-V3 maps fp32), not its weights
+                      "cp_comm_type")  # how context-parallel attention exchanges K/V, not what it computes
 
 
 def model_from_checkpoint(path: str, section: Dict[str, Any], mcfg: MegatronConfig) -> GPTConfig:

@@ -538,9 +538,6 @@ class GPTConfig:
                               f"{layout.pp}: every stage needs a transformer layer; lower the pipeline size")
 
     def check_context_parallel(self, cp: int, tp: int) -> None:
-        if self.multi_latent_attention:  # its q/k heads are wider than v; the CP cores exchange equal k and v
-            raise ConfigError(f"model.multi_latent_attention with context_parallel_size={cp} is not supported yet; "
-                              "set context_parallel_size to 1")
         check_context_parallel_seq_length(self.seq_length, cp, tp, self.sequence_parallel)
         if self.cp_comm_type == "a2a" and (self.num_attention_heads // tp) % cp:
             raise ConfigError(f"model.cp_comm_type \"a2a\" splits each TP rank's {self.num_attention_heads // tp} "

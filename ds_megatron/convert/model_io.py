@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..config.hf_config import METADATA
+from ..config.hf_config import METADATA, RUNTIME_FIELDS
 from ..config.job import JobConfig, export_hf_config
 from ..data.tokenizer import hf_tokenizer_export_files
 from ..errors import ConvertError
@@ -86,14 +86,8 @@ def rank_targets(mapping: Mapping, parallel_state) -> List[Tuple[str, Target]]:
 
 
 def _check_same_model(config, model_config, where: str) -> None:
-    skip = {"seq_length", "hidden_dropout", "attention_dropout", "sequence_parallel", "recompute_granularity",
-            "recompute_modules", "recompute_method", "recompute_num_layers", "mlp_sequence_tiles",
-            "loss_sequence_tiles",
-            "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
-            "moe_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity", "init_method_std",
-            "label_smoothing", "make_vocab_size_divisible_by", "moe_router_dtype"}
     for key, value in vars(config).items():
-        if key not in skip and getattr(model_config, key) != value:
+        if key not in RUNTIME_FIELDS and getattr(model_config, key) != value:
             raise ConvertError(f"{where}: the checkpoint has model.{key}={value!r} but the model being loaded has "
                                f"{getattr(model_config, key)!r}; build the model from the checkpoint's config")
 

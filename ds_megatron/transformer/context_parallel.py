@@ -8,8 +8,10 @@ position ids); ``zigzag_split`` / ``zigzag_unsplit`` move tensors between the
 full and the split layout.
 
 ``context_parallel_attention(q, k, v, cp_group, comm_type)`` takes this rank's
-``q [b, heads, s/cp, d]`` and ``k, v [b, kv_heads, s/cp, d]`` and returns the
-exact attention of its queries over the whole sequence:
+``q [b, heads, s/cp, d]``, ``k [b, kv_heads, s/cp, d]`` and ``v [b, kv_heads, s/cp, dv]``
+(``dv`` may differ from ``d``: multi-latent attention's values are narrower than its keys; K and V
+travel side by side in one message, ``d + dv`` channels) and returns the exact attention of its
+queries over the whole sequence, ``[b, heads, s/cp, dv]``:
 
 - ``"p2p"`` (ring): K/V of ``kv_heads`` heads go round the group, the next
   block's exchange started before the current block is computed.  Each block
@@ -159,6 +161,16 @@ def _halves(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return t.chunk(2, dim=2)
 
 
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V as one message, side by side in the channels: V may be narrower than K (MLA)."""
+    return torch.cat((k, v), dim=-1)
+
+
+def _unpack(kv: torch.Tensor, k_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Views of a ``_pack``ed (or like-shaped gradient) tensor's K and V channels."""
+    return kv[..., :k_dim], kv[..., k_dim:]
+
+
 # ---------------------------------------------------------------- the ring (p2p)
 
 def _merge_rows(out, lse, block_out, block_lse) -> None:
@@ -197,10 +209,10 @@ class _RingAttention(torch.autograd.Function):
         if positions is not None:
             return _RingAttention._forward_positions(ctx, q, k, v, cp_group, causal, scale, positions)
         cdt = _compute_dtype(q.dtype)
-        qc, kv = q.to(cdt), torch.stack((k, v))  # K and V travel as one message, in their own dtype
+        qc, kv = q.to(cdt), _pack(k, v)  # K and V travel as one message, in their own dtype
         c = q.size(2) // 2
         diagonal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-        out = torch.zeros_like(qc)
+        out = qc.new_zeros(q.shape[:3] + (v.size(-1),))  # V's width (MLA's is narrower than K's)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=cdt, device=q.device)
         cp, rank = cp_group.size, cp_group.rank
         q_h, out_h, lse_h = _halves(qc), _halves(out), lse.chunk(2, dim=2)
@@ -209,8 +221,8 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < cp:  # start the next block's exchange before computing this one
                 incoming = torch.empty_like(kv)
                 works = ring_exchange(kv, incoming, cp_group, tag=_KV_TAG)
-            block = kv.to(cdt)
-            k_h, v_h = _halves(block[0]), _halves(block[1])
+            block_k, block_v = _unpack(kv.to(cdt), k.size(-1))
+            k_h, v_h = _halves(block_k), _halves(block_v)
             for qi, ki, kind in _chunk_pairs(cp, rank, src, causal):
                 o, l = _block_forward(q_h[qi], k_h[ki], v_h[ki], scale, diagonal if kind == "diagonal" else None)
                 _merge(out_h[qi], lse_h[qi], o, l)
@@ -231,8 +243,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def _forward_positions(ctx, q, k, v, cp_group, causal, scale, positions):
         cdt = _compute_dtype(q.dtype)
-        qc, kv = q.to(cdt), torch.stack((k, v))
-        out = torch.zeros_like(qc)
+        qc, kv = q.to(cdt), _pack(k, v)
+        out = qc.new_zeros(q.shape[:3] + (v.size(-1),))  # V's width (MLA's is narrower than K's)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=cdt, device=q.device)
         cp, rank = cp_group.size, cp_group.rank
         for step in range(cp):
@@ -242,9 +254,9 @@ class _RingAttention(torch.autograd.Function):
                 works = ring_exchange(kv, incoming, cp_group, tag=_KV_TAG)
             allowed = _RingAttention._allowed(positions, rank, src, causal)
             if allowed is None or bool(allowed.any()):
-                block = kv.to(cdt)
+                block_k, block_v = _unpack(kv.to(cdt), k.size(-1))
                 for r0, r1 in _row_tiles(q.size(2)):  # a position-masked block is a whole [local, local] square
-                    o, l = _block_forward_rows(qc[:, :, r0:r1], block[0], block[1], scale,
+                    o, l = _block_forward_rows(qc[:, :, r0:r1], block_k, block_v, scale,
                                                None if allowed is None else allowed[r0:r1])
                     _merge_rows(out[:, :, r0:r1], lse[:, :, r0:r1], o, l)
             if step + 1 < cp:
@@ -262,7 +274,7 @@ class _RingAttention(torch.autograd.Function):
         if ctx.positions is not None:
             return _RingAttention._backward_positions(ctx, q, k, v, out, lse, dout)
         cdt = out.dtype
-        qc, kv, dout = q.to(cdt), torch.stack((k, v)), dout.to(cdt)
+        qc, kv, dout = q.to(cdt), _pack(k, v), dout.to(cdt)
         delta = (dout * out).sum(-1)
         c = q.size(2) // 2
         diagonal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
@@ -280,9 +292,10 @@ class _RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 works = ring_exchange(kv, incoming, cp_group, tag=_KV_TAG)
             block = kv.to(cdt)
-            k_h, v_h = _halves(block[0]), _halves(block[1])
-            contribution = torch.zeros_like(block)
-            dk_h, dv_h = _halves(contribution[0]), _halves(contribution[1])
+            block_k, block_v = _unpack(block, k.size(-1))
+            k_h, v_h = _halves(block_k), _halves(block_v)
+            contribution = torch.zeros_like(block)  # dK and dV side by side, as K and V travel
+            dk_h, dv_h = (_halves(t) for t in _unpack(contribution, k.size(-1)))
             for qi, ki, kind in _chunk_pairs(cp, rank, src, causal):
                 g_q, g_k, g_v = _block_backward(q_h[qi], k_h[ki], v_h[ki], do_h[qi], lse_h[qi], delta_h[qi], scale,
                                                 diagonal if kind == "diagonal" else None)
@@ -304,7 +317,8 @@ class _RingAttention(torch.autograd.Function):
         for w in dkv_works:
             w.wait()
         dkv = own if dkv_in is None else own.add_(dkv_in)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dk, dv = _unpack(dkv, k.size(-1))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
     @staticmethod
     def _backward_positions(ctx, q, k, v, out, lse, dout):
@@ -312,7 +326,7 @@ class _RingAttention(torch.autograd.Function):
         the same way)."""
         cp_group, causal, scale, positions = ctx.cp_group, ctx.causal, ctx.scale, ctx.positions
         cdt = out.dtype
-        qc, kv, dout = q.to(cdt), torch.stack((k, v)), dout.to(cdt)
+        qc, kv, dout = q.to(cdt), _pack(k, v), dout.to(cdt)
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(qc)
         cp, rank = cp_group.size, cp_group.rank
@@ -323,16 +337,18 @@ class _RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 works = ring_exchange(kv, incoming, cp_group, tag=_KV_TAG)
             block = kv.to(cdt)
+            block_k, block_v = _unpack(block, k.size(-1))
             contribution = torch.zeros_like(block)
+            contribution_k, contribution_v = _unpack(contribution, k.size(-1))
             allowed = _RingAttention._allowed(positions, rank, src, causal)
             if allowed is None or bool(allowed.any()):
                 for r0, r1 in _row_tiles(q.size(2)):
-                    g_q, g_k, g_v = _block_backward(qc[:, :, r0:r1], block[0], block[1], dout[:, :, r0:r1],
+                    g_q, g_k, g_v = _block_backward(qc[:, :, r0:r1], block_k, block_v, dout[:, :, r0:r1],
                                                     lse[:, :, r0:r1], delta[:, :, r0:r1], scale,
                                                     None if allowed is None else allowed[r0:r1])
                     dq[:, :, r0:r1].add_(g_q)
-                    contribution[0].add_(g_k)
-                    contribution[1].add_(g_v)
+                    contribution_k.add_(g_k)
+                    contribution_v.add_(g_v)
             if step == 0:
                 own = contribution
             else:
@@ -348,7 +364,8 @@ class _RingAttention(torch.autograd.Function):
         for w in dkv_works:
             w.wait()
         dkv = own if dkv_in is None else own.add_(dkv_in)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dk, dv = _unpack(dkv, k.size(-1))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 # ---------------------------------------------------------------- all-gather
@@ -363,36 +380,41 @@ class _AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float):
         cdt = _compute_dtype(q.dtype)
         cp, local = cp_group.size, q.size(2)
-        kv = torch.stack((k, v)).contiguous()  # [2, b, kv_heads, s/cp, d], gathered in the input dtype
+        kv = _pack(k, v)  # [b, kv_heads, s/cp, dk + dv], gathered in the input dtype
+        b, kv_heads, _, width = kv.shape
         gathered = kv.new_empty((cp,) + tuple(kv.shape))
-        all_gather_into(gathered.view((cp * 2,) + tuple(kv.shape[1:])), kv, cp_group)
-        full = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, kv.size(1), kv.size(2), cp * local, kv.size(4)).to(cdt)
+        all_gather_into(gathered.view((cp * b,) + tuple(kv.shape[1:])), kv, cp_group)
+        full = gathered.permute(1, 2, 0, 3, 4).reshape(b, kv_heads, cp * local, width).to(cdt)
+        full_k, full_v = _unpack(full, k.size(-1))
         allowed = None
         if causal:
             positions = _gathered_positions(cp * local, cp, q.device)
             mine = zigzag_chunk_indices(cp * local, cp, cp_group.rank).to(q.device)
             allowed = positions.unsqueeze(0) <= mine.unsqueeze(1)
-        out, lse = _block_forward(q.to(cdt), full[0], full[1], scale, allowed)
-        ctx.save_for_backward(q, full, out, lse, allowed if allowed is not None else torch.empty(0))
+        out, lse = _block_forward(q.to(cdt), full_k, full_v, scale, allowed)
+        ctx.save_for_backward(q, full_k, full_v, out, lse, allowed if allowed is not None else torch.empty(0))
         ctx.cp_group, ctx.causal, ctx.scale, ctx.kv_dtypes = cp_group, causal, scale, (k.dtype, v.dtype)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, full, out, lse, allowed = ctx.saved_tensors
+        q, full_k, full_v, out, lse, allowed = ctx.saved_tensors
         allowed = allowed if ctx.causal else None
         cp_group = ctx.cp_group
         dout = dout.to(out.dtype)
-        dq, dk, dv = _block_backward(q.to(out.dtype), full[0], full[1], dout, lse, (dout * out).sum(-1), ctx.scale,
+        dq, dk, dv = _block_backward(q.to(out.dtype), full_k, full_v, dout, lse, (dout * out).sum(-1), ctx.scale,
                                      allowed)
         cp, local = cp_group.size, q.size(2)
-        b, kv_heads, _, d = dk.shape
-        # [2, b, kvh, cp * local, d] -> per-rank blocks on dim 0, summed back to their owners.
-        dkv = torch.stack((dk, dv)).view(2, b, kv_heads, cp, local, d).permute(3, 0, 1, 2, 4, 5).contiguous()
-        mine = dkv.new_empty((2, b, kv_heads, local, d))
-        reduce_scatter_into(mine, dkv.view((cp * 2, b, kv_heads, local, d)), cp_group)
+        b, kv_heads, _, _ = dk.shape
+        # [b, kvh, cp * local, dk + dv] -> per-rank blocks on dim 0, summed back to their owners.
+        dkv = _pack(dk, dv)
+        width = dkv.size(-1)
+        dkv = dkv.view(b, kv_heads, cp, local, width).permute(2, 0, 1, 3, 4).contiguous()
+        mine = dkv.new_empty((b, kv_heads, local, width))
+        reduce_scatter_into(mine, dkv.view((cp * b, kv_heads, local, width)), cp_group)
         k_dtype, v_dtype = ctx.kv_dtypes
-        return dq.to(q.dtype), mine[0].to(k_dtype), mine[1].to(v_dtype), None, None, None
+        mine_k, mine_v = _unpack(mine, full_k.size(-1))
+        return dq.to(q.dtype), mine_k.to(k_dtype), mine_v.to(v_dtype), None, None, None
 
 
 # ---------------------------------------------------------------- all-to-all (Ulysses)
@@ -525,12 +547,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                softmax_scale: Optional[float] = None, hierarchical=None) -> torch.Tensor:
     """Attention of this CP rank's queries over the whole sequence; inputs and output in the zigzag layout.
 
-    ``q [b, heads, s/cp, d]``, ``k, v [b, kv_heads, s/cp, d]`` with ``kv_heads`` dividing ``heads``; the
-    output is ``[b, heads, s/cp, d]`` in q's dtype.  A group of one is plain attention."""
+    ``q [b, heads, s/cp, d]``, ``k [b, kv_heads, s/cp, d]``, ``v [b, kv_heads, s/cp, dv]`` with ``kv_heads``
+    dividing ``heads``; the output is ``[b, heads, s/cp, dv]`` in q's dtype.  A group of one is plain attention."""
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type {comm_type!r} is not one of {COMM_TYPES}")
-    if q.size(1) % k.size(1) or k.shape != v.shape:
-        raise ValueError(f"kv heads {k.size(1)} must divide heads {q.size(1)} and k, v must match: "
+    if q.size(1) % k.size(1) or k.shape[:-1] != v.shape[:-1] or k.size(-1) != q.size(-1):
+        raise ValueError(f"kv heads {k.size(1)} must divide heads {q.size(1)}, k must be as wide as q and v match "
+                         "k but for its width: "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.size(2) % 2:
         raise ValueError(f"each CP rank holds two equal chunks; local sequence length {q.size(2)} is odd")

@@ -24,6 +24,11 @@ sums over TP (with or without sequence parallelism: each rank sees the whole seq
 heads) and are marked like sequence-parallel ones, summed once per step over TP
 (``allreduce_tp_partial_grads``); the input gradient is summed by *f*'s backward.
 
+Context parallelism: the rank's tokens are its zigzag chunks (RoPE turns them by their positions) and
+the core is ``context_parallel_attention`` with every exchange type; keys are ``qk_head_dim +
+qk_pos_emb_head_dim`` wide and values ``v_head_dim``, and the cores carry the two widths as they are
+(V is not padded to K's width: no wasted bytes on the wire).
+
 Weights are drawn in the same order and from the same full tensors whatever the TP size.
 """
 from __future__ import annotations
@@ -41,6 +46,7 @@ from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_
 from ..tensor_parallel.random import checkpoint
 from ..tensor_parallel.utils import divide
 from ..tensor_parallel.weight_grad_store import linear
+from .context_parallel import context_parallel_attention, zigzag_chunk_indices
 from .norm import build_norm
 from .rotary import RotaryEmbedding, yarn_attention_factor
 
@@ -82,8 +88,9 @@ class MLASelfAttention(torch.nn.Module):
     def __init__(self, config, *, tp: ParallelGroup, init_method, output_init_method, rng_tracker=None,
                  cp: Optional[ParallelGroup] = None, hierarchical_cp=None):
         super().__init__()
-        if cp is not None and cp.size > 1:  # GPTConfig.check_context_parallel refuses it first
-            raise ValueError("multi-latent attention does not run with context parallelism yet")
+        self.cp = cp if cp is not None else ParallelGroup.single("cp")
+        self.hierarchical_cp = hierarchical_cp
+        self.cp_comm_type = config.cp_comm_type
         n, h = config.num_attention_heads, config.hidden_size
         self.tp = tp
         self.heads = divide(n, tp.size)
@@ -93,8 +100,9 @@ class MLASelfAttention(torch.nn.Module):
         self.sequence_parallel = config.sequence_parallel and tp.size > 1
         self.attention_dropout = config.attention_dropout
         self.rng_tracker = rng_tracker
+        # Not under CP, whose cores keep only their output and log-sum-exp (as ParallelAttention's).
         self.recompute_core = (config.recompute_granularity == "selective"
-                               and "core_attn" in (config.recompute_modules or ()))
+                               and "core_attn" in (config.recompute_modules or ()) and self.cp.size == 1)
         self.softmax_scale = mla_softmax_scale(config)
         bias = config.add_bias_linear  # transformers' attention_bias: the down-projections and o_proj
         q_width = n * (self.qk_head_dim + self.pos_dim)
@@ -145,8 +153,11 @@ class MLASelfAttention(torch.nn.Module):
         kv = kv.view(s, b, self.heads, self.qk_head_dim + self.v_head_dim).permute(1, 2, 0, 3)
         k_nope, v = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
         q_nope, q_pos = torch.split(q, [self.qk_head_dim, self.pos_dim], dim=-1)
-        q_pos = self.rotary(deinterleave(q_pos))
-        k_pos = self.rotary(deinterleave(k_pos.permute(1, 0, 2).unsqueeze(1)))  # [b, 1, s, pos]: every head's
+        positions = None
+        if self.cp.size > 1:  # this rank's tokens are its two zigzag chunks of the whole sequence
+            positions = zigzag_chunk_indices(s * self.cp.size, self.cp.size, self.cp.rank).to(q.device)
+        q_pos = self.rotary(deinterleave(q_pos), positions)
+        k_pos = self.rotary(deinterleave(k_pos.permute(1, 0, 2).unsqueeze(1)), positions)  # [b, 1, s, pos]
         q = torch.cat((q_nope, q_pos), dim=-1)
         k = torch.cat((k_nope, k_pos.expand(-1, self.heads, -1, -1)), dim=-1)
         return q, k, v
@@ -154,7 +165,10 @@ class MLASelfAttention(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [s, b, h] (or this rank's [s/tp, b, h] under sequence parallelism) -> the same shape
         q, k, v = self._qkv(hidden)
-        if self.recompute_core and self.training and torch.is_grad_enabled():
+        if self.cp.size > 1:  # k as wide as q, v narrower: the CP cores carry both widths
+            ctx = context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, softmax_scale=self.softmax_scale,
+                                             hierarchical=self.hierarchical_cp)
+        elif self.recompute_core and self.training and torch.is_grad_enabled():
             ctx = checkpoint(self._core, self.rng_tracker, q, k, v)
         else:
             ctx = self._core(q, k, v)

@@ -4,7 +4,8 @@ One tiny random model per module (``hf_models.make_deepseek_v3``: query compress
 mscale_all_dim, 2 expert groups of which 1 is kept, a shared expert, routed_scaling_factor 2.5, a dense first
 layer, and a random non-zero ``e_score_correction_bias`` that changes which experts are chosen).  Our logits equal
 transformers' (``hf_models.float64_reference``: its fp32 router in float64) to 1e-10 at TP=1 in this process and,
-in one 4-rank gloo job, at TP=2 with SP, EP=2, EP=4 x ETP=1 (TP=2), EP=2 x ETP=2 (TP=2, SP) and PP=2 (EP=2), each
+in one 4-rank gloo job, at TP=2 with SP, EP=2, EP=4 x ETP=1 (TP=2), EP=2 x ETP=2 (TP=2, SP), PP=2 (EP=2) and CP=2 (the ring
+at TP=2 x EP=2, all-to-all at EP=2), each
 read straight from the Hugging Face directory (``--load-hf``) and from the directory ``ds-megatron convert``
 wrote; ``ds_megatron.from_pretrained`` at TP=1 and TP=2.  HF -> ours -> HF is bit-exact for every tensor at each
 layout, and through a model's own buffers (``save_weights``), with config.json unchanged.  Refusals: one line
@@ -33,15 +34,17 @@ from ds_megatron.errors import ConvertError
 from ds_megatron.models import GPTModel
 from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.parallel_state import ParallelState
+from ds_megatron.transformer.context_parallel import zigzag_unsplit
 
 F64 = dict(moe_router_dtype=None)  # our router in the activations' float64, as the reference's
-LAYOUTS = [  # tp, pp, ep, etp, sequence parallel
-    (2, 1, 1, None, True), (1, 1, 2, None, False), (2, 1, 4, 1, False), (2, 1, 2, 2, True), (1, 2, 2, None, False),
+LAYOUTS = [  # tp, pp, ep, etp, sequence parallel, context parallel ("p2p" / "a2a": CP=2 with that exchange)
+    (2, 1, 1, None, True, None), (1, 1, 2, None, False, None), (2, 1, 4, 1, False, None), (2, 1, 2, 2, True, None),
+    (1, 2, 2, None, False, None), (2, 1, 2, None, False, "p2p"), (1, 1, 2, None, False, "a2a"),
 ]
 
 
-def _name(tp, pp, ep, etp, sp):
-    return f"tp{tp}-pp{pp}-ep{ep}-etp{etp or tp}{'-sp' if sp else ''}"
+def _name(tp, pp, ep, etp, sp, cp):
+    return f"tp{tp}-pp{pp}-ep{ep}-etp{etp or tp}{'-sp' if sp else ''}{f'-cp2-{cp}' if cp else ''}"
 
 
 def _tensors(directory):
@@ -188,6 +191,10 @@ def test_tp1_equals_transformers_from_both_directories_and_from_pretrained(deeps
 
 
 def _gather_vocab(logits, state):
+    if state.cp.size > 1:  # this rank's zigzag chunks -> the whole sequence
+        parts = [torch.empty_like(logits) for _ in range(state.cp.size)]
+        dist.all_gather(parts, logits.contiguous(), group=state.cp.group)
+        logits = zigzag_unsplit(parts, seq_dim=1)
     if state.tp.size > 1:
         parts = [torch.empty_like(logits) for _ in range(state.tp.size)]
         dist.all_gather(parts, logits.contiguous(), group=state.tp.group)
@@ -195,9 +202,11 @@ def _gather_vocab(logits, state):
     return logits[..., :hf_models.VOCAB]
 
 
-def _logits(path, hf_dir, tp, pp, ep, etp, sp, toks):
-    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep, etp=etp))
-    config = HFSource(hf_dir).gpt_config(sequence_parallel=sp, seq_length=hf_models.SEQ, **F64)
+def _logits(path, hf_dir, tp, pp, ep, etp, sp, cp, toks):
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep, etp=etp,
+                                               cp=2 if cp else 1))
+    config = HFSource(hf_dir).gpt_config(sequence_parallel=sp, seq_length=hf_models.SEQ, cp_comm_type=cp or "p2p",
+                                         **F64)
     stages = [list(r) for r in stage_layer_ranges(stage_layer_counts(config.num_layers, pp, "uniform", None, None))]
     try:
         if pp == 1:

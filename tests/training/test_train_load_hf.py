@@ -75,6 +75,11 @@ def test_architecture_keys_are_refused_with_load_hf(tmp_path):
     cfg["megatron"]["model"]["hidden_size"] = 64
     with pytest.raises(ConfigError, match="model.hidden_size is set but megatron.train.load_hf"):
         load_job(cfg, 4)
+    # How CP exchanges K/V is the job's choice, not the checkpoint's: kept, and the weights load (load_weights
+    # compares the architecture only; tests/convert/test_hf_deepseek_v3.py loads at cp_comm_type "a2a").
+    cfg["megatron"]["model"] = {"seq_length": 16, "cp_comm_type": "a2a"}
+    cfg["megatron"].update(tensor_model_parallel_size=1, context_parallel_size=2)
+    assert load_job(cfg, 4).megatron.model.cp_comm_type == "a2a"
     small = hf_models.save(hf_models.make_model("llama", dtype=torch.float32), str(tmp_path / "small"))
     with pytest.raises(ConfigError, match="vocab_size=100 but the byte tokenizer"):
         load_job(_config(str(tmp_path / "run"), small, 1e-3), 4)

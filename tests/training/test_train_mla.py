@@ -1,4 +1,5 @@
-"""Multi-latent attention through ``ds-megatron train``: TP=2 with sequence parallelism trains the one-rank model.
+"""Multi-latent attention through ``ds-megatron train``: TP=2 with sequence parallelism and CP=2 (the ring, keys and
+the narrower values travelling side by side) trains the one-rank model.
 
 The replicated down-projections and latent norms get only their rank's heads' share of the gradient; the job sums
 them over TP once per step (``finalize_model_grads``).  Same losses, validation losses and final weights (the TP=2
@@ -15,5 +16,5 @@ MLA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "multi_lat
        "q_lora_rank": 16, "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 8, "add_bias_linear": False}
 
 
-def test_tp2_sequence_parallel_mla_trains_the_one_rank_model(tmp_path):
-    _check_same_run(tmp_path, 2, {"tp": 2, "sp": True}, model=MLA)
+def test_tp2_sequence_parallel_cp2_mla_trains_the_one_rank_model(tmp_path):
+    _check_same_run(tmp_path, 4, {"tp": 2, "sp": True, "cp": 2}, model=MLA)

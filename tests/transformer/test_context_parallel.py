@@ -14,12 +14,13 @@ B, S, D, HEADS = 2, 32, 8, 4
 TOL = 1e-10
 
 
-def _inputs(kv_heads, seed=1234):
+def _inputs(kv_heads, seed=1234, v_dim=D):
+    """``v_dim`` below ``D``: values narrower than keys, as multi-latent attention's."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, HEADS, S, D, generator=g, dtype=torch.float64)
     k = torch.randn(B, kv_heads, S, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, kv_heads, S, D, generator=g, dtype=torch.float64)
-    dout = torch.randn(B, HEADS, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, kv_heads, S, v_dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(B, HEADS, S, v_dim, generator=g, dtype=torch.float64)
     return q, k, v, dout
 
 
@@ -36,26 +37,31 @@ def _dense(q, k, v, dout, causal):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _cp_rank(kv_heads, comm_type, causal, dtype=torch.float64):
+def _cp_rank(kv_heads, comm_type, causal, dtype=torch.float64, v_dim=D):
+    """``comm_type`` one name, or a list of them run in turn in this job (one result per name)."""
     import torch.distributed as dist
     from ds_megatron.parallel import ParallelLayout
     from ds_megatron.parallel_state import ParallelState
     cp = dist.get_world_size()
     state = ParallelState.build(ParallelLayout(world_size=cp, cp=cp))
-    hierarchical = None
-    if comm_type.startswith("a2a+p2p"):  # "a2a+p2p:INNER"
-        comm_type, inner = comm_type.split(":")
-        state.build_hierarchical_context_parallel(int(inner))
-        hierarchical = state.hierarchical_context_parallel
     try:
-        group = state.cp
-        q, k, v, dout = (zigzag_split(t, cp, group.rank, seq_dim=2).to(dtype) for t in _inputs(kv_heads))
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = context_parallel_attention(q, k, v, group, comm_type=comm_type, causal=causal,
-                                         hierarchical=hierarchical)
-        out.backward(dout)
-        assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
-        return out.detach(), q.grad, k.grad, v.grad
+        results = []
+        for name in ([comm_type] if isinstance(comm_type, str) else comm_type):
+            hierarchical = None
+            if name.startswith("a2a+p2p"):  # "a2a+p2p:INNER"
+                name, inner = name.split(":")
+                state.build_hierarchical_context_parallel(int(inner))
+                hierarchical = state.hierarchical_context_parallel
+            group = state.cp
+            q, k, v, dout = (zigzag_split(t, cp, group.rank, seq_dim=2).to(dtype)
+                             for t in _inputs(kv_heads, v_dim=v_dim))
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            out = context_parallel_attention(q, k, v, group, comm_type=name, causal=causal,
+                                             hierarchical=hierarchical)
+            out.backward(dout)
+            assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
+            results.append((out.detach(), q.grad, k.grad, v.grad))
+        return results[0] if isinstance(comm_type, str) else results
     finally:
         state.destroy()
 
@@ -80,6 +86,18 @@ def test_matches_dense_attention(cp, comm_type, kv_heads):
         err = _rel(got, expected[i])
         print(f"cp={cp} {comm_type} kv_heads={kv_heads} {name}: max relative error {err:.2e}")
         assert err < TOL, (name, err)
+
+
+def test_values_narrower_than_keys_as_multi_latent_attention():
+    # MLA: k is qk_head_dim + qk_pos_emb_head_dim wide, v only v_head_dim; K and V travel side by side.
+    expected = _dense(*_inputs(4, v_dim=D - 3), causal=True)
+    names = ["p2p", "all_gather", "a2a", "a2a+p2p:2"]
+    per_rank = run_on_ranks(4, _cp_rank, 4, names, True, torch.float64, D - 3, timeout=120)
+    for j, name in enumerate(names):
+        for grad, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
+            got = zigzag_unsplit([r[j][i] for r in per_rank], seq_dim=2)
+            assert got.shape == expected[i].shape, (name, grad)
+            assert _rel(got, expected[i]) < TOL, (name, grad, _rel(got, expected[i]))
 
 
 @pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a", "a2a+p2p:2"])
