@@ -260,16 +260,20 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
                                           init_method=embedding_init, sequence_parallel=config.sequence_parallel)
     for k in range(config.mtp_num_layers or 0):
         yield f"mtp.{k}", MultiTokenPredictionLayer(config, parallel_state, rng_tracker, init, out_init,
-                                                    functools.partial(mlp, config.num_layers + k))
+                                                    functools.partial(mlp, config.num_layers + k), hcp)
 
 
 class MultiTokenPredictionLayer(torch.nn.Module):
     """One depth of DeepSeek-V3's multi-token prediction (megatron-core's ``MultiTokenPredictionLayer``):
     ``eh_proj([enorm(embedding of the tokens k ahead); hnorm(previous depth's hidden)])`` through one transformer
     layer and its own final norm, then the shared output layer.  ``eh_proj`` is column-parallel, its output
-    gathered over TP (and scattered over the sequence with sequence parallelism) for the layer."""
+    gathered over TP (and scattered over the sequence with sequence parallelism) for the layer.
 
-    def __init__(self, config: GPTConfig, state: ParallelState, rng_tracker, init, out_init, build_mlp):
+    Context parallelism needs nothing more: every CP rank has the whole sample's tokens and labels, so the tokens
+    and labels k ahead are shifted whole and then cut into the rank's zigzag chunks, like the main model's."""
+
+    def __init__(self, config: GPTConfig, state: ParallelState, rng_tracker, init, out_init, build_mlp,
+                 hierarchical_cp=None):
         super().__init__()
         h, sp = config.hidden_size, config.sequence_parallel
         self.tp, self.sequence_parallel = state.tp, sp and state.tp.size > 1
@@ -279,7 +283,8 @@ class MultiTokenPredictionLayer(torch.nn.Module):
                                             gather_output=not self.sequence_parallel, init_method=init,
                                             sequence_parallel=sp)
         self.layer = ParallelTransformerLayer(config, tp=state.tp, build_mlp=build_mlp, init_method=init,
-                                              output_init_method=out_init, rng_tracker=rng_tracker, cp=state.cp)
+                                              output_init_method=out_init, rng_tracker=rng_tracker, cp=state.cp,
+                                              hierarchical_cp=hierarchical_cp)
         self.final_layernorm = build_norm(config, h, sequence_parallel=sp)
 
     def forward(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

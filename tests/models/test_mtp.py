@@ -1,5 +1,6 @@
 """Multi-token prediction (DeepSeek-V3's MTP, megatron-core's layout): the loss is the seed's formula, computed here
-by hand in float64 from the model's weights; TP = 2 with sequence parallelism gives the one-rank loss and gradients;
+by hand in float64 from the model's weights; TP = 2 with sequence parallelism, and with CP = 2 besides, gives the
+one-rank loss and gradients;
 a torch_dist checkpoint saved at TP = 2 loads at TP = 1 with the same weights; the config refuses what it cannot run."""
 import pytest
 import torch
@@ -60,16 +61,20 @@ def test_loss_is_the_main_loss_plus_the_scaled_mean_of_each_depths_loss():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.mtp.parameters())
 
 
-def _tp_loss_and_grads(tp, sp):
+def _tp_loss_and_grads(tp, sp, cp=1):
     import torch.distributed as dist
     from ds_megatron.parallel.layout import ParallelLayout
     from ds_megatron.tensor_parallel import allreduce_tp_partial_grads
-    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp))
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, cp=cp))
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG, sequence_parallel=sp), state).double()
     loss = model(*_batch())
     loss.backward()
     allreduce_tp_partial_grads(model, model.tp)
+    if cp > 1:  # each CP rank's gradient is cp x its share of the sequence's: the job averages over dp-cp
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=state.cp.group)
+            p.grad /= cp
     out = loss.detach(), {n: _gathered_grad(p, state) for n, p in model.named_parameters()}
     state.destroy()
     return out
@@ -85,9 +90,11 @@ def _gathered_grad(p, state):
     return torch.cat(parts, dim=p.partition_dim)
 
 
-def test_tensor_and_sequence_parallel_give_the_one_rank_loss_and_gradients():
+@pytest.mark.parametrize("tp,cp", [(2, 1), (2, 2)], ids=["tp2-sp", "tp2-sp-cp2"])
+def test_tensor_sequence_and_context_parallel_give_the_one_rank_loss_and_gradients(tp, cp):
+    # CP: the tokens and labels k ahead are shifted whole, then cut into each rank's zigzag chunks.
     (loss, grads), = run_on_ranks(1, _tp_loss_and_grads, 1, False)
-    for t_loss, t_grads in run_on_ranks(2, _tp_loss_and_grads, 2, True):
+    for t_loss, t_grads in run_on_ranks(tp * cp, _tp_loss_and_grads, tp, True, cp):
         assert torch.allclose(t_loss, loss, rtol=1e-12, atol=0)
         for name, grad in grads.items():
             got = t_grads[name][:grad.size(0)] if name == "word_embeddings.weight" else t_grads[name]
@@ -143,11 +150,11 @@ def test_mtp_settings_are_checked(kwargs, field):
     assert field in str(err.value) and "\n" not in str(err.value)
 
 
-def test_mtp_with_pipeline_or_context_parallelism_is_refused():
+def test_mtp_with_pipeline_parallelism_is_refused():
     from ds_megatron.parallel.layout import ParallelLayout
-    for layout in (ParallelLayout(world_size=2, pp=2), ParallelLayout(world_size=2, cp=2)):
-        with pytest.raises(ConfigError, match="model.mtp_num_layers=2 with pipeline_model_parallel_size"):
-            GPTConfig(**CFG).check_layout(layout)
+    with pytest.raises(ConfigError, match="model.mtp_num_layers=2 with pipeline_model_parallel_size=2"):
+        GPTConfig(**CFG).check_layout(ParallelLayout(world_size=2, pp=2))
+    GPTConfig(**CFG).check_layout(ParallelLayout(world_size=2, cp=2))
 
 
 def test_the_plan_counts_the_mtp_parameters():
