@@ -35,7 +35,7 @@ from typing import List, Tuple
 
 from ..config.model import GPTConfig, pad_vocab_size
 
-_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_EXPERT = re.compile(r"^((?:layers\.\d+|mtp\.\d+\.layer)\.mlp\.experts)\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _ROW_PARALLEL = (".self_attention.dense.weight", ".self_attention.o_proj.weight", ".mlp.dense_4h_to_h.weight", ".shared_experts.dense_4h_to_h.weight")
 # multi-latent attention's column-parallel up-projections: whole heads per rank, one block of rows
 _MLA_UP = (".self_attention.q_proj.weight", ".self_attention.q_b_proj.weight", ".self_attention.kv_b_proj.weight")

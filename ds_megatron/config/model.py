@@ -229,9 +229,6 @@ class GPTConfig:
             raise ConfigError(f"model.mtp_num_layers must be a non-negative integer (null or 0: off), got {n!r}")
         if not self.mtp_loss_scaling_factor > 0:
             raise ConfigError(f"model.mtp_loss_scaling_factor must be > 0, got {self.mtp_loss_scaling_factor!r}")
-        if self.num_experts:
-            raise ConfigError("model.mtp_num_layers with model.num_experts: MoE multi-token-prediction layers are not "
-                              "supported yet; set mtp_num_layers to null or train a dense model")
 
     def _check_tiles(self) -> None:
         for name in ("mlp_sequence_tiles", "loss_sequence_tiles"):
@@ -491,12 +488,15 @@ class GPTConfig:
 
     def is_moe_layer(self, layer_index: int) -> bool:
         """Whether layer ``layer_index`` (0-based) uses an MoE MLP (Megatron's moe_layer_freq: every k-th layer
-        for an integer k, else the layer's entry of the 0/1 list); the others use a dense MLP of ffn_hidden_size."""
+        for an integer k, else the layer's entry of the 0/1 list); the others use a dense MLP of ffn_hidden_size.
+        The multi-token-prediction layers (``num_layers + k``) are of the decoder's last layer's kind, as
+        megatron-core builds them from its last layer's spec."""
         if self.num_experts is None:
             return False
+        if self.num_layers <= layer_index < self.num_layers + (self.mtp_num_layers or 0):
+            layer_index = self.num_layers - 1
         if isinstance(self.moe_layer_freq, list):
             if not 0 <= layer_index < len(self.moe_layer_freq):
-                # beyond the decoder (multi-token prediction with MoE is refused): no entry to read
                 raise IndexError(f"layer {layer_index} is not one of the {len(self.moe_layer_freq)} layers of "
                                  "model.moe_layer_freq")
             return bool(self.moe_layer_freq[layer_index])

@@ -44,12 +44,16 @@ def model_tensors(model) -> Dict[str, torch.Tensor]:
     for name, p in _gpt_named_parameters(model):
         if ".mlp.experts." not in name:
             out[name] = p
+    n = model.config.num_layers
     for module in model.modules():
         if isinstance(module, BaseMoELayer):
             experts = module.experts
+            # a multi-token-prediction layer's (number num_layers + k): named as the one-rank model names it
+            layer = (f"layers.{module.layer_number}" if module.layer_number < n else
+                     f"mtp.{module.layer_number - n}.layer")
             for local, e in enumerate(experts.local_expert_indices):
                 for key, tensor in experts.expert_weights(local).items():
-                    out[f"layers.{module.layer_number}.mlp.experts.{e}.{key}"] = tensor
+                    out[f"{layer}.mlp.experts.{e}.{key}"] = tensor
     return out
 
 

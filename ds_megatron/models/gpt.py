@@ -417,7 +417,8 @@ class GPTModel(torch.nn.Module):
         return self.config.mtp_loss_scaling_factor * mean
 
     def moe_aux_loss(self):
-        """The routing losses (load balancing, z) of the last forward, summed over MoE layers; 0 without MoE."""
+        """The routing losses (load balancing, z) of the last forward, summed over MoE layers (the multi-token
+        prediction layers' too, as megatron-core's routers add theirs wherever they are); 0 without MoE."""
         if self.moe_aux_loss_tracker is None:
             return 0.0
-        return moe_aux_loss_sum(self.layers)
+        return moe_aux_loss_sum(list(self.layers) + [m.layer for m in (self.mtp or ())])

@@ -105,9 +105,10 @@ def gpt_param_counts(cfg, tp: int, ep: int = 1, etp: int = 1, layers: Optional[S
         replicated += norm_params(cfg)  # final norm
         sharded += (vocab // tp) * h if untied else 0  # the output layer
         for k in range(cfg.mtp_num_layers or 0):  # multi-token prediction: enorm, hnorm, eh_proj, a layer, a norm
-            layer = layer_counts(cfg, cfg.num_layers + k, tp, ep, etp)
+            layer = layer_counts(cfg, cfg.num_layers + k, tp, ep, etp)  # MoE when the last decoder layer is
             sharded += 2 * h * h // tp + layer.sharded
             replicated += 3 * norm_params(cfg) + layer.replicated
+            expert += layer.expert
     for layer in (range(cfg.num_layers) if layers is None else layers):
         counts = layer_counts(cfg, layer, tp, ep, etp)
         sharded, replicated, expert = (sharded + counts.sharded, replicated + counts.replicated,

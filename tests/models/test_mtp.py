@@ -101,15 +101,29 @@ def test_tensor_sequence_and_context_parallel_give_the_one_rank_loss_and_gradien
             assert torch.allclose(got, grad, rtol=1e-9, atol=1e-13), name
 
 
-def _save_at_tp2_load_at_tp1(directory, tp):
+def _save_at_tp2_load_at_tp1(directory, tp, ep=1, moe=False):
+    """Saved at TP=2 (or with MoE MTP layers at EP=2) after a step, loaded at one rank: the MTP weights."""
     import ds_megatron
+    from ds_megatron.convert.model_io import model_tensors
     cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "megatron": {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1}}
+           "megatron": {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1,
+                        "expert_model_parallel_size": ep}}
     state = ds_megatron.initialize_model_parallel(cfg)
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig(**CFG, sequence_parallel=tp > 1), state)
+    model = GPTModel(GPTConfig(**CFG, sequence_parallel=tp > 1, **(MOE if moe else {})), state)
     engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
+    if moe:  # the experts by their global names (each EP rank holds half)
+        if ep > 1:
+            tokens, labels, mask = _batch()
+            engine.backward(engine(tokens, labels, mask.float()))
+            engine.step()
+            ds_megatron.save_dist_checkpoint(engine, directory)
+        else:
+            ds_megatron.load_dist_checkpoint(engine, directory)
+        weights = {n: t.detach().clone() for n, t in model_tensors(model).items() if n.startswith("mtp.")}
+        engine.megatron.destroy()
+        return weights
     if tp > 1:
         tokens, labels, mask = _batch()
         engine.backward(engine(tokens, labels, mask.float()))
@@ -139,15 +153,74 @@ def test_a_torch_dist_checkpoint_of_the_mtp_layers_moves_between_tensor_parallel
         assert torch.equal(loaded[name], tensor), name
 
 
+def test_a_torch_dist_checkpoint_of_moe_mtp_layers_moves_between_expert_parallel_sizes(tmp_path):
+    per_rank = run_on_ranks(2, _save_at_tp2_load_at_tp1, str(tmp_path / "ckpt"), 1, 2, True)
+    saved = {**per_rank[0], **per_rank[1]}  # each EP rank's experts, under their global names
+    loaded = run_on_ranks(1, _save_at_tp2_load_at_tp1, str(tmp_path / "ckpt"), 1, 1, True)[0]
+    assert sorted(saved) == sorted(loaded) and any(".mlp.experts.3." in n for n in saved)
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(mtp_num_layers=-1), "model.mtp_num_layers"),
     (dict(mtp_loss_scaling_factor=0.0), "model.mtp_loss_scaling_factor"),
-    (dict(num_experts=2, moe_router_topk=1), "model.mtp_num_layers with model.num_experts"),
 ])
 def test_mtp_settings_are_checked(kwargs, field):
     with pytest.raises(ConfigError) as err:
         GPTConfig(**{**CFG, **kwargs})
     assert field in str(err.value) and "\n" not in str(err.value)
+
+
+# DeepSeek-V3's shape: a dense first layer, MoE after it; the MTP layers follow the last decoder layer (MoE).
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1], moe_aux_loss_coeff=0.01)
+
+
+def _ep2_loss_and_grads(ep):
+    """Both ranks train the same batch: dense gradients equal the one-rank model's, each expert's is the sum of
+    both ranks' tokens' (twice the one-rank gradient)."""
+    import torch.distributed as dist
+    from ds_megatron.parallel.layout import ParallelLayout
+    from moe_helpers import expert_grads
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), ep=ep))
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**CFG, **MOE), state).double()
+    loss = model(*_batch())
+    loss.backward()
+    dense = {n: p.grad.clone() for n, p in model.named_parameters() if ".experts." not in n}
+    experts = {(name, *key): g.clone() for name, m in model.named_modules() if name.endswith("mlp.experts")
+               for key, g in expert_grads(m).items()}
+    tracked = model.moe_aux_loss_tracker.per_layer()
+    state.destroy()
+    return loss.detach(), dense, experts, tracked
+
+
+def test_moe_mtp_layers_at_ep2_give_the_one_rank_loss_and_gradients():
+    cfg = GPTConfig(**CFG, **MOE)
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, True, True]  # 2 decoder + 2 MTP layers
+    (loss, dense, experts, tracked), = run_on_ranks(1, _ep2_loss_and_grads, 1)
+    # The MTP layers' routers record their routing losses too (layer numbers 2 and 3), and add them to the loss.
+    assert sorted(tracked["load_balancing_loss"]) == [1, 2, 3], tracked
+    for e_loss, e_dense, e_experts, _ in run_on_ranks(2, _ep2_loss_and_grads, 2):
+        assert torch.allclose(e_loss, loss, rtol=1e-12, atol=0)
+        for name, grad in dense.items():
+            assert torch.allclose(e_dense[name], grad, rtol=1e-9, atol=1e-13), name
+        assert len(e_experts) == len(experts) // 2 and any(k[0].startswith("mtp.") for k in e_experts)
+        for key, grad in e_experts.items():
+            assert torch.allclose(grad, 2 * experts[key], rtol=1e-9, atol=1e-13), key
+
+
+def test_the_mtp_layers_routing_losses_reach_their_routers():
+    grads = []
+    for coeff in (0.0, 0.01):
+        torch.manual_seed(0)
+        model = GPTModel(GPTConfig(**CFG, **{**MOE, "moe_aux_loss_coeff": coeff})).double()
+        model(*_batch()).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if n.endswith("router.weight")})
+    assert sorted(grads[0]) == ["layers.1.mlp.router.weight", "mtp.0.layer.mlp.router.weight",
+                                "mtp.1.layer.mlp.router.weight"]
+    for name, grad in grads[0].items():  # the load-balancing loss adds its gradient to every router
+        assert not torch.allclose(grads[1][name], grad, rtol=1e-6, atol=0), name
 
 
 def test_mtp_with_pipeline_parallelism_is_refused():
@@ -159,7 +232,7 @@ def test_mtp_with_pipeline_parallelism_is_refused():
 
 def test_the_plan_counts_the_mtp_parameters():
     from ds_megatron.planning import gpt_param_counts
-    for untied in (False, True):
-        cfg = GPTConfig(**CFG, untie_embeddings_and_output_weights=untied)
+    for untied, moe in ((False, {}), (True, {}), (False, MOE)):
+        cfg = GPTConfig(**CFG, untie_embeddings_and_output_weights=untied, **moe)
         model = GPTModel(cfg)
         assert gpt_param_counts(cfg, 1).total == sum(p.numel() for p in model.parameters())
