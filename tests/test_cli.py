@@ -2,7 +2,6 @@
 import json
 import subprocess
 import sys
-import time
 import types
 
 import pytest
@@ -97,24 +96,23 @@ def test_bad_sizes_one_line_exit_2(capsys, argv, needle):
     assert len(lines) == 1 and lines[0].startswith("ds-megatron groups: error: ") and needle in lines[0]
 
 
-def test_bad_sizes_subprocess_is_fast_and_clean():
-    t0 = time.monotonic()
+def test_bad_sizes_subprocess_is_clean():
     proc = subprocess.run([sys.executable, "-m", "ds_megatron.cli", "groups", "--world-size", "16", "--tp", "3"],
                           capture_output=True, text=True, timeout=30)
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("ds-megatron groups: error: world size 16")
     assert "Traceback" not in proc.stderr
-    assert elapsed < 2.0, f"groups took {elapsed:.2f}s; it must not import torch/deepspeed"
 
 
-def test_groups_does_not_import_torch():
-    code = ("import sys; from ds_megatron import cli; cli.main(['groups', '--world-size', '4', '--tp', '2']); "
-            "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 0, proc.stderr
+@pytest.mark.parametrize("tp,code", [(2, 0), (3, 2)])
+def test_groups_does_not_import_torch(tp, code):
+    # Fast because torch and DeepSpeed are never imported (checked by module, not by a clock).
+    script = (f"import sys; from ds_megatron import cli; rc = cli.main(['groups', '--world-size', '4', '--tp', '{tp}']); "
+              "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == code, proc.stderr
 
 
 def test_delegated_subcommand_gets_its_argv(monkeypatch):
