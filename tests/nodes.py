@@ -190,6 +190,31 @@ class Nodes:
             os.killpg(init.pid, signal.SIGKILL)
             init.wait(timeout=10)
 
+    def revive(self, i):
+        """Node i back as at the start (after a kill or a cut): its link up, a fresh init and sshd."""
+        self.kill(i)
+        _run(["ip", "netns", "exec", self.netns[i], "ip", "link", "set", self.IFNAME, "up"])
+        self.inits[i] = None
+        self._boot(i)
+        self._wait_for_ssh()
+
+    def rank_pid(self, i, rank) -> int:
+        """The pid (as the root namespace sees it) of node i's training process of global rank ``rank``."""
+        pids = subprocess.run(["ip", "netns", "pids", self.netns[i]], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"ds_megatron.cli" in cmd and b"deepspeed.launcher" not in cmd and f"RANK={rank}".encode() in env:
+                return int(pid)
+        raise LookupError(f"no rank {rank} on node {i}")
+
+    def stall(self, i, rank):
+        """Rank ``rank`` on node i stops (SIGSTOP): alive, connected, silent."""
+        os.kill(self.rank_pid(i, rank), signal.SIGSTOP)
+
     def cut(self, i):
         """Node i's link goes down (no FIN, no RST reaches anyone), its processes keep running."""
         _run(["ip", "netns", "exec", self.netns[i], "ip", "link", "set", self.IFNAME, "down"])

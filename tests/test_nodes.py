@@ -8,15 +8,18 @@ interfaces and sshd, reached from the root namespace (the login node) by ``deeps
   surviving rank fails within ``megatron.train.collective_timeout_minutes`` (0.25 here; it also bounds the
   rendezvous, so the nodes' ranks must start within it of each other) with one line naming itself, its host and
   the timeout, the launcher exits non-zero well within 60 s, nothing of the job is left behind, and ``latest``
-  names a complete checkpoint.  After the kill the job resumes on node 0 alone (TP = 2, DP = 1, the global batch
-  kept by gradient accumulation; the torch_dist checkpoint re-sharded), then on both nodes again: every step in
-  ``metrics.jsonl`` once, in order.
+  names a complete checkpoint.  The survivors name the silent ranks and their host (``training/liveness.py``).
+  After the kill the job resumes on node 0 alone (TP = 2, DP = 1, the global batch kept by gradient
+  accumulation; the torch_dist checkpoint re-sharded), then on both nodes again until SIGTERM to the launcher:
+  every node's ranks stop at one step, save it and leave; every step in ``metrics.jsonl`` once, in order.
+* A stalled rank (SIGSTOP): the others time out, name it, exit non-zero; the launcher follows.
 
 Root only (CI is root); skipped with the reason where namespaces or sshd cannot be had.  Select with
 ``pytest tests/test_nodes.py``.
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -220,27 +223,28 @@ def _run_until_then(nodes, tmp_path, fault):
     return code, took, log_path.read_text(), out
 
 
-def _check_after_loss(nodes, code, took, output, out, what):
+def _check_after_loss(nodes, code, took, output, out, what, limit=60):
     print(f"{what}: launcher exited {code} after {took:.1f} s")
     if os.environ.get("DSM_NODES_SHOW"):
         print("\n".join(line for line in output.splitlines()
                         if any(w in line for w in ("Error", "error", "timed out", "Timed out", "lost", "exit"))))
     assert code != 0, output[-4000:]
-    assert took < 60, f"{took:.1f} s: " + output[-4000:]
+    assert took < limit, f"{took:.1f} s: " + output[-4000:]
     assert not _no_job_left(nodes), output[-3000:]  # node 0's ranks and launch.py are gone, not orphaned
     tag = open(os.path.join(out, "latest")).read().strip()
     assert os.path.isfile(os.path.join(out, tag, ".metadata")) or os.listdir(os.path.join(out, tag)), tag
     return tag
 
 
-def _resume_on(nodes, tmp_path, hosts, grad_acc, steps):
+def _resume_on(nodes, tmp_path, hosts, grad_acc, steps, sigterm=False):
     """``--resume`` on node 0 alone (``hosts`` 1) or on both over pdsh (2), 2 ranks a node (TP=2 inside it), the
-    global batch kept by ``grad_acc``, until step ``steps``; returns the launcher's output."""
+    global batch kept by ``grad_acc``, until step ``steps`` (``sigterm``: SIGTERM to the launcher once step
+    ``steps`` is logged); returns the launcher's output."""
     job = tmp_path / "job"
     cfg = json.loads((job / "cfg.json").read_text())
     cfg["gradient_accumulation_steps"] = grad_acc
     # no fault here: the default-like timeout, so ranks that start far apart on a loaded box still meet
-    cfg["megatron"]["train"].update(train_iters=steps, collective_timeout_minutes=2)
+    cfg["megatron"]["train"].update(train_iters=10 ** 6 if sigterm else steps, collective_timeout_minutes=2)
     name = f"resume_{hosts}.json"
     (job / name).write_text(json.dumps(cfg))
     if hosts == 1:  # deepspeed with one host runs locally, not over pdsh: on a cluster, logged in on that node
@@ -248,6 +252,8 @@ def _resume_on(nodes, tmp_path, hosts, grad_acc, steps):
                             f"bash {ROOT}/launch/deepspeed_cpu.sh 2 -m ds_megatron.cli train --config {name} --resume",
                          timeout=LIMIT_S)
         code, output = proc.returncode, proc.stdout + proc.stderr
+    elif sigterm:
+        return _sigterm_at(nodes, tmp_path, job, name, steps)
     else:
         log_path = tmp_path / f"resume_{hosts}.log"
         with open(log_path, "w") as log:
@@ -257,15 +263,39 @@ def _resume_on(nodes, tmp_path, hosts, grad_acc, steps):
     return output
 
 
+def _sigterm_at(nodes, tmp_path, job, name, step):
+    """SIGTERM to the head node's launcher once ``step`` is logged.  DeepSpeed's runner passes it on (pdsh's
+    ``pkill`` of every node's launch.py, which SIGTERMs its ranks) and exits 1 itself a second later; the ranks of
+    both nodes agree to stop at the next step, save, and exit 0 without the launcher.  Returns the output."""
+    cfg = json.loads((job / name).read_text())
+    out = cfg["megatron"]["train"]["output_dir"]
+    metrics, log_path = os.path.join(out, "metrics.jsonl"), tmp_path / "sigterm.log"
+    with open(log_path, "w") as log:
+        proc = _launch(nodes, job, log, None, name, "--resume")
+        deadline = time.monotonic() + LIMIT_S
+        while max(_losses(metrics), default=0) < step:
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        struck = time.monotonic()
+        code = _wait(proc, timeout=60)
+    left = _no_job_left(nodes, deadline_s=60)  # the ranks save and leave on their own
+    took = time.monotonic() - struck
+    output = log_path.read_text()
+    print(f"SIGTERM to the launcher: it exited {code}, every node's ranks were gone {took:.1f} s later")
+    assert not left, output[-3000:]
+    tag = open(os.path.join(out, "latest")).read().strip()
+    assert int(tag[len("iter_"):]) > step and os.path.isfile(os.path.join(out, tag, ".metadata")), (tag, output[-3000:])
+    return output
+
+
 def test_a_node_killed_mid_run_ends_the_job_nonzero_and_it_resumes_on_one_node_then_two(nodes, tmp_path):
     code, took, output, out = _run_until_then(nodes, tmp_path, nodes.kill)
     try:
         tag = _check_after_loss(nodes, code, took, output, out, "node killed")
-        assert "a peer rank was lost" in output, output[-4000:]
+        _assert_named(output, nodes.addresses[0], "ranks 2 3 on node1")
     finally:
-        nodes.inits[1] = None
-        nodes._boot(1)
-        nodes._wait_for_ssh()
+        nodes.revive(1)
     # What is left (node 0: TP=2, DP=1, 2 micro-batches per step: the same global batch) resumes from the torch_dist
     # checkpoint, re-sharded; then both nodes again (DP=2).  Every step is in metrics.jsonl once, in order, with no
     # gap: the lost run's steps after the checkpoint move aside, the resumed runs train them anew.
@@ -277,11 +307,12 @@ def test_a_node_killed_mid_run_ends_the_job_nonzero_and_it_resumes_on_one_node_t
     t1 = time.monotonic()
     assert f"--resume at step {saved}: {len(lost)} metrics.jsonl records" in one or not lost, one[-3000:]
     assert sorted(_losses(metrics)) == list(range(1, saved + 3))
-    _resume_on(nodes, tmp_path, 2, 1, saved + 4)
-    print(f"resumed on 1 node in {t1 - t0:.1f} s, then on 2 nodes in {time.monotonic() - t1:.1f} s")
+    # Back on both nodes, until SIGTERM to the launcher after step saved + 3: every rank saves the step it ends on.
+    _resume_on(nodes, tmp_path, 2, 1, saved + 3, sigterm=True)
+    print(f"resumed on 1 node in {t1 - t0:.1f} s, then on 2 nodes for {time.monotonic() - t1:.1f} s")
     losses = _losses(metrics)
-    assert sorted(losses) == list(range(1, saved + 5)) and all(v == v and v < 10 for v in losses.values()), losses
-    assert open(os.path.join(out, "latest")).read().strip() == f"iter_{saved + 4:07d}"
+    last = int(open(os.path.join(out, "latest")).read().strip()[len("iter_"):])
+    assert sorted(losses) == list(range(1, last + 1)) and all(v == v and v < 10 for v in losses.values()), losses
     assert not _no_job_left(nodes)
 
 
@@ -289,10 +320,31 @@ def test_a_node_cut_off_mid_run_ends_the_job_within_the_collective_timeout(nodes
     code, took, output, out = _run_until_then(nodes, tmp_path, nodes.cut)
     try:
         _check_after_loss(nodes, code, took, output, out, "node cut off")
-        # Node 0's ranks name themselves, their host and the timeout in one line each, and exit 4.
-        lines = [line for line in output.splitlines() if "a peer rank was lost" in line]
-        assert any(f"{nodes.addresses[0]}: ds-megatron train: error: rank " in line and " on node0: " in line
-                   and f"collective_timeout_minutes={TIMEOUT_MINUTES:g}" in line and "Timed out" in line
+        # Node 0's ranks name themselves, their host, the timeout and the silent ranks in one line each, and exit 4.
+        lines = _assert_named(output, nodes.addresses[0], "ranks 2 3 on node1")
+        assert any(f"collective_timeout_minutes={TIMEOUT_MINUTES:g}" in line and "Timed out" in line
                    for line in lines), output[-4000:]
     finally:
-        nodes.kill(1)
+        nodes.revive(1)
+
+
+def _assert_named(output, address, silent):
+    """Node ``address``'s survivors (ranks 0 and 1 on node0) each print one line naming the ``silent`` ranks."""
+    lines = [line for line in output.splitlines() if "a peer rank was lost" in line]
+    for rank in (0, 1):
+        mine = [line for line in lines if line.startswith(f"{address}: ds-megatron train: error: rank {rank} on node0:")]
+        assert len(mine) == 1 and f"silent (heartbeat stopped): {silent};" in mine[0], output[-4000:]
+    return lines
+
+
+def test_a_stalled_rank_is_named_and_the_job_ends_nonzero(nodes, tmp_path):
+    # Rank 3 (node 1) stopped mid-run: alive and connected but silent.  The others time out, name it, exit 4;
+    # node 1's launch.py ends it (SIGTERM, then SIGKILL after its 30 s grace: a stopped process keeps SIGTERM
+    # pending), and the launcher returns non-zero.
+    code, took, output, out = _run_until_then(nodes, tmp_path, lambda i: nodes.stall(i, 3))
+    # the collective timeout, a few heartbeats, then launch.py's 30 s grace for the stopped rank (49 s measured)
+    _check_after_loss(nodes, code, took, output, out, "rank stalled", limit=TIMEOUT_MINUTES * 60 + 30 + 30)
+    _assert_named(output, nodes.addresses[0], "rank 3 on node1")
+    node1 = [line for line in output.splitlines() if line.startswith(f"{nodes.addresses[1]}: ds-megatron train: "
+                                                                     "error: rank 2 on node1:")]
+    assert len(node1) == 1 and "silent (heartbeat stopped): rank 3 on node1;" in node1[0], output[-4000:]

@@ -45,6 +45,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     # Boundary: the config is valid, only now load torch, DeepSpeed and the loop.
     from . import train as loop
+    from .signals import keep_running_without_output
+    keep_running_without_output()  # a launcher's lost ssh session must not kill a rank mid-save
     try:
         loop.train(job, args.config, resume=args.resume)
     except NonFiniteLossError as e:
@@ -52,10 +54,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"ds-megatron train: error: {e}", file=sys.stderr, flush=True)
         loop.shutdown(e.exit_code)
     except RuntimeError as e:  # a peer lost mid-collective (node down or cut off, a rank stalled): no barrier now
-        line = loop.lost_peer_message(e, job.train.collective_timeout_minutes)
-        if line is None:
+        if not loop.is_lost_peer(e):
             raise
+        from . import liveness
+        # Which ranks went silent (a few heartbeats' wait), then leave marked so the other survivors do not name us.
+        line = loop.lost_peer_message(e, job.train.collective_timeout_minutes, liveness.describe_silent())
         sys.stderr.write(line + "\n")  # one write: the launcher interleaves the ranks' output
+        sys.stderr.flush()
+        beat = liveness.current()
+        if beat is not None:
+            beat.leave()
         loop.abort(loop.LOST_PEER_EXIT_CODE)
     loop.shutdown()
     return 0

@@ -31,6 +31,44 @@ from ..config.training import TrainConfig
 from ..parallel_state import ParallelGroup
 from ..utils.collectives import MAX, all_reduce
 
+class _OutputThatOutlivesItsReader:
+    """``sys.stdout`` / ``sys.stderr`` of a rank that may lose its reader: when a multi-node launcher is stopped,
+    pdsh and ssh go first, and a rank's next print would raise BrokenPipeError in the middle of a step or a
+    save.  After the first broken pipe the stream writes to /dev/null, and the rank goes on to the stop that
+    the launcher sends next (pdsh's ``pkill`` of each node's ``launch.py``, which SIGTERMs its ranks)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _lost(self):
+        self._stream = open(os.devnull, "w")
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._lost()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._lost()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def keep_running_without_output() -> None:
+    """Wrap this process's stdout and stderr (once): a broken pipe silences them instead of failing the rank."""
+    import sys
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, _OutputThatOutlivesItsReader):
+            setattr(sys, name, _OutputThatOutlivesItsReader(stream))
+
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 LAUNCHER_POLL_S = 0.5
 # What a rank saw, as a code all ranks agree on (the largest wins), and how it is reported.

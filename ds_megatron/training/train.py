@@ -35,6 +35,7 @@ from ..checkpointing.run_dir import LATEST, check_resume, job_meta, tag_for
 from ..config.job import JobConfig
 from ..convert.model_io import save_job_model
 from ..utils.collectives import barrier
+from . import liveness
 from .build import TrainingSetup, build, build_data
 from .metrics import METRICS, MetricsLog, plot_loss_curve, rewind_metrics, start_fresh_metrics
 from .monitoring import NonFiniteGuard, PendingSteps, ProgressOutput, Reporter
@@ -80,6 +81,8 @@ class Trainer:
         setup: TrainingSetup = build(job, config_source)
         self.setup, self.engine, self.state = setup, setup.engine, setup.state
         self.rank = dist.get_rank()
+        # Names the silent ranks if a collective fails on a lost peer (job.main, lost_peer_message).
+        liveness.start(self.rank, dist.get_world_size(), self.tcfg.collective_timeout_minutes)
         self.say = print if self.rank == 0 and show_progress else (lambda *a, **k: None)
         for notice in job.megatron.notices:
             if notice not in self.engine.megatron.config.notices:  # the job's own (initialize logged the others)
@@ -227,6 +230,7 @@ class Trainer:
                 first, last = min(vals), max(vals)
                 print(f"validation loss: {vals[first]:.4f} at step {first} -> {vals[last]:.4f} at step {last}",
                       flush=True)
+        liveness.stop()
         self.engine.megatron.destroy()
 
 
@@ -265,17 +269,24 @@ _LOST_PEER_MARKERS = ("Timed out waiting", "Connection reset by peer", "Connecti
                       "Watchdog caught", "NCCL communicator was aborted")
 
 
-def lost_peer_message(error: BaseException, timeout_minutes: float) -> Optional[str]:
+def is_lost_peer(error: BaseException) -> bool:
+    """A collective failed because a peer went away or never answered (gloo's and NCCL's words for it)."""
+    return any(marker in str(error) for marker in _LOST_PEER_MARKERS)
+
+
+def lost_peer_message(error: BaseException, timeout_minutes: float, silent: str = "") -> Optional[str]:
     """One line for a collective that failed on a lost or silent peer (None for any other error): this rank, its
-    host, the timeout, and the backend's words (gloo names the peer's address when the connection broke)."""
-    text = str(error)
-    if not any(marker in text for marker in _LOST_PEER_MARKERS):
+    host, the timeout, the backend's words (gloo names the peer's address when the connection broke) and
+    ``silent``, the ranks whose heartbeat stopped (``liveness.describe_silent``)."""
+    if not is_lost_peer(error):
         return None
+    text = str(error)
     rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
     detail = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return (f"ds-megatron train: error: rank {rank} on {socket.gethostname()}: a collective failed: a peer rank was "
-            f"lost (its node down or cut off) or did not answer within megatron.train.collective_timeout_minutes="
-            f"{timeout_minutes:g}: {detail}; the checkpoint 'latest' names is complete: restart with --resume")
+            f"lost (its node down or cut off) or stalled, or did not answer within "
+            f"megatron.train.collective_timeout_minutes={timeout_minutes:g}: {detail}{silent}; the checkpoint "
+            "'latest' names is complete: restart with --resume")
 
 
 def abort(exit_code: int) -> None:

@@ -1,0 +1,132 @@
+"""Which ranks went silent: heartbeats in the job's rendezvous store.
+
+A collective that fails on a lost peer tells a rank only that some peer did not answer (gloo names a peer's
+address when a connection broke, nothing when the wait timed out).  So every rank of a training job counts
+heartbeats in the TCP store the launcher's ranks met at (``MASTER_ADDR:MASTER_PORT``), from a daemon thread on a
+store connection of its own, every ``interval`` seconds.  When a collective fails, the rank reads every count
+twice, ``2.5 * interval`` apart: the ranks whose count stood still are the silent ones (a node killed or cut off,
+a process stopped), named with the host each wrote at start.  A rank that fails the same way marks its count
+before it leaves, so the survivors are not named.  Counts, not clocks: the nodes' clocks need not agree.  If the
+store itself does not answer, rank 0's host (which serves it) is the one lost.  Rank 0's process serves the store
+under the ``deepspeed`` launcher, so on a failure rank 0 leaves last: it waits (bounded) until every rank it saw
+beating has left, or the others would find the store gone and blame rank 0's node.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+from typing import List, Optional, Tuple
+
+_PREFIX = "ds_megatron/heartbeat"
+_EXITED = -(1 << 40)  # added to a rank's count when it leaves on a failed collective: negative from then on
+_current: Optional["Heartbeat"] = None
+
+
+def _store(timeout_s: float):
+    import torch.distributed as dist
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def interval_for(timeout_minutes: float) -> float:
+    """A fifteenth of the collective timeout, between 0.5 and 10 s: the silent ranks are known 2.5 beats after a
+    rank fails, and a thousand ranks beat at most a few hundred times a second at the default 10 minutes."""
+    return min(10.0, max(0.5, timeout_minutes * 60 / 15))
+
+
+class Heartbeat:
+    def __init__(self, rank: int, world: int, interval: float):
+        self.rank, self.world, self.interval = rank, world, interval
+        self._stop = threading.Event()
+        self._beating: List[int] = []  # the other ranks whose count moved while silent_ranks watched
+        self._thread = threading.Thread(target=self._beat, name="ds_megatron-heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        try:
+            store = _store(max(5.0, 3 * self.interval))
+            store.set(f"{_PREFIX}/host/{self.rank}", socket.gethostname())
+            store.add(f"{_PREFIX}/{self.rank}", 1)
+            while not self._stop.wait(self.interval):
+                store.add(f"{_PREFIX}/{self.rank}", 1)
+        except Exception:  # the store is gone (rank 0's node lost): the failing collective will say so
+            return
+
+    def silent_ranks(self) -> Tuple[Optional[List[Tuple[int, str]]], Optional[str]]:
+        """([(rank, host)] whose heartbeat stood still, None) or (None, why the store could not be read)."""
+        import time
+        try:
+            store = _store(5.0)
+            keys = [f"{_PREFIX}/{r}" for r in range(self.world)]
+            first = [store.add(k, 0) for k in keys]
+            time.sleep(2.5 * self.interval)
+            second = [store.add(k, 0) for k in keys]
+            silent = [r for r in range(self.world) if first[r] >= 0 and second[r] == first[r]]
+            self._beating = [r for r in range(self.world) if r != self.rank and second[r] >= 0 and second[r] != first[r]]
+            hosts = []
+            for r in silent:
+                key = f"{_PREFIX}/host/{r}"
+                hosts.append(store.get(key).decode() if store.check([key]) else "?")
+            return list(zip(silent, hosts)), None
+        except Exception as e:  # noqa: BLE001 - any failure to reach the store is the answer
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            return None, f"the job's store at {where} (served by rank 0's host) does not answer either ({e})"
+
+    def leave(self) -> None:
+        """Stop beating and mark this rank as gone on its own (not to be named by the others).  Rank 0 (the store's
+        host under the ``deepspeed`` launcher) then waits until the ranks it saw beating have left too, at most
+        a few of their reads' length."""
+        import time
+        self._stop.set()
+        try:
+            store = _store(5.0)
+            store.add(f"{_PREFIX}/{self.rank}", _EXITED)
+            deadline = time.monotonic() + 3 * 2.5 * self.interval + 5.0
+            while self.rank == 0 and self._beating and time.monotonic() < deadline:
+                self._beating = [r for r in self._beating if store.add(f"{_PREFIX}/{r}", 0) >= 0]
+                time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read the mark
+            pass
+
+
+def start(rank: int, world: int, timeout_minutes: float) -> Optional[Heartbeat]:
+    """Start this rank's heartbeat (with a launcher's ``MASTER_ADDR`` / ``MASTER_PORT`` and more than one rank)."""
+    global _current
+    stop()
+    if world < 2 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return None
+    _current = Heartbeat(rank, world, interval_for(timeout_minutes))
+    _current._thread.start()
+    return _current
+
+
+def stop() -> None:
+    global _current
+    if _current is not None:
+        _current._stop.set()
+        _current = None
+
+
+def current() -> Optional[Heartbeat]:
+    return _current
+
+
+def describe_silent() -> str:
+    """The part of the lost-peer line that names the silent ranks (empty without heartbeats)."""
+    beat = current()
+    if beat is None:
+        return ""
+    silent, unreachable = beat.silent_ranks()
+    if unreachable:
+        return f"; {unreachable}: rank 0's node is lost or cut off"
+    if not silent:
+        return "; every rank's heartbeat still moves (a peer is slow or blocked, not lost)"
+    by_host = {}
+    for rank, host in silent:
+        by_host.setdefault(host, []).append(str(rank))
+    named = ", ".join(f"rank{'s' if len(r) > 1 else ''} {' '.join(r)} on {h}" for h, r in by_host.items())
+    return f"; silent (heartbeat stopped): {named}"
+
+
+__all__ = ["Heartbeat", "start", "stop", "current", "describe_silent", "interval_for"]
