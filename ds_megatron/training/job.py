@@ -45,7 +45,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     # Boundary: the config is valid, only now load torch, DeepSpeed and the loop.
     from . import train as loop
-    from .signals import keep_running_without_output
+    from .signals import keep_running_without_output  # with the loop (torch), past the same boundary
     keep_running_without_output()  # a launcher's lost ssh session must not kill a rank mid-save
     try:
         loop.train(job, args.config, resume=args.resume)
@@ -56,7 +56,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except RuntimeError as e:  # a peer lost mid-collective (node down or cut off, a rank stalled): no barrier now
         if not loop.is_lost_peer(e):
             raise
-        from . import liveness
+        from . import liveness  # loaded with the loop above; imported here where it is used
         # Which ranks went silent (a few heartbeats' wait), then leave marked so the other survivors do not name us.
         line = loop.lost_peer_message(e, job.train.collective_timeout_minutes, liveness.describe_silent())
         sys.stderr.write(line + "\n")  # one write: the launcher interleaves the ranks' output
