@@ -10,6 +10,9 @@
 # impi, slurm, mvapich) and DS_LAUNCHER_ARGS is handed to it, e.g. on an MPICH cluster:
 #   DS_LAUNCHER=mpich bash launch/deepspeed_multinode.sh hostfile
 # (tests/test_multinode.py runs two "nodes" on one machine with DS_LAUNCHER_ARGS="-launcher fork").
+# DS_SSH_PORT, DS_INCLUDE and DS_EXCLUDE become deepspeed's --ssh_port, --include and --exclude, e.g.
+#   DS_SSH_PORT=2222 DS_EXCLUDE=node3 bash launch/deepspeed_multinode.sh hostfile
+# (tests/test_nodes.py runs real nodes over ssh with all three).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 usage="deepspeed_multinode.sh HOSTFILE [python-entry args...]"
@@ -26,6 +29,9 @@ extra=()
 # The runner looks mpirun up on PATH: the interpreter's bin first (an MPI wheel puts its mpirun there).
 [[ -n "${DS_LAUNCHER:-}" ]] && extra+=(--launcher "$DS_LAUNCHER") && export PATH="$(dirname "$PYTHON"):$PATH"
 [[ -n "${DS_LAUNCHER_ARGS:-}" ]] && extra+=(--launcher_args "$DS_LAUNCHER_ARGS")
+[[ -n "${DS_SSH_PORT:-}" ]] && extra+=(--ssh_port "$DS_SSH_PORT")
+[[ -n "${DS_INCLUDE:-}" ]] && extra+=(--include "$DS_INCLUDE")
+[[ -n "${DS_EXCLUDE:-}" ]] && extra+=(--exclude "$DS_EXCLUDE")
 nhosts="$(awk '!/^[[:space:]]*(#|$)/ { n++ } END { print n + 0 }' "$hostfile")"
 # One host runs locally; DeepSpeed would still insist on ssh to it otherwise.
 # The MPI runners reach the hosts through mpirun, not DeepSpeed's ssh check.

@@ -63,6 +63,7 @@ class Nodes:
     """``n`` nodes; ``addresses[i]`` is node i's, ``hostfile`` lists them with ``slots`` each."""
 
     IFNAME = "eth0"  # every node's interface, so one GLOO_SOCKET_IFNAME fits all
+    SSH_PORT = 2222  # not 22, and not in ssh_config: the launcher must be told (deepspeed --ssh_port)
 
     def __init__(self, n: int = 2, slots: int = 2):
         self.n, self.slots = n, slots
@@ -121,7 +122,7 @@ class Nodes:
             f.writelines(f"{a} slots={self.slots}\n" for a in self.addresses)
         for i in range(self.n):
             with open(os.path.join(self.dir, f"sshd_config.{i}"), "w") as f:
-                f.write(f"ListenAddress {self.addresses[i]}\nPort 22\nHostKey {self.dir}/host_key\n"
+                f.write(f"ListenAddress {self.addresses[i]}\nPort {self.SSH_PORT}\nHostKey {self.dir}/host_key\n"
                         f"AuthorizedKeysFile {self.dir}/authorized_keys\nPidFile none\nStrictModes no\n"
                         "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
                         "KbdInteractiveAuthentication no\n"
@@ -155,8 +156,8 @@ class Nodes:
         log.close()
 
     def ssh(self, i, command, timeout=20):
-        return subprocess.run([f"{self.bin}/ssh", self.addresses[i], command], capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run([f"{self.bin}/ssh", "-p", str(self.SSH_PORT), self.addresses[i], command],
+                              capture_output=True, text=True, timeout=timeout)
 
     def _wait_for_ssh(self):
         deadline = time.monotonic() + 30

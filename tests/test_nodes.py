@@ -3,7 +3,8 @@ interfaces and sshd, reached from the root namespace (the login node) by ``deeps
 
 * ``launch/deepspeed_multinode.sh`` with DeepSpeed's pdsh runner, 2 nodes x 2 ranks, TP = 2 inside each node x
   DP = 2 across them: the one-node 4-rank run's losses exactly; ``metrics.jsonl`` and the checkpoint on the shared
-  path, written once.
+  path, written once.  sshd listens on port 2222 only (``--ssh_port`` on every launch); the hostfile lists a
+  third host that does not exist, left out by ``--exclude``; the node-loss run names its slots by ``--include``.
 * A node lost mid-run, killed (its PID namespace's init dies) or cut off (its link down: no FIN, no RST): every
   surviving rank fails within ``megatron.train.collective_timeout_minutes`` (0.25 here; it also bounds the
   rendezvous, so the nodes' ranks must start within it of each other) with one line naming itself, its host and
@@ -120,11 +121,14 @@ def _job_dir(tmp_path, cfg):
     return job
 
 
-def _launch(nodes, job, log, hostfile=None, config="cfg.json", *extra):
+def _launch(nodes, job, log, hostfile=None, config="cfg.json", *extra, **launcher_env):
     """``launch/deepspeed_multinode.sh HOSTFILE -m ds_megatron.cli train --config cfg.json`` from the job directory
-    on the login node (its own process group, so a test that fails can end it)."""
+    on the login node (its own process group, so a test that fails can end it).  sshd listens on
+    ``Nodes.SSH_PORT`` only, so every launch also proves ``--ssh_port`` (``DS_SSH_PORT``); ``launcher_env``:
+    ``DS_INCLUDE`` / ``DS_EXCLUDE``."""
     env = dict(_clean_env(), PATH=f"{nodes.bin}:{os.environ['PATH']}", PDSH_SSH_ARGS_APPEND=f"-F {nodes.ssh_config}",
-               PYTHON=sys.executable, GLOO_SOCKET_IFNAME=Nodes.IFNAME, OMP_NUM_THREADS="1")
+               PYTHON=sys.executable, GLOO_SOCKET_IFNAME=Nodes.IFNAME, OMP_NUM_THREADS="1",
+               DS_SSH_PORT=str(Nodes.SSH_PORT), **launcher_env)
     return subprocess.Popen(["bash", os.path.join(ROOT, "launch/deepspeed_multinode.sh"), hostfile or nodes.hostfile,
                              "-m", "ds_megatron.cli", "train", "--config", str(job / config), *extra],
                             cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -185,11 +189,16 @@ def test_pdsh_tp2_inside_nodes_dp2_across_them_gives_the_one_node_losses(nodes, 
     steps = 4
     out = str(tmp_path / "run")
     job = _job_dir(tmp_path, _config(out, steps))
+    # The hostfile also lists a host that does not exist, left out by --exclude (pdsh would fail to reach it).
+    absent = f"{nodes.net}.250"
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(open(nodes.hostfile).read() + f"{absent} slots=2\n")
     with open(tmp_path / "launcher.log", "w") as log:
-        code = _wait(_launch(nodes, job, log), timeout=LIMIT_S)
+        code = _wait(_launch(nodes, job, log, str(hostfile), DS_EXCLUDE=absent), timeout=LIMIT_S)
     output = (tmp_path / "launcher.log").read_text()
     assert code == 0, output[-4000:]
     assert "pdsh" in output and nodes.addresses[0] in output and nodes.addresses[1] in output, output[-3000:]
+    assert f"Running on the following workers: {nodes.addresses[0]},{nodes.addresses[1]}" in output, output[-3000:]
     losses = _losses(os.path.join(out, "metrics.jsonl"))
     assert sorted(losses) == list(range(1, steps + 1))
     assert open(os.path.join(out, "latest")).read().strip() == f"iter_{steps:07d}"
@@ -204,7 +213,8 @@ def _run_until_then(nodes, tmp_path, fault):
     job = _job_dir(tmp_path, _config(out, 10 ** 6, save_interval=2, collective_timeout_minutes=TIMEOUT_MINUTES))
     metrics, log_path = os.path.join(out, "metrics.jsonl"), tmp_path / "launcher.log"
     with open(log_path, "w") as log:
-        proc = _launch(nodes, job, log)
+        # --include names both nodes' slots (the hostfile's own): the flag reaches DeepSpeed's runner
+        proc = _launch(nodes, job, log, DS_INCLUDE="@".join(f"{a}:0,1" for a in nodes.addresses))
         try:
             deadline = time.monotonic() + LIMIT_S
             while not (os.path.exists(metrics) and len(_losses(metrics)) >= 4
@@ -329,11 +339,16 @@ def test_a_node_cut_off_mid_run_ends_the_job_within_the_collective_timeout(nodes
 
 
 def _assert_named(output, address, silent):
-    """Node ``address``'s survivors (ranks 0 and 1 on node0) each print one line naming the ``silent`` ranks."""
+    """Node ``address``'s survivors (ranks 0 and 1 on node0) print one line each, rank 0's naming the ``silent``
+    ranks (rank 1's too when its own collective was with them; blocked on rank 0 instead, it fails when rank 0
+    leaves, and its line says the store is gone with it)."""
     lines = [line for line in output.splitlines() if "a peer rank was lost" in line]
-    for rank in (0, 1):
-        mine = [line for line in lines if line.startswith(f"{address}: ds-megatron train: error: rank {rank} on node0:")]
-        assert len(mine) == 1 and f"silent (heartbeat stopped): {silent};" in mine[0], output[-4000:]
+    mine = {rank: [line for line in lines
+                   if line.startswith(f"{address}: ds-megatron train: error: rank {rank} on node0:")] for rank in (0, 1)}
+    assert all(len(m) == 1 for m in mine.values()), output[-4000:]
+    assert f"silent (heartbeat stopped): {silent};" in mine[0][0], output[-4000:]
+    assert (f"silent (heartbeat stopped): {silent};" in mine[1][0]
+            or "(served by rank 0) does not answer either: rank 0 has left already" in mine[1][0]), output[-4000:]
     return lines
 
 
@@ -347,4 +362,5 @@ def test_a_stalled_rank_is_named_and_the_job_ends_nonzero(nodes, tmp_path):
     _assert_named(output, nodes.addresses[0], "rank 3 on node1")
     node1 = [line for line in output.splitlines() if line.startswith(f"{nodes.addresses[1]}: ds-megatron train: "
                                                                      "error: rank 2 on node1:")]
-    assert len(node1) == 1 and "silent (heartbeat stopped): rank 3 on node1;" in node1[0], output[-4000:]
+    assert len(node1) == 1 and ("silent (heartbeat stopped): rank 3 on node1;" in node1[0]
+                                or "does not answer either: rank 0 has left already" in node1[0]), output[-4000:]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -56,6 +57,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except RuntimeError as e:  # a peer lost mid-collective (node down or cut off, a rank stalled): no barrier now
         if not loop.is_lost_peer(e):
             raise
+        # DeepSpeed's launch.py SIGTERMs a failed rank's siblings: let this one finish its line first (bounded).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         from . import liveness  # loaded with the loop above; imported here where it is used
         # Which ranks went silent (a few heartbeats' wait), then leave marked so the other survivors do not name us.
         line = loop.lost_peer_message(e, job.train.collective_timeout_minutes, liveness.describe_silent())

@@ -7,9 +7,10 @@ store connection of its own, every ``interval`` seconds.  When a collective fail
 twice, ``2.5 * interval`` apart: the ranks whose count stood still are the silent ones (a node killed or cut off,
 a process stopped), named with the host each wrote at start.  A rank that fails the same way marks its count
 before it leaves, so the survivors are not named.  Counts, not clocks: the nodes' clocks need not agree.  If the
-store itself does not answer, rank 0's host (which serves it) is the one lost.  Rank 0's process serves the store
-under the ``deepspeed`` launcher, so on a failure rank 0 leaves last: it waits (bounded) until every rank it saw
-beating has left, or the others would find the store gone and blame rank 0's node.
+store itself does not answer, rank 0 has left already or its host (which serves it) is the one lost.  Rank 0's
+process serves the store under the ``deepspeed`` launcher, so on a failure rank 0 waits (bounded) for the ranks
+already reading the counts to finish before it leaves.  A rank blocked on a survivor (not on the lost peer)
+fails only when that survivor leaves, and may find the store gone by then: its line says so.
 """
 from __future__ import annotations
 
@@ -40,7 +41,6 @@ class Heartbeat:
     def __init__(self, rank: int, world: int, interval: float):
         self.rank, self.world, self.interval = rank, world, interval
         self._stop = threading.Event()
-        self._beating: List[int] = []  # the other ranks whose count moved while silent_ranks watched
         self._thread = threading.Thread(target=self._beat, name="ds_megatron-heartbeat", daemon=True)
 
     def _beat(self) -> None:
@@ -58,12 +58,12 @@ class Heartbeat:
         import time
         try:
             store = _store(5.0)
+            store.set(f"{_PREFIX}/reading/{self.rank}", "1")  # rank 0 waits for the readers before it leaves
             keys = [f"{_PREFIX}/{r}" for r in range(self.world)]
             first = [store.add(k, 0) for k in keys]
             time.sleep(2.5 * self.interval)
             second = [store.add(k, 0) for k in keys]
             silent = [r for r in range(self.world) if first[r] >= 0 and second[r] == first[r]]
-            self._beating = [r for r in range(self.world) if r != self.rank and second[r] >= 0 and second[r] != first[r]]
             hosts = []
             for r in silent:
                 key = f"{_PREFIX}/host/{r}"
@@ -71,20 +71,23 @@ class Heartbeat:
             return list(zip(silent, hosts)), None
         except Exception as e:  # noqa: BLE001 - any failure to reach the store is the answer
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            return None, f"the job's store at {where} (served by rank 0's host) does not answer either ({e})"
+            return None, (f"the job's store at {where} (served by rank 0) does not answer either: rank 0 has left "
+                          f"already, or its node is lost or cut off ({str(e).splitlines()[0] if str(e) else e!r})")
 
     def leave(self) -> None:
         """Stop beating and mark this rank as gone on its own (not to be named by the others).  Rank 0 (the store's
-        host under the ``deepspeed`` launcher) then waits until the ranks it saw beating have left too, at most
-        a few of their reads' length."""
+        host under the ``deepspeed`` launcher) then waits until every rank reading the counts has left too, at most
+        one read's length and 5 s."""
         import time
         self._stop.set()
         try:
             store = _store(5.0)
             store.add(f"{_PREFIX}/{self.rank}", _EXITED)
-            deadline = time.monotonic() + 3 * 2.5 * self.interval + 5.0
-            while self.rank == 0 and self._beating and time.monotonic() < deadline:
-                self._beating = [r for r in self._beating if store.add(f"{_PREFIX}/{r}", 0) >= 0]
+            deadline = time.monotonic() + 2.5 * self.interval + 5.0
+            while self.rank == 0 and time.monotonic() < deadline:
+                readers = [r for r in range(self.world) if store.check([f"{_PREFIX}/reading/{r}"])]
+                if all(store.add(f"{_PREFIX}/{r}", 0) < 0 for r in readers):
+                    break
                 time.sleep(0.2)
         except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read the mark
             pass
@@ -119,7 +122,7 @@ def describe_silent() -> str:
         return ""
     silent, unreachable = beat.silent_ranks()
     if unreachable:
-        return f"; {unreachable}: rank 0's node is lost or cut off"
+        return f"; {unreachable}"
     if not silent:
         return "; every rank's heartbeat still moves (a peer is slow or blocked, not lost)"
     by_host = {}
