@@ -174,15 +174,16 @@ def _no_job_left(nodes, deadline_s=15):
         time.sleep(0.3)
 
 
+def _train_here(cfg):
+    from ds_megatron.config.job import load_job
+    from ds_megatron.training.train import train
+    import torch.distributed as dist
+    return train(load_job(cfg, dist.get_world_size()), cfg, show_progress=False).losses
+
+
 def _one_node_losses(tmp_path, steps):
-    out = str(tmp_path / "one_node")
-    cfg = tmp_path / "one_node.json"
-    cfg.write_text(json.dumps(_config(out, steps)))
-    env = dict(_clean_env(), DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    proc = subprocess.run(["bash", "launch/deepspeed_cpu.sh", "4", "-m", "ds_megatron.cli", "train", "--config",
-                           str(cfg)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMIT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return _losses(os.path.join(out, "metrics.jsonl"))
+    """The same job on 4 ranks of one machine (the test harness's gloo ranks, one thread each as on the nodes)."""
+    return run_on_ranks(4, _train_here, _config(str(tmp_path / "one_node"), steps))[0]
 
 
 def test_pdsh_tp2_inside_nodes_dp2_across_them_gives_the_one_node_losses(nodes, tmp_path):
