@@ -1,5 +1,5 @@
 """``ds-megatron train`` through the ``deepspeed`` launcher: TP=2 x PP=2 on our pipeline runtime with Megatron's
-interleaved 1F1B (v = 2) follows TP=2 x DP=2 step for step.  (v = 1 and the other schedules against the one-rank
+interleaved 1F1B (v = 2) follows TP=2 x DP=2 (run in-process) step for step.  (v = 1 and the other schedules against the one-rank
 model: ``test_pipeline_equivalence.py``, in-process; each 4-rank launch here costs CI time.)
 
 Both jobs take the shipped configs (``gpt_tp2_pp2.json``, ``gpt_cpu_tp2_dp2.json``)
@@ -49,9 +49,19 @@ def _launch(config, out, tmp_path):
     return losses, val
 
 
+def _train_here(config, out):
+    import torch.distributed as dist
+    from ds_megatron.config.job import load_job
+    from ds_megatron.training.train import train
+    result = train(load_job(config, dist.get_world_size(), None, out), config, show_progress=False)
+    return result.losses, result.val_losses
+
+
 def test_tp2_pp2_follows_tp2_dp2_through_the_launcher(tmp_path):
-    """Our runtime with Megatron's interleaved 1F1B over 2 chunks per rank."""
-    dp_losses, dp_val = _launch(_short("gpt_cpu_tp2_dp2.json", tmp_path), tmp_path / "dp", tmp_path)
+    """Our runtime with Megatron's interleaved 1F1B over 2 chunks per rank.  The TP=2 x DP=2 reference runs on the
+    test harness's 4 gloo ranks (the same training code; one launch less)."""
+    from harness import run_on_ranks
+    dp_losses, dp_val = run_on_ranks(4, _train_here, _short("gpt_cpu_tp2_dp2.json", tmp_path), str(tmp_path / "dp"))[0]
     for name, megatron in (("pp_v2", {"virtual_pipeline_model_parallel_size": 2}),):
         pp_losses, pp_val = _launch(_short("gpt_tp2_pp2.json", tmp_path, **megatron), tmp_path / name, tmp_path)
         assert sorted(pp_losses) == sorted(dp_losses) == list(range(1, STEPS + 1))
