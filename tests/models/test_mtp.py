@@ -113,25 +113,17 @@ def _save_at_tp2_load_at_tp1(directory, tp, ep=1, moe=False):
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**CFG, sequence_parallel=tp > 1, **(MOE if moe else {})), state)
     engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
-    if moe:  # the experts by their global names (each EP rank holds half)
-        if ep > 1:
-            tokens, labels, mask = _batch()
-            engine.backward(engine(tokens, labels, mask.float()))
-            engine.step()
-            ds_megatron.save_dist_checkpoint(engine, directory)
-        else:
-            ds_megatron.load_dist_checkpoint(engine, directory)
-        weights = {n: t.detach().clone() for n, t in model_tensors(model).items() if n.startswith("mtp.")}
-        engine.megatron.destroy()
-        return weights
-    if tp > 1:
+    if tp > 1 or ep > 1:
         tokens, labels, mask = _batch()
         engine.backward(engine(tokens, labels, mask.float()))
         engine.step()
         ds_megatron.save_dist_checkpoint(engine, directory)
     else:
         ds_megatron.load_dist_checkpoint(engine, directory)
-    weights = {n: _gathered_param(p, state) for n, p in model.named_parameters() if n.startswith("mtp.")}
+    if moe:  # the experts by their global names (each EP rank holds half)
+        weights = {n: t.detach().clone() for n, t in model_tensors(model).items() if n.startswith("mtp.")}
+    else:
+        weights = {n: _gathered_param(p, state) for n, p in model.named_parameters() if n.startswith("mtp.")}
     engine.megatron.destroy()
     return weights
 
