@@ -38,7 +38,7 @@ from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_
                                set_tensor_model_parallel_attributes)
 from ..tensor_parallel.random import checkpoint
 from ..tensor_parallel.utils import divide
-from .context_parallel import context_parallel_attention, zigzag_chunk_indices
+from .context_parallel import context_parallel_attention, rank_positions
 from .norm import build_norm
 from .rotary import RotaryEmbedding
 
@@ -148,9 +148,7 @@ class ParallelAttention(torch.nn.Module):
         # -> [b, heads, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if self.rotary is not None:
-            positions = None
-            if self.cp.size > 1:  # this rank's tokens are its two zigzag chunks of the whole sequence
-                positions = zigzag_chunk_indices(q.size(2) * self.cp.size, self.cp.size, self.cp.rank).to(q.device)
+            positions = rank_positions(q.size(2), self.cp, q.device)  # with CP: its two zigzag chunks
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if self.cp.size > 1:
             # GQA-aware: only the kv heads travel; no attention dropout here (refused at config time).

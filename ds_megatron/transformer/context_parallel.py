@@ -76,6 +76,13 @@ def zigzag_chunk_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(i * c, (i + 1) * c) for i in zigzag_chunk_ids(cp, cp_rank)])
 
 
+def rank_positions(local_len: int, cp_group: ParallelGroup, device) -> Optional[torch.Tensor]:
+    """RoPE position ids of this CP rank's ``local_len`` tokens (its two zigzag chunks); None without CP (0..n-1)."""
+    if cp_group.size == 1:
+        return None
+    return zigzag_chunk_indices(local_len * cp_group.size, cp_group.size, cp_group.rank).to(device)
+
+
 def zigzag_split(x: torch.Tensor, cp: int, cp_rank: int, seq_dim: int = 1) -> torch.Tensor:
     """This rank's two chunks of the full-sequence ``x`` along ``seq_dim`` (1 for [b, s, ...], 0 for [s, b, ...])."""
     c = x.size(seq_dim) // (2 * cp)

@@ -46,7 +46,7 @@ from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_
 from ..tensor_parallel.random import checkpoint
 from ..tensor_parallel.utils import divide
 from ..tensor_parallel.weight_grad_store import linear
-from .context_parallel import context_parallel_attention, zigzag_chunk_indices
+from .context_parallel import context_parallel_attention, rank_positions
 from .norm import build_norm
 from .rotary import RotaryEmbedding, yarn_attention_factor
 
@@ -153,9 +153,7 @@ class MLASelfAttention(torch.nn.Module):
         kv = kv.view(s, b, self.heads, self.qk_head_dim + self.v_head_dim).permute(1, 2, 0, 3)
         k_nope, v = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
         q_nope, q_pos = torch.split(q, [self.qk_head_dim, self.pos_dim], dim=-1)
-        positions = None
-        if self.cp.size > 1:  # this rank's tokens are its two zigzag chunks of the whole sequence
-            positions = zigzag_chunk_indices(s * self.cp.size, self.cp.size, self.cp.rank).to(q.device)
+        positions = rank_positions(s, self.cp, q.device)  # with CP: its two zigzag chunks
         q_pos = self.rotary(deinterleave(q_pos), positions)
         k_pos = self.rotary(deinterleave(k_pos.permute(1, 0, 2).unsqueeze(1)), positions)  # [b, 1, s, pos]
         q = torch.cat((q_nope, q_pos), dim=-1)
