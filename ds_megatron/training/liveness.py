@@ -18,6 +18,7 @@ import datetime
 import os
 import socket
 import threading
+import time
 from typing import List, Optional, Tuple
 
 _PREFIX = "ds_megatron/heartbeat"
@@ -55,7 +56,6 @@ class Heartbeat:
 
     def silent_ranks(self) -> Tuple[Optional[List[Tuple[int, str]]], Optional[str]]:
         """([(rank, host)] whose heartbeat stood still, None) or (None, why the store could not be read)."""
-        import time
         try:
             store = _store(5.0)
             store.set(f"{_PREFIX}/reading/{self.rank}", "1")  # rank 0 waits for the readers before it leaves
@@ -78,7 +78,6 @@ class Heartbeat:
         """Stop beating and mark this rank as gone on its own (not to be named by the others).  Rank 0 (the store's
         host under the ``deepspeed`` launcher) then waits until every rank reading the counts has left too, at most
         one read's length and 5 s."""
-        import time
         self._stop.set()
         try:
             store = _store(5.0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Dict, Optional, Tuple
@@ -30,6 +31,7 @@ import torch
 from ..config.training import TrainConfig
 from ..parallel_state import ParallelGroup
 from ..utils.collectives import MAX, all_reduce
+
 
 class _OutputThatOutlivesItsReader:
     """``sys.stdout`` / ``sys.stderr`` of a rank that may lose its reader: when a multi-node launcher is stopped,
@@ -62,7 +64,6 @@ class _OutputThatOutlivesItsReader:
 
 def keep_running_without_output() -> None:
     """Wrap this process's stdout and stderr (once): a broken pipe silences them instead of failing the rank."""
-    import sys
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if not isinstance(stream, _OutputThatOutlivesItsReader):
