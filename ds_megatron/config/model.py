@@ -528,11 +528,6 @@ class GPTConfig:
         self.check_expert_parallel(layout.ep, layout.etp)
         if layout.cp > 1:
             self.check_context_parallel(layout.cp, layout.tp)
-        if self.mtp_num_layers and layout.pp > 1:
-            # The modules embed the tokens k ahead, on the last stage, which has neither the tokens nor the embedding.
-            raise ConfigError(f"model.mtp_num_layers={self.mtp_num_layers} with pipeline_model_parallel_size="
-                              f"{layout.pp}: multi-token prediction runs without pipeline parallelism for now; set "
-                              "pipeline_model_parallel_size to 1 or mtp_num_layers to null")
         if layout.pp > self.num_layers:
             raise ConfigError(f"model.num_layers={self.num_layers} is below megatron.pipeline_model_parallel_size="
                               f"{layout.pp}: every stage needs a transformer layer; lower the pipeline size")

@@ -307,6 +307,11 @@ def check_pipeline(parallel, model, batch: DeepSpeedBatchKeys, layout, optimizer
             raise ConfigError(f"an MoE model with {SECTION}.pipeline_model_parallel_size={pp} needs "
                               f"{SECTION}.optimizer_impl \"megatron\" (routing-loss gradients on every stage are "
                               "scaled with its loss scale); set it")
+        if model.mtp_num_layers and optimizer_impl != "megatron":
+            raise ConfigError(f"model.mtp_num_layers={model.mtp_num_layers} with {SECTION}.pipeline_model_parallel_size="
+                              f"{pp} needs {SECTION}.optimizer_impl \"megatron\" (our pipeline runtime gives the "
+                              "last stage the tokens multi-token prediction embeds; DeepSpeed's PipelineEngine does "
+                              "not); set it")
 
 
 def _check_our_runtime(parallel, batch: DeepSpeedBatchKeys, layout, optimizer_impl: str, vpp: int,

@@ -13,9 +13,10 @@ gradient, in this order:
    TP, and the KV projection's copies (``tp_replica_slot``) over the ranks of
    their group, in one all-reduce;
 3. under pipeline parallelism, the two copies of the tied word embedding
-   (first stage's input, last stage's output layer; marked ``shared_embedding``)
-   sum their gradients over the ``embedding`` group, so that both apply the
-   gradient of the one weight they stand for.  With the distributed optimizer
+   (first stage's input, last stage's output layer; marked ``shared_embedding``),
+   and with multi-token prediction those of the word and position embeddings
+   (the last stage embeds tokens too), sum their gradients over the ``embedding``
+   group, so that both apply the gradient of the one weight they stand for.  With the distributed optimizer
    each copy sits alone in its bucket, whose shards are then the same slice of
    the weight on both stages, so the reduced shard is summed with its peer.
 

@@ -331,6 +331,26 @@ def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tens
     return language_model_loss(logits, labels, loss_mask, config, tp, inplace=True, cp=cp)
 
 
+def mtp_loss(mtp_layers, word_embeddings, position_embeddings, tokens, labels, loss_mask, hidden,
+             output_layer: Optional[torch.nn.Module], config: GPTConfig, tp: ParallelGroup, cp: ParallelGroup,
+             tracker) -> torch.Tensor:
+    """``mtp_loss_scaling_factor`` x the mean over depths of each depth's loss (depth k, from 1: the main model's
+    labels k tokens further on, the last k positions masked); recorded in ``tracker`` as "mtp_loss" (the mean) in
+    training.
+    ``hidden``: the main model's after its final norm.  The whole model and a pipeline's last chunk end here."""
+    mask = torch.ones_like(labels, dtype=torch.float64) if loss_mask is None else loss_mask
+    total = 0.0
+    for k, module in enumerate(mtp_layers, start=1):
+        embedded = position_embeddings(word_embeddings(_shift_left(tokens, k)))
+        hidden = module(embedded, hidden)
+        total = total + language_model_head(hidden, word_embeddings.weight, output_layer, _shift_left(labels, k),
+                                            _shift_left(mask, k), config, tp, cp, None)
+    mean = total / len(mtp_layers)
+    if mtp_layers.training:  # the log's is the training loss (an evaluation's is not mixed into it)
+        tracker.record("mtp_loss", 0, mean)
+    return config.mtp_loss_scaling_factor * mean
+
+
 def moe_aux_loss_sum(layers) -> torch.Tensor:
     """The routing losses (load balancing, z) of the last forward of ``layers``, summed; 0 without MoE layers."""
     return sum((sum(layer.mlp.aux_losses.values(), 0.0) for layer in layers
@@ -397,24 +417,9 @@ class GPTModel(torch.nn.Module):
         if labels is None:
             return out
         if self.mtp is not None:
-            out = out + self.mtp_loss(tokens, labels, loss_mask, hidden, output_layer)
+            out = out + mtp_loss(self.mtp, self.word_embeddings, self.position_embeddings, tokens, labels, loss_mask,
+                                 hidden, output_layer, self.config, self.tp, self.cp, self.mtp_loss_tracker)
         return out + self.moe_aux_loss()
-
-    def mtp_loss(self, tokens, labels, loss_mask, hidden, output_layer) -> torch.Tensor:
-        """``mtp_loss_scaling_factor`` x the mean over depths of each depth's loss (depth k, from 1: the main
-        model's labels k tokens further on, the last k positions masked); recorded as "mtp_loss" (the mean)."""
-        depths = len(self.mtp)
-        mask = torch.ones_like(labels, dtype=torch.float64) if loss_mask is None else loss_mask
-        total = 0.0
-        for k, module in enumerate(self.mtp, start=1):
-            embedded = self.position_embeddings(self.word_embeddings(_shift_left(tokens, k)))
-            hidden = module(embedded, hidden)
-            loss_k = language_model_head(hidden, self.word_embeddings.weight, output_layer, _shift_left(labels, k),
-                                         _shift_left(mask, k), self.config, self.tp, self.cp, None)
-            total = total + loss_k
-        mean = total / depths
-        self.mtp_loss_tracker.record("mtp_loss", 0, mean)
-        return self.config.mtp_loss_scaling_factor * mean
 
     def moe_aux_loss(self):
         """The routing losses (load balancing, z) of the last forward, summed over MoE layers (the multi-token

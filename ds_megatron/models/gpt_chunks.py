@@ -26,7 +26,7 @@ from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer
 from ..parallel_state import ParallelState
 from ..tensor_parallel import LogitsBuffer, RNGStatesTracker, pad_vocab_size
-from .gpt import build_gpt_modules, language_model_head, set_recompute_method
+from .gpt import build_gpt_modules, language_model_head, mtp_loss, set_recompute_method
 
 
 def routing_loss_hook(scale: Callable[[], torch.Tensor]):
@@ -46,10 +46,13 @@ class GPTModelChunk(torch.nn.Module):
 
     The first virtual stage takes token ids [b, s], the others the hidden states [s(/tp), b, h] of the
     stage before; the last returns the mean loss over the masked tokens, the others their hidden states.
+    With multi-token prediction the last also holds the MTP layers (megatron-core's place for them) and
+    copies of the word and position embeddings, and takes the micro-batch's ``tokens`` too
+    (``takes_tokens``): depth k embeds the tokens k ahead.
     """
 
     def __init__(self, config: GPTConfig, state: ParallelState, virtual_stage: int, num_virtual_stages: int,
-                 layer_numbers: Sequence[int]):
+                 layer_numbers: Sequence[int], tracker: Optional[MoEAuxLossTracker] = None):
         super().__init__()
         self.config, self.tp, self.cp = config, state.tp, state.cp
         self.virtual_stage = virtual_stage
@@ -58,9 +61,12 @@ class GPTModelChunk(torch.nn.Module):
         self.layer_numbers = list(layer_numbers)  # global indices of self.layers
         self.layers = torch.nn.ModuleList()
         self.logits_buffer = LogitsBuffer() if self.is_last else None
+        self.mtp = torch.nn.ModuleList() if self.is_last and config.mtp_num_layers else None
+        self.takes_tokens = self.mtp is not None
+        self.tracker = tracker
 
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                loss_mask: Optional[torch.Tensor] = None, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         hidden = self.position_embeddings(self.word_embeddings(inputs)) if self.is_first else inputs
         for layer in self.layers:
             hidden = layer(hidden)
@@ -69,8 +75,14 @@ class GPTModelChunk(torch.nn.Module):
         hidden = self.final_layernorm(hidden)
         output_layer = self.output_layer if self.config.untie_embeddings_and_output_weights else None
         weight = self.word_embeddings.weight if output_layer is None else None
-        return language_model_head(hidden, weight, output_layer, labels, loss_mask, self.config, self.tp, self.cp,
+        loss = language_model_head(hidden, weight, output_layer, labels, loss_mask, self.config, self.tp, self.cp,
                                    self.logits_buffer)
+        if self.mtp is None or labels is None:
+            return loss
+        if tokens is None:
+            raise ValueError("the last pipeline chunk of a model with mtp_num_layers needs the micro-batch's tokens")
+        return loss + mtp_loss(self.mtp, self.word_embeddings, self.position_embeddings, tokens, labels, loss_mask,
+                               hidden, output_layer, self.config, self.tp, self.cp, self.tracker)
 
 
 class GPTModelChunks(torch.nn.Module):
@@ -101,29 +113,38 @@ class GPTModelChunks(torch.nn.Module):
         self.all_stage_layers = [rank_layers(counts, p, r) for r in range(p)]  # per pipeline rank, for convert
         self.stage_layers = self.all_stage_layers[rank]
         self.is_first_stage, self.is_last_stage = rank == 0, rank == p - 1
-        self.moe_aux_loss_tracker = MoEAuxLossTracker() if config.num_experts else None
+        # The routing losses and the multi-token-prediction loss, for the log (one tracker, as in GPTModel).
+        self.moe_aux_loss_tracker = MoEAuxLossTracker() if config.num_experts or config.mtp_num_layers else None
         self._aux_loss_grad_scale: Optional[Callable[[], torch.Tensor]] = None
         self.chunks = torch.nn.ModuleList(
-            GPTModelChunk(config, parallel_state, c * p + rank, p * v, ranges[c * p + rank]) for c in range(v))
+            GPTModelChunk(config, parallel_state, c * p + rank, p * v, ranges[c * p + rank], self.moe_aux_loss_tracker)
+            for c in range(v))
         first, last = self.chunks[0].is_first, self.chunks[-1].is_last
+        # The last stage's copies of the embedding: the tied output layer's, and multi-token prediction's (which
+        # embeds tokens there); each summed with the first stage's over the embedding group, counted once in norms.
+        mtp = bool(config.mtp_num_layers)
+        copied = {"word_embeddings": mtp or not config.untie_embeddings_and_output_weights,
+                  "position_embeddings": mtp}
         where = {i: chunk for chunk in self.chunks for i in chunk.layer_numbers}
         for name, module in build_gpt_modules(config, parallel_state, rng_tracker, self.moe_aux_loss_tracker):
-            if name == "word_embeddings":
+            if name in copied:
                 if first:
-                    self.chunks[0].word_embeddings = module
-                if last and not config.untie_embeddings_and_output_weights:
-                    self.chunks[-1].word_embeddings = module  # the tied output layer's copy
-                    module.weight.shared = True  # counted once in norms (the first stage's copy)
-                if not config.untie_embeddings_and_output_weights:
-                    module.weight.shared_embedding = True  # summed over the embedding group
-            elif name == "position_embeddings" and first:
-                self.chunks[0].position_embeddings = module
+                    setattr(self.chunks[0], name, module)
+                if last and copied[name]:
+                    setattr(self.chunks[-1], name, module)
+                for weight in module.parameters():  # the learned positions' (RoPE has none)
+                    weight.shared_embedding = copied[name]
+                    weight.shared = copied[name] and last
             elif name.startswith("layers.") and int(name.split(".")[1]) in where:
                 where[int(name.split(".")[1])].layers.append(module)
                 if isinstance(getattr(module, "mlp", None), BaseMoELayer):
                     module.register_forward_hook(routing_loss_hook(self._routing_loss_scale))
             elif name in ("final_layernorm", "output_layer") and last:
                 setattr(self.chunks[-1], name, module)
+            elif name.startswith("mtp.") and last:
+                self.chunks[-1].mtp.append(module)
+                if isinstance(getattr(module.layer, "mlp", None), BaseMoELayer):
+                    module.layer.register_forward_hook(routing_loss_hook(self._routing_loss_scale))
             del module  # pieces of other stages are dropped as they come
         for chunk in self.chunks:  # recompute_method "block": the first layers of each chunk
             set_recompute_method(chunk.layers, config)

@@ -7,7 +7,8 @@ CUDA-graph capture plan is made from).  For each operation:
 
 * forward of chunk ``c`` for micro-batch ``k``: the input is micro-batch ``k``'s tokens on the first
   virtual stage, else the activation received from the previous virtual stage; the last virtual stage
-  also gets the labels and returns the loss; any other sends its output on;
+  also gets the labels (and the tokens, when the chunk ``takes_tokens``: multi-token prediction) and
+  returns the loss; any other sends its output on;
 * backward: the loss (divided by the micro-batches, as gradient accumulation does) on the last virtual
   stage, else the output with the gradient received from the next virtual stage; the input's
   gradient goes back to the previous virtual stage.
@@ -159,9 +160,13 @@ class PipelineSchedule:
                         before_forward(op.chunk, op.microbatch)
                     start = clock() if clock else 0.0
                     if self._is_last(op.chunk):
-                        output = self.chunks[op.chunk](inputs, labels.to(self.device, non_blocking=True),
-                                                       None if loss_mask is None else
-                                                       loss_mask.to(self.device, non_blocking=True))
+                        chunk = self.chunks[op.chunk]
+                        # multi-token prediction embeds the tokens k ahead on the last stage
+                        extra = {"tokens": tokens.to(self.device, non_blocking=True)} \
+                            if getattr(chunk, "takes_tokens", False) else {}
+                        output = chunk(inputs, labels.to(self.device, non_blocking=True),
+                                       None if loss_mask is None else loss_mask.to(self.device, non_blocking=True),
+                                       **extra)
                         losses.append(output.detach())
                         batches.pop(op.microbatch, None)
                     else:

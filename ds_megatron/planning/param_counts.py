@@ -96,11 +96,13 @@ def gpt_param_counts(cfg, tp: int, ep: int = 1, etp: int = 1, layers: Optional[S
     h = cfg.hidden_size
     vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
     sharded, replicated, expert = 0, 0, 0
-    untied = cfg.untie_embeddings_and_output_weights
-    if first_stage or (last_stage and not untied):
-        sharded += (vocab // tp) * h  # the word embedding (a copy on each end of a pipeline when tied)
-    if first_stage and cfg.position_embedding_type == "learned_absolute":
-        replicated += cfg.seq_length * h  # learned positions
+    untied, mtp = cfg.untie_embeddings_and_output_weights, bool(cfg.mtp_num_layers)
+    # The word embedding, with a copy on the last stage of a pipeline when tied or when multi-token prediction
+    # embeds tokens there (the learned positions too)
+    if first_stage or (last_stage and (mtp or not untied)):
+        sharded += (vocab // tp) * h
+    if (first_stage or (last_stage and mtp)) and cfg.position_embedding_type == "learned_absolute":
+        replicated += cfg.seq_length * h
     if last_stage:
         replicated += norm_params(cfg)  # final norm
         sharded += (vocab // tp) * h if untied else 0  # the output layer

@@ -148,7 +148,7 @@ class PendingSteps:
     def __init__(self, dp: ParallelGroup, pipeline: Optional[ParallelGroup] = None):
         self.dp = dp
         # Pipeline: each stage tracks its own layers' routing losses (summed over the stages at flush), and
-        # the logged loss adds them, as the PP=1 model's loss does.
+        # the logged loss adds them, as the PP=1 model's loss does (the last stage's MTP loss is in it already).
         self.pipeline = pipeline
         self.steps: List[int] = []
         self.values: List[Any] = []  # one 1-D device tensor per step: [loss, *moe losses]
@@ -170,7 +170,9 @@ class PendingSteps:
         if self.pipeline is not None and self.names:
             moe = stacked[:, 1:].contiguous()
             all_reduce(moe, self.pipeline)
-            stacked = torch.cat([stacked[:, :1] + moe.sum(dim=1, keepdim=True), moe], dim=1)
+            # The routing losses join the logged loss; the MTP loss is in the last stage's loss already (scaled).
+            routing = torch.tensor([name != "mtp_loss" for name in self.names], dtype=moe.dtype, device=moe.device)
+            stacked = torch.cat([stacked[:, :1] + (moe * routing).sum(dim=1, keepdim=True), moe], dim=1)
         all_reduce(stacked, self.dp)
         rows = (stacked / self.dp.size).tolist()
         out = [(step, row[0], dict(zip(self.names, row[1:]))) for step, row in zip(self.steps, rows)]

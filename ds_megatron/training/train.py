@@ -66,10 +66,12 @@ class RunState:
         self.interval_start, self.interval_steps = time.perf_counter(), 0
 
 
-def routing_loss_names(config) -> List[str]:
-    """The routing losses an MoE model records, in the order its routers record them."""
-    return [name for name, coeff in (("z_loss", config.moe_z_loss_coeff),
-                                     ("load_balancing_loss", config.moe_aux_loss_coeff)) if coeff > 0]
+def aux_loss_names(config) -> List[str]:
+    """The losses an MoE or multi-token-prediction model records beside the main one, in recording order."""
+    routing = [name for name, coeff in (("z_loss", config.moe_z_loss_coeff),
+                                        ("load_balancing_loss", config.moe_aux_loss_coeff))
+               if coeff > 0 and config.num_experts]
+    return routing + (["mtp_loss"] if config.mtp_num_layers else [])
 
 
 class Trainer:
@@ -138,7 +140,7 @@ class Trainer:
             model.moe_aux_loss_tracker.reset()
             if self.setup.pipeline:  # the same names on every stage (a stage may hold no MoE layer), summed at flush
                 zero = torch.zeros((), device=engine.device)
-                moe_losses = {name: moe_losses.get(name, zero) for name in routing_loss_names(self.job.model)}
+                moe_losses = {name: moe_losses.get(name, zero) for name in aux_loss_names(self.job.model)}
         self.pending.add(run.step, out.loss, moe_losses)
         run.records[run.step] = {"lr": engine.get_lr()[0], "consumed_samples": run.consumed_samples,
                                  "skipped": engine.skipped_steps != skipped_before}

@@ -59,6 +59,12 @@ def test_loss_is_the_main_loss_plus_the_scaled_mean_of_each_depths_loss():
     assert torch.allclose(tracked, sum(depth_losses) / 2, rtol=1e-12, atol=0)
     got.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.mtp.parameters())
+    # An evaluation's forward (the same loss) is not mixed into the training log's MTP loss.
+    model.moe_aux_loss_tracker.reset()
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(tokens, labels, mask), got.detach(), rtol=1e-12, atol=0)
+    assert "mtp_loss" not in model.moe_aux_loss_tracker.averages()
 
 
 def _tp_loss_and_grads(tp, sp, cp=1):
@@ -101,19 +107,27 @@ def test_tensor_sequence_and_context_parallel_give_the_one_rank_loss_and_gradien
             assert torch.allclose(got, grad, rtol=1e-9, atol=1e-13), name
 
 
-def _save_at_tp2_load_at_tp1(directory, tp, ep=1, moe=False):
-    """Saved at TP=2 (or with MoE MTP layers at EP=2) after a step, loaded at one rank: the MTP weights."""
+def _save_at_tp2_load_at_tp1(directory, tp, ep=1, moe=False, pp=1, pp_model=False):
+    """Saved at TP=2 (or with MoE MTP layers at EP=2, or at PP=2: the MTP layers and the embedding's copies on the
+    last stage) after a step, loaded at one rank: the MTP weights (at PP=2 the last stage's embedding copies too)."""
     import ds_megatron
     from ds_megatron.convert.model_io import model_tensors
-    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    from ds_megatron.models.gpt_chunks import GPTModelChunks
+    cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2 if pp > 1 else 1,
+           "steps_per_print": 10 ** 6, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "megatron": {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1,
-                        "expert_model_parallel_size": ep}}
+                        "expert_model_parallel_size": ep, "pipeline_model_parallel_size": pp}}
     state = ds_megatron.initialize_model_parallel(cfg)
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig(**CFG, sequence_parallel=tp > 1, **(MOE if moe else {})), state)
+    model_cfg = GPTConfig(**{**CFG, **(MOE if moe else {}), **(PP_MODEL if pp_model else {})},
+                          sequence_parallel=tp > 1)
+    model = GPTModelChunks(model_cfg, state) if pp > 1 else GPTModel(model_cfg, state)
     engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
-    if tp > 1 or ep > 1:
+    if pp > 1:
+        tokens, labels, mask = _batch()
+        engine.train_batch(iter([(tokens, (labels, mask.float()))] * 2))
+        ds_megatron.save_dist_checkpoint(engine, directory)
+    elif tp > 1 or ep > 1:
         tokens, labels, mask = _batch()
         engine.backward(engine(tokens, labels, mask.float()))
         engine.step()
@@ -123,7 +137,10 @@ def _save_at_tp2_load_at_tp1(directory, tp, ep=1, moe=False):
     if moe:  # the experts by their global names (each EP rank holds half)
         weights = {n: t.detach().clone() for n, t in model_tensors(model).items() if n.startswith("mtp.")}
     else:
-        weights = {n: _gathered_param(p, state) for n, p in model.named_parameters() if n.startswith("mtp.")}
+        named = model.named_gpt_parameters() if pp > 1 else model.named_parameters()
+        last = pp == 1 or state.pp.rank == pp - 1
+        weights = {n: _gathered_param(p, state) for n, p in named
+                   if last and n.startswith(("mtp.", "word_embeddings.", "position_embeddings."))}
     engine.megatron.destroy()
     return weights
 
@@ -141,6 +158,20 @@ def test_a_torch_dist_checkpoint_of_the_mtp_layers_moves_between_tensor_parallel
     saved = run_on_ranks(2, _save_at_tp2_load_at_tp1, str(tmp_path / "ckpt"), 2)[0]
     loaded = run_on_ranks(1, _save_at_tp2_load_at_tp1, str(tmp_path / "ckpt"), 1)[0]
     assert sorted(saved) == sorted(loaded) and any("eh_proj" in n for n in saved)
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+# At PP = 2: learned positions and an untied output layer, so that both embedding copies on the last stage are
+# multi-token prediction's own.
+PP_MODEL = dict(position_embedding_type="learned_absolute", untie_embeddings_and_output_weights=True)
+
+
+def test_a_torch_dist_checkpoint_of_the_last_stages_mtp_layers_loads_without_a_pipeline(tmp_path):
+    directory = str(tmp_path / "ckpt_pp")
+    saved = run_on_ranks(2, _save_at_tp2_load_at_tp1, directory, 1, 1, False, 2, True)[1]
+    loaded = run_on_ranks(1, _save_at_tp2_load_at_tp1, directory, 1, 1, False, 1, True)[0]
+    assert sorted(saved) == sorted(loaded) and "position_embeddings.weight" in saved
     for name, tensor in saved.items():
         assert torch.equal(loaded[name], tensor), name
 
@@ -215,11 +246,19 @@ def test_the_mtp_layers_routing_losses_reach_their_routers():
         assert not torch.allclose(grads[1][name], grad, rtol=1e-6, atol=0), name
 
 
-def test_mtp_with_pipeline_parallelism_is_refused():
+def test_mtp_with_pipeline_parallelism_needs_our_runtime():
+    # On the last stage the MTP layers embed the tokens k ahead: our runtime hands that stage the tokens (trained
+    # against PP = 1 in tests/pipeline/test_pipeline_equivalence.py), DeepSpeed's PipelineEngine does not.
+    from ds_megatron.config.pipeline import DeepSpeedBatchKeys, check_pipeline
+    from ds_megatron.config.parallel import ParallelConfig
     from ds_megatron.parallel.layout import ParallelLayout
-    with pytest.raises(ConfigError, match="model.mtp_num_layers=2 with pipeline_model_parallel_size=2"):
-        GPTConfig(**CFG).check_layout(ParallelLayout(world_size=2, pp=2))
-    GPTConfig(**CFG).check_layout(ParallelLayout(world_size=2, cp=2))
+    layout = ParallelLayout(world_size=2, pp=2)
+    GPTConfig(**CFG).check_layout(layout)
+    batch = DeepSpeedBatchKeys(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2)
+    check_pipeline(ParallelConfig(pipeline_model_parallel_size=2), GPTConfig(**CFG), batch, layout, "megatron")
+    with pytest.raises(ConfigError, match=r'model.mtp_num_layers=2 with megatron.pipeline_model_parallel_size=2 '
+                                          r'needs megatron.optimizer_impl "megatron"'):
+        check_pipeline(ParallelConfig(pipeline_model_parallel_size=2), GPTConfig(**CFG), batch, layout, "deepspeed")
 
 
 def test_the_plan_counts_the_mtp_parameters():
@@ -228,3 +267,26 @@ def test_the_plan_counts_the_mtp_parameters():
         cfg = GPTConfig(**CFG, untie_embeddings_and_output_weights=untied, **moe)
         model = GPTModel(cfg)
         assert gpt_param_counts(cfg, 1).total == sum(p.numel() for p in model.parameters())
+
+
+def _stage_counts(untied):
+    """(the plan's count of this pipeline stage's parameters, the built stage's) at PP = 2, learned positions."""
+    import torch.distributed as dist
+    from ds_megatron.models.gpt_chunks import GPTModelChunks
+    from ds_megatron.parallel.layout import ParallelLayout
+    from ds_megatron.planning import gpt_param_counts
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), pp=2))
+    cfg = GPTConfig(**{**CFG, "position_embedding_type": "learned_absolute"},
+                    untie_embeddings_and_output_weights=untied)
+    model = GPTModelChunks(cfg, state)
+    planned = gpt_param_counts(cfg, 1, layers=model.stage_layers, first_stage=model.is_first_stage,
+                               last_stage=model.is_last_stage).total
+    built = sum(p.numel() for p in model.parameters())
+    state.destroy()
+    return planned, built
+
+
+@pytest.mark.parametrize("untied", [False, True], ids=["tied", "untied"])
+def test_the_plan_counts_the_last_stages_mtp_layers_and_embedding_copies(untied):
+    for planned, built in run_on_ranks(2, _stage_counts, untied):
+        assert planned == built

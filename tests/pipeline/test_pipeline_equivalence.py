@@ -96,9 +96,10 @@ def _gathered_weights(named_params, state):
 
 
 def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1, impl="megatron", recompute=False,
-           clip=1.0, pipeline=None, layers=None, record_order=False, cp=1, steps=STEPS):
+           clip=1.0, pipeline=None, layers=None, record_order=False, cp=1, steps=STEPS, mtp=None, untied=False):
     """``pipeline``: the schedule's keys of the "megatron" section (ours with ``pipeline_schedule``
-    "interleaved_1f1b", the default with v > 1); ``layers``: num_layers instead of MODEL's."""
+    "interleaved_1f1b", the default with v > 1); ``layers``: num_layers instead of MODEL's; ``mtp``:
+    mtp_num_layers (on the last stage, with copies of the word and position embeddings there)."""
     world = dist.get_world_size()
     dp = world // (pp * tp * cp)
     cfg = _config(pp, tp, dp, precision, distopt, sp, moe, ep, impl, clip,
@@ -106,7 +107,8 @@ def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1, i
     state = ds_megatron.initialize_model_parallel(cfg)
     model_args = dict(MODEL, num_layers=layers or MODEL["num_layers"])
     config = GPTConfig(**model_args, **(MOE if moe else {}), sequence_parallel=sp,
-                       recompute_granularity="full" if recompute else None)
+                       recompute_granularity="full" if recompute else None, mtp_num_layers=mtp,
+                       untie_embeddings_and_output_weights=untied)
     torch.manual_seed(7)
     ours = pp > 1 and pipeline is not None
     orders = []
@@ -126,7 +128,7 @@ def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1, i
         chunks = _my_chunks(step, state.dp.size, state.dp.rank)
         if pp > 1:
             loss = engine.train_batch(iter([(t, (l, m)) for t, l, m in chunks]))
-            if moe:  # the pipeline's loss is the LM loss; PP=1's adds the routing losses of every layer
+            if moe:  # the pipeline's loss is the LM (and MTP) loss; PP=1's adds the routing losses of every layer
                 loss = loss + _routing_losses(model, state)
         else:
             total = 0.0
@@ -157,7 +159,8 @@ def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1, i
 def _routing_losses(model, state):
     """This step's routing losses as PP=1's loss contains them: summed over the stages' layers, averaged over DP."""
     tracker = model.moe_aux_loss_tracker
-    total = torch.stack(list(tracker.averages().values())).sum() if tracker.averages() else torch.zeros(())
+    routing = [v for name, v in tracker.averages().items() if name != "mtp_loss"]  # MTP's is in the loss already
+    total = torch.stack(routing).sum() if routing else torch.zeros(())
     tracker.reset()
     dist.all_reduce(total, group=state.pp.group)
     dist.all_reduce(total, group=state.dp.group)
@@ -231,6 +234,14 @@ CASES = {
     "ours-pp2-zb-moe-ep2": (4, dict(pp=2, tp=1, moe=True, ep=2, pipeline=ZB), dict(pp=1, tp=1, moe=True, ep=2), 1e-5),
     "ours-pp2-zb-recompute": (2, dict(pp=2, tp=1, pipeline=ZB, recompute=True), dict(pp=1, tp=1), 1e-5),
     "ours-pp2-v2-cp2": (4, dict(pp=2, tp=1, cp=2, pipeline=V2), dict(pp=1, tp=1, cp=2), 1e-5),
+    # Multi-token prediction on the last stage (learned positions: their copy there too), tied and untied.
+    "ours-pp2-mtp": (2, dict(pp=2, tp=1, mtp=2, pipeline=ONE_CHUNK), dict(pp=1, tp=1, mtp=2), 1e-5),
+    "ours-pp2-v2-mtp-moe-ep2-untied-distopt": (4, dict(pp=2, tp=1, moe=True, ep=2, mtp=1, untied=True, pipeline=V2,
+                                                   distopt=True),
+                                               dict(pp=1, tp=1, moe=True, ep=2, mtp=1, untied=True, distopt=True),
+                                               1e-5),
+    "ours-pp2-zb-mtp-tp2-sp": (4, dict(pp=2, tp=2, sp=True, mtp=1, pipeline=ZB), dict(pp=1, tp=2, sp=True, mtp=1),
+                               1e-5),
     "ours-pp2-v2-recompute": (2, dict(pp=2, tp=1, pipeline=V2, recompute=True), dict(pp=1, tp=1), 1e-5),
     "ours-pp2-uneven": (2, dict(pp=2, tp=1, pipeline=dict(ONE_CHUNK, decoder_first_pipeline_num_layers=1)),
                         dict(pp=1, tp=1), 1e-5),
