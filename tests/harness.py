@@ -4,7 +4,11 @@
 gloo job and returns the list of per-rank results.  Workers are started once
 per world size through a ``forkserver`` that has torch and DeepSpeed imported
 already, and are reused by later tests (each keeps its process group), which
-saves most of the start-up cost on a 2-core machine.  If any rank raises, the
+saves most of the start-up cost on a 2-core machine.  Between tests a worker
+collects its garbage: a destroyed gloo group lives on in reference cycles until
+then, and each keeps a thread that wakes every few milliseconds (hundreds of
+them once took half the CPU of an idle pool); a pool whose workers still hold
+many threads after that (groups a test never destroyed) is started afresh.  If any rank raises, the
 others are killed at once and the test fails with that rank's traceback; if
 the ranks do not all answer within ``timeout`` seconds, the workers are killed
 and the test fails: nothing hangs.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -28,6 +33,8 @@ from ds_megatron.utils.dist_env import free_port
 _CTX = None
 _POOLS: Dict[int, "_Pool"] = {}
 DEFAULT_TIMEOUT = float(os.environ.get("DS_MEGATRON_TEST_TIMEOUT", "180"))
+# A worker holds about 5 threads with its default group; each live gloo group adds 3.
+MAX_WORKER_THREADS = 60
 
 
 class RankFailure(AssertionError):
@@ -54,9 +61,11 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            value = (rank, True, fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
-            results.put((rank, False, traceback.format_exc()))
+            value = (rank, False, traceback.format_exc())
+        gc.collect()  # before answering: the parent counts the threads left (see the module docstring)
+        results.put(value)
     try:
         dist.barrier()
         dist.destroy_process_group()
@@ -124,6 +133,8 @@ class _Pool:
                 raise RankFailure(f"rank {rank} of {self.world_size} failed in {fn.__name__}:\n{value}")
             out[rank] = value
             pending.discard(rank)
+        if max(_threads(p.pid) for p in self.procs) > MAX_WORKER_THREADS:
+            self.close()  # the next test starts a fresh pool
         return out
 
     def close(self) -> None:
@@ -140,6 +151,14 @@ class _Pool:
         for p in self.procs:
             p.join(timeout=5)
         _POOLS.pop(self.world_size, None)
+
+
+def _threads(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    except (OSError, StopIteration):
+        return 0
 
 
 def run_on_ranks(world_size: int, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> List[Any]:
