@@ -57,7 +57,7 @@ def _drive(tmp_path, watch, trigger, action, command, env=None):
     result = tmp_path / f"{action}.json"
     proc = subprocess.run([sys.executable, os.path.join(HERE, "launcher_driver.py"), str(result), watch, trigger,
                            action, "--", *command], cwd=ROOT, env=env or _env(), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(result.read_text()), proc.stdout + proc.stderr
 
