@@ -313,14 +313,13 @@ def _deepseek_v3(hf: Dict[str, Any]) -> Dict[str, Any]:
                                    "norm_epsilon for every norm: convert a model with rms_norm_eps 1e-6")):
         if get(key) != only or isinstance(get(key), bool) != isinstance(only, bool):
             raise _fail(key, get(key), fix)
-    # transformers' two names of one field (its default: 1)
+    # Multi-token prediction: transformers' two names of one field (its default: 1); the layers follow the decoder's
+    # as model.layers.{num_hidden_layers + k} (transformers neither builds nor runs them)
     mtp = ({k: hf[k] for k in ("num_nextn_predict_layers", "num_mtp_layers") if k in hf}
            or {"num_nextn_predict_layers": 1})
-    for key, value in mtp.items():
-        if _int(key, value, 0):
-            raise _fail(key, value, "ds_megatron has no MoE multi-token-prediction layers and transformers' forward "
-                        "does not run them: set it to 0 (and leave the MTP layer's tensors out) to convert the main "
-                        "model")
+    depths = {_int(key, value, 0) for key, value in mtp.items()}
+    if len(depths) > 1:
+        raise _fail("num_mtp_layers", hf.get("num_mtp_layers"), "it differs from num_nextn_predict_layers: keep one")
     if get("hidden_act") not in ("silu", "gelu"):
         raise _fail("hidden_act", get("hidden_act"), "use silu (SwiGLU) or gelu")
     layers, h, n = (_int(k, get(k), 1) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
@@ -395,6 +394,8 @@ def _deepseek_v3(hf: Dict[str, Any]) -> Dict[str, Any]:
         model.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
     if dense:
         model["moe_layer_freq"] = [0] * dense + [1] * (layers - dense)
+    if depths != {0}:
+        model["mtp_num_layers"] = depths.pop()
     return model
 
 
@@ -418,7 +419,7 @@ def hf_from_model(family: str, model: Dict[str, Any], base: Dict[str, Any]) -> D
     _, expected = model_from_hf(base)
     for key, value in expected.items():
         if key in ("seq_length", "attention_dropout", "hidden_dropout", "moe_aux_loss_coeff", "init_method_std",
-                   "moe_router_dtype"):
+                   "moe_router_dtype", "mtp_loss_scaling_factor"):
             continue  # training settings, not the architecture
         if model.get(key, value) != value:
             raise ConvertError(f"model.{key}={model.get(key)!r} differs from the Hugging Face model it came from "
@@ -438,7 +439,7 @@ RUNTIME_FIELDS = ("seq_length", "hidden_dropout", "attention_dropout", "sequence
                   "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
                   "moe_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
                   "init_method_std", "label_smoothing", "make_vocab_size_divisible_by", "layernorm_epsilon",
-                  "moe_shared_expert_ffn_hidden_size", "moe_router_dtype", "cp_comm_type")
+                  "moe_shared_expert_ffn_hidden_size", "moe_router_dtype", "cp_comm_type", "mtp_loss_scaling_factor")
 
 
 def hf_config_from_model(family: str, model: Dict[str, Any], field: str = "train.export_hf_family",

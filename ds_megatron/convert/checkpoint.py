@@ -73,7 +73,12 @@ class HFSource:
         expected = mapping.hf_shapes()
         for name, shape in expected.items():
             if name not in self.table:
-                raise ConvertError(f"{self.dir}: tensor {name} is missing from the checkpoint's files")
+                mtp = mapping.mtp and name.startswith(tuple(f"model.layers.{mapping.config.num_layers + k}."
+                                                            for k in range(mapping.mtp)))
+                hint = (f" (config.json asks for {mapping.mtp} multi-token-prediction layer(s), which a checkpoint "
+                        "saved by transformers lacks: set num_nextn_predict_layers to 0 to convert the main model)"
+                        if mtp else "")
+                raise ConvertError(f"{self.dir}: tensor {name} is missing from the checkpoint's files{hint}")
             path, _, found = self.table[name]
             if found != shape:
                 raise ConvertError(f"{path}: tensor {name} has shape {list(found)} but config.json implies "
@@ -82,6 +87,16 @@ class HFSource:
             if name not in expected and not name.endswith(_IGNORED_SUFFIXES):
                 raise ConvertError(f"{path}: unexpected tensor {name} (not part of a {self.family} model with this "
                                    "config.json); convert the model it belongs to")
+
+    def check_copies(self, mapping: Mapping, reader: SliceReader, rows: Optional[Tuple[int, int]] = None) -> None:
+        """The tensors that repeat another (``Mapping.hf_copies``) equal it (in ``rows`` only, when given: a
+        rank's vocab shard); our model keeps one weight for both, so a copy that differs is refused, not dropped."""
+        for copy, original in mapping.hf_copies().items():
+            r = rows or (0, self.table[original][2][0])
+            if not torch.equal(reader.read(self.table[copy][0], copy, r), reader.read(self.table[original][0],
+                                                                                      original, r)):
+                raise ConvertError(f"{self.table[copy][0]}: tensor {copy} differs from {original}, which ds_megatron's "
+                                   "multi-token-prediction layer shares with the main model; make them equal")
 
     def dtype_of(self, target: Target) -> torch.dtype:
         dtypes = {self.table[p.source or p.like][1] for p in target.pieces}
@@ -147,6 +162,7 @@ def hf_to_ours(src: str, dst: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: O
     tmp = _fresh_destination(dst)
     try:
         reader = SliceReader()
+        source.check_copies(mapping, reader)
         for fname, targets in plans.items():
             writer = StreamingWriter(os.path.join(tmp, fname), [(t.name, dt, t.shape) for t, dt in targets],
                                      {"format": "pt"})
@@ -231,6 +247,8 @@ def ours_to_hf(src: str, dst: str) -> str:
                 if p.source is not None:
                     contributors[p.source].append((fname, t, offset, p))
                 offset += p.num_rows
+    for copy, original in source.mapping.hf_copies().items():  # written from the one weight we keep
+        contributors[copy] = contributors[original]
     order = sorted(shapes)
     out_dtypes = {}
     for name in order:

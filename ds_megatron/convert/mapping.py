@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config.model import GPTConfig, pad_vocab_size
 from ..config.pipeline import stage_layer_counts, stage_layer_ranges
+from ..errors import ConvertError
 
 Range = Tuple[int, int]
 
@@ -120,6 +121,10 @@ class Mapping:
         self.family, self.config, self.layout = family, config, layout
         self.names = _Names(family)
         self.padded_vocab = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, layout.tp)
+        self.mtp = config.mtp_num_layers or 0
+        if self.mtp and family != "deepseek_v3":
+            raise ConvertError(f"model.mtp_num_layers={self.mtp}: {family} checkpoints have no multi-token-prediction "
+                               "layers (deepseek_v3's do); set mtp_num_layers to null to convert this model")
 
     # -- Hugging Face side ---------------------------------------------------------------------------
     def hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
@@ -129,7 +134,7 @@ class Mapping:
         out: Dict[str, Tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
         if c.untie_embeddings_and_output_weights:
             out["lm_head.weight"] = (c.vocab_size, h)
-        for i in range(c.num_layers):
+        for i in range(c.num_layers + self.mtp):  # the multi-token-prediction layers follow: model.layers.{L + k}
             att = lambda rest: nm.layer(i, "self_attn." + rest)  # noqa: E731
             out[nm.layer(i, "input_layernorm.weight")] = (h,)
             out[nm.layer(i, "post_attention_layernorm.weight")] = (h,)
@@ -166,6 +171,22 @@ class Mapping:
                 if c.add_bias_linear:
                     out.update({nm.layer(i, "mlp.gate_proj.bias"): (f,), nm.layer(i, "mlp.up_proj.bias"): (f,),
                                 nm.layer(i, "mlp.down_proj.bias"): (h,)})
+        for k in range(self.mtp):
+            i = c.num_layers + k
+            out.update({nm.layer(i, "enorm.weight"): (h,), nm.layer(i, "hnorm.weight"): (h,),
+                        nm.layer(i, "eh_proj.weight"): (h, 2 * h), nm.layer(i, "shared_head.norm.weight"): (h,)})
+            out.update({copy: (c.vocab_size, h) for copy in self.hf_copies()})
+        return out
+
+    def hf_copies(self) -> Dict[str, str]:
+        """Hugging Face tensors that repeat another: DeepSeek-V3's MTP layers carry the embedding and the output
+        head they share with the main model.  Export writes them from the original; import checks they equal it."""
+        c, nm = self.config, self.names
+        head = "lm_head.weight" if c.untie_embeddings_and_output_weights else "model.embed_tokens.weight"
+        out = {}
+        for k in range(self.mtp):
+            out[nm.layer(c.num_layers + k, "embed_tokens.weight")] = "model.embed_tokens.weight"
+            out[nm.layer(c.num_layers + k, "shared_head.head.weight")] = head
         return out
 
     def _mla_shapes(self) -> Dict[str, Tuple[int, ...]]:
@@ -225,11 +246,11 @@ class Mapping:
     def _whole(name: str, source: str, shape: Tuple[int, ...]) -> Target:
         return Target(name, shape, (_rows(source, (0, shape[0])),))
 
-    def _mla(self, i: int, t: int) -> List[Target]:
+    def _mla(self, i: int, t: int, ours: str) -> List[Target]:
         """Multi-latent attention: the up-projections by whole heads (a block of rows), ``o_proj`` by columns,
         the down-projections, latent norms and biases whole (``transformer/multi_latent_attention.py``)."""
         tp = self.layout.tp
-        ours = f"layers.{i}.self_attention."
+        ours += ".self_attention."
         out = []
         for name, shape in self._mla_shapes().items():
             source = self.names.layer(i, "self_attn." + name)
@@ -241,13 +262,13 @@ class Mapping:
                 out.append(self._whole(ours + name, source, shape))
         return out
 
-    def _attention(self, i: int, t: int) -> List[Target]:
+    def _attention(self, i: int, t: int, ours: str) -> List[Target]:
         c, nm, tp = self.config, self.names, self.layout.tp
         if c.multi_latent_attention:
-            return self._mla(i, t)
+            return self._mla(i, t, ours)
         h, d, n, g = c.hidden_size, c.head_dim, c.num_attention_heads, c.query_groups
         qpg = n // g
-        ours = f"layers.{i}.self_attention."
+        ours += ".self_attention."
         att = lambda rest: nm.layer(i, "self_attn." + rest)  # noqa: E731
         out = []
         kinds = [("weight", False)] + ([("bias", True)] if c.qkv_bias else [])
@@ -284,40 +305,65 @@ class Mapping:
                     self._whole(ours + "dense_4h_to_h.bias", biases[2], (h,))]
         return out
 
+    @staticmethod
+    def ours_layer(config: GPTConfig, i: int) -> str:
+        """Our name of transformer layer ``i``: ``layers.i``, or ``mtp.k.layer`` for the MTP layers after them."""
+        return f"layers.{i}" if i < config.num_layers else f"mtp.{i - config.num_layers}.layer"
+
+    def _layer(self, i: int, t: int) -> List[Target]:
+        """Transformer layer ``i``'s dense tensors (``i`` >= num_layers: multi-token prediction's)."""
+        c, nm, h = self.config, self.names, self.config.hidden_size
+        layer = self.ours_layer(c, i)
+        out = [self._whole(f"{layer}.input_layernorm.weight", nm.layer(i, "input_layernorm.weight"), (h,))]
+        out += self._attention(i, t, layer)
+        out.append(self._whole(f"{layer}.post_attention_layernorm.weight",
+                               nm.layer(i, "post_attention_layernorm.weight"), (h,)))
+        if c.is_moe_layer(i):
+            ours = f"{layer}.mlp."
+            out.append(self._whole(ours + "router.weight", nm.moe(i, "gate.weight"), (c.num_experts, h)))
+            if c.moe_router_enable_expert_bias:  # the router's fp32 buffer, whole on every rank of the stage
+                out.append(self._whole(ours + "router.expert_bias", nm.moe(i, "gate.e_score_correction_bias"),
+                                       (c.num_experts,)))
+            if c.moe_shared_expert_intermediate_size:
+                out += self._mlp(ours + "shared_experts.", nm.shared(i, "gate_proj.weight"),
+                                 nm.shared(i, "up_proj.weight"), nm.shared(i, "down_proj.weight"),
+                                 c.moe_shared_expert_intermediate_size, t, None)
+                if c.moe_shared_expert_gate:
+                    out.append(self._whole(ours + "shared_experts.gate_weight",
+                                           nm.moe(i, "shared_expert_gate.weight"), (1, h)))
+        else:
+            mlp = lambda rest: nm.layer(i, "mlp." + rest)  # noqa: E731
+            biases = tuple(mlp(f"{x}_proj.bias") for x in ("gate", "up", "down")) if c.add_bias_linear else None
+            out += self._mlp(f"{layer}.mlp.", mlp("gate_proj.weight"), mlp("up_proj.weight"),
+                             mlp("down_proj.weight"), c.ffn_hidden_size, t, biases)
+        return out
+
+    def _mtp(self, k: int, t: int) -> List[Target]:
+        """Multi-token-prediction depth k: its norms, ``eh_proj`` (column-parallel) and transformer layer."""
+        c, nm, h = self.config, self.names, self.config.hidden_size
+        i, ours = c.num_layers + k, f"mtp.{k}."
+        return ([self._whole(ours + "enorm.weight", nm.layer(i, "enorm.weight"), (h,)),
+                 self._whole(ours + "hnorm.weight", nm.layer(i, "hnorm.weight"), (h,)),
+                 self._column(ours + "eh_proj.weight", (nm.layer(i, "eh_proj.weight"),), h, self.layout.tp, t, 2 * h)]
+                + self._layer(i, t)
+                + [self._whole(ours + "final_layernorm.weight", nm.layer(i, "shared_head.norm.weight"), (h,))])
+
     def dense_targets(self, stage: int, t: int) -> List[Target]:
-        c, nm, lay = self.config, self.names, self.layout
+        c, lay = self.config, self.layout
         h = c.hidden_size
         first, last = stage == 0, stage == lay.pp - 1
         out: List[Target] = []
-        if first or (last and not c.untie_embeddings_and_output_weights):
+        # the last stage's copy: the tied output layer's, or multi-token prediction's (which embeds tokens there)
+        if first or (last and (self.mtp or not c.untie_embeddings_and_output_weights)):
             out.append(self._vocab("word_embeddings.weight", "model.embed_tokens.weight", t))
         for i in lay.stage_layers[stage]:
-            out.append(self._whole(f"layers.{i}.input_layernorm.weight", nm.layer(i, "input_layernorm.weight"), (h,)))
-            out += self._attention(i, t)
-            out.append(self._whole(f"layers.{i}.post_attention_layernorm.weight",
-                                   nm.layer(i, "post_attention_layernorm.weight"), (h,)))
-            if c.is_moe_layer(i):
-                ours = f"layers.{i}.mlp."
-                out.append(self._whole(ours + "router.weight", nm.moe(i, "gate.weight"), (c.num_experts, h)))
-                if c.moe_router_enable_expert_bias:  # the router's fp32 buffer, whole on every rank of the stage
-                    out.append(self._whole(ours + "router.expert_bias", nm.moe(i, "gate.e_score_correction_bias"),
-                                           (c.num_experts,)))
-                if c.moe_shared_expert_intermediate_size:
-                    out += self._mlp(ours + "shared_experts.", nm.shared(i, "gate_proj.weight"),
-                                     nm.shared(i, "up_proj.weight"), nm.shared(i, "down_proj.weight"),
-                                     c.moe_shared_expert_intermediate_size, t, None)
-                    if c.moe_shared_expert_gate:
-                        out.append(self._whole(ours + "shared_experts.gate_weight",
-                                               nm.moe(i, "shared_expert_gate.weight"), (1, h)))
-            else:
-                mlp = lambda rest: nm.layer(i, "mlp." + rest)  # noqa: E731
-                biases = tuple(mlp(f"{x}_proj.bias") for x in ("gate", "up", "down")) if c.add_bias_linear else None
-                out += self._mlp(f"layers.{i}.mlp.", mlp("gate_proj.weight"), mlp("up_proj.weight"),
-                                 mlp("down_proj.weight"), c.ffn_hidden_size, t, biases)
+            out += self._layer(i, t)
         if last:
             out.append(self._whole("final_layernorm.weight", "model.norm.weight", (h,)))
             if c.untie_embeddings_and_output_weights:
                 out.append(self._vocab("output_layer.weight", "lm_head.weight", t))
+            for k in range(self.mtp):
+                out += self._mtp(k, t)
         return out
 
     def expert_targets(self, stage: int, ep_rank: int, etp_rank: int) -> List[Target]:
@@ -325,11 +371,12 @@ class Mapping:
         h, f = c.hidden_size, c.moe_ffn_hidden_size
         per_rank = c.num_experts // lay.ep
         out: List[Target] = []
-        for i in lay.stage_layers[stage]:
+        mtp = range(c.num_layers, c.num_layers + self.mtp) if stage == lay.pp - 1 else range(0)
+        for i in list(lay.stage_layers[stage]) + list(mtp):
             if not c.is_moe_layer(i):
                 continue
             for e in range(ep_rank * per_rank, (ep_rank + 1) * per_rank):
-                ours = f"layers.{i}.mlp.experts.{e}."
+                ours = f"{self.ours_layer(c, i)}.mlp.experts.{e}."
                 out.append(self._column(ours + "linear_fc1.weight", (nm.expert(i, e, "gate"), nm.expert(i, e, "up")),
                                         f, lay.etp, etp_rank, h))
                 out.append(self._row_parallel(ours + "linear_fc2.weight", nm.expert(i, e, "down"), h, f, lay.etp,

@@ -106,6 +106,11 @@ def load_weights(model, path: str, parallel_state, stage_layers: Sequence[Sequen
         mapping = Mapping(source.family, config, layout)
         source.validate(mapping)
         reader = SliceReader()
+        if parallel_state.pp.rank == parallel_state.pp.size - 1:  # the stage that holds the MTP layers
+            vocab = next((t for _, t in rank_targets(mapping, parallel_state) if t.name == "word_embeddings.weight"),
+                         None)
+            rows = vocab.pieces[0].rows if vocab is not None and vocab.pieces[0].source else None
+            source.check_copies(mapping, reader, rows)
 
         def read(fname, target):
             return source.build(target, reader)

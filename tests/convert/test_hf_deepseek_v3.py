@@ -11,6 +11,11 @@ wrote; ``ds_megatron.from_pretrained`` at TP=1 and TP=2.  HF -> ours -> HF is bi
 layout, and through a model's own buffers (``save_weights``), with config.json unchanged.  Refusals: one line
 naming config.json and the field.
 
+Multi-token prediction (``model.layers.{num_hidden_layers}``, which transformers neither builds nor runs): our loss
+equals DeepSeek's, built from transformers' own decoder layer and norms, to 1e-10 at TP=1 (from HF and from ours) and
+TP=2 with SP; HF -> ours (PP=2 x EP=2, the MTP layer on the last stage) -> HF bit-exact, the embedding and head
+copies included; a copy that differs from the main model's is refused.
+
 The mapped model routes in fp32 (``moe_router_dtype``, as transformers does); the float64 runs set it to null.
 """
 import json
@@ -27,7 +32,7 @@ import ds_megatron
 from ds_megatron.config.hf_config import hf_from_model, model_from_hf
 from ds_megatron.config.model import GPTConfig
 from ds_megatron.config.pipeline import stage_layer_counts, stage_layer_ranges
-from ds_megatron.convert.checkpoint import HFSource, main as convert_main, ours_to_hf
+from ds_megatron.convert.checkpoint import HFSource, hf_to_ours, main as convert_main, ours_to_hf
 from ds_megatron.convert.model_io import load_weights, save_weights
 from ds_megatron.convert.safetensors_io import DTYPES
 from ds_megatron.errors import ConvertError
@@ -135,8 +140,8 @@ def test_kimi_k2_and_the_original_remote_code_config_load_as_the_same_model():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(num_nextn_predict_layers=1), "num_nextn_predict_layers=1 is not supported; ds_megatron has no MoE "
-                                       "multi-token-prediction layers"),
+    (dict(num_nextn_predict_layers=1, num_mtp_layers=2), "num_mtp_layers=2 is not supported; it differs from "
+                                                          "num_nextn_predict_layers"),
     (dict(rope_interleave=False), "rope_interleave=False is not supported"),
     (dict(attention_bias=True), "attention_bias=True is not supported"),
     (dict(norm_topk_prob=False), "norm_topk_prob=False is not supported"),
@@ -159,7 +164,7 @@ def test_kimi_k2_and_the_original_remote_code_config_load_as_the_same_model():
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
 def test_unsupported_fields_are_refused_in_one_line(overrides, match):
     cfg = {**_config_json_of(), **overrides}
-    if "num_nextn_predict_layers" not in overrides:
+    if not {"num_nextn_predict_layers", "num_mtp_layers"} & set(overrides):
         cfg.pop("num_nextn_predict_layers")
         cfg["num_mtp_layers"] = 0  # transformers' other name of the field
     with pytest.raises(ConvertError) as e:
@@ -272,3 +277,108 @@ def test_every_layout_equals_transformers_and_round_trips(deepseek):
     for logits in run_on_ranks(4, _from_pretrained_and_save, hf_dir, ours[LAYOUTS[0]], toks, save_dir):
         assert all(hf_models.max_relative_error(got, ref) < 1e-10 for got in logits)
     _assert_round_trip(hf_dir, save_dir, str(tmp / "back_saved"))
+
+
+# -- multi-token prediction ------------------------------------------------------------------------------------------
+# transformers neither builds nor runs DeepSeek-V3's MTP layer (model.layers.{num_hidden_layers}), so the reference is
+# built from its parts: a 3-layer transformers model whose layer 2 is the MTP layer's transformer block, run as a
+# one-layer DeepseekV3Model (its final norm: shared_head.norm), after eh_proj([enorm(embedding of the tokens one
+# ahead); hnorm(the main model's last hidden state after its norm)]) (the order vLLM serves DeepSeek-V3's MTP with),
+# and the shared output head.
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(tmp_path_factory):
+    """(a Hugging Face DeepSeek-V3 directory with one MTP layer, the float64 reference loss of its tokens)."""
+    import transformers as T
+    from safetensors.torch import save_file
+    tmp = tmp_path_factory.mktemp("deepseek_v3_mtp")
+    whole = hf_models.make_deepseek_v3(num_hidden_layers=3)  # layer 2 becomes the MTP layer's block
+    h = whole.config.hidden_size
+    g = torch.Generator().manual_seed(11)
+    sd = _tensors(hf_models.save(whole, str(tmp / "whole")))  # the checkpoint's names (experts one by one)
+    extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=g), "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+             "eh_proj.weight": 0.05 * torch.randn(h, 2 * h, generator=g),
+             "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
+    sd.update({f"model.layers.2.{k}": v.double() for k, v in extra.items()})
+    sd["model.layers.2.embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+    sd["model.layers.2.shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    hf_dir = tmp / "hf"
+    hf_dir.mkdir()
+    save_file(sd, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads(whole.config.to_json_string())
+    cfg.update(num_hidden_layers=2, num_nextn_predict_layers=1, architectures=["DeepseekV3ForCausalLM"])
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+
+    toks = torch.randint(0, hf_models.VOCAB, (2, hf_models.SEQ + 1), generator=torch.Generator().manual_seed(5))
+    inputs, labels = toks[:, :-1], toks[:, 1:]
+    main = hf_models.make_deepseek_v3(num_hidden_layers=2)
+    main.load_state_dict({k: v for k, v in whole.state_dict().items() if not k.startswith("model.layers.2.")})
+    block_config = T.DeepseekV3Config(**{**hf_models.DEEPSEEK_V3, "num_hidden_layers": 1, "first_k_dense_replace": 0})
+    block_config._experts_implementation = "eager"
+    block = T.DeepseekV3Model(block_config).double()
+    block.layers[0].load_state_dict(whole.model.layers[2].state_dict())
+    block.norm.weight.data.copy_(extra["shared_head.norm.weight"])
+    main, block = hf_models.float64_reference(main), hf_models.float64_reference(block)
+    with torch.no_grad():
+        hidden = main.model(inputs).last_hidden_state  # after the final norm
+        lm = torch.nn.functional.cross_entropy(main.lm_head(hidden).flatten(0, 1), labels.flatten())
+        ahead = torch.cat((inputs[:, 1:], torch.zeros_like(inputs[:, :1])), dim=1)
+        x = torch.cat((_rms(main.model.embed_tokens(ahead), extra["enorm.weight"].double()),
+                       _rms(hidden, extra["hnorm.weight"].double())), dim=-1) @ extra["eh_proj.weight"].double().t()
+        mtp_logits = main.lm_head(block(inputs_embeds=x).last_hidden_state)[:, :-1]  # the last position has no label
+        mtp = torch.nn.functional.cross_entropy(mtp_logits.flatten(0, 1), labels[:, 1:].flatten())
+    return str(hf_dir), inputs, labels, lm + 0.1 * mtp, tmp
+
+
+def _mtp_loss(path, tp, sp, inputs, labels):
+    """Our model of the MTP checkpoint at TP = ``tp`` (every rank: the whole loss)."""
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp))
+    try:
+        model = ds_megatron.from_pretrained(path, state, dtype=torch.float64, sequence_parallel=sp,
+                                            seq_length=hf_models.SEQ, **F64).eval()
+        with torch.no_grad():
+            return model(inputs, labels)
+    finally:
+        state.destroy()
+
+
+def test_the_mtp_layer_converts_and_gives_deepseeks_mtp_loss(deepseek_mtp):
+    hf_dir, inputs, labels, ref, tmp = deepseek_mtp
+    assert model_from_hf(_config_json(hf_dir))[1]["mtp_num_layers"] == 1
+    for path in (hf_dir, _convert(hf_dir, str(tmp / "ours_tp1"))):
+        got = run_on_ranks(1, _mtp_loss, path, 1, False, inputs, labels)[0]
+        assert abs(float(got) - float(ref)) < 1e-10 * float(ref), (path, float(got), float(ref))
+    for got in run_on_ranks(2, _mtp_loss, hf_dir, 2, True, inputs, labels):
+        assert abs(float(got) - float(ref)) < 1e-10 * float(ref), float(got)
+    # The MTP layer (MoE) on the last stage's files; back to Hugging Face with the embedding and head copies.
+    _assert_round_trip(hf_dir, _convert(hf_dir, str(tmp / "ours_pp2_ep2"), pp=2, ep=2), str(tmp / "back_pp2_ep2"))
+
+
+def test_transformers_default_of_one_mtp_layer_without_its_tensors_says_how_to_convert_the_main_model(deepseek, tmp_path):
+    hf_dir = deepseek[1]
+    lacking = tmp_path / "lacking"
+    lacking.mkdir()
+    os.symlink(os.path.join(hf_dir, "model.safetensors"), lacking / "model.safetensors")
+    (lacking / "config.json").write_text(json.dumps({**_config_json(hf_dir), "num_nextn_predict_layers": 1}))
+    with pytest.raises(ConvertError, match=r"tensor model.layers.2.\S+ is missing .* lacks: set "
+                                           r"num_nextn_predict_layers to 0 to convert the main model"):
+        hf_to_ours(str(lacking), str(tmp_path / "ours"))
+
+
+def test_an_mtp_copy_that_differs_from_the_main_models_is_refused(deepseek_mtp, tmp_path):
+    from safetensors.torch import save_file
+    hf_dir = deepseek_mtp[0]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    sd = _tensors(hf_dir)
+    sd["model.layers.2.shared_head.head.weight"][0, 0] += 1
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    (bad / "config.json").write_text(json.dumps(_config_json(hf_dir)))
+    with pytest.raises(ConvertError, match=r"tensor model.layers.2.shared_head.head.weight differs from "
+                                           r"lm_head.weight, which ds_megatron's multi-token-prediction layer shares"):
+        hf_to_ours(str(bad), str(tmp_path / "ours"))
+    assert not os.path.exists(tmp_path / "ours")
