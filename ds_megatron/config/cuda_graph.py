@@ -77,9 +77,6 @@ class CudaGraphConfig:
         if model is None or not self.enabled:
             return
         where = f"{SECTION}.model"
-        if model.multi_latent_attention:  # never captured and compared with eager attention yet
-            raise ConfigError(f"{SECTION}.cuda_graph.impl={self.impl!r} with {where}.multi_latent_attention: its "
-                              "layers are not captured yet; set cuda_graph.impl to \"none\"")
         num_experts, moe_capacity_factor = model.num_experts, model.moe_capacity_factor
         moe_pad_expert_input_to_capacity = model.moe_pad_expert_input_to_capacity
         moe_scopes = [s for s in self.scope if s.startswith("moe_")]

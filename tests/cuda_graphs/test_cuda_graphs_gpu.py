@@ -19,6 +19,9 @@ pytestmark = [pytest.mark.cuda,
 DENSE = dict(num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, seq_length=32, vocab_size=128,
              hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
 MOE = dict(DENSE, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_grouped_gemm=False)
+MLA = dict(DENSE, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4,
+           v_head_dim=8, position_embedding_type="rope", normalization="RMSNorm", rope_scaling_type="yarn",
+           rope_scaling_factor=4.0, original_max_position_embeddings=8, yarn_mscale=0.7, yarn_mscale_all_dim=1.0)
 
 
 def _capturers():
@@ -42,7 +45,7 @@ def _step(model, step):
 
 @pytest.mark.parametrize("capturer", _capturers())
 @pytest.mark.parametrize("model_cfg, scope", [
-    (DENSE, []), (DENSE, ["attn"]),
+    (DENSE, []), (DENSE, ["attn"]), (MLA, ["attn"]),
     (MOE, ["attn", "moe_router"]), (MOE, ["attn", "moe_router", "moe_preprocess"]),
     (MOE, ["moe_router", "moe_preprocess"]),
 ])

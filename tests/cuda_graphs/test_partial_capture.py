@@ -26,10 +26,16 @@ from ds_megatron.transformer import ParallelMLP, ParallelTransformerLayer
 H, S, B = 16, 6, 2
 
 
-def _layers(n=2, moe=(), **moe_kwargs):
+# Multi-latent attention (DeepSeek-V3's): query compression, the latent norms, decoupled RoPE with YaRN.
+MLA = dict(multi_latent_attention=True, q_lora_rank=8, kv_lora_rank=6, qk_head_dim=4, qk_pos_emb_head_dim=2,
+           v_head_dim=3, position_embedding_type="rope", normalization="RMSNorm", rope_scaling_type="yarn",
+           rope_scaling_factor=4.0, original_max_position_embeddings=2, yarn_mscale=0.7, yarn_mscale_all_dim=1.0)
+
+
+def _layers(n=2, moe=(), attention=None, **moe_kwargs):
     torch.manual_seed(0)
     cfg = GPTConfig(num_layers=n, hidden_size=H, num_attention_heads=2, ffn_hidden_size=32, seq_length=S,
-                    hidden_dropout=0.0, attention_dropout=0.0)
+                    hidden_dropout=0.0, attention_dropout=0.0, **(attention or {}))
     init = init_method_normal(0.2)
     tp = ParallelGroup.single("tp")
     layers = torch.nn.ModuleList(
@@ -60,8 +66,8 @@ def _step(layers, seed):
     return out.detach(), x.grad.clone(), grads
 
 
-def _compare(scope, moe=(), num_microbatches=1, **moe_kwargs):
-    eager = _layers(moe=moe, **moe_kwargs)
+def _compare(scope, moe=(), num_microbatches=1, attention=None, **moe_kwargs):
+    eager = _layers(moe=moe, attention=attention, **moe_kwargs)
     graphed = copy.deepcopy(eager)
     helper = CudaGraphHelper(list(graphed), CudaGraphConfig(impl="transformer_engine", scope=scope), EagerCapturer(),
                              num_microbatches=num_microbatches)
@@ -83,6 +89,13 @@ def _compare(scope, moe=(), num_microbatches=1, **moe_kwargs):
 def test_dense_layers_replay_equals_eager(scope):
     helper, _ = _compare(scope, num_microbatches=2)
     assert len(helper.runners) == 2 and all(len(r.cuda_graphs) == 1 for r in helper.runners)  # no PP: one per layer
+
+
+@pytest.mark.parametrize("scope", [[], ["attn"]])
+def test_multi_latent_attention_layers_replay_equals_eager(scope):
+    helper, graphed = _compare(scope, num_microbatches=2, attention=MLA)
+    assert type(graphed[0].self_attention).__name__ == "MLASelfAttention"
+    assert len(helper.runners) == 2 and all(len(r.cuda_graphs) == 1 for r in helper.runners)
 
 
 @pytest.mark.parametrize("scope", [["attn", "moe_router"], ["moe_router"], ["attn", "moe_router", "moe_preprocess"],
