@@ -2,7 +2,7 @@
 interfaces and sshd, reached from the root namespace (the login node) by ``deepspeed --hostfile`` over ssh.
 
 * ``launch/deepspeed_multinode.sh`` with DeepSpeed's pdsh runner, 2 nodes x 2 ranks, TP = 2 inside each node x
-  DP = 2 across them: the one-node 4-rank run's losses exactly; ``metrics.jsonl`` and the checkpoint on the shared
+  DP = 2 across them, an MoE layer with EP = 2 (x ETP = 2) across them too: the one-node 4-rank run's losses exactly; ``metrics.jsonl`` and the checkpoint on the shared
   path, written once.  sshd listens on port 2222 only (``--ssh_port`` on every launch); the hostfile lists a
   third host that does not exist, left out by ``--exclude``; the node-loss run names its slots by ``--include``.
 * A node lost mid-run, killed (its PID namespace's init dies) or cut off (its link down: no FIN, no RST): every
@@ -94,15 +94,21 @@ def test_every_group_gets_the_collective_timeout():
     assert run_on_ranks(2, _group_timeouts, 77) == [[77.0], [77.0]]
 
 
-def _config(out_dir, steps, **train):
+# MoE with EP = 2 x ETP = 2 (expert_model_parallel_size below): with TP = 2 inside each node, each expert-parallel
+# group ({0, 2}, {1, 3}) spans the two nodes, so the tokens' all-to-all crosses them.
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
+
+
+def _config(out_dir, steps, moe=False, **train):
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10 ** 6,
         "megatron": {
             "tensor_model_parallel_size": 2,
+            **({"expert_model_parallel_size": 2, "sequence_parallel": True} if moe else {}),
             "model": {"num_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "seq_length": 16,
-                      "vocab_size": 257, "hidden_dropout": 0.1, "attention_dropout": 0.1},
+                      "vocab_size": 257, "hidden_dropout": 0.1, "attention_dropout": 0.1, **(MOE if moe else {})},
             "train": {"train_iters": steps, "lr": 3e-3, "lr_decay_style": "constant", "lr_warmup_iters": 0,
                       "eval_interval": 10 ** 6, "eval_iters": 1, "output_dir": out_dir, **train},
             "data": {"default_corpus_bytes": 200_000, "split": "90,10"},
@@ -181,15 +187,15 @@ def _train_here(cfg):
     return train(load_job(cfg, dist.get_world_size()), cfg, show_progress=False).losses
 
 
-def _one_node_losses(tmp_path, steps):
+def _one_node_losses(tmp_path, steps, moe=False):
     """The same job on 4 ranks of one machine (the test harness's gloo ranks, one thread each as on the nodes)."""
-    return run_on_ranks(4, _train_here, _config(str(tmp_path / "one_node"), steps))[0]
+    return run_on_ranks(4, _train_here, _config(str(tmp_path / "one_node"), steps, moe))[0]
 
 
-def test_pdsh_tp2_inside_nodes_dp2_across_them_gives_the_one_node_losses(nodes, tmp_path):
+def test_pdsh_tp2_inside_nodes_dp2_and_ep2_across_them_gives_the_one_node_losses(nodes, tmp_path):
     steps = 4
     out = str(tmp_path / "run")
-    job = _job_dir(tmp_path, _config(out, steps))
+    job = _job_dir(tmp_path, _config(out, steps, moe=True))
     # The hostfile also lists a host that does not exist, left out by --exclude (pdsh would fail to reach it).
     absent = f"{nodes.net}.250"
     hostfile = tmp_path / "hostfile"
@@ -203,7 +209,7 @@ def test_pdsh_tp2_inside_nodes_dp2_across_them_gives_the_one_node_losses(nodes, 
     losses = _losses(os.path.join(out, "metrics.jsonl"))
     assert sorted(losses) == list(range(1, steps + 1))
     assert open(os.path.join(out, "latest")).read().strip() == f"iter_{steps:07d}"
-    assert losses == _one_node_losses(tmp_path, steps)
+    assert losses == _one_node_losses(tmp_path, steps, moe=True)
     assert not _no_job_left(nodes)
 
 
