@@ -175,7 +175,7 @@ class Mapping:
             i = c.num_layers + k
             out.update({nm.layer(i, "enorm.weight"): (h,), nm.layer(i, "hnorm.weight"): (h,),
                         nm.layer(i, "eh_proj.weight"): (h, 2 * h), nm.layer(i, "shared_head.norm.weight"): (h,)})
-            out.update({copy: (c.vocab_size, h) for copy in self.hf_copies()})
+        out.update({copy: (c.vocab_size, h) for copy in self.hf_copies()})
         return out
 
     def hf_copies(self) -> Dict[str, str]:

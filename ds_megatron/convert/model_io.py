@@ -106,11 +106,6 @@ def load_weights(model, path: str, parallel_state, stage_layers: Sequence[Sequen
         mapping = Mapping(source.family, config, layout)
         source.validate(mapping)
         reader = SliceReader()
-        if parallel_state.pp.rank == parallel_state.pp.size - 1:  # the stage that holds the MTP layers
-            vocab = next((t for _, t in rank_targets(mapping, parallel_state) if t.name == "word_embeddings.weight"),
-                         None)
-            rows = vocab.pieces[0].rows if vocab is not None and vocab.pieces[0].source else None
-            source.check_copies(mapping, reader, rows)
 
         def read(fname, target):
             return source.build(target, reader)
@@ -131,6 +126,9 @@ def load_weights(model, path: str, parallel_state, stage_layers: Sequence[Sequen
     targets = rank_targets(mapping, parallel_state)
     if is_our_dir(path):
         source.validate({f for f, _ in targets})
+    elif parallel_state.pp.rank == parallel_state.pp.size - 1:  # the stage that holds the MTP layers
+        vocab = next((t for _, t in targets if t.name == "word_embeddings.weight"), None)
+        source.check_copies(mapping, reader, vocab.pieces[0].rows if vocab and vocab.pieces[0].source else None)
     tensors = _file_tensors(model)
     names = [t.name for _, t in targets]
     if sorted(names) != sorted(tensors):
