@@ -105,6 +105,11 @@ class _Names:
         return self.moe(i, f"experts.{e}.{which}_proj.weight")
 
 
+def layer_name(config: GPTConfig, i: int) -> str:
+    """Our name of transformer layer ``i``: ``layers.i``, or ``mtp.k.layer`` for the MTP layers after them."""
+    return f"layers.{i}" if i < config.num_layers else f"mtp.{i - config.num_layers}.layer"
+
+
 def _split(n: int, parts: int, rank: int) -> Range:
     size = n // parts
     return rank * size, (rank + 1) * size
@@ -305,15 +310,10 @@ class Mapping:
                     self._whole(ours + "dense_4h_to_h.bias", biases[2], (h,))]
         return out
 
-    @staticmethod
-    def ours_layer(config: GPTConfig, i: int) -> str:
-        """Our name of transformer layer ``i``: ``layers.i``, or ``mtp.k.layer`` for the MTP layers after them."""
-        return f"layers.{i}" if i < config.num_layers else f"mtp.{i - config.num_layers}.layer"
-
     def _layer(self, i: int, t: int) -> List[Target]:
         """Transformer layer ``i``'s dense tensors (``i`` >= num_layers: multi-token prediction's)."""
         c, nm, h = self.config, self.names, self.config.hidden_size
-        layer = self.ours_layer(c, i)
+        layer = layer_name(c, i)
         out = [self._whole(f"{layer}.input_layernorm.weight", nm.layer(i, "input_layernorm.weight"), (h,))]
         out += self._attention(i, t, layer)
         out.append(self._whole(f"{layer}.post_attention_layernorm.weight",
@@ -376,7 +376,7 @@ class Mapping:
             if not c.is_moe_layer(i):
                 continue
             for e in range(ep_rank * per_rank, (ep_rank + 1) * per_rank):
-                ours = f"{self.ours_layer(c, i)}.mlp.experts.{e}."
+                ours = f"{layer_name(c, i)}.mlp.experts.{e}."
                 out.append(self._column(ours + "linear_fc1.weight", (nm.expert(i, e, "gate"), nm.expert(i, e, "up")),
                                         f, lay.etp, etp_rank, h))
                 out.append(self._row_parallel(ours + "linear_fc2.weight", nm.expert(i, e, "down"), h, f, lay.etp,

@@ -25,7 +25,7 @@ from ..moe.moe_layer import BaseMoELayer
 from ..utils.collectives import barrier
 from .checkpoint import (HF_FILES, HFSource, OurSource, check_layout, extra_files, is_hf_dir, is_our_dir,
                          write_metadata)
-from .mapping import Layout, Mapping, Target, dense_file, expert_file
+from .mapping import Layout, Mapping, Target, dense_file, expert_file, layer_name
 from .safetensors_io import DTYPES, SliceReader, StreamingWriter
 
 # Where a training checkpoint holds the model in our layout, for `ds-megatron convert` to export.
@@ -44,13 +44,11 @@ def model_tensors(model) -> Dict[str, torch.Tensor]:
     for name, p in _gpt_named_parameters(model):
         if ".mlp.experts." not in name:
             out[name] = p
-    n = model.config.num_layers
     for module in model.modules():
         if isinstance(module, BaseMoELayer):
             experts = module.experts
             # a multi-token-prediction layer's (number num_layers + k): named as the one-rank model names it
-            layer = (f"layers.{module.layer_number}" if module.layer_number < n else
-                     f"mtp.{module.layer_number - n}.layer")
+            layer = layer_name(model.config, module.layer_number)
             for local, e in enumerate(experts.local_expert_indices):
                 for key, tensor in experts.expert_weights(local).items():
                     out[f"{layer}.mlp.experts.{e}.{key}"] = tensor

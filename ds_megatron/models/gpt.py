@@ -331,6 +331,9 @@ def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tens
     return language_model_loss(logits, labels, loss_mask, config, tp, inplace=True, cp=cp)
 
 
+MTP_LOSS = "mtp_loss"  # its name in the training log, beside the routing losses
+
+
 def mtp_loss(mtp_layers, word_embeddings, position_embeddings, tokens, labels, loss_mask, hidden,
              output_layer: Optional[torch.nn.Module], config: GPTConfig, tp: ParallelGroup, cp: ParallelGroup,
              tracker) -> torch.Tensor:
@@ -347,7 +350,7 @@ def mtp_loss(mtp_layers, word_embeddings, position_embeddings, tokens, labels, l
                                             _shift_left(mask, k), config, tp, cp, None)
     mean = total / len(mtp_layers)
     if mtp_layers.training:  # the log's is the training loss (an evaluation's is not mixed into it)
-        tracker.record("mtp_loss", 0, mean)
+        tracker.record(MTP_LOSS, 0, mean)
     return config.mtp_loss_scaling_factor * mean
 
 

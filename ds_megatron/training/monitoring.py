@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import NonFiniteLossError
+from ..models.gpt import MTP_LOSS
 from ..parallel_state import ParallelGroup
 from ..utils.collectives import all_reduce
 from .metrics import MetricsLog, progress_text
@@ -171,7 +172,7 @@ class PendingSteps:
             moe = stacked[:, 1:].contiguous()
             all_reduce(moe, self.pipeline)
             # The routing losses join the logged loss; the MTP loss is in the last stage's loss already (scaled).
-            routing = torch.tensor([name != "mtp_loss" for name in self.names], dtype=moe.dtype, device=moe.device)
+            routing = torch.tensor([name != MTP_LOSS for name in self.names], dtype=moe.dtype, device=moe.device)
             stacked = torch.cat([stacked[:, :1] + (moe * routing).sum(dim=1, keepdim=True), moe], dim=1)
         all_reduce(stacked, self.dp)
         rows = (stacked / self.dp.size).tolist()

@@ -34,6 +34,7 @@ from ..checkpointing import api as checkpoints
 from ..checkpointing.run_dir import LATEST, check_resume, job_meta, tag_for
 from ..config.job import JobConfig
 from ..convert.model_io import save_job_model
+from ..models.gpt import MTP_LOSS
 from ..utils.collectives import barrier
 from . import liveness
 from .build import TrainingSetup, build, build_data
@@ -71,7 +72,7 @@ def aux_loss_names(config) -> List[str]:
     routing = [name for name, coeff in (("z_loss", config.moe_z_loss_coeff),
                                         ("load_balancing_loss", config.moe_aux_loss_coeff))
                if coeff > 0 and config.num_experts]
-    return routing + (["mtp_loss"] if config.mtp_num_layers else [])
+    return routing + ([MTP_LOSS] if config.mtp_num_layers else [])
 
 
 class Trainer:
