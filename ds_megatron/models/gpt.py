@@ -39,6 +39,7 @@ from ..tensor_parallel import (LogitsBuffer, RNGStatesTracker, VocabParallelEmbe
                                scaled_init_method_normal, scatter_to_sequence_parallel_region,
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel import ColumnParallelLinear
+from ..tensor_parallel.weight_grad_store import WeightGradStore, linear
 from ..transformer import ParallelTransformerLayer
 from ..transformer.context_parallel import zigzag_chunk_indices, zigzag_split
 from ..transformer.layer import set_recompute_method
@@ -125,14 +126,16 @@ def _output_layer_input(hidden: torch.Tensor, config: GPTConfig, tp: ParallelGro
 
 
 def output_logits(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, config: GPTConfig,
-                  tp: ParallelGroup) -> torch.Tensor:
-    """Final hidden states [s(/tp), b, h] -> this rank's vocab-parallel logits [s, b, V/tp] (the tied output layer)."""
-    return F.linear(_output_layer_input(hidden, config, tp), word_embeddings_weight)
+                  tp: ParallelGroup, weight_grad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
+    """Final hidden states [s(/tp), b, h] -> this rank's vocab-parallel logits [s, b, V/tp] (the tied output layer;
+    the zero-bubble schedule's ``weight_grad_store`` may defer its weight gradient)."""
+    return linear(_output_layer_input(hidden, config, tp), word_embeddings_weight, None, weight_grad_store)
 
 
 def output_layer_loss(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, labels: torch.Tensor,
                       loss_mask: Optional[torch.Tensor], config: GPTConfig, tp: ParallelGroup,
-                      buffer: Optional[LogitsBuffer], cp: Optional[ParallelGroup] = None) -> torch.Tensor:
+                      buffer: Optional[LogitsBuffer], cp: Optional[ParallelGroup] = None,
+                      weight_grad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
     """``language_model_loss(output_logits(...), ...)`` in one function: the logits never leave the loss, so they
     are made transposed ([V/tp, tokens], the faster CPU GEMM) and, with ``buffer``, in storage kept from step
     to step."""
@@ -140,7 +143,8 @@ def output_layer_loss(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor
     hidden = _output_layer_input(hidden, config, tp)
     losses = linear_vocab_parallel_cross_entropy(hidden, word_embeddings_weight, labels.transpose(0, 1), tp,
                                                  label_smoothing=config.label_smoothing,
-                                                 vocab_size=config.vocab_size, buffer=buffer).transpose(0, 1)
+                                                 vocab_size=config.vocab_size, buffer=buffer,
+                                                 weight_grad_store=weight_grad_store).transpose(0, 1)
     return _masked_mean(losses, loss_mask, cp)
 
 
@@ -304,10 +308,15 @@ def _shift_left(t: torch.Tensor, k: int, fill=0) -> torch.Tensor:
 def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor,
                         output_layer: Optional[torch.nn.Module], labels: Optional[torch.Tensor],
                         loss_mask: Optional[torch.Tensor], config: GPTConfig, tp: ParallelGroup,
-                        cp: ParallelGroup, logits_buffer: Optional[LogitsBuffer]) -> torch.Tensor:
+                        cp: ParallelGroup, logits_buffer: Optional[LogitsBuffer],
+                        weight_grad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
     """The final hidden states [s(/tp), b, h] -> the mean loss over the masked tokens (with ``labels``), else this
     rank's vocab-parallel logits [b, s, V/tp].  ``output_layer``: the untied one, None when tied to the word
-    embedding (``word_embeddings_weight``).  The whole model and a pipeline's last chunk end here."""
+    embedding (``word_embeddings_weight``).  The whole model and a pipeline's last chunk end here.
+
+    ``weight_grad_store`` (the zero-bubble schedule's) may defer the tied output layer's weight gradient (the
+    untied one holds its own); deferred, the logits' gradient lives on to W.  Not under ``loss_sequence_tiles``:
+    deferring every tile's W would keep every tile's logits gradient, the whole [s, b, V/tp] the tiles avoid."""
     weight = word_embeddings_weight
     if labels is not None and config.loss_sequence_tiles > 1 and torch.is_grad_enabled():
         return tiled_loss(hidden, weight if output_layer is None else output_layer.weight, labels, loss_mask, config,
@@ -318,13 +327,14 @@ def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tens
         # maps buffers that large anew on every allocation (a page fault per page, every step).  A GPU's
         # caching allocator reuses memory already; under recomputation memory matters more than faults.
         keep = (logits_buffer is not None and hidden.device.type == "cpu" and config.recompute_granularity is None
+                and weight_grad_store is None
                 and labels.numel() * weight.size(0) * weight.element_size() >= _GLIBC_ALWAYS_MAPS)
         return output_layer_loss(hidden, weight, labels, loss_mask, config, tp, logits_buffer if keep else None,
-                                 cp=cp)
+                                 cp=cp, weight_grad_store=weight_grad_store)
     if output_layer is not None:
         logits = output_layer(hidden)
     else:
-        logits = output_logits(hidden, weight, config, tp)  # [s, b, V/tp]
+        logits = output_logits(hidden, weight, config, tp, weight_grad_store)  # [s, b, V/tp]
     if labels is None:
         return logits.transpose(0, 1)
     # The logits are this forward's own and read by nothing else: the loss may overwrite them.
@@ -336,7 +346,7 @@ MTP_LOSS = "mtp_loss"  # its name in the training log, beside the routing losses
 
 def mtp_loss(mtp_layers, word_embeddings, position_embeddings, tokens, labels, loss_mask, hidden,
              output_layer: Optional[torch.nn.Module], config: GPTConfig, tp: ParallelGroup, cp: ParallelGroup,
-             tracker) -> torch.Tensor:
+             tracker, weight_grad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
     """``mtp_loss_scaling_factor`` x the mean over depths of each depth's loss (depth k, from 1: the main model's
     labels k tokens further on, the last k positions masked); recorded in ``tracker`` as "mtp_loss" (the mean) in
     training.
@@ -347,7 +357,7 @@ def mtp_loss(mtp_layers, word_embeddings, position_embeddings, tokens, labels, l
         embedded = position_embeddings(word_embeddings(_shift_left(tokens, k)))
         hidden = module(embedded, hidden)
         total = total + language_model_head(hidden, word_embeddings.weight, output_layer, _shift_left(labels, k),
-                                            _shift_left(mask, k), config, tp, cp, None)
+                                            _shift_left(mask, k), config, tp, cp, None, weight_grad_store)
     mean = total / len(mtp_layers)
     if mtp_layers.training:  # the log's is the training loss (an evaluation's is not mixed into it)
         tracker.record(MTP_LOSS, 0, mean)
@@ -405,6 +415,7 @@ class GPTModel(torch.nn.Module):
                 self.layers = torch.nn.ModuleList()  # registered here: parameters() follow the build order
         set_recompute_method(self.layers, config)
         self.logits_buffer = LogitsBuffer()  # the tied output layer's [V/tp, tokens] logits on a CPU, step to step
+        self.weight_grad_store: Optional[WeightGradStore] = None  # may defer the tied output layer's W
 
     def forward(self, tokens, labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):
         if isinstance(tokens, dict):
@@ -416,12 +427,13 @@ class GPTModel(torch.nn.Module):
         hidden = self.final_layernorm(hidden)
         output_layer = self.output_layer if self.config.untie_embeddings_and_output_weights else None
         out = language_model_head(hidden, self.word_embeddings.weight, output_layer, labels, loss_mask, self.config,
-                                  self.tp, self.cp, self.logits_buffer)
+                                  self.tp, self.cp, self.logits_buffer, self.weight_grad_store)
         if labels is None:
             return out
         if self.mtp is not None:
             out = out + mtp_loss(self.mtp, self.word_embeddings, self.position_embeddings, tokens, labels, loss_mask,
-                                 hidden, output_layer, self.config, self.tp, self.cp, self.mtp_loss_tracker)
+                                 hidden, output_layer, self.config, self.tp, self.cp, self.mtp_loss_tracker,
+                                 self.weight_grad_store)
         return out + self.moe_aux_loss()
 
     def moe_aux_loss(self):

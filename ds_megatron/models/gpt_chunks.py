@@ -64,6 +64,7 @@ class GPTModelChunk(torch.nn.Module):
         self.mtp = torch.nn.ModuleList() if self.is_last and config.mtp_num_layers else None
         self.takes_tokens = self.mtp is not None
         self.tracker = tracker
+        self.weight_grad_store = None  # the zero-bubble schedule's: may defer the tied output layer's W
 
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -76,13 +77,14 @@ class GPTModelChunk(torch.nn.Module):
         output_layer = self.output_layer if self.config.untie_embeddings_and_output_weights else None
         weight = self.word_embeddings.weight if output_layer is None else None
         loss = language_model_head(hidden, weight, output_layer, labels, loss_mask, self.config, self.tp, self.cp,
-                                   self.logits_buffer)
+                                   self.logits_buffer, self.weight_grad_store)
         if self.mtp is None or labels is None:
             return loss
         if tokens is None:
             raise ValueError("the last pipeline chunk of a model with mtp_num_layers needs the micro-batch's tokens")
         return loss + mtp_loss(self.mtp, self.word_embeddings, self.position_embeddings, tokens, labels, loss_mask,
-                               hidden, output_layer, self.config, self.tp, self.cp, self.tracker)
+                               hidden, output_layer, self.config, self.tp, self.cp, self.tracker,
+                               self.weight_grad_store)
 
 
 class GPTModelChunks(torch.nn.Module):

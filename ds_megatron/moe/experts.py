@@ -28,12 +28,12 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..parallel_state import ParallelGroup
 from ..tensor_parallel.init import InitMethod, init_method_normal
 from ..tensor_parallel.params import mark_expert_param
 from ..tensor_parallel.utils import divide
+from ..tensor_parallel.weight_grad_store import WeightGradStore, deferrable, linear
 from ..transformer.mlp import activation_func
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -143,9 +143,10 @@ class _ExpertLinear(torch.nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = torch.nn.Parameter(weight)
+        self.weight_grad_store: Optional[WeightGradStore] = None  # the zero-bubble schedule's deferred W
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, None, self.weight_grad_store)
 
 
 class SequentialMLP(_ExpertsBase):
@@ -190,6 +191,7 @@ class GroupedMLP(_ExpertsBase):
         mark_expert_param(self.weight1, self.ep_size, 2)
         mark_expert_param(self.weight2, self.ep_size, 1)
         del self._local_masters
+        self.weight_grad_store: Optional[WeightGradStore] = None  # the zero-bubble schedule's deferred W
 
     # None: torch._grouped_mm on CUDA, padded bmm elsewhere (see grouped_gemm); benchmarks force either.
     use_grouped_mm: Optional[bool] = None
@@ -197,9 +199,10 @@ class GroupedMLP(_ExpertsBase):
     def forward(self, x: torch.Tensor, tokens_per_expert: List[int], probs: torch.Tensor,
                 counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``counts``: ``tokens_per_expert`` as a device tensor, when the dispatcher has it (no host copy)."""
-        intermediate = grouped_gemm(x, self.weight1, tokens_per_expert, self.use_grouped_mm, counts)
-        return grouped_gemm(self._activation(intermediate, probs), self.weight2, tokens_per_expert,
-                            self.use_grouped_mm, counts)
+        def gemm(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            return grouped_gemm(inputs, weights, tokens_per_expert, self.use_grouped_mm, counts)
+        intermediate = deferrable(gemm, x, self.weight1, self.weight_grad_store)
+        return deferrable(gemm, self._activation(intermediate, probs), self.weight2, self.weight_grad_store)
 
     def expert_weights(self, local_index: int):
         """Views of local expert ``local_index``'s weights in ``SequentialMLP``'s layout and names."""

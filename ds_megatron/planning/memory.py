@@ -38,7 +38,7 @@ once: 1F1B keeps ``min(pp - stage, micro-batches)`` in flight.  On our runtime
 (``pipeline_parallel.schedule_table``) is walked: a chunk's activations of a
 micro-batch (and its output, sent on but kept for backward) are alive from its
 forward to its backward, ZB-H1 keeps each deferred linear's input and output
-gradient from B to W, receive buffers posted ahead count until taken, and the
+gradient from B to W (the experts' and the output layer's too), receive buffers posted ahead count until taken, and the
 peak of their sum is planned.
 
 MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
@@ -108,17 +108,32 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
 
 
 def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, layers: Sequence[int],
-                               cp: int = 1) -> int:
+                               cp: int = 1, logits: bool = False, etp: int = 1) -> int:
     """What ZB-H1 keeps of one micro-batch of a chunk between its B and its W: each deferred linear's input and
-    output gradient (QKV, attention output, and a dense MLP's fc1 and fc2; experts are not deferred)."""
+    output gradient: QKV and the attention output; a dense MLP's fc1 and fc2; an MoE layer's experts (for the
+    tokens routed to this rank under balanced routing, ``s x b x topk``, /tp with sequence parallelism) and
+    shared expert; with ``logits`` the tied or untied output layer's input [s, b, h] and the logits' gradient
+    [s, b, V/tp] (not under ``loss_sequence_tiles``, which defers no output layer)."""
     s, b, h = cfg.seq_length // cp, micro_batch, cfg.hidden_size
     d = cfg.head_dim
+    glu = 2 if cfg.gated_linear_unit else 1
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * d
-    ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
-    per_layer_attention = h + qkv / tp + cfg.num_attention_heads * d / tp + h
-    per_layer_mlp = h + ffn / tp + cfg.ffn_hidden_size / tp + h
-    total = sum(per_layer_attention + (0 if cfg.is_moe_layer(i) else per_layer_mlp) for i in layers)
-    return int(total * s * b * BYTES[params_dtype])
+    per_layer_attention = (h + qkv / tp + cfg.num_attention_heads * d / tp + h) * s * b
+
+    def mlp(ffn, tokens, split):  # fc1: input, output gradient; fc2: input, output gradient
+        return (h + glu * ffn / split + ffn / split + h) * tokens
+    dense = mlp(cfg.ffn_hidden_size, s * b, tp)
+    moe = 0
+    if cfg.num_experts:
+        sp = cfg.sequence_parallel and tp > 1
+        moe = mlp(cfg.moe_ffn_hidden_size, s * b * cfg.moe_router_topk / (tp if sp else 1), etp)
+        if cfg.moe_shared_expert_intermediate_size:
+            moe += mlp(cfg.moe_shared_expert_intermediate_size, s * b, tp)
+    total = sum(per_layer_attention + (moe if cfg.is_moe_layer(i) else dense) for i in layers)
+    if logits and cfg.loss_sequence_tiles <= 1:
+        vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
+        total += (h + vocab // tp) * s * b
+    return int(total * BYTES[params_dtype])
 
 
 @dataclass(frozen=True)
@@ -199,8 +214,9 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         message = cfg.seq_length // layout.cp // (layout.tp if sp else 1) * micro_batch * cfg.hidden_size * low
         if ours:  # a chunk before the last virtual stage also keeps its output until its backward
             per_chunk = [n + (0 if stage == pp - 1 and c == v - 1 else message) for c, n in enumerate(per_chunk)]
-        deferred = [deferred_weight_grad_bytes(cfg, layout.tp, micro_batch, params_dtype, chunk, layout.cp)
-                    for chunk in chunks[stage]] if schedule == "zero_bubble" else None
+        deferred = [deferred_weight_grad_bytes(cfg, layout.tp, micro_batch, params_dtype, chunk, layout.cp,
+                                               logits=stage == pp - 1 and c == v - 1, etp=layout.etp)
+                    for c, chunk in enumerate(chunks[stage])] if schedule == "zero_bubble" else None
         activations, in_flight = schedule_peak_activations(per_chunk, micro_batches, pp, stage, schedule,
                                                            group_size, message if ours else 0, deferred)
         for tp_rank in range(layout.tp):

@@ -181,8 +181,9 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
     """The output layer and the loss: logits^T = weight @ hidden^T, cross entropy over dim 0."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, group, label_smoothing, vocab_size, buffer):
+    def forward(ctx, hidden, weight, target, group, label_smoothing, vocab_size, buffer, store):
         x = hidden.reshape(-1, hidden.size(-1))  # [tokens, h]
+        ctx.store = store
         shape = (weight.size(0), x.size(0))
         compute_dtype = torch.promote_types(hidden.dtype, torch.float32)
         ctx.backward_done = False
@@ -203,9 +204,13 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         *saved, x, weight = ctx.saved_tensors
         grad = _cross_entropy_grad_(ctx, grad_loss.reshape(-1), saved).to(weight.dtype)  # [V/tp, tokens]
         grad_hidden = torch.mm(grad.t(), weight).view(ctx.hidden_shape) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.mm(grad, x) if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            store = ctx.store  # W deferred: the logits' gradient lives on to it (never in a buffer, see the caller)
+            if store is None or not store.put(lambda: store.accumulate(weight, torch.mm(grad, x))):
+                grad_weight = torch.mm(grad, x)
         ctx.backward_done = True  # the buffer may serve the next forward
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
@@ -238,14 +243,17 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
 def linear_vocab_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                         tp: ParallelGroup, label_smoothing: float = 0.0,
                                         vocab_size: Optional[int] = None,
-                                        buffer: Optional[LogitsBuffer] = None) -> torch.Tensor:
+                                        buffer: Optional[LogitsBuffer] = None,
+                                        weight_grad_store=None) -> torch.Tensor:
     """``vocab_parallel_cross_entropy(F.linear(hidden, weight), target, ...)``, the output layer included.
 
     ``hidden``: ``[..., h]``, the same on every TP rank (the caller's copy-to / gather
     region provides it); ``weight``: this rank's ``[V_padded / tp, h]`` vocab rows (the
     tied embedding shard); ``target``: ``hidden.shape[:-1]`` global ids.  Same loss and
     gradients; the logits never reach the caller, which is what lets them be computed
-    transposed into ``buffer`` (see the module docstring).
+    transposed into ``buffer`` (see the module docstring).  ``weight_grad_store``: the zero-bubble schedule's
+    ``WeightGradStore``, which may defer the weight's gradient (then the logits' gradient is kept until it
+    runs, so no ``buffer`` with it).
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
@@ -255,5 +263,8 @@ def linear_vocab_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tens
     if weight.dim() != 2 or weight.size(1) != hidden.size(-1):
         raise ValueError(f"weight of shape {tuple(weight.shape)} does not map hidden size {hidden.size(-1)} "
                          "to this rank's vocab slice; pass the [V_padded / tp, h] embedding shard")
+    if buffer is not None and weight_grad_store is not None:
+        raise ValueError("a logits buffer is reused by the next forward, but a deferred weight gradient keeps "
+                         "the logits' gradient (which lives there) until it runs: pass one of them")
     return _LinearVocabParallelCrossEntropy.apply(hidden, weight, target, tp, float(label_smoothing), vocab_size,
-                                                  buffer)
+                                                  buffer, weight_grad_store)

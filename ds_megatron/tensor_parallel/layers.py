@@ -164,11 +164,11 @@ class RowParallelLinear(torch.nn.Module):
 
 
 def attach_weight_grad_store(module: torch.nn.Module, store: Optional[WeightGradStore]) -> int:
-    """Give every ``ColumnParallelLinear`` / ``RowParallelLinear`` in ``module`` the store (None detaches);
-    returns how many layers took it."""
+    """Give every module in ``module`` that declares a ``weight_grad_store`` (the column- and row-parallel
+    linears, the experts, a model's tied output layer) the store (None detaches); returns how many took it."""
     count = 0
     for m in module.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+        if hasattr(m, "weight_grad_store"):
             m.weight_grad_store = store
             count += 1
     return count

@@ -8,6 +8,12 @@ store is deferring: then the GEMM is queued under the current key and runs when 
 ``run(key)``.  The deferred gradient is the same GEMM on the same tensors, so it is bit-identical to
 the undeferred one; it reaches the parameter through ``accumulate`` (the gradient buffers' own
 accumulation, which also tells a bucket its gradient is in).
+
+Besides the plain linear: ``deferrable(fn, x, weight, store)`` splits any ``fn(x, weight)`` (the experts'
+grouped GEMM) the same way through autograd's own backward of ``fn``, asked first for the input gradient and,
+when W runs, for the weight's; the vocab-parallel loss takes a store for the output layer's weight
+(``cross_entropy.linear_vocab_parallel_cross_entropy``).  Modules holding such weights declare a
+``weight_grad_store`` attribute, which ``layers.attach_weight_grad_store`` sets.
 """
 from __future__ import annotations
 
@@ -86,6 +92,45 @@ class _LinearWithDeferrableWeightGrad(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
+class _DeferrableWeightGrad(torch.autograd.Function):
+    """``fn(x, weight)`` whose weight gradient may be deferred: the forward keeps ``fn``'s own autograd graph
+    (on detached leaves), and the backward asks it for the input gradient now and for the weight's now or at W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, store, fn):
+        with torch.enable_grad():
+            x_leaf = x.detach().requires_grad_(ctx.needs_input_grad[0])
+            weight_leaf = weight.detach().requires_grad_()
+            out = fn(x_leaf, weight_leaf)
+        ctx.graph = (out, x_leaf, weight_leaf)
+        ctx.store, ctx.weight = store, weight
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        out, x_leaf, weight_leaf = ctx.graph
+        del ctx.graph
+        grad_input = torch.autograd.grad(out, x_leaf, grad_output, retain_graph=True)[0] \
+            if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            def weight_grad() -> torch.Tensor:
+                return torch.autograd.grad(out, weight_leaf, grad_output)[0]
+            store, param = ctx.store, ctx.weight
+            if not store.put(lambda: store.accumulate(param, weight_grad())):
+                grad_weight = weight_grad()
+        return grad_input, grad_weight, None, None
+
+
+def deferrable(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+               store: Optional[WeightGradStore]) -> torch.Tensor:
+    """``fn(x, weight)``, or with a store (and gradients on) the same op whose weight gradient the store may
+    defer.  The gradients are autograd's own of ``fn``, in two calls instead of one."""
+    if store is None or not torch.is_grad_enabled():
+        return fn(x, weight)
+    return _DeferrableWeightGrad.apply(x, weight, store, fn)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            store: Optional[WeightGradStore]) -> torch.Tensor:
     """``F.linear``, or with a store the linear whose weight gradient the store may defer."""
@@ -94,4 +139,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     return _LinearWithDeferrableWeightGrad.apply(x, weight, bias, store)
 
 
-__all__ = ["WeightGradStore", "accumulate_into_grad", "linear"]
+__all__ = ["WeightGradStore", "accumulate_into_grad", "deferrable", "linear"]
