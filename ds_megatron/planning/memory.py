@@ -13,11 +13,14 @@ Bytes per parameter, following Megatron's mixed-precision accounting:
 
 Activations per micro-batch are what our ``GPTModel`` keeps for backward, counted
 tensor by tensor (``tests/optimizer/test_planning.py`` holds the count to the
-allocations measured on CPU).  Per layer, in elements of ``s*b*h``: the two
-LayerNorm inputs and the two column-parallel inputs (4, replicated), q/k/v,
-the attention output and its re-layout, the MLP's 4h input and GELU output
-(13/t); under sequence parallelism the LayerNorm inputs are split too
-(2 + 15/t, the column-parallel layers keep their gathered input).  Torch's
+allocations measured on CPU).  Per layer, by the layer's own widths
+(``layer_activation_elements``): the two LayerNorm inputs and the two column-parallel
+inputs (replicated), q/k/v (GQA's repeated to every head), the attention output
+and its re-layout, the MLP's ffn-wide tensors (GELU: 2, gated: 4); at ffn = 4h
+with GELU and MHA that is 4 + 13/t elements of ``s*b*h``, under sequence
+parallelism 2 + 15/t (the LayerNorm inputs split, the column-parallel layers keep
+their gathered input).  Multi-latent attention counts its latents and its own
+q/k/v widths; MoE layers their routed tokens' tensors under balanced routing.  Torch's
 fused attention keeps no ``s x s`` scores; with ``attention_dropout > 0`` CPU
 attention falls back to the math kernel, which keeps four ``b*a/t*s*s``
 tensors of the activation size per layer (measured).  Hidden dropout adds two
@@ -29,9 +32,7 @@ Full recomputation keeps each layer's input and, at most, one layer's set with
 its MLP's gradients, or what the start of backward holds.  (Korthikanti et al.
 2022's estimate, which this replaced, counts the ``s x s`` attention scores and
 the dropout masks that a fused-attention, dropout-free CPU run does not keep:
-it read 2x the measured activations at hidden 256.)  MoE layers are counted
-like a dense MLP of ``ffn_hidden_size`` (the routed tokens' activations depend
-on routing).  With pipeline parallelism each stage counts its own layers (the
+it read 2x the measured activations at hidden 256.)  With pipeline parallelism each stage counts its own layers (the
 output layer and logits on the last stage) times the micro-batches it holds at
 once: 1F1B keeps ``min(pp - stage, micro-batches)`` in flight.  On our runtime
 (every ``pipeline_schedule`` of ds_megatron's GPT) the rank's own order
@@ -67,24 +68,58 @@ def optimizer_state_bytes_per_param(optimizer_type: str, momentum: float = 0.0) 
     raise ConfigError(f"optimizer.type={optimizer_type!r} cannot be planned; use Adam, AdamW or SGD")
 
 
+def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
+    """What one transformer layer keeps for backward, in elements per token of the micro-batch (see the
+    module docstring), by the layer's own widths: the two norms' inputs; attention's input (gathered under
+    sequence parallelism) and, per head on this rank, q, k and v (GQA's k and v repeated to every head), the
+    core's output and its re-layout, or MLA's latents, its q, k, v and output (``qk_head_dim +
+    qk_pos_emb_head_dim`` wide: v padded to it) and the re-layout (``v_head_dim``); the MLP's input and its ``ffn`` wide tensors (GELU: fc1's
+    output and the activation's; gated: fc1's two halves, act(gate) and the product); an MoE layer's router
+    input and, per routed token (``moe_router_topk`` per token under balanced routing, /tp with sequence
+    parallelism), the permuted input, the experts' ffn-wide tensors (one more: the routing weight's product)
+    and the output before the combining sum, plus a shared expert as a dense MLP."""
+    h = cfg.hidden_size
+    sp = cfg.sequence_parallel and tp > 1
+    norms = 2 * (h / tp if sp else h)
+    if cfg.multi_latent_attention:
+        q_latent = 2 * cfg.q_lora_rank if cfg.q_lora_rank else 0
+        qk, v = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+        # q, k and (padded to their width where it differs, see MLASelfAttention._core) v and the output;
+        # the re-layout of the output's v channels
+        attention = h + q_latent + 2 * cfg.kv_lora_rank + cfg.num_attention_heads / tp * (4 * qk + v)
+    else:
+        attention = h + 5 * cfg.num_attention_heads * cfg.head_dim / tp
+    ffn_tensors = 4 if cfg.gated_linear_unit else 2
+    if not cfg.is_moe_layer(layer):
+        return norms + attention + h + ffn_tensors * cfg.ffn_hidden_size / tp
+    routed = cfg.moe_router_topk / (tp if sp else 1)
+    experts = routed * (2 * h + (ffn_tensors + 1) * cfg.moe_ffn_hidden_size / etp)
+    shared = cfg.moe_shared_expert_intermediate_size
+    shared_expert = h + ffn_tensors * shared / tp if shared else 0
+    return norms + attention + h + experts + shared_expert
+
+
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
-                     logits: bool = True, cp: int = 1) -> int:
+                     logits: bool = True, cp: int = 1, layers: Optional[Sequence[int]] = None, etp: int = 1) -> int:
     """Activation memory of one micro-batch at its peak, the start of backward (see the module docstring).
 
     ``num_layers`` / ``logits``: a pipeline stage's share (its layers; final norm, output layer and
-    logits on the last stage only).  ``cp``: each context-parallel rank holds ``seq_length / cp`` tokens
-    (Megatron's formula with s -> s/cp; attention dropout, whose s x s term would not split, is refused
-    with cp > 1)."""
+    logits on the last stage only); ``layers``: their indices in the model, where layers differ (dense and
+    MoE).  ``cp``: each context-parallel rank holds ``seq_length / cp`` tokens (Megatron's formula with
+    s -> s/cp; attention dropout, whose s x s term would not split, is refused with cp > 1)."""
     s, b, h, a = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.num_attention_heads
-    L = cfg.num_layers if num_layers is None else num_layers
+    if layers is None:
+        layers = range(cfg.num_layers if num_layers is None else num_layers)
+    L = len(layers)
     act = BYTES[params_dtype]
     sbh = s * b * h
     sp = cfg.sequence_parallel and tp > 1
-    per_layer = sbh * ((2 + 15 / tp) if sp else (4 + 13 / tp)) * act
+    extra = 0
     if cfg.attention_dropout > 0:
-        per_layer += 4 * b * (a // tp) * s * s * act
+        extra += 4 * b * (a // tp) * s * s * act
     if cfg.hidden_dropout > 0:
-        per_layer += 2 * sbh / (tp if sp else 1)
+        extra += 2 * sbh / (tp if sp else 1)
+    per_layer = [layer_activation_elements(cfg, i, tp, etp) * s * b * act + extra for i in layers]
     backward_start = 0
     if logits:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
@@ -96,15 +131,17 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         backward_start = head + logit_bytes + output_weight_grad
     if cfg.recompute_granularity != "full":
         # "selective" is planned as no recomputation: an upper bound (what it saves is not planned yet).
-        return int(L * per_layer + backward_start)
+        return int(sum(per_layer) + backward_start)
     # Recomputation: the recomputed layers' inputs (recompute_method "block": the first recompute_num_layers of
     # the stage or chunk), then the larger of what the start of backward holds (with the later, not recomputed
-    # layers' activations) and one recomputed layer's set with its MLP's two 4h gradients (by then the later
-    # layers' backward is done).
-    recomputed = sum(1 for i in range(L) if cfg.recomputes_layer(i))
-    inputs = recomputed * sbh / (tp if sp else 1) * act
-    one_layer = per_layer + 8 / tp * sbh * act if recomputed else 0
-    return int(inputs + max(backward_start + (L - recomputed) * per_layer, one_layer))
+    # layers' activations) and one recomputed layer's set with its MLP's two ffn-wide gradients (by then the
+    # later layers' backward is done).
+    recomputed = [j for j in range(L) if cfg.recomputes_layer(j)]
+    inputs = len(recomputed) * sbh / (tp if sp else 1) * act
+    ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
+    one_layer = max(per_layer[j] for j in recomputed) + 2 * ffn / tp * s * b * act if recomputed else 0
+    kept = sum(n for j, n in enumerate(per_layer) if j not in recomputed)
+    return int(inputs + max(backward_start + kept, one_layer))
 
 
 def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, layers: Sequence[int],
@@ -206,8 +243,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         # Parameters whose fp32 copies and optimizer state this rank keeps.
         owned = (-(-(counts.sharded + counts.replicated) // layout.dp) + -(-counts.expert // layout.edp)
                  if distributed_optimizer else n)
-        per_chunk = [activation_bytes(cfg, layout.tp, micro_batch, params_dtype, len(chunk),
-                                      logits=stage == pp - 1 and c == v - 1, cp=layout.cp)
+        per_chunk = [activation_bytes(cfg, layout.tp, micro_batch, params_dtype, logits=stage == pp - 1 and c == v - 1,
+                                      cp=layout.cp, layers=chunk, etp=layout.etp)
                       for c, chunk in enumerate(chunks[stage])]
         ours = not deepspeed_engine
         sp = cfg.sequence_parallel and layout.tp > 1

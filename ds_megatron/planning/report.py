@@ -53,10 +53,8 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
     if job.model.mtp_num_layers:
         header += ("\nactivations: the multi-token-prediction layers' activations are not planned yet (their "
                    "parameters are)")
-    if job.model.multi_latent_attention:
-        header += ("\nactivations: multi-latent attention is planned as standard attention of hidden_size / "
-                   "num_attention_heads channels per head, an estimate (its own widths are not planned yet; its "
-                   "parameters are)")
+    if job.model.num_experts:
+        header += "\nactivations: MoE layers are planned for balanced routing (topk tokens per token on every rank)"
     if job.model.mlp_sequence_tiles > 1:
         header += ("\nactivations: mlp_sequence_tiles is planned as an untiled MLP, an upper bound (what it saves is "
                    "not planned yet)")

@@ -177,9 +177,14 @@ class MLASelfAttention(torch.nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (dropout > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
+        # On a CPU, torch's flash kernel takes one head width for q, k and v; narrower values would send the
+        # core to the math kernel, which keeps the s x s softmax per head for backward.  Zero channels appended
+        # to v add zero channels to the output, which are dropped.
+        pad = q.size(-1) - v.size(-1) if q.device.type == "cpu" else 0
         with fork:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                  scale=self.softmax_scale)
+            out = F.scaled_dot_product_attention(q, k, F.pad(v, (0, pad)) if pad else v, dropout_p=dropout,
+                                                 is_causal=True, scale=self.softmax_scale)
+        return out[..., :v.size(-1)] if pad else out
 
     def extra_repr(self) -> str:
         return f"heads_per_partition={self.heads}, softmax_scale={self.softmax_scale:.6g}"
