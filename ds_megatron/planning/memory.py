@@ -20,7 +20,8 @@ and its re-layout, the MLP's ffn-wide tensors (GELU: 2, gated: 4); at ffn = 4h
 with GELU and MHA that is 4 + 13/t elements of ``s*b*h``, under sequence
 parallelism 2 + 15/t (the LayerNorm inputs split, the column-parallel layers keep
 their gathered input).  Multi-latent attention counts its latents and its own
-q/k/v widths; MoE layers their routed tokens' tensors under balanced routing.  Torch's
+q/k/v widths; MoE layers their routed tokens' tensors under balanced routing;
+the last stage each multi-token-prediction depth's layer, norms and head.  Torch's
 fused attention keeps no ``s x s`` scores; with ``attention_dropout > 0`` CPU
 attention falls back to the math kernel, which keeps four ``b*a/t*s*s``
 tensors of the activation size per layer (measured).  Hidden dropout adds two
@@ -128,7 +129,13 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         tile_rows = -(-s // max(1, min(cfg.loss_sequence_tiles, s)))
         logit_bytes = tile_rows * b * (vocab // tp) * (act + (4 if act < 4 else 0))
         output_weight_grad = (vocab // tp) * h * act
-        backward_start = head + logit_bytes + output_weight_grad
+        # Multi-token prediction (on the last stage): per depth its two input norms, eh_proj's input [2h]
+        # (gathered), its transformer layer, final norm and head input, and one more head's logits.
+        depths = cfg.mtp_num_layers or 0
+        norm = h / tp if sp else h
+        mtp = sum((3 * norm + 3 * h + layer_activation_elements(cfg, cfg.num_layers + k, tp, etp)) * s * b * act
+                  + extra for k in range(depths))
+        backward_start = head + (1 + depths) * logit_bytes + output_weight_grad + mtp
     if cfg.recompute_granularity != "full":
         # "selective" is planned as no recomputation: an upper bound (what it saves is not planned yet).
         return int(sum(per_layer) + backward_start)

@@ -50,9 +50,6 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
               f"params {precision.params_dtype}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
-    if job.model.mtp_num_layers:
-        header += ("\nactivations: the multi-token-prediction layers' activations are not planned yet (their "
-                   "parameters are)")
     if job.model.num_experts:
         header += "\nactivations: MoE layers are planned for balanced routing (topk tokens per token on every rank)"
     if job.model.mlp_sequence_tiles > 1:
