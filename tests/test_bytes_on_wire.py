@@ -59,6 +59,8 @@ L, H, S, B, V = 2, 32, 16, 2, 64
 MODEL = dict(num_layers=L, hidden_size=H, num_attention_heads=4, ffn_hidden_size=64, seq_length=S, vocab_size=V,
              hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8)
 MOE = dict(num_experts=4, moe_router_topk=2)
+MLA = dict(position_embedding_type="rope", multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8,
+           qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, add_bias_linear=True)
 F32, BF16, F64 = 4, 2, 8
 N = 2  # ranks
 
@@ -225,12 +227,13 @@ def test_context_parallel_moves_each_kv_block_once_per_hop(cp, precision, comm_t
 def _pipeline_step_records(megatron, micro_batches):
     megatron = dict(megatron)
     num_layers = megatron.pop("num_layers", L)
+    extra = megatron.pop("model", {})
     cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": micro_batches,
            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
            "megatron": {"pipeline_model_parallel_size": 2, **megatron}}
     state = ds_megatron.initialize_model_parallel(cfg)
     torch.manual_seed(0)
-    config = GPTConfig(**dict(MODEL, num_layers=num_layers),
+    config = GPTConfig(**dict(MODEL, num_layers=num_layers, **extra),
                        sequence_parallel=megatron.get("sequence_parallel", False))
     if "pipeline_schedule" in megatron:  # our runtime
         model = GPTModelChunks(config, state, num_model_chunks=megatron.get("virtual_pipeline_model_parallel_size", 1))
@@ -314,6 +317,16 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
                                         "recompute_num_layers": 1}),
     "cp2-a2a-bf16-gqa-recompute": (2, {"context_parallel_size": 2}, BF16_ON,
                                    {"cp_comm_type": "a2a", "num_query_groups": 2, "recompute_granularity": "full"}),
+    # Multi-latent attention: its down-projections and latent norms are TP-partial sums (with or without SP);
+    # under CP its K (qk + pos wide) and V (v wide) travel as they are.
+    "tp2-mla": (2, {"tensor_model_parallel_size": 2}, {}, MLA),
+    "tp2-sp-mla-bf16": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, BF16_ON,
+                        dict(MLA, sequence_parallel=True)),
+    "cp2-mla-bf16": (2, {"context_parallel_size": 2}, BF16_ON, MLA),
+    # Multi-token prediction: per depth the embedding, eh_proj, a layer and a head more.
+    "tp2-mtp2": (2, {"tensor_model_parallel_size": 2}, {}, {"mtp_num_layers": 2}),
+    "tp2-sp-mtp1": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {},
+                    {"mtp_num_layers": 1, "sequence_parallel": True}),
     "tp2-cp2-sp-dp": (4, {"tensor_model_parallel_size": 2, "context_parallel_size": 2, "sequence_parallel": True},
                       {}, {"sequence_parallel": True}),
 }
@@ -344,11 +357,16 @@ V2 = {"pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_model_parallel_
     # Our runtime: v = 2 sends from every virtual stage (rank 1's first chunk to rank 0's second), ZB-H1 the
     # same messages as 1F1B.
     (V2, 4), (dict(V2, tensor_model_parallel_size=2, sequence_parallel=True), 2),
-    ({"pipeline_schedule": "zero_bubble"}, 3)], ids=["pp2", "tp2-sp-pp2", "pp2-v2", "tp2-sp-pp2-v2", "pp2-zb"])
+    ({"pipeline_schedule": "zero_bubble"}, 3),
+    # Multi-token prediction on the last stage, untied: the word and position embeddings' copies summed there.
+    ({"pipeline_schedule": "interleaved_1f1b", "model": {"mtp_num_layers": 1,
+                                                         "untie_embeddings_and_output_weights": True}}, 2)],
+    ids=["pp2", "tp2-sp-pp2", "pp2-v2", "tp2-sp-pp2-v2", "pp2-zb", "pp2-mtp-untied"])
 def test_the_plans_formula_holds_for_each_pipeline_stage(megatron, m):
     from ds_megatron.planning.comm_volume import plan_comm_volume
     ranks = 2 * megatron.get("tensor_model_parallel_size", 1)
-    model = {"sequence_parallel": megatron.get("sequence_parallel", False), "num_layers": megatron.get("num_layers", L)}
+    model = {"sequence_parallel": megatron.get("sequence_parallel", False), "num_layers": megatron.get("num_layers", L),
+             **megatron.get("model", {})}
     v = megatron.get("virtual_pipeline_model_parallel_size", 1)
     for records, stage, layout in run_on_ranks(ranks, _pipeline_step_records, megatron, m):
         planned = plan_comm_volume(GPTConfig(**dict(MODEL, **model)), layout, micro_batch=B, micro_batches=m,

@@ -18,11 +18,17 @@ element in the params dtype):
   all-reduce (then scattered, with SP), the output layer's input gradient
   (its input all-gathered, with SP), the vocab-parallel cross entropy's
   ``3*b*s`` floats, and once per step the gradients that are partial sums over
-  TP: the replicated norms and biases with SP, the q/k norms always, and with
-  more TP ranks than KV groups the KV projection's copies (each group's slot
-  in one buffer of all groups, summed over TP);
+  TP: the replicated norms and biases with SP, the q/k norms and multi-latent
+  attention's down-projections and latent norms always, and with more TP ranks
+  than KV groups the KV projection's copies (each group's slot in one buffer
+  of all groups, summed over TP);
+* multi-token prediction, on the last stage per depth: one more embedding,
+  layer and head, and ``eh_proj``'s [2h] input and [h] output (its copies of
+  the word and learned position embeddings summed over the ``embedding``
+  group with a pipeline, untied too);
 * context parallelism: per layer and micro-batch ``cp - 1`` K/V blocks forward
-  and ``cp - 1`` K/V blocks and dK/dV accumulators (fp32 for 16-bit models)
+  and ``cp - 1`` K/V blocks and dK/dV accumulators (fp32 for 16-bit models; MLA's K and V each
+  its own width)
   backward on the ring, or one all-gather and one reduce-scatter of them (the
   forward's exchange again with full recomputation);
   with ``cp_comm_type "a2a"`` (Ulysses) q, k, v and the attention output
@@ -52,7 +58,7 @@ from typing import Dict, List, Optional, Sequence
 from ..config.model import pad_vocab_size
 from ..errors import ConfigError
 from .memory import BYTES
-from .param_counts import gpt_param_counts, layer_counts, norm_params, pipeline_rank_chunks
+from .param_counts import gpt_param_counts, layer_counts, mla_counts, norm_params, pipeline_rank_chunks
 
 F32, F64 = 4, 8
 
@@ -91,11 +97,6 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     if cfg.num_experts:
         raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
                           "the communication plan covers dense models")
-    if cfg.mtp_num_layers:
-        raise ConfigError("model.mtp_num_layers: the multi-token-prediction layers' traffic is not planned yet")
-    if cfg.multi_latent_attention:
-        raise ConfigError("model.multi_latent_attention: its traffic (the replicated down-projections' TP-partial "
-                          "gradients) is not planned yet")
     t, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
     a = BYTES[params_dtype]
     s, b, h, d = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.head_dim
@@ -110,6 +111,11 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     v = num_model_chunks
     rank_chunks = pipeline_rank_chunks(cfg, layout, partition_method, layers_per_stage, first, last, v)
     kv_heads = max(cfg.query_groups // t, 1)  # per TP rank (one group's copy when TP exceeds the groups)
+    q_width = v_width = d  # per head; multi-latent attention: q and k qk_head_dim + qk_pos_emb_head_dim wide, v its own
+    if cfg.multi_latent_attention:
+        q_width, v_width = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+        kv_heads = cfg.num_attention_heads // t
+    depths = cfg.mtp_num_layers or 0
     out = []
     for stage, chunks in enumerate(rank_chunks):
         layers = [i for chunk in chunks for i in chunk]
@@ -135,22 +141,32 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         # gathers and a reduce-scatter) again.  The embedding is all-reduced (SP: then scattered, gathered in
         # backward); the output layer's input gradient is reduced (SP: its input gathered, the gradient scattered).
         ar, g = _all_reduce(t, sbh), _gather_or_scatter(t, sbh)
+        # Each multi-token-prediction depth (last stage): the embedding's, its layer's and a head's, and eh_proj's
+        # [2h] input reduced in backward (SP: gathered, its gradient scattered), its output gathered over TP
+        # (SP: then scattered over the sequence, gathered in backward).
         if sp:
             layer_bytes = n_layers * 8 * g + recomputed * 3 * g + (n_layers * g if selective_mlp else 0)
             ends = (ar + g) * first + 2 * g * last
+            mtp = depths * ((ar + g) + 6 * g + 8 * g + 2 * g + (g if selective_mlp else 0))
         else:
             layer_bytes = n_layers * 4 * ar + recomputed * ar
             ends = ar * (first + last)
-        add("tp", m * (layer_bytes + ends))
+            mtp = depths * (ar + 2 * ar + g + 4 * ar + ar)
+        add("tp", m * (layer_bytes + ends + (mtp if last else 0)))
         if last:  # the cross entropy: the max, then the target logit and the sum of exponentials, in fp32
-            add("tp", m * loss_passes * _all_reduce(t, 3 * s * b * F32))
+            add("tp", m * (1 + depths) * loss_passes * _all_reduce(t, 3 * s * b * F32))
         # Replicated weights whose gradients are partial sums over TP, summed once per step (in fp32).
+        mtp_layers = [cfg.num_layers + k for k in range(depths)] if last else []
         if sp:  # norms and row-parallel biases see this rank's tokens only (the q/k norms its heads)
-            partial = sum(layer_counts(cfg, i, t).replicated for i in layers) + (norm_params(cfg) if last else 0)
-        else:  # the q/k norms see this rank's heads only
-            partial = 2 * norm_params(cfg, d) * n_layers if cfg.qk_layernorm else 0
-        if t > cfg.query_groups:  # each KV group's projection copies: every group's slot in the same all-reduce
-            partial += n_layers * cfg.query_groups * 2 * d * (h + int(cfg.qkv_bias))
+            partial = (sum(layer_counts(cfg, i, t).replicated for i in layers + mtp_layers)
+                       + (norm_params(cfg) * (1 + 3 * len(mtp_layers)) if last else 0))
+        else:  # the q/k norms and MLA's down-projections and latent norms see this rank's heads only
+            partial = (2 * norm_params(cfg, d) if cfg.qk_layernorm else 0) * (n_layers + len(mtp_layers))
+            if cfg.multi_latent_attention:  # o_proj's bias is added after the reduction: whole on every rank
+                partial += (mla_counts(cfg, t).replicated - h * int(cfg.add_bias_linear)) * (n_layers + len(mtp_layers))
+        if t > cfg.query_groups and not cfg.multi_latent_attention:  # each KV group's projection copies: every
+            # group's slot in the same all-reduce
+            partial += (n_layers + len(mtp_layers)) * cfg.query_groups * 2 * d * (h + int(cfg.qkv_bias))
         add("tp", _all_reduce(t, partial * F32))
         # Context parallelism: K/V of this rank's s tokens.
         if cp > 1 and cfg.cp_comm_type == "a2a+p2p":
@@ -160,9 +176,9 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             outer = cp // inner
             heads = cfg.num_attention_heads // t
             a2a_kv_heads = kv_heads if kv_heads % inner == 0 else heads
-            moved = 2 * b * s * heads * d + 2 * b * s * a2a_kv_heads * d
+            moved = b * s * heads * (q_width + v_width) + b * s * a2a_kv_heads * (q_width + v_width)
             add("hcp-a2a", m * (2 * n_layers + recomputed) * _gather_or_scatter(inner, moved * a))
-            kv = 2 * b * s * a2a_kv_heads * d
+            kv = b * s * a2a_kv_heads * (q_width + v_width)
             acc = F32 if a < F32 else a
             add("hcp-p2p", m * (outer - 1) * kv * ((2 * n_layers + recomputed) * a + n_layers * acc))
             add("cp", m * _all_reduce(cp, 2 * F32) if last else 0)
@@ -171,11 +187,11 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             # backward; K/V with fewer heads than cp travel expanded to the query heads.
             heads = cfg.num_attention_heads // t
             a2a_kv_heads = kv_heads if kv_heads % cp == 0 else heads
-            moved = 2 * b * s * heads * d + 2 * b * s * a2a_kv_heads * d
+            moved = b * s * heads * (q_width + v_width) + b * s * a2a_kv_heads * (q_width + v_width)
             add("cp", m * (2 * n_layers + recomputed) * _gather_or_scatter(cp, moved * a))
             add("cp", m * _all_reduce(cp, 2 * F32) if last else 0)
         elif cp > 1:
-            kv = 2 * b * s * kv_heads * d
+            kv = b * s * kv_heads * (q_width + v_width)
             acc = F32 if a < F32 else a
             # Forward (and its recomputation); the ring sends K/V again in backward, the all-gather keeps them.
             passes = n_layers * (1 + int(cfg.cp_comm_type == "p2p")) + recomputed
@@ -188,9 +204,13 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         if pp > 1 and not deepspeed_engine:  # our runtime's reported loss: the mean over dp, then to every stage
             add("dp", _all_reduce(dp, F32))
             add("pp", _all_reduce(pp, F32))
-        if pp > 1 and (first or last) and not cfg.untie_embeddings_and_output_weights:
+        if pp > 1 and (first or last) and (depths or not cfg.untie_embeddings_and_output_weights):
+            # the word embedding's copy on the last stage (tied, or embedding MTP's tokens), and with MTP the
+            # learned positions' copy
             vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, t)
-            add("embedding", _all_reduce(2, vocab // t * h * F32))
+            learned = cfg.position_embedding_type == "learned_absolute"
+            add("embedding", _all_reduce(2, (vocab // t * h + (cfg.seq_length * h if depths and learned else 0))
+                                         * F32))
         holders = t * pp * (dp * cp if distributed_optimizer else 1)
         add("optimizer", _all_reduce(holders, F64))
         out.append(StageComm(stage, vol))

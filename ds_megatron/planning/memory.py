@@ -74,11 +74,11 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
     module docstring), by the layer's own widths: the two norms' inputs; attention's input (gathered under
     sequence parallelism) and, per head on this rank, q, k and v (GQA's k and v repeated to every head), the
     core's output and its re-layout, or MLA's latents, its q, k, v and output (``qk_head_dim +
-    qk_pos_emb_head_dim`` wide: v padded to it) and the re-layout (``v_head_dim``); the MLP's input and its ``ffn`` wide tensors (GELU: fc1's
-    output and the activation's; gated: fc1's two halves, act(gate) and the product); an MoE layer's router
-    input and, per routed token (``moe_router_topk`` per token under balanced routing, /tp with sequence
-    parallelism), the permuted input, the experts' ffn-wide tensors (one more: the routing weight's product)
-    and the output before the combining sum, plus a shared expert as a dense MLP."""
+    qk_pos_emb_head_dim`` wide: v padded to it) and the re-layout (``v_head_dim``); the MLP's input and its
+    ``ffn``-wide tensors (GELU: fc1's output and the activation's; gated: fc1's two halves, act(gate) and the
+    product); an MoE layer's router input and, per routed token (``moe_router_topk`` per token under balanced
+    routing, /tp with sequence parallelism), the permuted input, the experts' ffn-wide tensors (one more: the
+    routing weight's product) and the output before the combining sum, plus a shared expert as a dense MLP."""
     h = cfg.hidden_size
     sp = cfg.sequence_parallel and tp > 1
     norms = 2 * (h / tp if sp else h)

@@ -45,7 +45,7 @@ def norm_params(cfg, width: Optional[int] = None) -> int:
     return width if cfg.normalization == "RMSNorm" else 2 * width
 
 
-def _mla_counts(cfg, tp: int) -> ParamCounts:
+def mla_counts(cfg, tp: int) -> ParamCounts:
     """Multi-latent attention: the up-projections (q_proj or q_b_proj, kv_b_proj) and o_proj split by heads; the
     down-projections (biased with add_bias_linear), the latent norms and o_proj's bias replicated."""
     h, heads, bias = cfg.hidden_size, cfg.num_attention_heads // tp, int(cfg.add_bias_linear)
@@ -66,7 +66,7 @@ def layer_counts(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> ParamCo
     replicated = (2 * norm_params(cfg) + (h if cfg.add_bias_linear else 0)
                   + (2 * norm_params(cfg, d) if cfg.qk_layernorm else 0))
     if cfg.multi_latent_attention:  # its projections instead of QKV and dense; the two layer norms as before
-        mla = _mla_counts(cfg, tp)
+        mla = mla_counts(cfg, tp)
         sharded, replicated = mla.sharded, 2 * norm_params(cfg) + mla.replicated
     expert = 0
     if cfg.is_moe_layer(layer):

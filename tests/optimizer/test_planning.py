@@ -265,7 +265,8 @@ def _measured_activations(tp, extra, dtype_name, cp=1):
     (2, {}, "fp32"), (2, {"sequence_parallel": True}, "fp32"),
     (1, SWIGLU, "fp32"), (1, MLA, "fp32"), (2, dict(MLA, sequence_parallel=True), "fp32"),
     (1, dict(MOE, gated_linear_unit=True, activation="silu", moe_shared_expert_intermediate_size=96), "fp32"),
-    (2, MOE, "fp32"), (1, {"mtp_num_layers": 2}, "fp32"), (2, {"mtp_num_layers": 2, "sequence_parallel": True}, "fp32")],
+    (2, MOE, "fp32"), (1, {"mtp_num_layers": 2}, "fp32"),
+    (2, {"mtp_num_layers": 2, "sequence_parallel": True}, "fp32")],
     ids=["fp32", "bf16", "dropout", "recompute", "recompute-block", "loss-tiles", "tp2", "tp2-sp",
          "swiglu-ffn176", "mla", "tp2-sp-mla", "moe-swiglu-shared", "tp2-moe-etp2", "mtp2", "tp2-sp-mtp2"])
 def test_activation_plan_is_within_ten_percent_of_the_measured_peak(tp, extra, dtype_name):
