@@ -27,8 +27,11 @@ attention falls back to the math kernel, which keeps four ``b*a/t*s*s``
 tensors of the activation size per layer (measured).  Hidden dropout adds two
 1-byte masks per layer.  Besides the layers: the final LayerNorm's input and
 the output layer's input, the ``s*b*V/t`` logits (the cross entropy works in
-their storage; 16-bit logits get an fp32 copy), and the output layer's weight
-gradient, made while those are alive (the peak is at the start of backward).
+their storage; 16-bit logits get an fp32 copy), and the larger of the head's
+two backward phases: the loss's (the logits) and the output layer's (the logits'
+gradient and the weight gradient; with ``loss_sequence_tiles`` one tile's, beside
+the weight gradient summed over the tiles before).  The peak is at the start of
+backward.
 Full recomputation keeps each layer's input and, at most, one layer's set with
 its MLP's gradients, or what the start of backward holds.  (Korthikanti et al.
 2022's estimate, which this replaced, counts the ``s x s`` attention scores and
@@ -127,15 +130,23 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         head = sbh * ((1 / tp + 1) if sp else 2) * act  # final LayerNorm input, output layer input
         # loss_sequence_tiles: one tile's logits at a time (each tile's made again in its backward).
         tile_rows = -(-s // max(1, min(cfg.loss_sequence_tiles, s)))
-        logit_bytes = tile_rows * b * (vocab // tp) * (act + (4 if act < 4 else 0))
-        output_weight_grad = (vocab // tp) * h * act
+        tiled = tile_rows < s
+        one_head = tile_rows * b * (vocab // tp)  # elements of one head's (one tile's) logits
+        saved_logits = one_head * (act + (4 if act < 4 else 0))  # what the loss keeps: 16-bit logits' fp32 copy too
+        weight_grad = (vocab // tp) * h * act
+        # The head's backward in two phases, the larger planned: the loss's (its logits; tiled, beside the weight
+        # gradient summed over the tiles before) and the output layer's (the logits' gradient and the new weight
+        # gradient, tiled beside that sum).  Measured: fp32 peaks in the second, 16-bit in the first.
+        loss_phase = saved_logits + (weight_grad if tiled else 0)
+        weight_phase = one_head * act + weight_grad * (2 if tiled else 1)
         # Multi-token prediction (on the last stage): per depth its two input norms, eh_proj's input [2h]
-        # (gathered), its transformer layer, final norm and head input, and one more head's logits.
+        # (gathered), its transformer layer, final norm and head input, and (untiled) its head's logits.
         depths = cfg.mtp_num_layers or 0
         norm = h / tp if sp else h
         mtp = sum((3 * norm + 3 * h + layer_activation_elements(cfg, cfg.num_layers + k, tp, etp)) * s * b * act
                   + extra for k in range(depths))
-        backward_start = head + (1 + depths) * logit_bytes + output_weight_grad + mtp
+        other_heads = 0 if tiled else depths * one_head * 4  # the loss keeps fp32 logits (16-bit ones freed)
+        backward_start = head + mtp + other_heads + max(loss_phase, weight_phase)
     if cfg.recompute_granularity != "full":
         # "selective" is planned as no recomputation: an upper bound (what it saves is not planned yet).
         return int(sum(per_layer) + backward_start)
