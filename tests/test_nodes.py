@@ -2,8 +2,9 @@
 interfaces and sshd, reached from the root namespace (the login node) by ``deepspeed --hostfile`` over ssh.
 
 * ``launch/deepspeed_multinode.sh`` with DeepSpeed's pdsh runner, 2 nodes x 2 ranks, TP = 2 inside each node x
-  DP = 2 across them, an MoE layer with EP = 2 (x ETP = 2) across them too: the one-node 4-rank run's losses exactly; ``metrics.jsonl`` and the checkpoint on the shared
-  path, written once.  sshd listens on port 2222 only (``--ssh_port`` on every launch); the hostfile lists a
+  DP = 2 across them, an MoE layer with EP = 2 (x ETP = 2) across them too: the one-node 4-rank run's losses
+  exactly; ``metrics.jsonl`` and the checkpoint on the shared path, written once.  PP = 2 across the nodes (the
+  cut-off run below, until the cut): the one-node run's losses exactly too.  sshd listens on port 2222 only (``--ssh_port`` on every launch); the hostfile lists a
   third host that does not exist, left out by ``--exclude``; the node-loss run names its slots by ``--include``.
 * A node lost mid-run, killed (its PID namespace's init dies) or cut off (its link down: no FIN, no RST): every
   surviving rank fails within ``megatron.train.collective_timeout_minutes`` (0.25 here; it also bounds the
@@ -99,15 +100,18 @@ def test_every_group_gets_the_collective_timeout():
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
 
 
-def _config(out_dir, steps, moe=False, **train):
+def _config(out_dir, steps, moe=False, pp=False, **train):
+    """The job: TP = 2 inside each node; DP = 2 across them (``moe``: and EP = 2 x ETP = 2 over the four ranks), or
+    ``pp``: PP = 2 across them (stage 0 on node 0, stage 1 on node 1; our pipeline runtime, two micro-batches)."""
     return {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": 2 // (2 if pp else 1),
+        "gradient_accumulation_steps": 2 if pp else 1,
         "steps_per_print": 10 ** 6,
         "megatron": {
             "tensor_model_parallel_size": 2,
             **({"expert_model_parallel_size": 2, "sequence_parallel": True} if moe else {}),
-            "model": {"num_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "seq_length": 16,
+            **({"pipeline_model_parallel_size": 2} if pp else {}),
+            "model": {"num_layers": 2 if pp else 1, "hidden_size": 16, "num_attention_heads": 2, "seq_length": 16,
                       "vocab_size": 257, "hidden_dropout": 0.1, "attention_dropout": 0.1, **(MOE if moe else {})},
             "train": {"train_iters": steps, "lr": 3e-3, "lr_decay_style": "constant", "lr_warmup_iters": 0,
                       "eval_interval": 10 ** 6, "eval_iters": 1, "output_dir": out_dir, **train},
@@ -187,9 +191,9 @@ def _train_here(cfg):
     return train(load_job(cfg, dist.get_world_size()), cfg, show_progress=False).losses
 
 
-def _one_node_losses(tmp_path, steps, moe=False):
+def _one_node_losses(tmp_path, steps, moe=False, pp=False, **train):
     """The same job on 4 ranks of one machine (the test harness's gloo ranks, one thread each as on the nodes)."""
-    return run_on_ranks(4, _train_here, _config(str(tmp_path / "one_node"), steps, moe))[0]
+    return run_on_ranks(4, _train_here, _config(str(tmp_path / "one_node"), steps, moe, pp, **train))[0]
 
 
 def test_pdsh_tp2_inside_nodes_dp2_and_ep2_across_them_gives_the_one_node_losses(nodes, tmp_path):
@@ -213,11 +217,12 @@ def test_pdsh_tp2_inside_nodes_dp2_and_ep2_across_them_gives_the_one_node_losses
     assert not _no_job_left(nodes)
 
 
-def _run_until_then(nodes, tmp_path, fault):
+def _run_until_then(nodes, tmp_path, fault, pp=False):
     """A long job saving every 2 steps; once its checkpoint at step 2 is complete and step 4 is logged, ``fault``
     strikes node 1.  Returns (launcher exit code, seconds from the fault to the launcher's exit, output, out dir)."""
     out = str(tmp_path / "run")
-    job = _job_dir(tmp_path, _config(out, 10 ** 6, save_interval=2, collective_timeout_minutes=TIMEOUT_MINUTES))
+    job = _job_dir(tmp_path, _config(out, 10 ** 6, pp=pp, save_interval=2,
+                                     collective_timeout_minutes=TIMEOUT_MINUTES))
     metrics, log_path = os.path.join(out, "metrics.jsonl"), tmp_path / "launcher.log"
     with open(log_path, "w") as log:
         # --include names both nodes' slots (the hostfile's own): the flag reaches DeepSpeed's runner
@@ -334,9 +339,14 @@ def test_a_node_killed_mid_run_ends_the_job_nonzero_and_it_resumes_on_one_node_t
 
 
 def test_a_node_cut_off_mid_run_ends_the_job_within_the_collective_timeout(nodes, tmp_path):
-    code, took, output, out = _run_until_then(nodes, tmp_path, nodes.cut)
+    # The job is TP = 2 inside the nodes x PP = 2 across them: until the cut, the one-node run's losses exactly;
+    # then stage 0 waits on the activations' gradients that never come.
+    code, took, output, out = _run_until_then(nodes, tmp_path, nodes.cut, pp=True)
     try:
         _check_after_loss(nodes, code, took, output, out, "node cut off")
+        # the same train_iters (the dataset's sample order depends on it), stopped after step 4 by exit_interval
+        assert {s: v for s, v in _losses(os.path.join(out, "metrics.jsonl")).items() if s <= 4} == \
+            _one_node_losses(tmp_path, 10 ** 6, pp=True, exit_interval=4)
         # Node 0's ranks name themselves, their host, the timeout and the silent ranks in one line each, and exit 4.
         lines = _assert_named(output, nodes.addresses[0], "ranks 2 3 on node1")
         assert any(f"collective_timeout_minutes={TIMEOUT_MINUTES:g}" in line and "Timed out" in line
