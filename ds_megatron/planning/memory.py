@@ -31,7 +31,9 @@ their storage; 16-bit logits get an fp32 copy), and the larger of the head's
 two backward phases: the loss's (the logits) and the output layer's (the logits'
 gradient and the weight gradient; with ``loss_sequence_tiles`` one tile's, beside
 the weight gradient summed over the tiles before).  The peak is at the start of
-backward.
+backward, or with context parallelism possibly in a layer's attention, where the
+core's score blocks (``context_parallel_score_bytes``; quadratic in s / cp) join
+every layer's activations.
 Full recomputation keeps each layer's input and, at most, one layer's set with
 its MLP's gradients, or what the start of backward holds.  (Korthikanti et al.
 2022's estimate, which this replaced, counts the ``s x s`` attention scores and
@@ -103,8 +105,49 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
     return norms + attention + h + experts + shared_expert
 
 
+def context_parallel_score_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, cp: int,
+                                 hierarchical_inner: Optional[int] = None) -> int:
+    """The context-parallel core's transient scores at their peak: three score blocks alive at once (the scores,
+    the probabilities and, in backward, their gradient), in the scores' dtype (fp32 for 16-bit models).  A block
+    is ``[b, heads/tp, rows, keys]``: the ring's a zigzag chunk against one (``s/2cp`` by ``s/2cp``), the
+    all-gather's this rank's queries against the whole sequence (``s/cp`` by ``s``), Ulysses's one zigzag chunk
+    of its ``heads/cp`` heads against the whole sequence, the hierarchical ring's a quarter of its members' rows
+    against a member's keys.  Measured within 10% for the first three (``tests/optimizer/test_planning.py``)."""
+    if cp <= 1:
+        return 0
+    s, b = cfg.seq_length, micro_batch
+    heads = cfg.num_attention_heads // tp
+    kind = cfg.cp_comm_type
+    if kind == "all_gather":
+        block = heads * (s // cp) * s
+    elif kind == "a2a":
+        block = heads // cp * (s // (2 * cp)) * s
+    elif kind == "a2a+p2p":
+        inner = hierarchical_inner or cp
+        rows = inner * s // cp
+        block = heads // inner * -(-rows // 4) * rows
+    else:
+        block = heads * (s // (2 * cp)) ** 2
+    scores = 3 * b * block * max(BYTES[params_dtype], 4)
+    # 16-bit models: the core works on fp32 copies (q, k, v, the output and its gradient, dq, dk, dv).
+    copies = 8 * b * heads * (s // cp) * cfg.head_dim * 4 if BYTES[params_dtype] < 4 else 0
+    return scores + copies
+
+
+def context_parallel_saved_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, cp: int) -> int:
+    """What the all-gather core keeps per layer beyond this rank's K/V: the gathered K and V of the whole
+    sequence (in the scores' dtype) for backward."""
+    if cp <= 1 or cfg.cp_comm_type != "all_gather":
+        return 0
+    kv_heads = max(cfg.query_groups // tp, 1) if not cfg.multi_latent_attention else cfg.num_attention_heads // tp
+    width = (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim) if cfg.multi_latent_attention \
+        else 2 * cfg.head_dim
+    return micro_batch * kv_heads * cfg.seq_length * width * max(BYTES[params_dtype], 4)
+
+
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
-                     logits: bool = True, cp: int = 1, layers: Optional[Sequence[int]] = None, etp: int = 1) -> int:
+                     logits: bool = True, cp: int = 1, layers: Optional[Sequence[int]] = None, etp: int = 1,
+                     hierarchical_inner: Optional[int] = None) -> int:
     """Activation memory of one micro-batch at its peak, the start of backward (see the module docstring).
 
     ``num_layers`` / ``logits``: a pipeline stage's share (its layers; final norm, output layer and
@@ -123,6 +166,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         extra += 4 * b * (a // tp) * s * s * act
     if cfg.hidden_dropout > 0:
         extra += 2 * sbh / (tp if sp else 1)
+    extra += context_parallel_saved_bytes(cfg, tp, micro_batch, params_dtype, cp)
     per_layer = [layer_activation_elements(cfg, i, tp, etp) * s * b * act + extra for i in layers]
     backward_start = 0
     if logits:
@@ -147,9 +191,12 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
                   + extra for k in range(depths))
         other_heads = 0 if tiled else depths * one_head * 4  # the loss keeps fp32 logits (16-bit ones freed)
         backward_start = head + mtp + other_heads + max(loss_phase, weight_phase)
+    # Context parallelism: the core's score blocks, made in a layer's attention (the head's tensors gone by then
+    # in backward), planned beside every layer's activations.
+    scores = context_parallel_score_bytes(cfg, tp, micro_batch, params_dtype, cp, hierarchical_inner)
     if cfg.recompute_granularity != "full":
         # "selective" is planned as no recomputation: an upper bound (what it saves is not planned yet).
-        return int(sum(per_layer) + backward_start)
+        return int(sum(per_layer) + max(backward_start, scores))
     # Recomputation: the recomputed layers' inputs (recompute_method "block": the first recompute_num_layers of
     # the stage or chunk), then the larger of what the start of backward holds (with the later, not recomputed
     # layers' activations) and one recomputed layer's set with its MLP's two ffn-wide gradients (by then the
@@ -159,7 +206,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
     one_layer = max(per_layer[j] for j in recomputed) + 2 * ffn / tp * s * b * act if recomputed else 0
     kept = sum(n for j, n in enumerate(per_layer) if j not in recomputed)
-    return int(inputs + max(backward_start + kept, one_layer))
+    return int(inputs + max(backward_start + kept, one_layer + scores, kept + scores))
 
 
 def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, layers: Sequence[int],
@@ -221,7 +268,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
                 partition_method: str = "uniform", layers_per_stage: Optional[Sequence[int]] = None,
                 first: Optional[int] = None, last: Optional[int] = None, schedule: str = "1f1b",
                 num_model_chunks: int = 1, group_size: Optional[int] = None,
-                deepspeed_engine: bool = False, grad_reduce_in_fp32: Optional[bool] = None) -> List[RankMemory]:
+                deepspeed_engine: bool = False, grad_reduce_in_fp32: Optional[bool] = None,
+                hierarchical_inner: Optional[int] = None) -> List[RankMemory]:
     """One ``RankMemory`` per (pipeline stage, TP rank index): the ranks holding the same shards.
 
     ``distributed_optimizer``: fp32 main params, main grads and optimizer states
@@ -262,7 +310,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         owned = (-(-(counts.sharded + counts.replicated) // layout.dp) + -(-counts.expert // layout.edp)
                  if distributed_optimizer else n)
         per_chunk = [activation_bytes(cfg, layout.tp, micro_batch, params_dtype, logits=stage == pp - 1 and c == v - 1,
-                                      cp=layout.cp, layers=chunk, etp=layout.etp)
+                                      cp=layout.cp, layers=chunk, etp=layout.etp,
+                                      hierarchical_inner=hierarchical_inner)
                       for c, chunk in enumerate(chunks[stage])]
         ours = not deepspeed_engine
         sp = cfg.sequence_parallel and layout.tp > 1

@@ -39,7 +39,8 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
                         micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage,
                         **uneven, schedule=schedule, num_model_chunks=vpp,
                         group_size=parallel.microbatch_group_size_per_vp_stage, deepspeed_engine=deepspeed_engine,
-                        grad_reduce_in_fp32=job.megatron.ddp.grad_dtype_is_fp32(precision.params_dtype != "fp32"))
+                        grad_reduce_in_fp32=job.megatron.ddp.grad_dtype_is_fp32(precision.params_dtype != "fp32"),
+                        hierarchical_inner=(parallel.hierarchical_context_parallel_sizes or [None])[0])
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
     chunks = f", {vpp} chunks per rank" if vpp > 1 else ""
     chunks += " on DeepSpeed's PipelineEngine" if deepspeed_engine else ""

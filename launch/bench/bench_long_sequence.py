@@ -84,9 +84,10 @@ def _planned(args, seq, layout, variant):
     from ds_megatron.planning.memory import activation_bytes
     cfg = _config(args, seq, layout, variant)
     cp, hierarchical = LAYOUTS[layout]
-    activations = activation_bytes(cfg, 1, 1, "fp32", cp=cp)
+    inner = hierarchical[0] if hierarchical else None
+    activations = activation_bytes(cfg, 1, 1, "fp32", cp=cp, hierarchical_inner=inner)
     plan, = plan_comm_volume(cfg, ParallelLayout(world_size=4, cp=cp), "fp32", micro_batch=1, micro_batches=1,
-                             hierarchical_inner=hierarchical[0] if hierarchical else None)
+                             hierarchical_inner=inner)
     moved = sum(v for k, v in plan.bus_bytes.items() if k in ("cp", "hcp-a2a", "hcp-p2p"))
     return activations, moved
 
