@@ -11,9 +11,11 @@ interfaces and sshd, reached from the root namespace (the login node) by ``deeps
   rendezvous, so the nodes' ranks must start within it of each other) with one line naming itself, its host and
   the timeout, the launcher exits non-zero well within 60 s, nothing of the job is left behind, and ``latest``
   names a complete checkpoint.  The survivors name the silent ranks and their host (``training/liveness.py``).
-  After the kill the job resumes on node 0 alone (TP = 2, DP = 1, the global batch kept by gradient
-  accumulation; the torch_dist checkpoint re-sharded), then on both nodes again until SIGTERM to the launcher:
-  every node's ranks stop at one step, save it and leave; every step in ``metrics.jsonl`` once, in order.
+  The kill strikes node 0 half way through a checkpoint save (``tests/training/slow_save_job.py``: the data
+  written, not the metadata): ``latest`` stays on the previous one.  The job then resumes on node 1 alone
+  (TP = 2, DP = 1, the global batch kept by gradient accumulation; the torch_dist checkpoint re-sharded), then on
+  both nodes again until SIGTERM to the launcher: every node's ranks stop at one step, save it and leave; every
+  step in ``metrics.jsonl`` once, in order.
 * A stalled rank (SIGSTOP): the others time out, name it, exit non-zero; the launcher follows.
 
 Root only (CI is root); skipped with the reason where namespaces or sshd cannot be had.  Select with
@@ -131,7 +133,8 @@ def _job_dir(tmp_path, cfg):
     return job
 
 
-def _launch(nodes, job, log, hostfile=None, config="cfg.json", *extra, **launcher_env):
+def _launch(nodes, job, log, hostfile=None, config="cfg.json", *extra, program=("-m", "ds_megatron.cli", "train"),
+            **launcher_env):
     """``launch/deepspeed_multinode.sh HOSTFILE -m ds_megatron.cli train --config cfg.json`` from the job directory
     on the login node (its own process group, so a test that fails can end it).  sshd listens on
     ``Nodes.SSH_PORT`` only, so every launch also proves ``--ssh_port`` (``DS_SSH_PORT``); ``launcher_env``:
@@ -140,7 +143,7 @@ def _launch(nodes, job, log, hostfile=None, config="cfg.json", *extra, **launche
                PYTHON=sys.executable, GLOO_SOCKET_IFNAME=Nodes.IFNAME, OMP_NUM_THREADS="1",
                DS_SSH_PORT=str(Nodes.SSH_PORT), **launcher_env)
     return subprocess.Popen(["bash", os.path.join(ROOT, "launch/deepspeed_multinode.sh"), hostfile or nodes.hostfile,
-                             "-m", "ds_megatron.cli", "train", "--config", str(job / config), *extra],
+                             *program, "--config", str(job / config), *extra],
                             cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -217,20 +220,28 @@ def test_pdsh_tp2_inside_nodes_dp2_and_ep2_across_them_gives_the_one_node_losses
     assert not _no_job_left(nodes)
 
 
-def _run_until_then(nodes, tmp_path, fault, pp=False):
+def _run_until_then(nodes, tmp_path, fault, pp=False, mid_save=False):
     """A long job saving every 2 steps; once its checkpoint at step 2 is complete and step 4 is logged, ``fault``
-    strikes node 1.  Returns (launcher exit code, seconds from the fault to the launcher's exit, output, out dir)."""
+    strikes node 1 (``mid_save``: once rank 0, on node 0, has stopped half way through saving step 4's checkpoint,
+    ``tests/training/slow_save_job.py``: every rank's data written, the metadata not).  Returns (launcher exit code,
+    seconds from the fault to the launcher's exit, output, out dir)."""
     out = str(tmp_path / "run")
     job = _job_dir(tmp_path, _config(out, 10 ** 6, pp=pp, save_interval=2,
                                      collective_timeout_minutes=TIMEOUT_MINUTES))
+    marker = tmp_path / "saving"
+    program = ("-m", "ds_megatron.cli", "train")
+    if mid_save:  # every node's ranks get the hook's settings through .deepspeed_env
+        with open(job / ".deepspeed_env", "a") as env:
+            env.write(f"BLOCK_TAG=iter_0000004\nBLOCK_MARKER={marker}\n")
+        program = (os.path.join(ROOT, "tests", "training", "slow_save_job.py"),)
     metrics, log_path = os.path.join(out, "metrics.jsonl"), tmp_path / "launcher.log"
     with open(log_path, "w") as log:
         # --include names both nodes' slots (the hostfile's own): the flag reaches DeepSpeed's runner
-        proc = _launch(nodes, job, log, DS_INCLUDE="@".join(f"{a}:0,1" for a in nodes.addresses))
+        proc = _launch(nodes, job, log, DS_INCLUDE="@".join(f"{a}:0,1" for a in nodes.addresses), program=program)
         try:
             deadline = time.monotonic() + LIMIT_S
-            while not (os.path.exists(metrics) and len(_losses(metrics)) >= 4
-                       and os.path.exists(os.path.join(out, "latest"))):
+            while not (marker.exists() if mid_save else (os.path.exists(metrics) and len(_losses(metrics)) >= 4
+                                                         and os.path.exists(os.path.join(out, "latest")))):
                 assert proc.poll() is None, log_path.read_text()[-4000:]
                 assert time.monotonic() < deadline, "the job never reached step 4: " + log_path.read_text()[-4000:]
                 time.sleep(0.2)
@@ -258,8 +269,8 @@ def _check_after_loss(nodes, code, took, output, out, what, limit=60):
     return tag
 
 
-def _resume_on(nodes, tmp_path, hosts, grad_acc, steps, sigterm=False):
-    """``--resume`` on node 0 alone (``hosts`` 1) or on both over pdsh (2), 2 ranks a node (TP=2 inside it), the
+def _resume_on(nodes, tmp_path, hosts, grad_acc, steps, sigterm=False, node=0):
+    """``--resume`` on ``node`` alone (``hosts`` 1) or on both over pdsh (2), 2 ranks a node (TP=2 inside it), the
     global batch kept by ``grad_acc``, until step ``steps`` (``sigterm``: SIGTERM to the launcher once step
     ``steps`` is logged); returns the launcher's output."""
     job = tmp_path / "job"
@@ -270,7 +281,7 @@ def _resume_on(nodes, tmp_path, hosts, grad_acc, steps, sigterm=False):
     name = f"resume_{hosts}.json"
     (job / name).write_text(json.dumps(cfg))
     if hosts == 1:  # deepspeed with one host runs locally, not over pdsh: on a cluster, logged in on that node
-        proc = nodes.ssh(0, f"cd {job} && PATH={VENV_BIN}:/usr/bin:/bin DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 "
+        proc = nodes.ssh(node, f"cd {job} && PATH={VENV_BIN}:/usr/bin:/bin DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 "
                             f"bash {ROOT}/launch/deepspeed_cpu.sh 2 -m ds_megatron.cli train --config {name} --resume",
                          timeout=LIMIT_S)
         code, output = proc.returncode, proc.stdout + proc.stderr
@@ -311,21 +322,30 @@ def _sigterm_at(nodes, tmp_path, job, name, step):
     return output
 
 
-def test_a_node_killed_mid_run_ends_the_job_nonzero_and_it_resumes_on_one_node_then_two(nodes, tmp_path):
-    code, took, output, out = _run_until_then(nodes, tmp_path, nodes.kill)
+def test_a_node_killed_while_saving_ends_the_job_nonzero_and_it_resumes_on_the_other_node_then_both(nodes, tmp_path):
+    # Node 0 (rank 0: the checkpoint's coordinator, and the rendezvous store) loses power half way through saving
+    # step 4: every rank's data is written, the metadata is not.  Node 1's ranks fail at once, the launcher exits
+    # non-zero, and `latest` still names step 2's complete checkpoint.
+    code, took, output, out = _run_until_then(nodes, tmp_path, lambda _: nodes.kill(0), mid_save=True)
     try:
-        tag = _check_after_loss(nodes, code, took, output, out, "node killed")
-        _assert_named(output, nodes.addresses[0], "ranks 2 3 on node1")
+        tag = _check_after_loss(nodes, code, took, output, out, "node killed while saving")
+        assert tag == "iter_0000002", tag
+        half = os.path.join(out, "iter_0000004")
+        assert os.path.isdir(half) and not os.path.exists(os.path.join(half, ".metadata")), os.listdir(half)
+        lines = [line for line in output.splitlines() if "a peer rank was lost" in line]
+        assert {rank for rank in (2, 3) for line in lines
+                if line.startswith(f"{nodes.addresses[1]}: ds-megatron train: error: rank {rank} on node1:")} \
+            == {2, 3}, output[-4000:]
     finally:
-        nodes.revive(1)
-    # What is left (node 0: TP=2, DP=1, 2 micro-batches per step: the same global batch) resumes from the torch_dist
+        nodes.revive(0)
+    # What is left (node 1: TP=2, DP=1, 2 micro-batches per step: the same global batch) resumes from the torch_dist
     # checkpoint, re-sharded; then both nodes again (DP=2).  Every step is in metrics.jsonl once, in order, with no
     # gap: the lost run's steps after the checkpoint move aside, the resumed runs train them anew.
     saved = int(tag[len("iter_"):])
     metrics = os.path.join(out, "metrics.jsonl")
     lost = [s for s in _losses(metrics) if s > saved]
     t0 = time.monotonic()
-    one = _resume_on(nodes, tmp_path, 1, 2, saved + 2)
+    one = _resume_on(nodes, tmp_path, 1, 2, saved + 2, node=1)
     t1 = time.monotonic()
     assert f"--resume at step {saved}: {len(lost)} metrics.jsonl records" in one or not lost, one[-3000:]
     assert sorted(_losses(metrics)) == list(range(1, saved + 3))

@@ -101,7 +101,9 @@ class MegatronContext:
     def destroy(self) -> None:
         """End of the job (collective): engine hooks detached, the pipeline module's own groups and ours destroyed.
 
-        A process that builds engine after engine (tests, notebooks) keeps no groups or threads of the old ones.
+        A process that builds engine after engine (tests, notebooks) keeps no groups of the old ones; their gloo
+        threads end when the groups are collected (engines and optimizers hold reference cycles: ``gc.collect()``
+        frees them at once, measured: ~600 threads of 200 destroyed groups back to 5).
         """
         if self.cuda_graphs is not None:
             self.cuda_graphs.detach()

@@ -42,6 +42,7 @@ class Heartbeat:
     def __init__(self, rank: int, world: int, interval: float):
         self.rank, self.world, self.interval = rank, world, interval
         self._stop = threading.Event()
+        self._store_unreachable = False  # a read found the store gone: leaving need not wait for it again
         self._thread = threading.Thread(target=self._beat, name="ds_megatron-heartbeat", daemon=True)
 
     def _beat(self) -> None:
@@ -70,6 +71,7 @@ class Heartbeat:
                 hosts.append(store.get(key).decode() if store.check([key]) else "?")
             return list(zip(silent, hosts)), None
         except Exception as e:  # noqa: BLE001 - any failure to reach the store is the answer
+            self._store_unreachable = True
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             return None, (f"the job's store at {where} (served by rank 0) does not answer either: rank 0 has left "
                           f"already, or its node is lost or cut off ({str(e).splitlines()[0] if str(e) else e!r})")
@@ -79,6 +81,8 @@ class Heartbeat:
         host under the ``deepspeed`` launcher) then waits until every rank reading the counts has left too, at most
         one read's length and 5 s."""
         self._stop.set()
+        if self._store_unreachable:
+            return
         try:
             store = _store(5.0)
             store.add(f"{_PREFIX}/{self.rank}", _EXITED)
