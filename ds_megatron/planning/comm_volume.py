@@ -115,6 +115,7 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     if cfg.multi_latent_attention:
         q_width, v_width = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         kv_heads = cfg.num_attention_heads // t
+    pair = b * s * (q_width + v_width)  # one head's k and v (or q and the output) of this rank's tokens, elements
     depths = cfg.mtp_num_layers or 0
     out = []
     for stage, chunks in enumerate(rank_chunks):
@@ -157,16 +158,17 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             add("tp", m * (1 + depths) * loss_passes * _all_reduce(t, 3 * s * b * F32))
         # Replicated weights whose gradients are partial sums over TP, summed once per step (in fp32).
         mtp_layers = [cfg.num_layers + k for k in range(depths)] if last else []
+        all_layers = n_layers + len(mtp_layers)
         if sp:  # norms and row-parallel biases see this rank's tokens only (the q/k norms its heads)
             partial = (sum(layer_counts(cfg, i, t).replicated for i in layers + mtp_layers)
                        + (norm_params(cfg) * (1 + 3 * len(mtp_layers)) if last else 0))
         else:  # the q/k norms and MLA's down-projections and latent norms see this rank's heads only
-            partial = (2 * norm_params(cfg, d) if cfg.qk_layernorm else 0) * (n_layers + len(mtp_layers))
+            partial = (2 * norm_params(cfg, d) if cfg.qk_layernorm else 0) * all_layers
             if cfg.multi_latent_attention:  # o_proj's bias is added after the reduction: whole on every rank
-                partial += (mla_counts(cfg, t).replicated - h * int(cfg.add_bias_linear)) * (n_layers + len(mtp_layers))
+                partial += (mla_counts(cfg, t).replicated - h * int(cfg.add_bias_linear)) * all_layers
         if t > cfg.query_groups and not cfg.multi_latent_attention:  # each KV group's projection copies: every
             # group's slot in the same all-reduce
-            partial += (n_layers + len(mtp_layers)) * cfg.query_groups * 2 * d * (h + int(cfg.qkv_bias))
+            partial += all_layers * cfg.query_groups * 2 * d * (h + int(cfg.qkv_bias))
         add("tp", _all_reduce(t, partial * F32))
         # Context parallelism: K/V of this rank's s tokens.
         if cp > 1 and cfg.cp_comm_type == "a2a+p2p":
@@ -176,9 +178,9 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             outer = cp // inner
             heads = cfg.num_attention_heads // t
             a2a_kv_heads = kv_heads if kv_heads % inner == 0 else heads
-            moved = b * s * heads * (q_width + v_width) + b * s * a2a_kv_heads * (q_width + v_width)
+            moved = (heads + a2a_kv_heads) * pair
             add("hcp-a2a", m * (2 * n_layers + recomputed) * _gather_or_scatter(inner, moved * a))
-            kv = b * s * a2a_kv_heads * (q_width + v_width)
+            kv = a2a_kv_heads * pair
             acc = F32 if a < F32 else a
             add("hcp-p2p", m * (outer - 1) * kv * ((2 * n_layers + recomputed) * a + n_layers * acc))
             add("cp", m * _all_reduce(cp, 2 * F32) if last else 0)
@@ -187,11 +189,11 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             # backward; K/V with fewer heads than cp travel expanded to the query heads.
             heads = cfg.num_attention_heads // t
             a2a_kv_heads = kv_heads if kv_heads % cp == 0 else heads
-            moved = b * s * heads * (q_width + v_width) + b * s * a2a_kv_heads * (q_width + v_width)
+            moved = (heads + a2a_kv_heads) * pair
             add("cp", m * (2 * n_layers + recomputed) * _gather_or_scatter(cp, moved * a))
             add("cp", m * _all_reduce(cp, 2 * F32) if last else 0)
         elif cp > 1:
-            kv = b * s * kv_heads * (q_width + v_width)
+            kv = kv_heads * pair
             acc = F32 if a < F32 else a
             # Forward (and its recomputation); the ring sends K/V again in backward, the all-gather keeps them.
             passes = n_layers * (1 + int(cfg.cp_comm_type == "p2p")) + recomputed

@@ -50,6 +50,7 @@ import torch
 from ..parallel_state import ParallelGroup
 from ..utils.collectives import MAX, all_reduce
 from .utils import vocab_range_from_per_partition_vocab_size
+from .weight_grad_store import weight_grad_or_defer
 
 
 def _cross_entropy_forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: ParallelGroup,
@@ -204,11 +205,9 @@ class _LinearVocabParallelCrossEntropy(torch.autograd.Function):
         *saved, x, weight = ctx.saved_tensors
         grad = _cross_entropy_grad_(ctx, grad_loss.reshape(-1), saved).to(weight.dtype)  # [V/tp, tokens]
         grad_hidden = torch.mm(grad.t(), weight).view(ctx.hidden_shape) if ctx.needs_input_grad[0] else None
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            store = ctx.store  # W deferred: the logits' gradient lives on to it (never in a buffer, see the caller)
-            if store is None or not store.put(lambda: store.accumulate(weight, torch.mm(grad, x))):
-                grad_weight = torch.mm(grad, x)
+        # W deferred: the logits' gradient lives on to it (never in a buffer, see the caller)
+        grad_weight = weight_grad_or_defer(ctx.store, weight, lambda: torch.mm(grad, x)) \
+            if ctx.needs_input_grad[1] else None
         ctx.backward_done = True  # the buffer may serve the next forward
         return grad_hidden, grad_weight, None, None, None, None, None, None
 

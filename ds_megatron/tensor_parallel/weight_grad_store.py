@@ -66,6 +66,15 @@ class WeightGradStore:
         return list(self._pending)
 
 
+def weight_grad_or_defer(store: Optional[WeightGradStore], param: torch.nn.Parameter,
+                         compute: Callable[[], torch.Tensor]) -> Optional[torch.Tensor]:
+    """In a backward: ``compute()``, the gradient autograd hands ``param``; or, while ``store`` is deferring,
+    None, with ``accumulate(param, compute())`` queued for W."""
+    if store is not None and store.put(lambda: store.accumulate(param, compute())):
+        return None
+    return compute()
+
+
 class _LinearWithDeferrableWeightGrad(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` whose weight gradient may be deferred into a ``WeightGradStore``."""
 
@@ -81,14 +90,10 @@ class _LinearWithDeferrableWeightGrad(torch.autograd.Function):
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] \
             else None
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            def weight_grad() -> torch.Tensor:
-                return grad_output.reshape(-1, grad_output.size(-1)).t().mm(x.reshape(-1, x.size(-1)))
-            store = ctx.store
-            param = ctx.weight
-            if not store.put(lambda: store.accumulate(param, weight_grad())):
-                grad_weight = weight_grad()
+        grad_weight = weight_grad_or_defer(
+            ctx.store, ctx.weight,
+            lambda: grad_output.reshape(-1, grad_output.size(-1)).t().mm(x.reshape(-1, x.size(-1)))) \
+            if ctx.needs_input_grad[1] else None
         return grad_input, grad_weight, grad_bias, None
 
 
@@ -112,13 +117,9 @@ class _DeferrableWeightGrad(torch.autograd.Function):
         del ctx.graph
         grad_input = torch.autograd.grad(out, x_leaf, grad_output, retain_graph=True)[0] \
             if ctx.needs_input_grad[0] else None
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            def weight_grad() -> torch.Tensor:
-                return torch.autograd.grad(out, weight_leaf, grad_output)[0]
-            store, param = ctx.store, ctx.weight
-            if not store.put(lambda: store.accumulate(param, weight_grad())):
-                grad_weight = weight_grad()
+        grad_weight = weight_grad_or_defer(ctx.store, ctx.weight,
+                                           lambda: torch.autograd.grad(out, weight_leaf, grad_output)[0]) \
+            if ctx.needs_input_grad[1] else None
         return grad_input, grad_weight, None, None
 
 
@@ -139,4 +140,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     return _LinearWithDeferrableWeightGrad.apply(x, weight, bias, store)
 
 
-__all__ = ["WeightGradStore", "accumulate_into_grad", "deferrable", "linear"]
+__all__ = ["WeightGradStore", "accumulate_into_grad", "deferrable", "linear", "weight_grad_or_defer"]
