@@ -9,6 +9,8 @@
 # DS_LAUNCHER picks DeepSpeed's multi-node runner (default pdsh, over ssh; also openmpi, mpich,
 # impi, slurm, mvapich) and DS_LAUNCHER_ARGS is handed to it, e.g. on an MPICH cluster:
 #   DS_LAUNCHER=mpich bash launch/deepspeed_multinode.sh hostfile
+# DS_LAUNCHER=ssh needs no pdsh: launch/ssh_runner.py reaches each node with plain OpenSSH and starts
+# DeepSpeed's per-node mode there (deepspeed --no_ssh --node_rank I); DS_LAUNCHER_ARGS are ssh options.
 # (tests/test_multinode.py runs two "nodes" on one machine with DS_LAUNCHER_ARGS="-launcher fork").
 # DS_SSH_PORT, DS_INCLUDE and DS_EXCLUDE become deepspeed's --ssh_port, --include and --exclude, e.g.
 #   DS_SSH_PORT=2222 DS_EXCLUDE=node3 bash launch/deepspeed_multinode.sh hostfile
@@ -27,7 +29,7 @@ if [[ "$first_host" == localhost ]]; then addr=127.0.0.1; else addr="${MASTER_AD
 port="${MASTER_PORT:-$(dsm_free_port)}"
 extra=()
 # The runner looks mpirun up on PATH: the interpreter's bin first (an MPI wheel puts its mpirun there).
-[[ -n "${DS_LAUNCHER:-}" ]] && extra+=(--launcher "$DS_LAUNCHER") && export PATH="$(dirname "$PYTHON"):$PATH"
+[[ -n "${DS_LAUNCHER:-}" && "$DS_LAUNCHER" != ssh ]] && extra+=(--launcher "$DS_LAUNCHER") && export PATH="$(dirname "$PYTHON"):$PATH"
 [[ -n "${DS_LAUNCHER_ARGS:-}" ]] && extra+=(--launcher_args "$DS_LAUNCHER_ARGS")
 [[ -n "${DS_SSH_PORT:-}" ]] && extra+=(--ssh_port "$DS_SSH_PORT")
 [[ -n "${DS_INCLUDE:-}" ]] && extra+=(--include "$DS_INCLUDE")
@@ -36,6 +38,8 @@ nhosts="$(awk '!/^[[:space:]]*(#|$)/ { n++ } END { print n + 0 }' "$hostfile")"
 # One host runs locally; DeepSpeed would still insist on ssh to it otherwise.
 # The MPI runners reach the hosts through mpirun, not DeepSpeed's ssh check.
 [[ "$nhosts" == 1 || "${DS_LAUNCHER:-pdsh}" != pdsh ]] && extra+=(--no_ssh_check)
+runner=("${DSM_DEEPSPEED[@]}")
+[[ "${DS_LAUNCHER:-}" == ssh && "$nhosts" != 1 ]] && runner=("$PYTHON" "$DSM_ROOT/launch/ssh_runner.py")
 set -x
-exec "${DSM_DEEPSPEED[@]}" --hostfile "$hostfile" --master_addr "$addr" --master_port "$port" --no_local_rank "${extra[@]}" \
+exec "${runner[@]}" --hostfile "$hostfile" --master_addr "$addr" --master_port "$port" --no_local_rank "${extra[@]}" \
   "${DSM_DS_ENTRY[@]}"

@@ -17,6 +17,8 @@ interfaces and sshd, reached from the root namespace (the login node) by ``deeps
   both nodes again until SIGTERM to the launcher: every node's ranks stop at one step, save it and leave; every
   step in ``metrics.jsonl`` once, in order.
 * A stalled rank (SIGSTOP): the others time out, name it, exit non-zero; the launcher follows.
+* The cut-off and stalled-rank runs are launched without pdsh: ``DS_LAUNCHER=ssh`` (``launch/ssh_runner.py``, plain
+  OpenSSH to each node running DeepSpeed's per-node mode), the killed and SIGTERM runs by DeepSpeed's pdsh runner.
 
 Root only (CI is root); skipped with the reason where namespaces or sshd cannot be had.  Select with
 ``pytest tests/test_nodes.py``.
@@ -220,8 +222,9 @@ def test_pdsh_tp2_inside_nodes_dp2_and_ep2_across_them_gives_the_one_node_losses
     assert not _no_job_left(nodes)
 
 
-def _run_until_then(nodes, tmp_path, fault, pp=False, mid_save=False):
-    """A long job saving every 2 steps; once its checkpoint at step 2 is complete and step 4 is logged, ``fault``
+def _run_until_then(nodes, tmp_path, fault, pp=False, mid_save=False, launcher="pdsh"):
+    """A long job saving every 2 steps, launched by ``launcher`` (``pdsh``: DeepSpeed's runner; ``ssh``:
+    ``launch/ssh_runner.py``); once its checkpoint at step 2 is complete and step 4 is logged, ``fault``
     strikes node 1 (``mid_save``: once rank 0, on node 0, has stopped half way through saving step 4's checkpoint,
     ``tests/training/slow_save_job.py``: every rank's data written, the metadata not).  Returns (launcher exit code,
     seconds from the fault to the launcher's exit, output, out dir)."""
@@ -237,7 +240,8 @@ def _run_until_then(nodes, tmp_path, fault, pp=False, mid_save=False):
     metrics, log_path = os.path.join(out, "metrics.jsonl"), tmp_path / "launcher.log"
     with open(log_path, "w") as log:
         # --include names both nodes' slots (the hostfile's own): the flag reaches DeepSpeed's runner
-        proc = _launch(nodes, job, log, DS_INCLUDE="@".join(f"{a}:0,1" for a in nodes.addresses), program=program)
+        proc = _launch(nodes, job, log, DS_INCLUDE="@".join(f"{a}:0,1" for a in nodes.addresses), program=program,
+                       DS_LAUNCHER=launcher)
         try:
             deadline = time.monotonic() + LIMIT_S
             while not (marker.exists() if mid_save else (os.path.exists(metrics) and len(_losses(metrics)) >= 4
@@ -361,7 +365,8 @@ def test_a_node_killed_while_saving_ends_the_job_nonzero_and_it_resumes_on_the_o
 def test_a_node_cut_off_mid_run_ends_the_job_within_the_collective_timeout(nodes, tmp_path):
     # The job is TP = 2 inside the nodes x PP = 2 across them: until the cut, the one-node run's losses exactly;
     # then stage 0 waits on the activations' gradients that never come.
-    code, took, output, out = _run_until_then(nodes, tmp_path, nodes.cut, pp=True)
+    code, took, output, out = _run_until_then(nodes, tmp_path, nodes.cut, pp=True, launcher="ssh")
+    assert f"ssh_runner: running on the following workers: {nodes.addresses[0]},{nodes.addresses[1]}" in output
     try:
         _check_after_loss(nodes, code, took, output, out, "node cut off")
         # the same train_iters (the dataset's sample order depends on it), stopped after step 4 by exit_interval
@@ -393,7 +398,7 @@ def test_a_stalled_rank_is_named_and_the_job_ends_nonzero(nodes, tmp_path):
     # Rank 3 (node 1) stopped mid-run: alive and connected but silent.  The others time out, name it, exit 4;
     # node 1's launch.py ends it (SIGTERM, then SIGKILL after its 30 s grace: a stopped process keeps SIGTERM
     # pending), and the launcher returns non-zero.
-    code, took, output, out = _run_until_then(nodes, tmp_path, lambda i: nodes.stall(i, 3))
+    code, took, output, out = _run_until_then(nodes, tmp_path, lambda i: nodes.stall(i, 3), launcher="ssh")
     # the collective timeout, a few heartbeats, then launch.py's 30 s grace for the stopped rank (49 s measured)
     _check_after_loss(nodes, code, took, output, out, "rank stalled", limit=TIMEOUT_MINUTES * 60 + 30 + 30)
     _assert_named(output, nodes.addresses[0], "rank 3 on node1")
