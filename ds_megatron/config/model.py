@@ -6,7 +6,7 @@ widths divisible by TP, experts by EP, ...): the one place these rules live.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 from ..errors import ConfigError
 
@@ -264,6 +264,14 @@ class GPTConfig:
     def head_dim(self) -> int:
         """Channels per attention head (``kv_channels``, or hidden_size / num_attention_heads)."""
         return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def head_widths(self) -> Tuple[int, int]:
+        """One head's (query/key, value) channels: multi-latent attention's ``qk_head_dim + qk_pos_emb_head_dim``
+        and ``v_head_dim``, else ``head_dim`` both."""
+        if self.multi_latent_attention:
+            return self.qk_head_dim + self.qk_pos_emb_head_dim, self.v_head_dim
+        return self.head_dim, self.head_dim
 
     @property
     def query_groups(self) -> int:

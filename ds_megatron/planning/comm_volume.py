@@ -111,9 +111,8 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     v = num_model_chunks
     rank_chunks = pipeline_rank_chunks(cfg, layout, partition_method, layers_per_stage, first, last, v)
     kv_heads = max(cfg.query_groups // t, 1)  # per TP rank (one group's copy when TP exceeds the groups)
-    q_width = v_width = d  # per head; multi-latent attention: q and k qk_head_dim + qk_pos_emb_head_dim wide, v its own
+    q_width, v_width = cfg.head_widths  # per head (multi-latent attention: its own)
     if cfg.multi_latent_attention:
-        q_width, v_width = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         kv_heads = cfg.num_attention_heads // t
     pair = b * s * (q_width + v_width)  # one head's k and v (or q and the output) of this rank's tokens, elements
     depths = cfg.mtp_num_layers or 0

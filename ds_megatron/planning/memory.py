@@ -89,7 +89,7 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
     norms = 2 * (h / tp if sp else h)
     if cfg.multi_latent_attention:
         q_latent = 2 * cfg.q_lora_rank if cfg.q_lora_rank else 0
-        qk, v = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+        qk, v = cfg.head_widths
         # q, k and (padded to their width where it differs, see MLASelfAttention._core) v and the output;
         # the re-layout of the output's v channels
         attention = h + q_latent + 2 * cfg.kv_lora_rank + cfg.num_attention_heads / tp * (4 * qk + v)
@@ -112,7 +112,9 @@ def context_parallel_score_bytes(cfg, tp: int, micro_batch: int, params_dtype: s
     is ``[b, heads/tp, rows, keys]``: the ring's a zigzag chunk against one (``s/2cp`` by ``s/2cp``), the
     all-gather's this rank's queries against the whole sequence (``s/cp`` by ``s``), Ulysses's one zigzag chunk
     of its ``heads/cp`` heads against the whole sequence, the hierarchical ring's a quarter of its members' rows
-    against a member's keys.  Measured within 10% for the first three (``tests/optimizer/test_planning.py``)."""
+    against a member's keys.  The rings (``p2p``, ``a2a+p2p``) hold three more K/V-sized buffers in backward: the
+    next K/V message arriving (in the model's dtype), the dK/dV accumulator arriving and the held block's own
+    dK/dV (fp32 for 16-bit models).  Measured within 10% for each (``tests/optimizer/test_planning.py``)."""
     if cp <= 1:
         return 0
     s, b = cfg.seq_length, micro_batch
@@ -129,9 +131,18 @@ def context_parallel_score_bytes(cfg, tp: int, micro_batch: int, params_dtype: s
     else:
         block = heads * (s // (2 * cp)) ** 2
     scores = 3 * b * block * max(BYTES[params_dtype], 4)
-    # 16-bit models: the core works on fp32 copies (q, k, v, the output and its gradient, dq, dk, dv).
-    copies = 8 * b * heads * (s // cp) * cfg.head_dim * 4 if BYTES[params_dtype] < 4 else 0
-    return scores + copies
+    # 16-bit models: the core works on fp32 copies: q, k, dq, dk at the query/key width, v, the output, its
+    # gradient and dv at the value width (MLA's are its own; standard attention's both head_dim).
+    qk, v = cfg.head_widths
+    copies = 4 * (qk + v) * b * heads * (s // cp) * 4 if BYTES[params_dtype] < 4 else 0
+    ring = 0
+    if kind in ("p2p", "a2a+p2p"):
+        kv_heads = heads if cfg.multi_latent_attention else max(cfg.query_groups // tp, 1)
+        if kind == "a2a+p2p" and kv_heads % (hierarchical_inner or cp):
+            kv_heads = heads  # too few KV heads for the a2a: each query head gets its own copy
+        pair = b * kv_heads * (s // cp) * (qk + v)  # this rank's share of K and V, as it travels
+        ring = pair * (BYTES[params_dtype] + 2 * max(BYTES[params_dtype], 4))
+    return scores + copies + ring
 
 
 def context_parallel_saved_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, cp: int) -> int:
@@ -140,9 +151,8 @@ def context_parallel_saved_bytes(cfg, tp: int, micro_batch: int, params_dtype: s
     if cp <= 1 or cfg.cp_comm_type != "all_gather":
         return 0
     kv_heads = max(cfg.query_groups // tp, 1) if not cfg.multi_latent_attention else cfg.num_attention_heads // tp
-    width = (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim) if cfg.multi_latent_attention \
-        else 2 * cfg.head_dim
-    return micro_batch * kv_heads * cfg.seq_length * width * max(BYTES[params_dtype], 4)
+    return micro_batch * kv_heads * cfg.seq_length * sum(cfg.head_widths) * max(BYTES[params_dtype], 4)
+
 
 
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,

@@ -228,7 +228,7 @@ MLA = dict(position_embedding_type="rope", multi_latent_attention=True, q_lora_r
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
 
 
-def _measured_activations(tp, extra, dtype_name, cp=1):
+def _measured_activations(tp, extra, dtype_name, cp=1, inner=None):
     """The highest point allocations reach in one forward + backward of a GPT (over the params alive before),
     with the logits buffer the output layer keeps between steps.  The lowest of three passes: gloo's worker
     threads drop their references to a collective's tensors on their own schedule, which moves one pass's
@@ -238,6 +238,8 @@ def _measured_activations(tp, extra, dtype_name, cp=1):
     from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
     from ds_megatron.utils.memory import peak_allocated_bytes
     state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, cp=cp))
+    if inner:  # a2a+p2p: all-to-all inside groups of `inner` CP ranks, the ring across them
+        state.build_hierarchical_context_parallel(inner)
     torch.manual_seed(0)
     config = GPTConfig(**{**ACTIVATION_MODEL, **extra})
     model = GPTModel(config, state, rng_tracker=model_parallel_seed(0, state.tp.rank, tracker=RNGStatesTracker()))
@@ -305,14 +307,19 @@ def test_activation_plan_falls_with_context_parallelism_as_measured():
         assert abs(planned / measured - 1) < 0.10, (planned, measured)
 
 
-@pytest.mark.parametrize("comm_type,dtype_name", [("p2p", "fp32"), ("all_gather", "fp32"), ("a2a", "bf16")])
-def test_context_parallel_cores_score_blocks_are_planned(comm_type, dtype_name):
-    """At seq 512 over CP = 2 the core's score blocks and (16-bit) fp32 working copies, and the all-gather's
-    gathered K/V, are most of the peak: without them the plan read 0.90 (ring), 0.33 (all-gather) and 0.76
-    (Ulysses, bf16 0.83) of it, and 0.73 / 0.19 / 0.55 at seq 1024."""
-    extra = {"seq_length": 512, "cp_comm_type": comm_type}
-    planned = activation_bytes(GPTConfig(**{**ACTIVATION_MODEL, **extra}), 1, 4, dtype_name, cp=2)
-    for measured in run_on_ranks(2, _measured_activations, 1, extra, dtype_name, 2):
+@pytest.mark.parametrize("comm_type,dtype_name,model,cp,inner", [
+    ("p2p", "fp32", {}, 2, None), ("all_gather", "fp32", {}, 2, None), ("a2a", "bf16", {}, 2, None),
+    ("p2p", "bf16", MLA, 2, None), ("a2a+p2p", "fp32", {}, 4, 2)],
+    ids=["p2p", "all_gather", "a2a-bf16", "p2p-bf16-mla", "a2a+p2p-2x2"])
+def test_context_parallel_cores_score_blocks_are_planned(comm_type, dtype_name, model, cp, inner):
+    """At seq 512 the core's score blocks and (16-bit) fp32 working copies, and the all-gather's gathered K/V, are
+    most of the peak: without them the plan read 0.90 (ring), 0.33 (all-gather) and 0.76 (Ulysses, bf16 0.83) of
+    it at CP = 2, and 0.73 / 0.19 / 0.55 at seq 1024.  MLA's copies are at its own widths (q/k 24, v 16 here); the
+    hierarchical ring's blocks are a quarter of its members' rows against their keys (CP 4 = 2 x 2)."""
+    extra = {**model, "seq_length": 512, "cp_comm_type": comm_type}
+    planned = activation_bytes(GPTConfig(**{**ACTIVATION_MODEL, **extra}), 1, 4, dtype_name, cp=cp,
+                               hierarchical_inner=inner)
+    for measured in run_on_ranks(cp, _measured_activations, 1, extra, dtype_name, cp, inner):
         assert abs(planned / measured - 1) < 0.10, (planned, measured)
 
 
