@@ -150,6 +150,10 @@ class ParallelAttention(torch.nn.Module):
         if self.rotary is not None:
             positions = rank_positions(q.size(2), self.cp, q.device)  # with CP: its two zigzag chunks
             q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if self.rotary is not None or self.q_layernorm is not None:
+            # q and k are new tensors: v on its own lets the projection's output (their old storage) go, which
+            # the core would otherwise keep alive through v, a view of it (2 of 3 [s, b, h] per layer for MHA).
+            v = v.contiguous()
         if self.cp.size > 1:
             # GQA-aware: only the kv heads travel; no attention dropout here (refused at config time).
             ctx = context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, hierarchical=self.hierarchical_cp)

@@ -3,12 +3,45 @@
 RMSNorm is ``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension.  A
 16-bit input is normalized in float32 (as Megatron and transformers do) and
 cast back; float32 and float64 inputs are normalized in their own precision.
+Its backward keeps only the input and the per-token ``1 / rms`` (as fused
+RMSNorm kernels and torch's LayerNorm do): written as plain autograd ops it
+also kept the normalized input (and a 16-bit input's float32 copy), one more
+``[s, b, h]`` per norm in float32, three 16-bit ones in bf16.
 """
 from __future__ import annotations
 
 import torch
 
 from ..tensor_parallel import mark_sequence_parallel
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """``weight * (x * rstd).to(x.dtype)`` with ``rstd = 1 / sqrt(mean(x^2) + eps)`` in float32 or wider; the
+    backward recomputes the normalized input from ``x`` and ``rstd`` and applies the same casts as autograd of the
+    forward would."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        xf = _float(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        xf = _float(x)
+        normed = (xf * rstd).to(x.dtype)
+        grad_weight = (grad * normed).reshape(-1, weight.numel()).sum(0).to(weight.dtype)
+        g = (grad * weight).to(x.dtype).to(xf.dtype)  # d/d(normed), through the cast back
+        # normed = xf * rstd and rstd = (mean(xf^2) + eps)^-1/2:
+        # dxf = rstd * g - xf * rstd^3 * mean(g * xf)
+        grad_x = rstd * g - xf * (rstd.pow(3) * (g * xf).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
 
 
 class RMSNorm(torch.nn.Module):
@@ -18,11 +51,7 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype in (torch.float16, torch.bfloat16):
-            x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.numel()}, eps={self.eps}"
