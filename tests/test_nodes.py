@@ -267,7 +267,9 @@ def _check_after_loss(nodes, code, took, output, out, what, limit=60):
                         if any(w in line for w in ("Error", "error", "timed out", "Timed out", "lost", "exit"))))
     assert code != 0, output[-4000:]
     assert took < limit, f"{took:.1f} s: " + output[-4000:]
-    assert not _no_job_left(nodes), output[-3000:]  # node 0's ranks and launch.py are gone, not orphaned
+    # Every node's ranks and launch.py are gone, not orphaned (a cut-off node's own after their timeout: on a
+    # loaded box that took over 15 s beyond the launcher's exit, so they get the survivors' 60 s).
+    assert not _no_job_left(nodes, deadline_s=60), output[-3000:]
     tag = open(os.path.join(out, "latest")).read().strip()
     assert os.path.isfile(os.path.join(out, tag, ".metadata")) or os.listdir(os.path.join(out, tag)), tag
     return tag
