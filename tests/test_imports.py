@@ -18,6 +18,8 @@ from __future__ import annotations
 import ast
 import os
 import re
+import subprocess
+import sys
 from collections import defaultdict
 from typing import Dict, List, Set, Tuple
 
@@ -282,3 +284,14 @@ def test_the_checker_sees_a_circle_and_a_stray_arrow():
     assert "integration" in edges["training"] and "training" not in edges["integration"]
     edges["integration"].add("training")
     assert find_cycles(edges), "integration -> training would close a circle"
+
+
+def test_a_rank_starts_without_torch_distributed_checkpoint():
+    # DCP (with torch.distributed.tensor and sympy) took ~1.7 s of every rank's start-up; it is imported when a
+    # torch_dist checkpoint is written or read (checkpointing/torch_dist.py, export_fp32.py).
+    code = ("import sys, ds_megatron.cli, ds_megatron.training.train, ds_megatron.checkpointing.export_fp32; "
+            "print('torch.distributed.checkpoint' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "False"

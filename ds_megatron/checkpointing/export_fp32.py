@@ -46,8 +46,6 @@ from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..models import GPTConfig
 from ..models.gpt import OutputLayer
@@ -156,6 +154,8 @@ def _cat(pieces: Dict[int, torch.Tensor], size: int, dim: int, what: str) -> tor
 def _consolidate_torch_dist(tag_dir: str) -> Dict[str, torch.Tensor]:
     """A ``ckpt_format: "torch_dist"`` checkpoint already stores the one-rank model's tensors (``model.<name>``,
     ``global_shards``): read them whole, on one process."""
+    import torch.distributed.checkpoint as dcp  # here, not at import: ~1.7 s (see torch_dist)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     reader = dcp.FileSystemReader(tag_dir)
     state = {key: torch.empty(md.size, dtype=md.properties.dtype)
              for key, md in reader.read_metadata().state_dict_metadata.items()

@@ -24,18 +24,21 @@ step replicated); ``optimizer.main.N`` (fp32 main params of 16-bit params);
 Needs our optimizer path (a ``MegatronOptimizer``) and our GPT (``GPTModel`` or a
 ``GPTPipelineModule`` stage) whose tensors are its parameters (``moe_grouped_gemm``
 keeps experts in stacked weights: refused).  ``check_supported`` says so before training.
+
+DCP is imported when a checkpoint is written or read, not with this module: it takes ~1.7 s of every rank's
+start-up (``torch.distributed.tensor`` and sympy come with it).
 """
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any, Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+if TYPE_CHECKING:  # annotations only: DCP itself is imported when used (see the module docstring)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 from ..convert.model_io import model_tensors
 from ..integration.seams import engine_counters, set_engine_counters
@@ -70,6 +73,8 @@ class _Shards:
         return self.global_shape
 
     def __create_write_items__(self, fqn: str, obj: Any) -> List[WriteItem]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(
                               chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=block.size()),
@@ -77,6 +82,7 @@ class _Shards:
                 for offsets, block in self.blocks.items()]
 
     def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         return [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=block.size())
                 for offsets, block in self.blocks.items()]
 
@@ -89,28 +95,34 @@ def _lookup(state_dict: Dict[str, Any], index: MetadataIndex):
     return obj.block(index.offset) if isinstance(obj, _Shards) else None
 
 
-class _SavePlanner(DefaultSavePlanner):
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+@functools.lru_cache(maxsize=None)
+def _planners():
+    """DCP's default save and load planners, finding our ``_Shards``' blocks (made on first use, with DCP)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        found = _lookup(self.state_dict, index)
-        return found if found is not None else super().lookup_object(index)
+    class SavePlanner(DefaultSavePlanner):
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
+        def lookup_object(self, index: MetadataIndex) -> Any:
+            found = _lookup(self.state_dict, index)
+            return found if found is not None else super().lookup_object(index)
 
-class _LoadPlanner(DefaultLoadPlanner):
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+    class LoadPlanner(DefaultLoadPlanner):
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        # The default set-up rebuilds the dict through a walk that turns objects it does not know (ours) into
-        # None; it only materialises meta-device tensors, which we never pass.
-        super().set_up_planner({}, metadata, is_coordinator)
-        self.original_state_dict = self.state_dict = state_dict
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+            # The default set-up rebuilds the dict through a walk that turns objects it does not know (ours) into
+            # None; it only materialises meta-device tensors, which we never pass.
+            super().set_up_planner({}, metadata, is_coordinator)
+            self.original_state_dict = self.state_dict = state_dict
 
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        found = _lookup(self.state_dict, index)
-        return found if found is not None else super().lookup_tensor(index)
+        def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+            found = _lookup(self.state_dict, index)
+            return found if found is not None else super().lookup_tensor(index)
+
+    return SavePlanner, LoadPlanner
 
 
 def check_supported(engine) -> None:
@@ -225,11 +237,14 @@ def save(engine, directory: str, client_state: Dict[str, Any]) -> None:
     state["engine"] = engine_counters(engine)
     state["client"] = dict(client_state)
     state["meta"] = {"version": FORMAT_VERSION, "layout": saved_layout(engine.megatron.state)}
-    dcp.save(state, checkpoint_id=directory, planner=_SavePlanner())
+    import torch.distributed.checkpoint as dcp
+    dcp.save(state, checkpoint_id=directory, planner=_planners()[0]())
 
 
 def load(engine, directory: str) -> Dict[str, Any]:
     """Read ``directory`` (saved by ``save`` at any layout) into the engine; returns the client state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
     module, optimizer = engine.module, engine.optimizer
     reader = dcp.FileSystemReader(directory)
     saved_md = reader.read_metadata().state_dict_metadata
@@ -293,7 +308,7 @@ def load(engine, directory: str) -> Dict[str, Any]:
         if not isinstance(saved_md.get(key), BytesStorageMetadata):
             raise CheckpointFormatError(f"{directory} has no {key}: not a ds_megatron torch_dist checkpoint")
         state[key] = None
-    dcp.load(state, storage_reader=reader, planner=_LoadPlanner())
+    dcp.load(state, storage_reader=reader, planner=_planners()[1]())
 
     if state["meta"].get("version") != FORMAT_VERSION:
         raise CheckpointFormatError(f"{directory}: format version {state['meta'].get('version')}, this ds_megatron "
