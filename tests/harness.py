@@ -45,10 +45,8 @@ def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        # torch._dynamo: the first torch.optim optimizer imports it (3-4 s), once here instead of in every worker;
-        # torch.distributed.checkpoint: the first torch_dist save or load does (~1.7 s), likewise.
-        _CTX.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed.checkpoint", "deepspeed",
-                                     "ds_megatron"])
+        # torch._dynamo: the first torch.optim optimizer imports it (3-4 s), once here instead of in every worker.
+        _CTX.set_forkserver_preload(["torch", "torch._dynamo", "deepspeed", "ds_megatron"])
     return _CTX
 
 
