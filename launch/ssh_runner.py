@@ -65,9 +65,9 @@ def exports(environ):
     return out
 
 
-def node_command(argv, node_rank, environ):
-    """The shell command node ``node_rank`` runs: its exports, the shared directory, DeepSpeed's per-node mode."""
-    export = "".join(f"export {key}={shlex.quote(value)}; " for key, value in exports(environ).items())
+def node_command(argv, node_rank, export):
+    """The shell command node ``node_rank`` runs: ``export`` (the shell lines of ``exports``), the shared directory,
+    DeepSpeed's per-node mode."""
     launch = [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--no_ssh", f"--node_rank={node_rank}", *argv]
     return f"{export}cd {shlex.quote(os.path.abspath('.'))} && exec {shlex.join(launch)}"
 
@@ -87,9 +87,10 @@ def main(argv):
     ssh = ["ssh", "-o", "BatchMode=yes", *(["-p", str(args.ssh_port)] if args.ssh_port else []),
            *shlex.split(args.launcher_args)]
     print(f"ssh_runner: running on the following workers: {','.join(hosts)}", flush=True)
+    export = "".join(f"export {key}={shlex.quote(value)}; " for key, value in exports(os.environ).items())
     sessions, relays = [], []
     for rank, host in enumerate(hosts):
-        proc = subprocess.Popen([*ssh, host, node_command(argv, rank, os.environ)], stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([*ssh, host, node_command(argv, rank, export)], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         relay = threading.Thread(target=_relay, args=(proc.stdout, host), daemon=True)
         relay.start()

@@ -57,7 +57,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..config.model import pad_vocab_size
 from ..errors import ConfigError
-from .memory import BYTES
+from .memory import BYTES, kv_heads_per_rank
 from .param_counts import gpt_param_counts, layer_counts, mla_counts, norm_params, pipeline_rank_chunks
 
 F32, F64 = 4, 8
@@ -110,10 +110,8 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     sbh = s * b * h * a
     v = num_model_chunks
     rank_chunks = pipeline_rank_chunks(cfg, layout, partition_method, layers_per_stage, first, last, v)
-    kv_heads = max(cfg.query_groups // t, 1)  # per TP rank (one group's copy when TP exceeds the groups)
+    kv_heads = kv_heads_per_rank(cfg, t)
     q_width, v_width = cfg.head_widths  # per head (multi-latent attention: its own)
-    if cfg.multi_latent_attention:
-        kv_heads = cfg.num_attention_heads // t
     pair = b * s * (q_width + v_width)  # one head's k and v (or q and the output) of this rank's tokens, elements
     depths = cfg.mtp_num_layers or 0
     out = []

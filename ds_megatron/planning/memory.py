@@ -137,7 +137,7 @@ def context_parallel_score_bytes(cfg, tp: int, micro_batch: int, params_dtype: s
     copies = 4 * (qk + v) * b * heads * (s // cp) * 4 if BYTES[params_dtype] < 4 else 0
     ring = 0
     if kind in ("p2p", "a2a+p2p"):
-        kv_heads = heads if cfg.multi_latent_attention else max(cfg.query_groups // tp, 1)
+        kv_heads = kv_heads_per_rank(cfg, tp)
         if kind == "a2a+p2p" and kv_heads % (hierarchical_inner or cp):
             kv_heads = heads  # too few KV heads for the a2a: each query head gets its own copy
         pair = b * kv_heads * (s // cp) * (qk + v)  # this rank's share of K and V, as it travels
@@ -150,9 +150,15 @@ def context_parallel_saved_bytes(cfg, tp: int, micro_batch: int, params_dtype: s
     sequence (in the scores' dtype) for backward."""
     if cp <= 1 or cfg.cp_comm_type != "all_gather":
         return 0
-    kv_heads = max(cfg.query_groups // tp, 1) if not cfg.multi_latent_attention else cfg.num_attention_heads // tp
-    return micro_batch * kv_heads * cfg.seq_length * sum(cfg.head_widths) * max(BYTES[params_dtype], 4)
+    width = sum(cfg.head_widths)
+    return micro_batch * kv_heads_per_rank(cfg, tp) * cfg.seq_length * width * max(BYTES[params_dtype], 4)
 
+
+def kv_heads_per_rank(cfg, tp: int) -> int:
+    """K/V heads on a TP rank: one group's copy when TP exceeds the groups; MLA's every head has its own."""
+    if cfg.multi_latent_attention:
+        return cfg.num_attention_heads // tp
+    return max(cfg.query_groups // tp, 1)
 
 
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,

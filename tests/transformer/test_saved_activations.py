@@ -40,10 +40,6 @@ def test_rms_norm_backward_equals_autograd_of_the_formula(dtype, tol):
         assert ((ours - theirs).abs().max() / theirs.abs().max()).item() <= tol
 
 
-def _saved_bytes(storages):
-    return sum(s.nbytes() for s in storages.values())
-
-
 def _model_saved_bytes(extra, dtype_name):
     """Bytes of the distinct storages a GPT's forward leaves saved for backward (parameters excluded)."""
     from ds_megatron.models import GPTConfig, GPTModel
@@ -67,7 +63,7 @@ def _model_saved_bytes(extra, dtype_name):
         loss = model({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
     loss.backward()
     state.destroy()
-    return _saved_bytes(storages)
+    return sum(storage.nbytes() for storage in storages.values())
 
 
 @pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
