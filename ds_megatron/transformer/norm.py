@@ -35,12 +35,13 @@ class _RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
         xf = _float(x)
-        normed = (xf * rstd).to(x.dtype)
-        grad_weight = (grad * normed).reshape(-1, weight.numel()).sum(0).to(weight.dtype)
-        g = (grad * weight).to(x.dtype).to(xf.dtype)  # d/d(normed), through the cast back
+        grad_weight = (grad * (xf * rstd).to(x.dtype)).reshape(-1, weight.numel()).sum(0).to(weight.dtype)
+        g = (grad * weight).to(x.dtype).to(xf.dtype)  # d/d(normed), through the cast back; a new tensor
         # normed = xf * rstd and rstd = (mean(xf^2) + eps)^-1/2:
-        # dxf = rstd * g - xf * rstd^3 * mean(g * xf)
-        grad_x = rstd * g - xf * (rstd.pow(3) * (g * xf).mean(-1, keepdim=True))
+        # dxf = rstd * g - xf * rstd^3 * mean(g * xf), worked in g's storage: this backward runs at the start of
+        # the model's backward, beside every layer's activations, so two [s, b, h] temporaries at most, not five.
+        coefficient = rstd.pow(3) * (g * xf).mean(-1, keepdim=True)
+        grad_x = g.mul_(rstd).sub_(xf * coefficient)
         return grad_x.to(x.dtype), grad_weight, None
 
 
