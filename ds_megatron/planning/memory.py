@@ -31,9 +31,16 @@ their storage; 16-bit logits get an fp32 copy), and the larger of the head's
 two backward phases: the loss's (the logits) and the output layer's (the logits'
 gradient and the weight gradient; with ``loss_sequence_tiles`` one tile's, beside
 the weight gradient summed over the tiles before).  The peak is at the start of
-backward, or with context parallelism possibly in a layer's attention, where the
-core's score blocks (``context_parallel_score_bytes``; quadratic in s / cp) join
-every layer's activations.
+backward or in a layer's own backward (``layer_backward_peak_bytes``), where the
+layers below it keep their sets and the layer's transients join them: in its
+MLP's backward one ffn-wide gradient (and, recomputed by selective ``mlp`` or the
+MLP's tiles, the rerun's tensors, one tile's), in attention's the core's
+gradients or the context-parallel core's score blocks
+(``context_parallel_score_bytes``; quadratic in s / cp), and through every
+layer's backward the tied output layer's weight gradient, which waits for the
+embedding's.  Selective recomputation keeps less (``selective_recompute``):
+``core_attn`` not the core's output nor attention dropout's ``s x s`` tensors,
+``mlp`` and the MLP's tiles not its ffn-wide tensors.
 Full recomputation keeps each layer's input and, at most, one layer's set with
 its MLP's gradients, or what the start of backward holds.  (Korthikanti et al.
 2022's estimate, which this replaced, counts the ``s x s`` attention scores and
@@ -55,7 +62,7 @@ TP-split shared-expert MLP.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ..config.model import pad_vocab_size
 from ..errors import ConfigError
@@ -74,7 +81,17 @@ def optimizer_state_bytes_per_param(optimizer_type: str, momentum: float = 0.0) 
     raise ConfigError(f"optimizer.type={optimizer_type!r} cannot be planned; use Adam, AdamW or SGD")
 
 
-def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
+def selective_recompute(cfg, cp: int = 1) -> Tuple[bool, bool]:
+    """(core attention, MLP) rerun in backward instead of kept: ``recompute_granularity "selective"`` with
+    ``core_attn`` (not under context parallelism: the CP cores are not recomputed) / ``mlp``, or
+    ``mlp_sequence_tiles`` (each tile kept as its input and rerun).  ``layernorm`` saves nothing here: a norm
+    keeps its input, which the recomputation keeps too, and its output is the next linear's saved input."""
+    modules = set(cfg.recompute_modules or ()) if cfg.recompute_granularity == "selective" else set()
+    return "core_attn" in modules and cp == 1, "mlp" in modules or cfg.mlp_sequence_tiles > 1
+
+
+def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 1,
+                              micro_batch: Optional[int] = None) -> float:
     """What one transformer layer keeps for backward, in elements per token of the micro-batch (see the
     module docstring), by the layer's own widths: the two norms' inputs; attention's input (gathered under
     sequence parallelism) and, per head on this rank, q, k and v (GQA's k and v repeated to every head), the
@@ -83,7 +100,12 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
     ``ffn``-wide tensors (GELU: fc1's output and the activation's; gated: fc1's two halves, act(gate) and the
     product); an MoE layer's router input and, per routed token (``moe_router_topk`` per token under balanced
     routing, /tp with sequence parallelism), the permuted input, the experts' ffn-wide tensors (one more: the
-    routing weight's product) and the output before the combining sum, plus a shared expert as a dense MLP."""
+    routing weight's product) and the output before the combining sum, plus a shared expert as a dense MLP.
+    At micro-batch 1 (no CP, no attention dropout) the re-layout is a view of the core's output (the fused
+    kernels write it [b, s, heads, d]), so they count once.  Selective recomputation (``selective_recompute``):
+    the core's output is not kept (``core_attn``: its inputs q, k, v are, and the re-layout), nor the MLP's
+    ffn-wide tensors, experts and shared expert (``mlp`` or the MLP's tiles: its input is)."""
+    core, mlp = selective_recompute(cfg, cp)
     h = cfg.hidden_size
     sp = cfg.sequence_parallel and tp > 1
     norms = 2 * (h / tp if sp else h)
@@ -92,17 +114,82 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
         qk, v = cfg.head_widths
         # q, k and (padded to their width where it differs, see MLASelfAttention._core) v and the output;
         # the re-layout of the output's v channels
-        attention = h + q_latent + 2 * cfg.kv_lora_rank + cfg.num_attention_heads / tp * (4 * qk + v)
+        attention = h + q_latent + 2 * cfg.kv_lora_rank + cfg.num_attention_heads / tp * ((3 if core else 4) * qk + v)
     else:
-        attention = h + 5 * cfg.num_attention_heads * cfg.head_dim / tp
+        shared = micro_batch == 1 and cp == 1 and cfg.attention_dropout == 0  # re-layout: a view of the output
+        attention = h + (4 if core or shared else 5) * cfg.num_attention_heads * cfg.head_dim / tp
+    return norms + attention + h + (0 if mlp else mlp_activation_elements(cfg, layer, tp, etp))
+
+
+def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
+    """The MLP's part of ``layer_activation_elements`` beyond its input, per token: a dense MLP's ffn-wide
+    tensors, or an MoE layer's router input, routed tokens' expert tensors and shared expert."""
+    h = cfg.hidden_size
+    sp = cfg.sequence_parallel and tp > 1
     ffn_tensors = 4 if cfg.gated_linear_unit else 2
     if not cfg.is_moe_layer(layer):
-        return norms + attention + h + ffn_tensors * cfg.ffn_hidden_size / tp
+        return ffn_tensors * cfg.ffn_hidden_size / tp
     routed = cfg.moe_router_topk / (tp if sp else 1)
     experts = routed * (2 * h + (ffn_tensors + 1) * cfg.moe_ffn_hidden_size / etp)
     shared = cfg.moe_shared_expert_intermediate_size
     shared_expert = h + ffn_tensors * shared / tp if shared else 0
-    return norms + attention + h + experts + shared_expert
+    return experts + shared_expert
+
+
+def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params_dtype: str, cp: int, etp: int,
+                              kept: float, scores: int) -> float:
+    """The height of layer ``layer``'s own backward beyond the layers below it, which keep their sets: its kept
+    set ``kept`` and the gradient flowing down the residual stream (one [s, b, h], two in attention's backward),
+    then the larger of
+    * the MLP's backward: one of its two ffn-wide gradients (the first is freed before the second is made);
+      recomputed (selective ``mlp``, the MLP's tiles), the rerun's tensors too, one tile's at a time, beside the
+      tiles' input gradient;
+    * attention's backward, the MLP's share freed by then (its tensors, its input and the norm's): the core's
+      transients, the CP core's score blocks ``scores`` or the fused core's dq, dk and dv (recomputed
+      ``core_attn``: its output again, and attention dropout's ``s x s`` tensors)."""
+    s, b, h, a = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.num_attention_heads
+    act = BYTES[params_dtype]
+    sp = cfg.sequence_parallel and tp > 1
+    core, mlp = selective_recompute(cfg, cp)
+    token = s * b * act
+    glu = 2 if cfg.gated_linear_unit else 1
+    if cfg.is_moe_layer(layer):
+        routed = cfg.moe_router_topk / (tp if sp else 1)
+        grads = 2 * glu * (routed * cfg.moe_ffn_hidden_size / etp + (cfg.moe_shared_expert_intermediate_size or 0) / tp)
+    else:
+        grads = 2 * glu * cfg.ffn_hidden_size / tp
+    # under sequence parallelism also the column-parallel layer's whole input gradient before its reduce-scatter
+    stream = h / tp + h if sp else h
+    mlp_tensors = mlp_activation_elements(cfg, layer, tp, etp)
+    # Measured: the MLP's backward peaks with its tensors and half its gradients (GELU: fc1's output, the
+    # activation and the activation's gradient; the activation is freed before fc1's output gradient is made).
+    if mlp:
+        tiles = max(1, cfg.mlp_sequence_tiles)
+        # under sequence parallelism the rerun gathers its input again: the gathered input and the collective's
+        # staging copy (gloo), beside the reduce-scatter's (measured on 2 ranks: 0.87 of the peak without them)
+        rerun = (mlp_tensors + (3 * h if sp else 0) + grads / 2) / tiles + (h if tiles > 1 else 0)
+    else:
+        rerun = grads / 2
+    mlp_phase = kept + (stream + rerun) * token
+    freed = (0 if mlp else mlp_tensors) + h + (h / tp if sp else h)
+    qk, v = cfg.head_widths
+    if cp > 1:
+        core_transient = scores
+    else:
+        core_transient = (3 * qk if not cfg.multi_latent_attention else 2 * qk + v) * a / tp * token
+        if core:
+            core_transient += v * a / tp * token + (4 * b * (a // tp) * s * s * act if cfg.attention_dropout > 0 else 0)
+    attention_phase = kept + (stream + (h / tp if sp else h) - freed) * token + core_transient
+    return max(mlp_phase, attention_phase)
+
+
+def _prefix_sums(values: Sequence[float]) -> List[float]:
+    """``[0, v0, v0 + v1, ...]`` (one per value): what the layers before each one hold."""
+    out, total = [], 0.0
+    for v in values:
+        out.append(total)
+        total += v
+    return out
 
 
 def context_parallel_score_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, cp: int,
@@ -112,9 +199,12 @@ def context_parallel_score_bytes(cfg, tp: int, micro_batch: int, params_dtype: s
     is ``[b, heads/tp, rows, keys]``: the ring's a zigzag chunk against one (``s/2cp`` by ``s/2cp``), the
     all-gather's this rank's queries against the whole sequence (``s/cp`` by ``s``), Ulysses's one zigzag chunk
     of its ``heads/cp`` heads against the whole sequence, the hierarchical ring's a quarter of its members' rows
-    against a member's keys.  The rings (``p2p``, ``a2a+p2p``) hold three more K/V-sized buffers in backward: the
-    next K/V message arriving (in the model's dtype), the dK/dV accumulator arriving and the held block's own
-    dK/dV (fp32 for 16-bit models).  Measured within 10% for each (``tests/optimizer/test_planning.py``)."""
+    against a member's keys.  Beside them in backward: dq's accumulator and a block's partial products (two
+    [s/cp] query-wide tensors; Ulysses's core seven: its whole dk and dv, a tile's partials and mask too) and, for
+    the rings (``p2p``, ``a2a+p2p``), K/V-sized buffers: the K/V held and the next arriving (in the model's dtype),
+    the own block's dK/dV, the held block's and, on rings of three or more, the accumulator arriving (fp32 for
+    16-bit models); the hierarchical ring's blocks are masked by position, a bool per score.  Measured within 10%
+    for each (``tests/optimizer/test_planning.py``) and at the long-sequence bench's widths."""
     if cp <= 1:
         return 0
     s, b = cfg.seq_length, micro_batch
@@ -131,6 +221,8 @@ def context_parallel_score_bytes(cfg, tp: int, micro_batch: int, params_dtype: s
     else:
         block = heads * (s // (2 * cp)) ** 2
     scores = 3 * b * block * max(BYTES[params_dtype], 4)
+    if kind == "a2a+p2p":  # its blocks are masked by the tokens' positions: a bool per score (measured)
+        scores += b * block
     # 16-bit models: the core works on fp32 copies: q, k, dq, dk at the query/key width, v, the output, its
     # gradient and dv at the value width (MLA's are its own; standard attention's both head_dim).
     qk, v = cfg.head_widths
@@ -141,8 +233,16 @@ def context_parallel_score_bytes(cfg, tp: int, micro_batch: int, params_dtype: s
         if kind == "a2a+p2p" and kv_heads % (hierarchical_inner or cp):
             kv_heads = heads  # too few KV heads for the a2a: each query head gets its own copy
         pair = b * kv_heads * (s // cp) * (qk + v)  # this rank's share of K and V, as it travels
-        ring = pair * (BYTES[params_dtype] + 2 * max(BYTES[params_dtype], 4))
-    return scores + copies + ring
+        hops = cp // (hierarchical_inner or cp) if kind == "a2a+p2p" else cp
+        # the K/V held and the next arriving (model dtype); dK/dV of the own block, of the held one and, on rings
+        # of three or more, the accumulator arriving (fp32 for 16-bit models)
+        ring = pair * (2 * BYTES[params_dtype] + (3 if hops > 2 else 2) * max(BYTES[params_dtype], 4))
+    # dq's accumulator and a block's partial products, at the query width; Ulysses's core also holds its whole
+    # dk and dv, a tile's dk / dv partials and the tile's mask beside them (measured).  The 16-bit cores' dq (and
+    # Ulysses's dk, dv) are among the fp32 copies above.
+    units = {"a2a": 7, "a2a+p2p": 4}.get(kind, 2) - ((3 if kind == "a2a" else 1) if copies else 0)
+    grads = units * b * heads * (s // cp) * qk * max(BYTES[params_dtype], 4)
+    return scores + copies + ring + grads
 
 
 def context_parallel_saved_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, cp: int) -> int:
@@ -163,13 +263,16 @@ def kv_heads_per_rank(cfg, tp: int) -> int:
 
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
                      logits: bool = True, cp: int = 1, layers: Optional[Sequence[int]] = None, etp: int = 1,
-                     hierarchical_inner: Optional[int] = None) -> int:
+                     hierarchical_inner: Optional[int] = None, embedding: bool = True, kept_only: bool = False) -> int:
     """Activation memory of one micro-batch at its peak, the start of backward (see the module docstring).
 
     ``num_layers`` / ``logits``: a pipeline stage's share (its layers; final norm, output layer and
     logits on the last stage only); ``layers``: their indices in the model, where layers differ (dense and
     MoE).  ``cp``: each context-parallel rank holds ``seq_length / cp`` tokens (Megatron's formula with
-    s -> s/cp; attention dropout, whose s x s term would not split, is refused with cp > 1)."""
+    s -> s/cp; attention dropout, whose s x s term would not split, is refused with cp > 1).  ``embedding``: the
+    chunk also holds the word embedding (the tied output layer's weight gradient then waits for the embedding's
+    through the layers' backward).  ``kept_only``: what a micro-batch keeps from its forward to its backward,
+    without the transients of its backward (a pipeline counts those once, not per micro-batch in flight)."""
     s, b, h, a = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.num_attention_heads
     if layers is None:
         layers = range(cfg.num_layers if num_layers is None else num_layers)
@@ -178,13 +281,14 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     sbh = s * b * h
     sp = cfg.sequence_parallel and tp > 1
     extra = 0
-    if cfg.attention_dropout > 0:
+    core_recomputed, mlp_recomputed = selective_recompute(cfg, cp)
+    if cfg.attention_dropout > 0 and not core_recomputed:
         extra += 4 * b * (a // tp) * s * s * act
     if cfg.hidden_dropout > 0:
         extra += 2 * sbh / (tp if sp else 1)
     extra += context_parallel_saved_bytes(cfg, tp, micro_batch, params_dtype, cp)
-    per_layer = [layer_activation_elements(cfg, i, tp, etp) * s * b * act + extra for i in layers]
-    backward_start = 0
+    per_layer = [layer_activation_elements(cfg, i, tp, etp, cp, b) * s * b * act + extra for i in layers]
+    backward_start = weight_grad = 0
     if logits:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
         head = sbh * ((1 / tp + 1) if sp else 2) * act  # final LayerNorm input, output layer input
@@ -196,14 +300,15 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         weight_grad = (vocab // tp) * h * act
         # The head's backward in two phases, the larger planned: the loss's (its logits; tiled, beside the weight
         # gradient summed over the tiles before) and the output layer's (the logits' gradient and the new weight
-        # gradient, tiled beside that sum).  Measured: fp32 peaks in the second, 16-bit in the first.
+        # gradient, tiled beside that sum and, from the third tile, the new sum, made before the two are freed).
+        # Measured: fp32 peaks in the second, 16-bit in the first.
         loss_phase = saved_logits + (weight_grad if tiled else 0)
-        weight_phase = one_head * act + weight_grad * (2 if tiled else 1)
+        weight_phase = one_head * act + weight_grad * (1 if not tiled else 2 if cfg.loss_sequence_tiles == 2 else 3)
         # Multi-token prediction (on the last stage): per depth its two input norms, eh_proj's input [2h]
         # (gathered), its transformer layer, final norm and head input, and (untiled) its head's logits.
         depths = cfg.mtp_num_layers or 0
         norm = h / tp if sp else h
-        mtp = sum((3 * norm + 3 * h + layer_activation_elements(cfg, cfg.num_layers + k, tp, etp)) * s * b * act
+        mtp = sum((3 * norm + 3 * h + layer_activation_elements(cfg, cfg.num_layers + k, tp, etp, cp, b)) * s * b * act
                   + extra for k in range(depths))
         other_heads = 0 if tiled else depths * one_head * 4  # the loss keeps fp32 logits (16-bit ones freed)
         backward_start = head + mtp + other_heads + max(loss_phase, weight_phase)
@@ -211,8 +316,12 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     # in backward), planned beside every layer's activations.
     scores = context_parallel_score_bytes(cfg, tp, micro_batch, params_dtype, cp, hierarchical_inner)
     if cfg.recompute_granularity != "full":
-        # "selective" is planned as no recomputation: an upper bound (what it saves is not planned yet).
-        return int(sum(per_layer) + max(backward_start, scores))
+        if kept_only:
+            return int(sum(per_layer))
+        tied = weight_grad if logits and embedding and not cfg.untie_embeddings_and_output_weights else 0
+        layer_peak = max(below + layer_backward_peak_bytes(cfg, i, tp, b, params_dtype, cp, etp, per_layer[k], scores)
+                         for k, (i, below) in enumerate(zip(layers, _prefix_sums(per_layer))))
+        return int(max(sum(per_layer) + backward_start, layer_peak + tied))
     # Recomputation: the recomputed layers' inputs (recompute_method "block": the first recompute_num_layers of
     # the stage or chunk), then the larger of what the start of backward holds (with the later, not recomputed
     # layers' activations) and one recomputed layer's set with its MLP's two ffn-wide gradients (by then the
@@ -222,6 +331,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
     one_layer = max(per_layer[j] for j in recomputed) + 2 * ffn / tp * s * b * act if recomputed else 0
     kept = sum(n for j, n in enumerate(per_layer) if j not in recomputed)
+    if kept_only:
+        return int(inputs + kept)
     return int(inputs + max(backward_start + kept, one_layer + scores, kept + scores))
 
 
@@ -325,10 +436,15 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         # Parameters whose fp32 copies and optimizer state this rank keeps.
         owned = (-(-(counts.sharded + counts.replicated) // layout.dp) + -(-counts.expert // layout.edp)
                  if distributed_optimizer else n)
-        per_chunk = [activation_bytes(cfg, layout.tp, micro_batch, params_dtype, logits=stage == pp - 1 and c == v - 1,
-                                      cp=layout.cp, layers=chunk, etp=layout.etp,
-                                      hierarchical_inner=hierarchical_inner)
+        # Each chunk's kept set for every micro-batch in flight; the transients of one backward (the head's, a
+        # layer's, the cores') once, at the largest chunk's.
+        chunk_args = [dict(logits=stage == pp - 1 and c == v - 1, cp=layout.cp, layers=chunk, etp=layout.etp,
+                           hierarchical_inner=hierarchical_inner, embedding=stage == 0 and c == 0)
                       for c, chunk in enumerate(chunks[stage])]
+        per_chunk = [activation_bytes(cfg, layout.tp, micro_batch, params_dtype, kept_only=True, **a)
+                     for a in chunk_args]
+        transient = max(activation_bytes(cfg, layout.tp, micro_batch, params_dtype, **a) - kept
+                        for a, kept in zip(chunk_args, per_chunk))
         ours = not deepspeed_engine
         sp = cfg.sequence_parallel and layout.tp > 1
         message = cfg.seq_length // layout.cp // (layout.tp if sp else 1) * micro_batch * cfg.hidden_size * low
@@ -339,6 +455,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
                     for c, chunk in enumerate(chunks[stage])] if schedule == "zero_bubble" else None
         activations, in_flight = schedule_peak_activations(per_chunk, micro_batches, pp, stage, schedule,
                                                            group_size, message if ours else 0, deferred)
+        activations += transient
         for tp_rank in range(layout.tp):
             ranks = sorted(g[tp_rank] for g in groups["tp"] if g[tp_rank] in
                            {p[stage] for p in groups["pp"]})

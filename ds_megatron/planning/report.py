@@ -53,12 +53,6 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
     if job.model.num_experts:
         header += "\nactivations: MoE layers are planned for balanced routing (topk tokens per token on every rank)"
-    if job.model.mlp_sequence_tiles > 1:
-        header += ("\nactivations: mlp_sequence_tiles is planned as an untiled MLP, an upper bound (what it saves is "
-                   "not planned yet)")
-    if job.model.recompute_granularity == "selective":
-        header += ("\nactivations: recompute_granularity \"selective\" is planned as no recomputation, an upper bound "
-                   "(what it saves is not planned yet)")
     if not precision.owns_optimizer:
         header += ("\ngradients, fp32 copies and optimizer states: not planned on DeepSpeed's optimizer path (DeepSpeed "
                    "allocates its own); the columns below are what ds_megatron's path would hold")

@@ -9,9 +9,9 @@ Layouts (4 ranks): ``none`` (no CP: each rank holds the whole sequence, 4 data-p
 (ring CP 4), ``a2a`` (Ulysses CP 4), ``a2a+p2p`` (hierarchical 2 x 2).  Variants: ``plain``, and ``lean``:
 selective recomputation of ``core_attn``, ``mlp`` and ``layernorm`` with the MLP and the loss over 4 sequence tiles.
 Peaks come from the CPU allocator's trace (``utils.memory.peak_allocated_bytes``, the highest running total of
-allocations during the pass); the plan is ``planning.memory.activation_bytes`` (``lean`` is planned as ``plain`` but
-for the loss tiles: an upper bound, as ``ds-megatron plan`` says); bytes are the CP groups' bus bytes counted by
-``utils.collectives.count_bytes`` against ``planning.comm_volume``.  The 4 ranks share the box's cores, so step
+allocations during the pass, the gradients allocated before it as the job's buffers are); the plan is
+``planning.memory.activation_bytes``; bytes are the CP groups' bus bytes counted by ``utils.collectives.count_bytes``
+against ``planning.comm_volume``.  The 4 ranks share the box's cores, so step
 times are for ordering, not absolute.
 """
 from __future__ import annotations
@@ -58,9 +58,12 @@ def _measure(args, seq, layout, variant):
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
     model(batch).backward()  # warm-up: lazily made state is not an activation
 
+    for p in model.parameters():  # the job's gradients live in its buffers, allocated before any pass
+        p.grad = torch.zeros_like(p)
+
     def one_pass():
         for p in model.parameters():
-            p.grad = None
+            p.grad.zero_()
         model(batch).backward()
 
     dist.barrier()
