@@ -544,7 +544,8 @@ def format_plan(plans: Sequence[RankMemory], header: str) -> str:
     for r in rows:
         lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
     lines += ["", "* copies of 16-bit gradients, alive during the optimizer step only (with fp32 gradients, the "
-                  "default for 16-bit params, the main grads are the gradient buffer itself); ** what the GPT keeps for backward, per micro-batch, at "
-                  "its peak (start of backward), times the micro-batches a stage holds at once (1F1B keeps up to "
-                  "pp - stage in flight; with chunks, the peak of the rank's own schedule order)"]
+                  "default for 16-bit params, the main grads are the gradient buffer itself); ** what the GPT keeps "
+                  "for backward per micro-batch, times the micro-batches a stage holds at once (1F1B keeps up to "
+                  "pp - stage in flight; with chunks, the peak of the rank's own schedule order), plus one "
+                  "backward's transients at their peak (the start of backward or a layer's own backward)"]
     return "\n".join(lines)
