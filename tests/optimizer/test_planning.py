@@ -281,6 +281,7 @@ def _measured_activations(tp, extra, dtype_name, cp=1, inner=None):
     (1, dict(DROPOUT, recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"]),
      "fp32"),
     (1, {"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, "fp32"),
+    (1, {"recompute_granularity": "selective", "recompute_modules": ["layernorm"]}, "fp32"),
     (1, {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp", "layernorm"]}, "fp32"),
     (1, {"mlp_sequence_tiles": 4}, "fp32"),
     (2, {"sequence_parallel": True, "recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
@@ -288,7 +289,7 @@ def _measured_activations(tp, extra, dtype_name, cp=1, inner=None):
     ids=["fp32", "bf16", "dropout", "recompute", "recompute-block", "loss-tiles", "tp2", "tp2-sp",
          "swiglu-ffn176", "mla", "tp2-sp-mla", "moe-swiglu-shared", "tp2-moe-etp2", "mtp2", "tp2-sp-mtp2", "bf16-mtp2",
          "vocab8192-loss-tiles2", "bf16-vocab8192-loss-tiles4", "selective-core-dropout", "selective-all-dropout",
-         "selective-mlp", "selective-core-mlp-layernorm", "mlp-tiles4", "tp2-sp-selective-core-mlp"])
+         "selective-mlp", "selective-layernorm", "selective-core-mlp-layernorm", "mlp-tiles4", "tp2-sp-selective-core-mlp"])
 def test_activation_plan_is_within_ten_percent_of_the_measured_peak(tp, extra, dtype_name):
     """Each layer by its own widths: a gated MLP whose ffn is not 4h (the old 4h-GELU count was 10% under),
     multi-latent attention (16% under when counted as standard attention), MoE layers by routed tokens, and
