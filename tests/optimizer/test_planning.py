@@ -338,8 +338,8 @@ def test_context_parallel_cores_score_blocks_are_planned(comm_type, dtype_name, 
     most of the peak: without them the plan read 0.90 (ring), 0.33 (all-gather) and 0.76 (Ulysses, bf16 0.83) of
     it at CP = 2, and 0.73 / 0.19 / 0.55 at seq 1024.  MLA's copies are at its own widths (q/k 24, v 16 here); the
     hierarchical ring's blocks are a quarter of its members' rows against their keys (CP 4 = 2 x 2).  ``LEAN``:
-    selective mlp + layernorm with MLP and loss tiles, whose peak is in a layer's attention backward (the top
-    layer's MLP share freed by then)."""
+    selective core_attn (not under CP) + mlp + layernorm with MLP and loss tiles, whose peak is in a layer's
+    attention backward (the top layer's MLP share freed by then)."""
     extra = {**model, "seq_length": 512, "cp_comm_type": comm_type}
     planned = activation_bytes(GPTConfig(**{**ACTIVATION_MODEL, **extra}), 1, 4, dtype_name, cp=cp,
                                hierarchical_inner=inner)
