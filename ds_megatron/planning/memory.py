@@ -62,6 +62,7 @@ TP-split shared-expert MLP.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import List, Optional, Sequence, Tuple
 
 from ..config.model import pad_vocab_size
@@ -181,15 +182,6 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
             core_transient += v * a / tp * token + (4 * b * (a // tp) * s * s * act if cfg.attention_dropout > 0 else 0)
     attention_phase = kept + (stream + (h / tp if sp else h) - freed) * token + core_transient
     return max(mlp_phase, attention_phase)
-
-
-def _prefix_sums(values: Sequence[float]) -> List[float]:
-    """``[0, v0, v0 + v1, ...]`` (one per value): what the layers before each one hold."""
-    out, total = [], 0.0
-    for v in values:
-        out.append(total)
-        total += v
-    return out
 
 
 def context_parallel_score_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, cp: int,
@@ -320,7 +312,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
             return int(sum(per_layer))
         tied = weight_grad if logits and embedding and not cfg.untie_embeddings_and_output_weights else 0
         layer_peak = max(below + layer_backward_peak_bytes(cfg, i, tp, b, params_dtype, cp, etp, per_layer[k], scores)
-                         for k, (i, below) in enumerate(zip(layers, _prefix_sums(per_layer))))
+                         for k, (i, below) in enumerate(zip(layers, accumulate(per_layer, initial=0))))
         return int(max(sum(per_layer) + backward_start, layer_peak + tied))
     # Recomputation: the recomputed layers' inputs (recompute_method "block": the first recompute_num_layers of
     # the stage or chunk), then the larger of what the start of backward holds (with the later, not recomputed

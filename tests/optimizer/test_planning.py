@@ -224,8 +224,8 @@ ACTIVATION_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq
 
 SWIGLU = dict(gated_linear_unit=True, activation="silu", ffn_hidden_size=176)
 DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
-LEAN = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"], mlp_sequence_tiles=4,
-            loss_sequence_tiles=4)
+LEAN = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"],
+            mlp_sequence_tiles=4, loss_sequence_tiles=4)
 MLA = dict(position_embedding_type="rope", multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
            qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
@@ -289,7 +289,8 @@ def _measured_activations(tp, extra, dtype_name, cp=1, inner=None):
     ids=["fp32", "bf16", "dropout", "recompute", "recompute-block", "loss-tiles", "tp2", "tp2-sp",
          "swiglu-ffn176", "mla", "tp2-sp-mla", "moe-swiglu-shared", "tp2-moe-etp2", "mtp2", "tp2-sp-mtp2", "bf16-mtp2",
          "vocab8192-loss-tiles2", "bf16-vocab8192-loss-tiles4", "selective-core-dropout", "selective-all-dropout",
-         "selective-mlp", "selective-layernorm", "selective-core-mlp-layernorm", "mlp-tiles4", "tp2-sp-selective-core-mlp"])
+         "selective-mlp", "selective-layernorm", "selective-core-mlp-layernorm", "mlp-tiles4",
+         "tp2-sp-selective-core-mlp"])
 def test_activation_plan_is_within_ten_percent_of_the_measured_peak(tp, extra, dtype_name):
     """Each layer by its own widths: a gated MLP whose ffn is not 4h (the old 4h-GELU count was 10% under),
     multi-latent attention (16% under when counted as standard attention), MoE layers by routed tokens, and
