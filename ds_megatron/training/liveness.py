@@ -43,6 +43,7 @@ class Heartbeat:
         self.rank, self.world, self.interval = rank, world, interval
         self._stop = threading.Event()
         self._store_unreachable = False  # a read found the store gone: leaving need not wait for it again
+        self._store_lost: Optional[str] = None  # why the beat, connected before, could not reach the store again
         self._thread = threading.Thread(target=self._beat, name="ds_megatron-heartbeat", daemon=True)
 
     def _beat(self) -> None:
@@ -50,15 +51,31 @@ class Heartbeat:
             store = _store(max(5.0, 3 * self.interval))
             store.set(f"{_PREFIX}/host/{self.rank}", socket.gethostname())
             store.add(f"{_PREFIX}/{self.rank}", 1)
+        except Exception:  # noqa: BLE001 - not reached at the start: a read finds out for itself
+            return
+        try:
             while not self._stop.wait(self.interval):
                 store.add(f"{_PREFIX}/{self.rank}", 1)
-        except Exception:  # the store is gone (rank 0's node lost): the failing collective will say so
-            return
+        except Exception as e:  # noqa: BLE001 - the store is gone (rank 0 left, or its node is lost or cut off)
+            self._store_lost = str(e).splitlines()[0] if str(e) else repr(e)
+
+    def _connection(self):
+        """A new client of the store.  Its connect retries a refused connection for its whole timeout, twice (9 s
+        measured on a killed node), so a plain connect asks first whether anybody listens.  (Not the beat's own
+        connection: to a node cut off its ops wait without end.)"""
+        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=5.0).close()
+        return _store(5.0)
 
     def silent_ranks(self) -> Tuple[Optional[List[Tuple[int, str]]], Optional[str]]:
         """([(rank, host)] whose heartbeat stood still, None) or (None, why the store could not be read)."""
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        gone = (f"the job's store at {where} (served by rank 0) does not answer either: rank 0 has left already, or "
+                "its node is lost or cut off")
+        if self._store_lost is not None:
+            self._store_unreachable = True
+            return None, f"{gone} (this rank's heartbeat lost it: {self._store_lost})"
         try:
-            store = _store(5.0)
+            store = self._connection()
             store.set(f"{_PREFIX}/reading/{self.rank}", "1")  # rank 0 waits for the readers before it leaves
             keys = [f"{_PREFIX}/{r}" for r in range(self.world)]
             first = [store.add(k, 0) for k in keys]
@@ -72,9 +89,7 @@ class Heartbeat:
             return list(zip(silent, hosts)), None
         except Exception as e:  # noqa: BLE001 - any failure to reach the store is the answer
             self._store_unreachable = True
-            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-            return None, (f"the job's store at {where} (served by rank 0) does not answer either: rank 0 has left "
-                          f"already, or its node is lost or cut off ({str(e).splitlines()[0] if str(e) else e!r})")
+            return None, f"{gone} ({str(e).splitlines()[0] if str(e) else e!r})"
 
     def leave(self) -> None:
         """Stop beating and mark this rank as gone on its own (not to be named by the others).  Rank 0 (the store's
@@ -84,7 +99,7 @@ class Heartbeat:
         if self._store_unreachable:
             return
         try:
-            store = _store(5.0)
+            store = self._connection()
             store.add(f"{_PREFIX}/{self.rank}", _EXITED)
             deadline = time.monotonic() + 2.5 * self.interval + 5.0
             while self.rank == 0 and time.monotonic() < deadline:
