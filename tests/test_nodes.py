@@ -4,8 +4,9 @@ interfaces and sshd, reached from the root namespace (the login node) by ``deeps
 * ``launch/deepspeed_multinode.sh`` with DeepSpeed's pdsh runner, 2 nodes x 2 ranks, TP = 2 inside each node x
   DP = 2 across them, an MoE layer with EP = 2 (x ETP = 2) across them too: the one-node 4-rank run's losses
   exactly; ``metrics.jsonl`` and the checkpoint on the shared path, written once.  PP = 2 across the nodes (the
-  cut-off run below, until the cut): the one-node run's losses exactly too.  sshd listens on port 2222 only (``--ssh_port`` on every launch); the hostfile lists a
-  third host that does not exist, left out by ``--exclude``; the node-loss run names its slots by ``--include``.
+  cut-off run below, until the cut): the one-node run's losses exactly too.  sshd listens on port 2222 only
+  (``--ssh_port`` on every launch); the hostfile lists a third host that does not exist, left out by
+  ``--exclude``; the node-loss run names its slots by ``--include``.
 * A node lost mid-run, killed (its PID namespace's init dies) or cut off (its link down: no FIN, no RST): every
   surviving rank fails within ``megatron.train.collective_timeout_minutes`` (0.25 here; it also bounds the
   rendezvous, so the nodes' ranks must start within it of each other) with one line naming itself, its host and
@@ -16,9 +17,11 @@ interfaces and sshd, reached from the root namespace (the login node) by ``deeps
   (TP = 2, DP = 1, the global batch kept by gradient accumulation; the torch_dist checkpoint re-sharded), then on
   both nodes again until SIGTERM to the launcher: every node's ranks stop at one step, save it and leave; every
   step in ``metrics.jsonl`` once, in order.
-* A stalled rank (SIGSTOP): the others time out, name it, exit non-zero; the launcher follows.
+* A stalled rank (SIGSTOP): the others time out, name it, exit non-zero; the launcher ends the job on the other
+  node (SIGCONT, SIGTERM: the stopped rank too) and exits non-zero.
 * The cut-off and stalled-rank runs are launched without pdsh: ``DS_LAUNCHER=ssh`` (``launch/ssh_runner.py``, plain
-  OpenSSH to each node running DeepSpeed's per-node mode), the killed and SIGTERM runs by DeepSpeed's pdsh runner.
+  OpenSSH to each node running its `launch.py` as the pdsh runner does), the killed and SIGTERM runs by DeepSpeed's
+  pdsh runner.
 
 Root only (CI is root); skipped with the reason where namespaces or sshd cannot be had.  Select with
 ``pytest tests/test_nodes.py``.
@@ -28,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -222,12 +226,13 @@ def test_pdsh_tp2_inside_nodes_dp2_and_ep2_across_them_gives_the_one_node_losses
     assert not _no_job_left(nodes)
 
 
-def _run_until_then(nodes, tmp_path, fault, pp=False, mid_save=False, launcher="pdsh"):
+def _run_until_then(nodes, tmp_path, fault, pp=False, mid_save=False, launcher="pdsh", meanwhile=None):
     """A long job saving every 2 steps, launched by ``launcher`` (``pdsh``: DeepSpeed's runner; ``ssh``:
     ``launch/ssh_runner.py``); once its checkpoint at step 2 is complete and step 4 is logged, ``fault``
     strikes node 1 (``mid_save``: once rank 0, on node 0, has stopped half way through saving step 4's checkpoint,
-    ``tests/training/slow_save_job.py``: every rank's data written, the metadata not).  Returns (launcher exit code,
-    seconds from the fault to the launcher's exit, output, out dir)."""
+    ``tests/training/slow_save_job.py``: every rank's data written, the metadata not).  ``meanwhile()`` runs while
+    the survivors wait out their timeout (the CPU idle).  Returns (launcher exit code, seconds from the fault to the
+    launcher's exit, output, out dir, what ``meanwhile`` returned)."""
     out = str(tmp_path / "run")
     job = _job_dir(tmp_path, _config(out, 10 ** 6, pp=pp, save_interval=2,
                                      collective_timeout_minutes=TIMEOUT_MINUTES))
@@ -251,13 +256,18 @@ def _run_until_then(nodes, tmp_path, fault, pp=False, mid_save=False, launcher="
                 time.sleep(0.2)
             fault(1)
             struck = time.monotonic()
-            code = _wait(proc, timeout=90)
-            took = time.monotonic() - struck
+            ended = []  # the launcher's exit code and when, timed while ``meanwhile`` runs
+            waiter = threading.Thread(target=lambda: ended.append((proc.wait(timeout=90), time.monotonic())))
+            waiter.start()
+            also = meanwhile() if meanwhile else None
+            waiter.join()
+            assert ended, "the launcher did not exit within 90 s of the fault: " + log_path.read_text()[-4000:]
+            code, took = ended[0][0], ended[0][1] - struck
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
                 proc.wait()
-    return code, took, log_path.read_text(), out
+    return code, took, log_path.read_text(), out, also
 
 
 def _check_after_loss(nodes, code, took, output, out, what, limit=60):
@@ -332,7 +342,7 @@ def test_a_node_killed_while_saving_ends_the_job_nonzero_and_it_resumes_on_the_o
     # Node 0 (rank 0: the checkpoint's coordinator, and the rendezvous store) loses power half way through saving
     # step 4: every rank's data is written, the metadata is not.  Node 1's ranks fail at once, the launcher exits
     # non-zero, and `latest` still names step 2's complete checkpoint.
-    code, took, output, out = _run_until_then(nodes, tmp_path, lambda _: nodes.kill(0), mid_save=True)
+    code, took, output, out, _ = _run_until_then(nodes, tmp_path, lambda _: nodes.kill(0), mid_save=True)
     try:
         tag = _check_after_loss(nodes, code, took, output, out, "node killed while saving")
         assert tag == "iter_0000002", tag
@@ -367,13 +377,15 @@ def test_a_node_killed_while_saving_ends_the_job_nonzero_and_it_resumes_on_the_o
 def test_a_node_cut_off_mid_run_ends_the_job_within_the_collective_timeout(nodes, tmp_path):
     # The job is TP = 2 inside the nodes x PP = 2 across them: until the cut, the one-node run's losses exactly;
     # then stage 0 waits on the activations' gradients that never come.
-    code, took, output, out = _run_until_then(nodes, tmp_path, nodes.cut, pp=True, launcher="ssh")
+    # The one-node run (the same train_iters: the dataset's sample order depends on it; stopped after step 4 by
+    # exit_interval) trains while node 0's ranks wait out their timeout.
+    code, took, output, out, one_node = _run_until_then(
+        nodes, tmp_path, nodes.cut, pp=True, launcher="ssh",
+        meanwhile=lambda: _one_node_losses(tmp_path, 10 ** 6, pp=True, exit_interval=4))
     assert f"ssh_runner: running on the following workers: {nodes.addresses[0]},{nodes.addresses[1]}" in output
     try:
         _check_after_loss(nodes, code, took, output, out, "node cut off")
-        # the same train_iters (the dataset's sample order depends on it), stopped after step 4 by exit_interval
-        assert {s: v for s, v in _losses(os.path.join(out, "metrics.jsonl")).items() if s <= 4} == \
-            _one_node_losses(tmp_path, 10 ** 6, pp=True, exit_interval=4)
+        assert {s: v for s, v in _losses(os.path.join(out, "metrics.jsonl")).items() if s <= 4} == one_node
         # Node 0's ranks name themselves, their host, the timeout and the silent ranks in one line each, and exit 4.
         lines = _assert_named(output, nodes.addresses[0], "ranks 2 3 on node1")
         assert any(f"collective_timeout_minutes={TIMEOUT_MINUTES:g}" in line and "Timed out" in line
@@ -397,12 +409,14 @@ def _assert_named(output, address, silent):
 
 
 def test_a_stalled_rank_is_named_and_the_job_ends_nonzero(nodes, tmp_path):
-    # Rank 3 (node 1) stopped mid-run: alive and connected but silent.  The others time out, name it, exit 4;
-    # node 1's launch.py ends it (SIGTERM, then SIGKILL after its 30 s grace: a stopped process keeps SIGTERM
-    # pending), and the launcher returns non-zero.
-    code, took, output, out = _run_until_then(nodes, tmp_path, lambda i: nodes.stall(i, 3), launcher="ssh")
-    # the collective timeout, a few heartbeats, then launch.py's 30 s grace for the stopped rank (49 s measured)
-    _check_after_loss(nodes, code, took, output, out, "rank stalled", limit=TIMEOUT_MINUTES * 60 + 30 + 30)
+    # Rank 3 (node 1) stopped mid-run: alive and connected but silent.  The others time out, name it, exit 4; at
+    # node 0's exit the ssh runner ends node 1's job (SIGCONT, then SIGTERM to its launch.py: without the SIGCONT
+    # the stopped rank keeps SIGTERM pending through launch.py's 30 s grace before SIGKILL), and returns non-zero.
+    code, took, output, out, _ = _run_until_then(nodes, tmp_path, lambda i: nodes.stall(i, 3), launcher="ssh")
+    # the collective timeout and a few heartbeats (21.8 s measured; 51 s when launch.py's grace ran out)
+    _check_after_loss(nodes, code, took, output, out, "rank stalled")
+    assert f"ssh_runner: {nodes.addresses[0]}: its launcher exited 4: ending the job on the other nodes" in output, \
+        output[-4000:]
     _assert_named(output, nodes.addresses[0], "rank 3 on node1")
     node1 = [line for line in output.splitlines() if line.startswith(f"{nodes.addresses[1]}: ds-megatron train: "
                                                                      "error: rank 2 on node1:")]
