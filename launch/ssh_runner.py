@@ -108,6 +108,12 @@ def _relay(stream, host):
         sys.stdout.buffer.flush()
 
 
+def _ended(code):
+    """How a node's session ended, for the launcher's lines (ssh itself exits 255 when the connection is lost)."""
+    lost = " (ssh's code for a connection to the node lost or never made)" if code == 255 else ""
+    return f"its launcher exited {code}{lost}"
+
+
 def main(argv):
     args = ds_runner.parse_args(argv)
     active = active_resources(args)
@@ -141,7 +147,7 @@ def main(argv):
         if stop:
             print(f"ssh_runner: {signal.Signals(stop[0]).name}: passing SIGTERM to every node's launch.py", flush=True)
         else:
-            print(f"ssh_runner: {hosts[first_failed]}: its launcher exited {sessions[first_failed].returncode}: "
+            print(f"ssh_runner: {hosts[first_failed]}: {_ended(sessions[first_failed].returncode)}: "
                   "ending the job on the other nodes (SIGCONT, SIGTERM to their launch.py)", flush=True)
         kills = [subprocess.Popen([*ssh, host, end_job_command(args.master_port)], stdin=subprocess.DEVNULL,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -162,7 +168,7 @@ def main(argv):
         return 1
     failed = [(host, p.returncode) for host, p in zip(hosts, sessions) if p.returncode != 0]
     for host, code in failed:
-        print(f"ssh_runner: {host}: its launcher exited {code}", file=sys.stderr, flush=True)
+        print(f"ssh_runner: {host}: {_ended(code)}", file=sys.stderr, flush=True)
     return sessions[first_failed].returncode if first_failed is not None else 0
 
 
