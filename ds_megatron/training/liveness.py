@@ -32,6 +32,10 @@ def _store(timeout_s: float):
                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else repr(error)
+
+
 def interval_for(timeout_minutes: float) -> float:
     """A fifteenth of the collective timeout, between 0.5 and 4 s: the silent ranks are known 2.5 beats (at most
     10 s) after a rank fails, and a thousand ranks beat 250 times a second at most at the default 10 minutes."""
@@ -57,7 +61,7 @@ class Heartbeat:
             while not self._stop.wait(self.interval):
                 store.add(f"{_PREFIX}/{self.rank}", 1)
         except Exception as e:  # noqa: BLE001 - the store is gone (rank 0 left, or its node is lost or cut off)
-            self._store_lost = str(e).splitlines()[0] if str(e) else repr(e)
+            self._store_lost = _first_line(e)
 
     def _connection(self):
         """A new client of the store.  Its connect retries a refused connection for its whole timeout, twice (9 s
@@ -89,7 +93,7 @@ class Heartbeat:
             return list(zip(silent, hosts)), None
         except Exception as e:  # noqa: BLE001 - any failure to reach the store is the answer
             self._store_unreachable = True
-            return None, f"{gone} ({str(e).splitlines()[0] if str(e) else e!r})"
+            return None, f"{gone} ({_first_line(e)})"
 
     def leave(self) -> None:
         """Stop beating and mark this rank as gone on its own (not to be named by the others).  Rank 0 (the store's
