@@ -137,6 +137,7 @@ class LayerGraphRunner:
                 and torch.is_grad_enabled())
 
     def forward(self, hidden: torch.Tensor, *args, **kwargs):
+        args, kwargs = _without_packed_seq_params(args, kwargs)
         if not (isinstance(hidden, torch.Tensor) and hidden.is_cuda and torch.is_grad_enabled()):
             return self._forward(hidden, *args, **kwargs)
         # On a GPU the layer runs (eagerly, then replayed) on the stream graphs are captured on.
@@ -194,6 +195,22 @@ class LayerGraphRunner:
         self.cuda_graphs = []
         self.cuda_graph_manual_hooks = []
         self.stale = False
+
+
+def _without_packed_seq_params(args, kwargs):
+    """A layer's call without its ``packed_seq_params`` when that is None (a batch of one document per row); a
+    packed micro-batch is refused: its attention runs one kernel per document, with boundaries read on the host,
+    which a graph captured once cannot replay."""
+    if "packed_seq_params" in kwargs:
+        kwargs = dict(kwargs)
+        packed = kwargs.pop("packed_seq_params")
+    else:
+        packed, args = (args[0], args[1:]) if args else (None, args)
+    if packed is not None:
+        raise ValueError("CUDA graphs replay the shapes they captured, but this micro-batch packs several documents "
+                         "per row (position_ids / cu_seqlens / padding_mask), whose attention depends on the "
+                         "boundaries: set megatron.cuda_graph.enabled to false to train on packed sequences")
+    return args, kwargs
 
 
 def _forward_pre_hooks(module: torch.nn.Module) -> List[Tuple[Callable, tuple]]:

@@ -67,7 +67,8 @@ class PipelineRuntime:
             attach_weight_grad_store(model, store)
         self.schedule = PipelineSchedule(model.chunks, state.pp, self.channels,
                                          activation_shape(model, state, engine.train_micro_batch_size_per_gpu()),
-                                         dtype, engine.device, group_size, schedule, store)
+                                         dtype, engine.device, group_size, schedule, store,
+                                         prepare_documents=model.packed_seq_params)
         self._chunk_params = [list(chunk.parameters()) for chunk in model.chunks]
         self._train_iterator: Optional[Iterator] = None
         self.cuda_graphs = None  # integration.cuda_graphs.PipelineRuntimeCudaGraphs, when graphs are on

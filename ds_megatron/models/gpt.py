@@ -44,6 +44,7 @@ from ..transformer import ParallelTransformerLayer
 from ..transformer.context_parallel import zigzag_chunk_indices, zigzag_split
 from ..transformer.layer import set_recompute_method
 from ..transformer.mlp import build_mlp
+from ..transformer.packed_seq_params import PackedSeqParams
 from ..utils.collectives import all_reduce
 from ..transformer.norm import build_norm
 
@@ -56,7 +57,8 @@ class PositionEmbedding(torch.nn.Module):
     With ``position_embedding_type`` "rope" or "none" it has no weight (RoPE turns q and k in attention).
 
     Under sequence parallelism the result is this rank's slice of the sequence.  With context parallelism the
-    input is this CP rank's two zigzag chunks (``ContextParallelVocabEmbedding``), and so are the positions.
+    input is this CP rank's two zigzag chunks (``ContextParallelVocabEmbedding``), and so are the positions.  In
+    a packed micro-batch (``packed_seq_params``) the positions are each token's place in its document.
     A module of its own so that a pipeline's first stage runs it after the
     (tied) word embedding; ``GPTModel`` holds it as ``position_embeddings``.
     """
@@ -74,11 +76,14 @@ class PositionEmbedding(torch.nn.Module):
             torch.nn.init.normal_(self.weight)
             init_method(self.weight)
 
-    def forward(self, word_embedded: torch.Tensor) -> torch.Tensor:
+    def forward(self, word_embedded: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
         s = word_embedded.size(1) * self.cp.size  # with CP: this rank's two zigzag chunks of s tokens
         if s > self.config.seq_length:
             raise ValueError(f"input has {s} tokens but model.seq_length is {self.config.seq_length}")
-        if self.cp.size > 1:
+        if packed_seq_params is not None:
+            if self.weight is not None:
+                word_embedded = word_embedded + self.weight[packed_seq_params.local_position_ids]
+        elif self.cp.size > 1:
             if self.weight is not None:
                 positions = zigzag_chunk_indices(s, self.cp.size, self.cp.rank).to(word_embedded.device)
                 word_embedded = word_embedded + self.weight[positions]
@@ -100,14 +105,28 @@ class PositionEmbedding(torch.nn.Module):
 class ContextParallelVocabEmbedding(VocabParallelEmbedding):
     """The word embedding of a context-parallel rank: every CP rank receives the whole sample and looks up only
     its two zigzag chunks (Megatron's ``get_batch_on_this_cp_rank``), so that the lookup and its all-reduce over
-    TP cover ``s / cp`` tokens.  Its weight is a ``VocabParallelEmbedding``'s, under the same name."""
+    TP cover ``s / cp`` tokens.  Its weight is a ``VocabParallelEmbedding``'s, under the same name.  In a packed
+    micro-batch the rank's tokens are its chunks of every document (``PackedSeqParams.local``)."""
 
     def __init__(self, *args, cp: ParallelGroup, **kwargs):
         super().__init__(*args, **kwargs)
         self.cp = cp
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+        if packed_seq_params is not None:
+            return super().forward(packed_seq_params.local(input_ids))
         return super().forward(zigzag_split(input_ids, self.cp.size, self.cp.rank, seq_dim=1))
+
+
+def embed(word_embeddings: torch.nn.Module, position_embeddings: PositionEmbedding, tokens: torch.Tensor,
+          packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+    """Token ids [b, s] -> the first layer's input [s(/tp), b, h]: this CP rank's tokens, a packed micro-batch's
+    positions within their documents."""
+    if isinstance(word_embeddings, ContextParallelVocabEmbedding):
+        words = word_embeddings(tokens, packed_seq_params)
+    else:
+        words = word_embeddings(tokens)
+    return position_embeddings(words, packed_seq_params)
 
 
 class OutputLayer(ColumnParallelLinear):
@@ -135,11 +154,12 @@ def output_logits(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, co
 def output_layer_loss(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, labels: torch.Tensor,
                       loss_mask: Optional[torch.Tensor], config: GPTConfig, tp: ParallelGroup,
                       buffer: Optional[LogitsBuffer], cp: Optional[ParallelGroup] = None,
-                      weight_grad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
+                      weight_grad_store: Optional[WeightGradStore] = None,
+                      packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
     """``language_model_loss(output_logits(...), ...)`` in one function: the logits never leave the loss, so they
     are made transposed ([V/tp, tokens], the faster CPU GEMM) and, with ``buffer``, in storage kept from step
     to step."""
-    labels, loss_mask = _labels_of_this_cp_rank(labels, loss_mask, cp)
+    labels, loss_mask = _labels_of_this_cp_rank(labels, loss_mask, cp, packed_seq_params)
     hidden = _output_layer_input(hidden, config, tp)
     losses = linear_vocab_parallel_cross_entropy(hidden, word_embeddings_weight, labels.transpose(0, 1), tp,
                                                  label_smoothing=config.label_smoothing,
@@ -150,7 +170,8 @@ def output_layer_loss(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor
 
 def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
                         config: GPTConfig, tp: ParallelGroup, inplace: bool = False,
-                        cp: Optional[ParallelGroup] = None) -> torch.Tensor:
+                        cp: Optional[ParallelGroup] = None,
+                        packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
     """Mean vocab-parallel cross entropy of ``logits [s, b, V/tp]`` against ``labels [b, s]`` over the masked tokens.
 
     ``inplace``: the loss may work in the logits' storage (nothing else reads them).  Not on a pipeline's
@@ -160,19 +181,23 @@ def language_model_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: O
     the whole sample's.  The value is the mean over the whole sequence (masked loss sums and token counts
     summed over ``cp``, Megatron's way); the gradient is ``cp`` x this rank's share, so that the gradient
     buffers' mean over dp-cp gives the CP=1 gradient.
+
+    ``packed_seq_params``: a packed micro-batch's documents (no document's last token is trained; with CP the
+    rank's tokens are its chunks of every document).
     """
-    labels, loss_mask = _labels_of_this_cp_rank(labels, loss_mask, cp)
+    labels, loss_mask = _labels_of_this_cp_rank(labels, loss_mask, cp, packed_seq_params)
     losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), tp, label_smoothing=config.label_smoothing,
                                           vocab_size=config.vocab_size, inplace=inplace).transpose(0, 1)
     return _masked_mean(losses, loss_mask, cp)
 
 
 def tiled_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
-               config: GPTConfig, tp: ParallelGroup, cp: Optional[ParallelGroup]) -> torch.Tensor:
+               config: GPTConfig, tp: ParallelGroup, cp: Optional[ParallelGroup],
+               packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
     """``language_model_loss`` over ``config.loss_sequence_tiles`` sequence tiles: each tile's logits
     [tile, b, V/tp] are made, turned into per-token losses and dropped, and made again in backward (a checkpoint
     per tile), so no [s, b, V/tp] tensor ever exists.  The same mean over the masked tokens."""
-    labels, loss_mask = _labels_of_this_cp_rank(labels, loss_mask, cp)
+    labels, loss_mask = _labels_of_this_cp_rank(labels, loss_mask, cp, packed_seq_params)
     x = _output_layer_input(hidden, config, tp)  # [s, b, h], gathered once
     bounds = torch.tensor_split(torch.arange(x.size(0)), min(config.loss_sequence_tiles, x.size(0)))
 
@@ -186,8 +211,12 @@ def tiled_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     return _masked_mean(torch.cat(pieces, dim=0).transpose(0, 1), loss_mask, cp)
 
 
-def _labels_of_this_cp_rank(labels: torch.Tensor, loss_mask: Optional[torch.Tensor], cp: Optional[ParallelGroup]):
-    """The whole sample's labels / loss mask -> this CP rank's zigzag chunks (unchanged without CP)."""
+def _labels_of_this_cp_rank(labels: torch.Tensor, loss_mask: Optional[torch.Tensor], cp: Optional[ParallelGroup],
+                            packed: Optional[PackedSeqParams] = None):
+    """The whole sample's labels / loss mask -> this CP rank's zigzag chunks (unchanged without CP).  Packed: every
+    document's last token left out of the mask, and with CP the rank's chunks of every document."""
+    if packed is not None:
+        return packed.local(labels), packed.local(packed.loss_mask(loss_mask))
     if cp is None or cp.size == 1:
         return labels, loss_mask
     labels = zigzag_split(labels, cp.size, cp.rank, seq_dim=1)
@@ -291,13 +320,16 @@ class MultiTokenPredictionLayer(torch.nn.Module):
                                               hierarchical_cp=hierarchical_cp)
         self.final_layernorm = build_norm(config, h, sequence_parallel=sp)
 
-    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
         """``embedded``, ``hidden`` (the previous depth's, or the main model's after its final norm, as in
-        megatron-core): [s(/tp), b, h] -> this depth's hidden states after its final norm."""
+        megatron-core): [s(/tp), b, h] -> this depth's hidden states after its final norm.  A packed micro-batch's
+        documents are the main model's: position i still attends within its document, and only positions whose
+        label k ahead lies in the same document are trained (``mtp_loss``)."""
         x, _ = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1))
         if self.sequence_parallel:  # [s, b, h/tp] (the sequence gathered for the projection) -> [s/tp, b, h]
             x = scatter_to_sequence_parallel_region(gather_from_tensor_model_parallel_region(x, self.tp), self.tp)
-        return self.final_layernorm(self.layer(x))
+        return self.final_layernorm(self.layer(x, packed_seq_params))
 
 
 def _shift_left(t: torch.Tensor, k: int, fill=0) -> torch.Tensor:
@@ -309,10 +341,12 @@ def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tens
                         output_layer: Optional[torch.nn.Module], labels: Optional[torch.Tensor],
                         loss_mask: Optional[torch.Tensor], config: GPTConfig, tp: ParallelGroup,
                         cp: ParallelGroup, logits_buffer: Optional[LogitsBuffer],
-                        weight_grad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
+                        weight_grad_store: Optional[WeightGradStore] = None,
+                        packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
     """The final hidden states [s(/tp), b, h] -> the mean loss over the masked tokens (with ``labels``), else this
     rank's vocab-parallel logits [b, s, V/tp].  ``output_layer``: the untied one, None when tied to the word
-    embedding (``word_embeddings_weight``).  The whole model and a pipeline's last chunk end here.
+    embedding (``word_embeddings_weight``).  The whole model and a pipeline's last chunk end here.  With
+    ``packed_seq_params`` no document's last token is trained (its label is the next document's).
 
     ``weight_grad_store`` (the zero-bubble schedule's) may defer the tied output layer's weight gradient (the
     untied one holds its own); deferred, the logits' gradient lives on to W.  Not under ``loss_sequence_tiles``:
@@ -320,7 +354,7 @@ def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tens
     weight = word_embeddings_weight
     if labels is not None and config.loss_sequence_tiles > 1 and torch.is_grad_enabled():
         return tiled_loss(hidden, weight if output_layer is None else output_layer.weight, labels, loss_mask, config,
-                          tp, cp)
+                          tp, cp, packed_seq_params)
     if (labels is not None and output_layer is None and weight.dtype in (torch.float32, torch.float64)):
         # 16-bit weights keep the separate GEMM below: the fused loss would add a 16-bit gradient to its
         # fp32 logits.  On a CPU, fp32 logits of 32 MiB or more go into a buffer kept across steps: glibc
@@ -330,7 +364,7 @@ def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tens
                 and weight_grad_store is None
                 and labels.numel() * weight.size(0) * weight.element_size() >= _GLIBC_ALWAYS_MAPS)
         return output_layer_loss(hidden, weight, labels, loss_mask, config, tp, logits_buffer if keep else None,
-                                 cp=cp, weight_grad_store=weight_grad_store)
+                                 cp=cp, weight_grad_store=weight_grad_store, packed_seq_params=packed_seq_params)
     if output_layer is not None:
         logits = output_layer(hidden)
     else:
@@ -338,7 +372,8 @@ def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tens
     if labels is None:
         return logits.transpose(0, 1)
     # The logits are this forward's own and read by nothing else: the loss may overwrite them.
-    return language_model_loss(logits, labels, loss_mask, config, tp, inplace=True, cp=cp)
+    return language_model_loss(logits, labels, loss_mask, config, tp, inplace=True, cp=cp,
+                               packed_seq_params=packed_seq_params)
 
 
 MTP_LOSS = "mtp_loss"  # its name in the training log, beside the routing losses
@@ -346,18 +381,23 @@ MTP_LOSS = "mtp_loss"  # its name in the training log, beside the routing losses
 
 def mtp_loss(mtp_layers, word_embeddings, position_embeddings, tokens, labels, loss_mask, hidden,
              output_layer: Optional[torch.nn.Module], config: GPTConfig, tp: ParallelGroup, cp: ParallelGroup,
-             tracker, weight_grad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
+             tracker, weight_grad_store: Optional[WeightGradStore] = None,
+             packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
     """``mtp_loss_scaling_factor`` x the mean over depths of each depth's loss (depth k, from 1: the main model's
-    labels k tokens further on, the last k positions masked); recorded in ``tracker`` as "mtp_loss" (the mean) in
-    training.
+    labels k tokens further on, the last k positions masked; packed: shifted inside each document, as for each
+    document alone); recorded in ``tracker`` as "mtp_loss" (the mean) in training.
     ``hidden``: the main model's after its final norm.  The whole model and a pipeline's last chunk end here."""
+    packed = packed_seq_params
     mask = torch.ones_like(labels, dtype=torch.float64) if loss_mask is None else loss_mask
+    if packed is not None:
+        mask = packed.loss_mask(mask)
     total = 0.0
+    shift = _shift_left if packed is None else packed.shift_left  # packed: inside each document
     for k, module in enumerate(mtp_layers, start=1):
-        embedded = position_embeddings(word_embeddings(_shift_left(tokens, k)))
-        hidden = module(embedded, hidden)
-        total = total + language_model_head(hidden, word_embeddings.weight, output_layer, _shift_left(labels, k),
-                                            _shift_left(mask, k), config, tp, cp, None, weight_grad_store)
+        embedded = embed(word_embeddings, position_embeddings, shift(tokens, k), packed)
+        hidden = module(embedded, hidden, packed)
+        total = total + language_model_head(hidden, word_embeddings.weight, output_layer, shift(labels, k),
+                                            shift(mask, k), config, tp, cp, None, weight_grad_store, packed)
     mean = total / len(mtp_layers)
     if mtp_layers.training:  # the log's is the training loss (an evaluation's is not mixed into it)
         tracker.record(MTP_LOSS, 0, mean)
@@ -417,23 +457,30 @@ class GPTModel(torch.nn.Module):
         self.logits_buffer = LogitsBuffer()  # the tied output layer's [V/tp, tokens] logits on a CPU, step to step
         self.weight_grad_store: Optional[WeightGradStore] = None  # may defer the tied output layer's W
 
-    def forward(self, tokens, labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):
+    def forward(self, tokens, labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None, *,
+                position_ids: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                padding_mask: Optional[torch.Tensor] = None):
+        """``position_ids`` / ``cu_seqlens`` / ``padding_mask``: a packed micro-batch's documents
+        (``PackedSeqParams``); a dict batch may carry them under those keys."""
         if isinstance(tokens, dict):
             batch = tokens
             tokens, labels, loss_mask = batch["tokens"], batch.get("labels"), batch.get("loss_mask")
-        hidden = self.position_embeddings(self.word_embeddings(tokens))
+            position_ids, cu_seqlens = batch.get("position_ids"), batch.get("cu_seqlens")
+            padding_mask = batch.get("padding_mask")
+        packed = PackedSeqParams.from_batch(tokens, self.cp, position_ids, cu_seqlens, padding_mask)
+        hidden = embed(self.word_embeddings, self.position_embeddings, tokens, packed)
         for layer in self.layers:
-            hidden = layer(hidden)
+            hidden = layer(hidden, packed)
         hidden = self.final_layernorm(hidden)
         output_layer = self.output_layer if self.config.untie_embeddings_and_output_weights else None
         out = language_model_head(hidden, self.word_embeddings.weight, output_layer, labels, loss_mask, self.config,
-                                  self.tp, self.cp, self.logits_buffer, self.weight_grad_store)
+                                  self.tp, self.cp, self.logits_buffer, self.weight_grad_store, packed)
         if labels is None:
             return out
         if self.mtp is not None:
             out = out + mtp_loss(self.mtp, self.word_embeddings, self.position_embeddings, tokens, labels, loss_mask,
                                  hidden, output_layer, self.config, self.tp, self.cp, self.mtp_loss_tracker,
-                                 self.weight_grad_store)
+                                 self.weight_grad_store, packed)
         return out + self.moe_aux_loss()
 
     def moe_aux_loss(self):

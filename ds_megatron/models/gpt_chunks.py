@@ -15,7 +15,7 @@ Hugging Face export.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -26,7 +26,8 @@ from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer
 from ..parallel_state import ParallelState
 from ..tensor_parallel import LogitsBuffer, RNGStatesTracker, pad_vocab_size
-from .gpt import build_gpt_modules, language_model_head, mtp_loss, set_recompute_method
+from ..transformer.packed_seq_params import PackedSeqParams
+from .gpt import build_gpt_modules, embed, language_model_head, mtp_loss, set_recompute_method
 
 
 def routing_loss_hook(scale: Callable[[], torch.Tensor]):
@@ -48,7 +49,8 @@ class GPTModelChunk(torch.nn.Module):
     stage before; the last returns the mean loss over the masked tokens, the others their hidden states.
     With multi-token prediction the last also holds the MTP layers (megatron-core's place for them) and
     copies of the word and position embeddings, and takes the micro-batch's ``tokens`` too
-    (``takes_tokens``): depth k embeds the tokens k ahead.
+    (``takes_tokens``): depth k embeds the tokens k ahead.  ``packed_seq_params``: a packed micro-batch's documents
+    (every chunk gets them; ``GPTModelChunks.packed_seq_params`` makes them once per micro-batch).
     """
 
     def __init__(self, config: GPTConfig, state: ParallelState, virtual_stage: int, num_virtual_stages: int,
@@ -67,24 +69,26 @@ class GPTModelChunk(torch.nn.Module):
         self.weight_grad_store = None  # the zero-bubble schedule's: may defer the tied output layer's W
 
     def forward(self, inputs: torch.Tensor, labels: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        hidden = self.position_embeddings(self.word_embeddings(inputs)) if self.is_first else inputs
+                loss_mask: Optional[torch.Tensor] = None, tokens: Optional[torch.Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+        packed = packed_seq_params
+        hidden = embed(self.word_embeddings, self.position_embeddings, inputs, packed) if self.is_first else inputs
         for layer in self.layers:
-            hidden = layer(hidden)
+            hidden = layer(hidden, packed)
         if not self.is_last:
             return hidden
         hidden = self.final_layernorm(hidden)
         output_layer = self.output_layer if self.config.untie_embeddings_and_output_weights else None
         weight = self.word_embeddings.weight if output_layer is None else None
         loss = language_model_head(hidden, weight, output_layer, labels, loss_mask, self.config, self.tp, self.cp,
-                                   self.logits_buffer, self.weight_grad_store)
+                                   self.logits_buffer, self.weight_grad_store, packed)
         if self.mtp is None or labels is None:
             return loss
         if tokens is None:
             raise ValueError("the last pipeline chunk of a model with mtp_num_layers needs the micro-batch's tokens")
         return loss + mtp_loss(self.mtp, self.word_embeddings, self.position_embeddings, tokens, labels, loss_mask,
                                hidden, output_layer, self.config, self.tp, self.cp, self.tracker,
-                               self.weight_grad_store)
+                               self.weight_grad_store, packed)
 
 
 class GPTModelChunks(torch.nn.Module):
@@ -154,6 +158,11 @@ class GPTModelChunks(torch.nn.Module):
     def forward(self, *args, **kwargs):
         raise RuntimeError("GPTModelChunks is run by the pipeline runtime: call engine.train_batch(data_iter) / "
                            "engine.eval_batch(data_iter), as with DeepSpeed's pipeline engine")
+
+    def packed_seq_params(self, tokens: torch.Tensor, documents: Dict[str, torch.Tensor]) -> Optional[PackedSeqParams]:
+        """A micro-batch's documents (``position_ids`` / ``cu_seqlens`` / ``padding_mask``) as every chunk takes
+        them; None for rows of one document each."""
+        return PackedSeqParams.from_batch(tokens, self.cp, **documents)
 
     def set_aux_loss_gradient_scale(self, scale: Callable[[], torch.Tensor]) -> None:
         """What one unit of routing loss weighs in backward: loss scale / micro-batches (set by ``initialize``)."""

@@ -36,9 +36,10 @@ from ..tensor_parallel.mappings import gather_from_sequence_parallel_region, sca
 from ..tensor_parallel.utils import divide
 from ..tensor_parallel import mark_sequence_parallel
 from ..transformer.mlp import ParallelMLP
+from ..transformer.packed_seq_params import PackedSeqParams
 from .aux_loss_tracker import MoEAuxLossTracker
 from .experts import experts_class
-from .router import TopKRouter
+from .router import RoutedTokens, TopKRouter
 from .token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher, MoETokenDispatcher
 
 DISPATCHER_TYPES = ("alltoall", "allgather")
@@ -60,7 +61,8 @@ class BaseMoELayer(torch.nn.Module):
     def shared_experts_compute(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
         raise NotImplementedError
 
-    def route(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def route(self, hidden_states: torch.Tensor,
+              packed_seq_params: Optional[PackedSeqParams] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def restore_route(self, aux_losses: Dict[str, torch.Tensor]) -> None:
@@ -83,9 +85,12 @@ class BaseMoELayer(torch.nn.Module):
     def combine(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
         shared_expert_output = self.shared_experts_compute(hidden_states)
-        probs, routing_map = self.route(hidden_states)
+        if packed_seq_params is None:
+            probs, routing_map = self.route(hidden_states)
+        else:
+            probs, routing_map = self.route(hidden_states, packed_seq_params)
         hidden, probs = self.preprocess(hidden_states, probs, routing_map)
         hidden, probs = self.dispatch(hidden, probs)
         output = self.routed_experts_compute(hidden, probs)
@@ -187,8 +192,13 @@ class MoELayer(BaseMoELayer):
     def shared_experts_compute(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
         return None if self.shared_experts is None else self.shared_experts(hidden_states)
 
-    def route(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        return self.router(hidden_states)
+    def route(self, hidden_states: torch.Tensor,
+              packed_seq_params: Optional[PackedSeqParams] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        if packed_seq_params is None:
+            return self.router(hidden_states)
+        # Padding leaves the routing losses; the documents are the sequences of the sequence-wise loss.
+        padding, segments = packed_seq_params.router_tokens(self.tp if self.sequence_parallel else None)
+        return self.router(hidden_states, RoutedTokens(~padding, segments, packed_seq_params.segment_real_tokens))
 
     def restore_route(self, aux_losses: Dict[str, torch.Tensor]) -> None:
         self.router.set_aux_losses(aux_losses, next(iter(aux_losses.values()), self.router.weight))

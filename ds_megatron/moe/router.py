@@ -64,6 +64,10 @@ Megatron's ``compute_routing_scores_for_aux_loss``):
 * ``"none"``: no balancing loss (a coefficient with it is refused by the config);
 * z-loss: ``coeff * mean_t logsumexp(logits_t)^2`` over the micro-batch.
 
+Packed micro-batches (``PackedSeqParams``): padding tokens are routed but left out of every loss (and of the
+expert bias's counts), ``N`` counting the real tokens only, as megatron-core's ``padding_mask``; the
+sequence-wise loss takes each document as a sequence (``S`` its real tokens, the mean over the documents).
+
 Sequence parts (``seq_group``): under sequence parallelism each TP rank routes
 its slice of the sequence, under context parallelism each CP rank its chunks;
 the counts are summed over that group and ``N`` / ``S`` count every part, as
@@ -78,6 +82,7 @@ loss is the same everywhere.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -170,9 +175,32 @@ def sequence_load_balancing_loss_func(scores: torch.Tensor, routing_map: torch.T
     return (f * p_share).sum(dim=-1).mean() * coeff
 
 
-def z_loss_func(logits: torch.Tensor, total_num_tokens: int, coeff: float) -> torch.Tensor:
-    """This rank's share of ``coeff * mean(logsumexp(logits)^2)`` over ``total_num_tokens`` tokens."""
-    return torch.square(torch.logsumexp(logits, dim=-1)).sum() * (coeff / total_num_tokens)
+def document_load_balancing_loss_func(scores: torch.Tensor, routing_map: torch.Tensor, segments: torch.Tensor,
+                                      segment_tokens: torch.Tensor, seq_group: "ParallelGroup", topk: int,
+                                      coeff: float) -> torch.Tensor:
+    """This rank's share of the sequence-wise loss with each packed document as a sequence: ``scores`` /
+    ``routing_map [T_local, E]`` of this rank's real tokens (padding rows zero), ``segments [T_local]`` their
+    documents, ``segment_tokens [D]`` each document's real tokens (0: a padding segment, left out of the mean)."""
+    num_experts = scores.size(-1)
+    counts = torch.zeros(segment_tokens.numel(), num_experts, dtype=torch.float32, device=scores.device)
+    counts.index_add_(0, segments, routing_map.to(torch.float32))
+    all_reduce(counts, seq_group)
+    real = segment_tokens > 0
+    length = segment_tokens.clamp(min=1).to(scores.dtype).unsqueeze(-1)
+    f = counts.to(scores.dtype) * num_experts / (topk * length)
+    p_share = torch.zeros(segment_tokens.numel(), num_experts, dtype=scores.dtype, device=scores.device)
+    p_share = p_share.index_add(0, segments, scores) / length
+    return (f * p_share).sum(dim=-1)[real].mean() * coeff
+
+
+def z_loss_func(logits: torch.Tensor, total_num_tokens, coeff: float,
+                valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's share of ``coeff * mean(logsumexp(logits)^2)`` over ``total_num_tokens`` tokens (``valid``: the
+    real ones of a packed micro-batch)."""
+    squares = torch.square(torch.logsumexp(logits, dim=-1))
+    if valid is not None:
+        squares = squares * valid.to(squares.dtype)
+    return squares.sum() * (coeff / total_num_tokens)
 
 
 class _WholeSequenceValue(torch.autograd.Function):
@@ -201,6 +229,17 @@ def _whole_sequence(local: torch.Tensor, groups: Sequence[ParallelGroup], grad_s
     if not groups and grad_scale == 1.0:
         return local
     return _WholeSequenceValue.apply(local, groups, grad_scale)
+
+
+@dataclass(frozen=True)
+class RoutedTokens:
+    """What a router needs to know of its tokens in a packed micro-batch (``PackedSeqParams.routed_tokens``):
+    ``valid [T]`` (not padding), ``segments [T]`` their documents, ``segment_tokens [D]`` each document's real
+    tokens over the whole micro-batch."""
+
+    valid: torch.Tensor
+    segments: torch.Tensor
+    segment_tokens: torch.Tensor
 
 
 class TopKRouter(torch.nn.Module):
@@ -305,15 +344,23 @@ class TopKRouter(torch.nn.Module):
             return group_limited_topk(selection, self.topk, self.num_groups, self.group_topk)[1]
         return stable_topk(selection, self.topk)[1]
 
-    def routing(self, logits: torch.Tensor, batch_size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(probs, routing_map) from ``logits [T, E]`` (``T = s x b`` in [s, b] order); records the routing losses."""
+    def routing(self, logits: torch.Tensor, batch_size: Optional[int] = None,
+                tokens: Optional["RoutedTokens"] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(probs, routing_map) from ``logits [T, E]`` (``T = s x b`` in [s, b] order); records the routing losses.
+        ``tokens``: which of them are padding, and their documents (a packed micro-batch)."""
         num_tokens, E, k = logits.size(0), self.num_experts, self.topk
         total_tokens = self._total_tokens(num_tokens)
+        valid = None if tokens is None else tokens.valid
+        if valid is not None and (self.z_loss_coeff > 0 or self.aux_loss_coeff > 0) and self.training:
+            # The whole sequence's real tokens (a tensor: no host sync), in the losses' precision (at least fp32).
+            real = valid.sum().to(torch.promote_types(logits.dtype, torch.float32))
+            all_reduce(real, self.tp_cp)
+            total_tokens = real.clamp(min=1)
         training = self.training and torch.is_grad_enabled()
         losses: Dict[str, torch.Tensor] = {}
         if self.z_loss_coeff > 0 and self.training:
-            losses["z_loss"] = _whole_sequence(z_loss_func(logits, total_tokens, self.z_loss_coeff), [self.tp_cp],
-                                               self.grad_scale)
+            losses["z_loss"] = _whole_sequence(z_loss_func(logits, total_tokens, self.z_loss_coeff, valid),
+                                               [self.tp_cp], self.grad_scale)
 
         bias = None if self.expert_bias is None else self.expert_bias.to(logits.device)
         if self.score_function == "softmax":
@@ -340,7 +387,7 @@ class TopKRouter(torch.nn.Module):
         routing_probs = torch.zeros_like(logits).scatter(1, top_indices, top_probs)
 
         if self.aux_loss_coeff > 0 and self.training and self.load_balancing_type != "none":
-            losses["load_balancing_loss"] = self._balancing_loss(scores_for_aux, total_tokens, batch_size)
+            losses["load_balancing_loss"] = self._balancing_loss(scores_for_aux, total_tokens, batch_size, tokens)
         self.set_aux_losses(losses, logits)
 
         real_map = routing_map
@@ -351,15 +398,24 @@ class TopKRouter(torch.nn.Module):
             routing_map = keep if self.pad_to_capacity else real_map
             routing_probs = routing_probs * routing_map.to(routing_probs.dtype)
         if self.enable_expert_bias and training:
-            # The tokens the experts really get (padding slots are not load).
+            # The tokens the experts really get (capacity padding slots and padding tokens are not load).
             with torch.no_grad():
-                self.local_tokens_per_expert += real_map.sum(dim=0).to(torch.float32)
+                load = real_map if valid is None else real_map & valid.unsqueeze(-1)
+                self.local_tokens_per_expert += load.sum(dim=0).to(torch.float32)
         return routing_probs, routing_map
 
-    def _balancing_loss(self, scores: torch.Tensor, total_tokens: int, batch_size: Optional[int]) -> torch.Tensor:
+    def _balancing_loss(self, scores: torch.Tensor, total_tokens, batch_size: Optional[int],
+                        tokens: Optional["RoutedTokens"]) -> torch.Tensor:
         k, E, coeff = self.topk, self.num_experts, self.aux_loss_coeff
         # Counts by Megatron's rule: the top-k of the unbiased scores over all experts.
         loss_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, stable_topk(scores, k)[1], True)
+        if tokens is not None:  # padding tokens count nowhere
+            scores = scores * tokens.valid.unsqueeze(-1).to(scores.dtype)
+            loss_map = loss_map & tokens.valid.unsqueeze(-1)
+        if self.load_balancing_type == "seq_aux_loss" and tokens is not None:
+            local = document_load_balancing_loss_func(scores, loss_map, tokens.segments, tokens.segment_tokens,
+                                                      self.tp_cp, k, coeff)
+            return _whole_sequence(local, [self.tp_cp], self.grad_scale)
         if self.load_balancing_type == "seq_aux_loss":
             if batch_size is None:
                 raise ValueError("moe_router_load_balancing_type \"seq_aux_loss\" needs the router input as "
@@ -368,9 +424,16 @@ class TopKRouter(torch.nn.Module):
             return _whole_sequence(local, [self.tp_cp], self.grad_scale)
         groups = [self.tp_cp] + ([self.dp] if self.load_balancing_type == "global_aux_loss" else [])
         tokens_per_expert = loss_map.sum(dim=0)
-        for group in groups:
-            all_reduce(tokens_per_expert, group)
-        total = total_tokens * math.prod(g.size for g in groups[1:])
+        if tokens is not None and len(groups) > 1:  # the real tokens of the global micro-batch
+            dtype = torch.promote_types(scores.dtype, torch.float32)
+            counted = torch.cat((tokens_per_expert.to(dtype), tokens.valid.sum().to(dtype)[None]))
+            for group in groups:
+                all_reduce(counted, group)
+            tokens_per_expert, total = counted[:-1], counted[-1].clamp(min=1)
+        else:
+            for group in groups:
+                all_reduce(tokens_per_expert, group)
+            total = total_tokens * math.prod(g.size for g in groups[1:])
         # The global loss is summed over dp too, whose mean the gradient buffers take: x dp keeps its gradient.
         grad_scale = self.grad_scale * math.prod(g.size for g in groups[1:])
         local = switch_load_balancing_loss_func(scores, tokens_per_expert, total, k, E, coeff)
@@ -387,11 +450,12 @@ class TopKRouter(torch.nn.Module):
             for name, value in losses.items():
                 self.aux_loss_tracker.record(name, self.layer_number, value)
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``x [s, b, h]`` (or ``[T, h]``) -> ``(probs [T, E], routing_map [T, E])``, probs in ``x``'s dtype."""
+    def forward(self, x: torch.Tensor, tokens: Optional["RoutedTokens"] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``x [s, b, h]`` (or ``[T, h]``) -> ``(probs [T, E], routing_map [T, E])``, probs in ``x``'s dtype.
+        ``tokens``: the padding and documents of ``x``'s tokens in a packed micro-batch."""
         batch_size = x.size(1) if x.dim() == 3 else None
         x2 = x.reshape(-1, x.size(-1))
-        probs, routing_map = self.routing(self.gating(x2), batch_size)
+        probs, routing_map = self.routing(self.gating(x2), batch_size, tokens)
         if self.aux_losses and self.router_dtype not in (None, x.dtype):
             # The model adds these to its loss: in the activations' dtype, not promoted to the router's.
             self.aux_losses = {name: value.to(x.dtype) for name, value in self.aux_losses.items()}

@@ -16,8 +16,11 @@ CUDA-graph capture plan is made from).  For each operation:
 Activations and gradients have one shape, known before the step (``tensor_shape``: this rank's
 [sequence, micro-batch, hidden] slice, with sequence and context parallelism already applied), so
 receive buffers are allocated and posted ahead, in each channel's send order
-(``p2p_communication``).  Micro-batches are drawn from the iterator by the ranks that hold the
-first or last virtual stage only, in order, as DeepSpeed's pipeline engine draws them.
+(``p2p_communication``).  Every rank draws each micro-batch from its iterator, in order: the first
+and last virtual stages for the tokens and labels, every stage for a packed micro-batch's documents
+(``position_ids`` / ``cu_seqlens`` / ``padding_mask``, turned into the chunks' ``packed_seq_params``
+by ``prepare_documents``), which travel with the micro-batch as Megatron-Bridge's do: every stage's
+iterator must yield the same micro-batches.
 
 The zero-bubble schedule (``schedule_table.zero_bubble_orders``) splits each backward: B runs it
 with the chunk's linear layers deferring their weight-gradient GEMMs into a ``WeightGradStore``
@@ -32,7 +35,7 @@ chunk's own output hook.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import contextlib
 import time
@@ -45,18 +48,27 @@ from .p2p_communication import PipelineChannels
 from .schedule_table import Operation, channel_messages, rank_operations, receives_of, sends_of
 
 Message = Tuple[str, int, int]
+DOCUMENT_KEYS = ("position_ids", "cu_seqlens", "padding_mask")  # a packed micro-batch's documents
 
 
-def split_micro_batch(batch: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """``(tokens, labels, loss_mask)`` of a micro-batch as DeepSpeed's pipeline engine takes it
-    (``(tokens, labels)`` or ``(tokens, (labels, loss_mask))``) or as our loader yields it (a dict)."""
+class MicroBatch(NamedTuple):
+    tokens: torch.Tensor
+    labels: Optional[torch.Tensor]
+    loss_mask: Optional[torch.Tensor]
+    documents: Dict[str, torch.Tensor]  # those of DOCUMENT_KEYS the batch carries
+
+
+def split_micro_batch(batch: Any) -> MicroBatch:
+    """A micro-batch as DeepSpeed's pipeline engine takes it (``(tokens, labels)`` or
+    ``(tokens, (labels, loss_mask))``) or as our loader yields it (a dict, with a packed micro-batch's documents)."""
     if isinstance(batch, dict):
-        return batch["tokens"], batch.get("labels"), batch.get("loss_mask")
+        documents = {key: batch[key] for key in DOCUMENT_KEYS if batch.get(key) is not None}
+        return MicroBatch(batch["tokens"], batch.get("labels"), batch.get("loss_mask"), documents)
     tokens, labels = batch
     if isinstance(labels, (tuple, list)):
         labels, loss_mask = labels
-        return tokens, labels, loss_mask
-    return tokens, labels, None
+        return MicroBatch(tokens, labels, loss_mask, {})
+    return MicroBatch(tokens, labels, None, {})
 
 
 class PipelineSchedule:
@@ -65,16 +77,20 @@ class PipelineSchedule:
 
     ``chunks``: this rank's model chunks; each is called as ``chunk(tokens_or_hidden, labels, loss_mask)``
     and returns its output (the loss on the last virtual stage).  ``group_size``: Megatron's
-    ``microbatch_group_size_per_vp_stage`` (default: the pipeline size).
+    ``microbatch_group_size_per_vp_stage`` (default: the pipeline size).  ``prepare_documents(tokens,
+    documents)``: what a packed micro-batch's documents become for the chunks (their ``packed_seq_params``
+    keyword; None: nothing, and the chunks are called without it).
     """
 
     def __init__(self, chunks: Sequence[torch.nn.Module], pp: ParallelGroup, channels: PipelineChannels,
                  tensor_shape: Tuple[int, ...], dtype: torch.dtype, device, group_size: Optional[int] = None,
-                 schedule: str = "interleaved_1f1b", weight_grad_store: Optional[WeightGradStore] = None):
+                 schedule: str = "interleaved_1f1b", weight_grad_store: Optional[WeightGradStore] = None,
+                 prepare_documents: Optional[Callable[[torch.Tensor, Dict[str, torch.Tensor]], Any]] = None):
         if schedule == "zero_bubble" and weight_grad_store is None:
             raise ValueError("the zero-bubble schedule defers weight gradients into a WeightGradStore; pass one "
                              "(and attach it to the chunks' linear layers)")
         self.schedule, self.weight_grad_store = schedule, weight_grad_store
+        self.prepare_documents = prepare_documents
         self.chunks, self.pp, self.channels = list(chunks), pp, channels
         self.tensor_shape, self.dtype, self.device = tuple(tensor_shape), dtype, device
         self.group_size = group_size or pp.size
@@ -115,8 +131,8 @@ class PipelineSchedule:
             expected[src] = deque(channel_messages(src_ops, src, p, v).get(rank, []))
         posted: Dict[Message, Tuple[torch.Tensor, Any]] = {}
         sends: List[Tuple[Any, torch.Tensor]] = []
-        batches: Dict[int, Tuple] = {}
-        needs_data = any(self._is_first(c) or self._is_last(c) for c in range(v))
+        batches: Dict[int, Tuple[MicroBatch, Any]] = {}  # (micro-batch, its packed_seq_params) until v forwards
+        forwards_of: Dict[int, int] = {}
         next_batch = 0
         stored: List[Deque[Tuple[Optional[torch.Tensor], torch.Tensor]]] = [deque() for _ in range(v)]
         backwards_left = [num_microbatches] * v
@@ -136,10 +152,14 @@ class PipelineSchedule:
             work.wait()
             return buffer
 
-        def batch_of(mb: int) -> Tuple:
+        def batch_of(mb: int) -> Tuple[MicroBatch, Any]:
             nonlocal next_batch
             while next_batch <= mb:
-                batches[next_batch] = split_micro_batch(next(data_iter))
+                batch = split_micro_batch(next(data_iter))
+                packed = None
+                if batch.documents and self.prepare_documents is not None:
+                    packed = self.prepare_documents(batch.tokens.to(self.device, non_blocking=True), batch.documents)
+                batches[next_batch] = (batch, packed)
                 next_batch += 1
             return batches[mb]
 
@@ -149,8 +169,8 @@ class PipelineSchedule:
                 self.executed.append(op)
                 needed = receives_of(op, rank, p, v)
                 if op.forward:
-                    tokens, labels, loss_mask = batch_of(op.microbatch) if needs_data and (
-                        self._is_first(op.chunk) or self._is_last(op.chunk)) else (None, None, None)
+                    (tokens, labels, loss_mask, _), packed = batch_of(op.microbatch)
+                    documents = {} if packed is None else {"packed_seq_params": packed}
                     if needed is None:
                         inputs = tokens.to(self.device, non_blocking=True)
                     else:
@@ -166,11 +186,10 @@ class PipelineSchedule:
                             if getattr(chunk, "takes_tokens", False) else {}
                         output = chunk(inputs, labels.to(self.device, non_blocking=True),
                                        None if loss_mask is None else loss_mask.to(self.device, non_blocking=True),
-                                       **extra)
+                                       **extra, **documents)
                         losses.append(output.detach())
-                        batches.pop(op.microbatch, None)
                     else:
-                        output = self.chunks[op.chunk](inputs)
+                        output = self.chunks[op.chunk](inputs, **documents)
                     if clock:
                         self.compute_seconds += clock() - start
                     if not self._is_last(op.chunk):
@@ -182,8 +201,9 @@ class PipelineSchedule:
                         dst, message = sends_of(op, rank, p, v)
                         sent = output.detach()
                         sends.append((self.channels.send(sent, dst), sent))
-                    if self._is_first(op.chunk) and not self._is_last(op.chunk):
-                        batches.pop(op.microbatch, None)
+                    forwards_of[op.microbatch] = forwards_of.get(op.microbatch, 0) + 1
+                    if forwards_of[op.microbatch] == v:  # this rank's last forward of it
+                        batches.pop(op.microbatch)
                     if not forward_only:
                         stored[op.chunk].append((None if needed is None else inputs, output))
                     continue
@@ -226,4 +246,4 @@ class PipelineSchedule:
         return losses
 
 
-__all__ = ["PipelineSchedule", "split_micro_batch"]
+__all__ = ["DOCUMENT_KEYS", "MicroBatch", "PipelineSchedule", "split_micro_batch"]

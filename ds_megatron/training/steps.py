@@ -26,11 +26,12 @@ def batch_to_device(batch: Dict[str, Any], device) -> Dict[str, Any]:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def pipeline_micro_batches(batches: Iterator[Dict[str, Any]], count: int):
-    """``count`` loader batches as the pipeline engine takes them: ``(tokens, (labels, loss_mask))``."""
+def pipeline_micro_batches(batches: Iterator[Dict[str, Any]], count: int, as_dicts: bool):
+    """``count`` loader batches as the pipeline engine takes them: our runtime the loader's dicts (a packed
+    micro-batch's documents included), DeepSpeed's ``PipelineEngine`` ``(tokens, (labels, loss_mask))``."""
     for _ in range(count):
         batch = next(batches)
-        yield batch["tokens"], (batch["labels"], batch["loss_mask"])
+        yield batch if as_dicts else (batch["tokens"], (batch["labels"], batch["loss_mask"]))
 
 
 @dataclass
@@ -86,19 +87,21 @@ class PipelineStep:
 
     measures_grad_norm = False  # the engine reports the norm
 
-    def __init__(self, engine, micro_batches: int):
-        self.engine, self.micro_batches = engine, micro_batches
+    def __init__(self, engine, micro_batches: int, our_runtime: bool):
+        """``our_runtime``: the engine runs our pipeline runtime (``GPTModelChunks``), not DeepSpeed's."""
+        self.engine, self.micro_batches, self.as_dicts = engine, micro_batches, our_runtime
 
     def train(self, batches: Iterator[Dict[str, Any]], want_grad_norm: bool) -> StepOutput:
         # The engine's loss is the mean over the micro-batches and data parallelism already.
         out = StepOutput(torch.zeros((), dtype=torch.float64, device=self.engine.device))
-        out.loss += self.engine.train_batch(pipeline_micro_batches(batches, self.micro_batches)).double()
+        out.loss += self.engine.train_batch(pipeline_micro_batches(batches, self.micro_batches,
+                                                                   self.as_dicts)).double()
         return out
 
     def evaluate(self, batches) -> float:
         """The mean loss over ``batches`` and data parallelism, on every stage."""
         batches = list(batches)
-        return float(self.engine.eval_batch(pipeline_micro_batches(iter(batches), len(batches)),
+        return float(self.engine.eval_batch(pipeline_micro_batches(iter(batches), len(batches), self.as_dicts),
                                             num_micro_batches=len(batches)))
 
 

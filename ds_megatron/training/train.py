@@ -35,6 +35,7 @@ from ..checkpointing.run_dir import LATEST, check_resume, job_meta, tag_for
 from ..config.job import JobConfig
 from ..convert.model_io import save_job_model
 from ..models.gpt import MTP_LOSS
+from ..models.gpt_chunks import GPTModelChunks
 from ..utils.collectives import barrier
 from . import liveness
 from .build import TrainingSetup, build, build_data
@@ -92,7 +93,8 @@ class Trainer:
                 self.say(notice, flush=True)
         self.run = RunState(*self._resume(resume, resume_tag))
         self.data = build_data(job, setup, self.run.consumed_samples)
-        self.stepper = (PipelineStep(self.engine, setup.batches.micro_batches) if setup.pipeline else
+        self.stepper = (PipelineStep(self.engine, setup.batches.micro_batches,
+                                     isinstance(setup.model, GPTModelChunks)) if setup.pipeline else
                         MicroBatchStep(self.engine, setup.model, self.state, setup.batches.micro_batches))
         self.result = TrainResult(start_step=self.run.step)
         self.log = MetricsLog(os.path.join(self.out_dir, METRICS)) if self.rank == 0 else None

@@ -40,6 +40,7 @@ from ..tensor_parallel.random import checkpoint
 from ..tensor_parallel.utils import divide
 from .context_parallel import context_parallel_attention, rank_positions
 from .norm import build_norm
+from .packed_seq_params import PackedSeqParams, document_attention
 from .rotary import RotaryEmbedding
 
 
@@ -140,15 +141,18 @@ class ParallelAttention(torch.nn.Module):
         kv = self.linear_kv(x).view(s, b, 1, 2, d)
         return q, kv[:, :, :, 0], kv[:, :, :, 1]
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
         # hidden: [s, b, h] (or this rank's [s/tp, b, h] under sequence parallelism; the projection gathers it)
+        packed = packed_seq_params
         q, k, v = self._project(hidden)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         # -> [b, heads, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if self.rotary is not None:
-            positions = rank_positions(q.size(2), self.cp, q.device)  # with CP: its two zigzag chunks
+            # packed: each token's place in its document; with CP: this rank's tokens (its two zigzag chunks)
+            positions = packed.local_position_ids if packed is not None else rank_positions(q.size(2), self.cp,
+                                                                                           q.device)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if self.rotary is not None or self.q_layernorm is not None:
             # q and k are new tensors: v on its own lets the projection's output (their old storage) go, which
@@ -156,22 +160,26 @@ class ParallelAttention(torch.nn.Module):
             v = v.contiguous()
         if self.cp.size > 1:
             # GQA-aware: only the kv heads travel; no attention dropout here (refused at config time).
-            ctx = context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, hierarchical=self.hierarchical_cp)
+            ctx = context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, hierarchical=self.hierarchical_cp,
+                                             places=None if packed is None else packed.cp_places)
             return self._output(ctx)
         heads_per_kv = q.size(1) // k.size(1)
         if heads_per_kv > 1:
             k, v = k.repeat_interleave(heads_per_kv, dim=1), v.repeat_interleave(heads_per_kv, dim=1)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             # Selective recomputation ("core_attn"): keep q, k, v; rerun the core (its dropout replayed).
-            ctx = checkpoint(self._core, self.rng_tracker, q, k, v)
+            ctx = checkpoint(self._core, self.rng_tracker, q, k, v, packed)
         else:
-            ctx = self._core(q, k, v)
+            ctx = self._core(q, k, v, packed)
         return self._output(ctx)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              packed: Optional[PackedSeqParams] = None) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (dropout > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
         with fork:
+            if packed is not None:
+                return document_attention(q, k, v, packed, dropout_p=dropout)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
 
     def _output(self, ctx: torch.Tensor) -> torch.Tensor:

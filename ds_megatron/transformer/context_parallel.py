@@ -102,6 +102,50 @@ def zigzag_unsplit(parts: Sequence[torch.Tensor], seq_dim: int = 1) -> torch.Ten
     return torch.cat(chunks, dim=seq_dim)
 
 
+class Places:
+    """Where tokens sit in their row, which is what causal masking needs: ``index [..., n]`` their positions in the
+    row (the causal order) and ``segment [..., n]`` their documents (packed rows; None: each row is one document).
+
+    A leading member dimension holds one entry per member of a group (CP ranks, or the ring members of
+    hierarchical CP); a batch dimension ``[..., b, n]`` appears when the rows' documents differ (packed
+    micro-batches, ``PackedSeqParams.cp_places``).  A query sees a key of its own document at or before it."""
+
+    def __init__(self, index: torch.Tensor, segment: Optional[torch.Tensor] = None, batched: bool = False):
+        self.index, self.segment, self.batched = index, segment, batched
+
+    @classmethod
+    def zigzag(cls, seq_len: int, cp: int, device) -> "Places":
+        """Every CP rank's two zigzag chunks of one-document rows."""
+        return cls(torch.stack([zigzag_chunk_indices(seq_len, cp, r) for r in range(cp)]).to(device))
+
+    def member(self, m: int) -> "Places":
+        return Places(self.index[m], None if self.segment is None else self.segment[m], self.batched)
+
+    def joined(self, members: Optional[Sequence[int]] = None) -> "Places":
+        """The members' tokens one after the other (the order gathered or all-to-all'd keys arrive in)."""
+        members = range(self.index.size(0)) if members is None else members
+        index = torch.cat([self.index[m] for m in members], dim=-1)
+        segment = None if self.segment is None else torch.cat([self.segment[m] for m in members], dim=-1)
+        return Places(index, segment, self.batched)
+
+    def grouped(self, groups: Sequence[Sequence[int]]) -> "Places":
+        """A member dimension of ``groups`` (each the join of its members): a ring of all-to-all groups."""
+        joined = [self.joined(g) for g in groups]
+        segment = None if self.segment is None else torch.stack([j.segment for j in joined])
+        return Places(torch.stack([j.index for j in joined]), segment, self.batched)
+
+    def rows(self, start: int, stop: int) -> "Places":
+        return Places(self.index[..., start:stop], None if self.segment is None else self.segment[..., start:stop],
+                      self.batched)
+
+    def allowed(self, keys: "Places") -> torch.Tensor:
+        """Which of ``keys`` each of these query tokens sees: ``[nq, nk]``, or ``[b, 1, nq, nk]`` when batched."""
+        allowed = keys.index.unsqueeze(-2) <= self.index.unsqueeze(-1)
+        if self.segment is not None:
+            allowed = allowed & (keys.segment.unsqueeze(-2) == self.segment.unsqueeze(-1))
+        return allowed.unsqueeze(-3) if self.batched else allowed
+
+
 # ---------------------------------------------------------------- one block of attention
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -207,14 +251,14 @@ def _row_tiles(rows: int, parts: int = 4):
 
 
 class _RingAttention(torch.autograd.Function):
-    """The ring over ``cp_group``.  Without ``positions`` each member holds its two zigzag chunks (the pair
-    shortcut below); with ``positions [members, local]`` (hierarchical CP: a ring of a2a groups) member r holds
-    the tokens at ``positions[r]`` and each block is masked by position."""
+    """The ring over ``cp_group``.  Without ``places`` each member holds its two zigzag chunks (the pair
+    shortcut below); with ``places`` (hierarchical CP: a ring of a2a groups; packed rows) member r holds the
+    tokens at ``places.member(r)`` and each block is masked by their places."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float, positions=None):
-        if positions is not None:
-            return _RingAttention._forward_positions(ctx, q, k, v, cp_group, causal, scale, positions)
+    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float, places=None):
+        if places is not None:
+            return _RingAttention._forward_places(ctx, q, k, v, cp_group, causal, scale, places)
         cdt = _compute_dtype(q.dtype)
         qc, kv = q.to(cdt), _pack(k, v)  # K and V travel as one message, in their own dtype
         c = q.size(2) // 2
@@ -238,17 +282,17 @@ class _RingAttention(torch.autograd.Function):
                     w.wait()
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.causal, ctx.scale, ctx.positions = cp_group, causal, scale, None
+        ctx.cp_group, ctx.causal, ctx.scale, ctx.places = cp_group, causal, scale, None
         return out.to(q.dtype)
 
     @staticmethod
-    def _allowed(positions, rank, src, causal):
+    def _allowed(places, rank, src, causal):
         if not causal:
             return None
-        return positions[src].unsqueeze(0) <= positions[rank].unsqueeze(1)
+        return places.member(rank).allowed(places.member(src))
 
     @staticmethod
-    def _forward_positions(ctx, q, k, v, cp_group, causal, scale, positions):
+    def _forward_places(ctx, q, k, v, cp_group, causal, scale, places):
         cdt = _compute_dtype(q.dtype)
         qc, kv = q.to(cdt), _pack(k, v)
         out = qc.new_zeros(q.shape[:3] + (v.size(-1),))  # V's width (MLA's is narrower than K's)
@@ -259,27 +303,27 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < cp:
                 incoming = torch.empty_like(kv)
                 works = ring_exchange(kv, incoming, cp_group, tag=_KV_TAG)
-            allowed = _RingAttention._allowed(positions, rank, src, causal)
+            allowed = _RingAttention._allowed(places, rank, src, causal)
             if allowed is None or bool(allowed.any()):
                 block_k, block_v = _unpack(kv.to(cdt), k.size(-1))
                 for r0, r1 in _row_tiles(q.size(2)):  # a position-masked block is a whole [local, local] square
                     o, l = _block_forward_rows(qc[:, :, r0:r1], block_k, block_v, scale,
-                                               None if allowed is None else allowed[r0:r1])
+                                               None if allowed is None else allowed[..., r0:r1, :])
                     _merge_rows(out[:, :, r0:r1], lse[:, :, r0:r1], o, l)
             if step + 1 < cp:
                 for w in works:
                     w.wait()
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.causal, ctx.scale, ctx.positions = cp_group, causal, scale, positions
+        ctx.cp_group, ctx.causal, ctx.scale, ctx.places = cp_group, causal, scale, places
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         cp_group, causal, scale = ctx.cp_group, ctx.causal, ctx.scale
-        if ctx.positions is not None:
-            return _RingAttention._backward_positions(ctx, q, k, v, out, lse, dout)
+        if ctx.places is not None:
+            return _RingAttention._backward_places(ctx, q, k, v, out, lse, dout)
         cdt = out.dtype
         qc, kv, dout = q.to(cdt), _pack(k, v), dout.to(cdt)
         delta = (dout * out).sum(-1)
@@ -328,10 +372,10 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
     @staticmethod
-    def _backward_positions(ctx, q, k, v, out, lse, dout):
-        """As ``backward``, each block masked by position, a tile of query rows at a time (the accumulators travel
+    def _backward_places(ctx, q, k, v, out, lse, dout):
+        """As ``backward``, each block masked by the tokens' places, a tile of query rows at a time (the accumulators travel
         the same way)."""
-        cp_group, causal, scale, positions = ctx.cp_group, ctx.causal, ctx.scale, ctx.positions
+        cp_group, causal, scale, places = ctx.cp_group, ctx.causal, ctx.scale, ctx.places
         cdt = out.dtype
         qc, kv, dout = q.to(cdt), _pack(k, v), dout.to(cdt)
         delta = (dout * out).sum(-1)
@@ -347,12 +391,12 @@ class _RingAttention(torch.autograd.Function):
             block_k, block_v = _unpack(block, k.size(-1))
             contribution = torch.zeros_like(block)
             contribution_k, contribution_v = _unpack(contribution, k.size(-1))
-            allowed = _RingAttention._allowed(positions, rank, src, causal)
+            allowed = _RingAttention._allowed(places, rank, src, causal)
             if allowed is None or bool(allowed.any()):
                 for r0, r1 in _row_tiles(q.size(2)):
                     g_q, g_k, g_v = _block_backward(qc[:, :, r0:r1], block_k, block_v, dout[:, :, r0:r1],
                                                     lse[:, :, r0:r1], delta[:, :, r0:r1], scale,
-                                                    None if allowed is None else allowed[r0:r1])
+                                                    None if allowed is None else allowed[..., r0:r1, :])
                     dq[:, :, r0:r1].add_(g_q)
                     contribution_k.add_(g_k)
                     contribution_v.add_(g_v)
@@ -377,14 +421,9 @@ class _RingAttention(torch.autograd.Function):
 
 # ---------------------------------------------------------------- all-gather
 
-def _gathered_positions(seq_len: int, cp: int, device) -> torch.Tensor:
-    """Positions of the all-gathered keys, in rank order (each rank's two chunks)."""
-    return torch.cat([zigzag_chunk_indices(seq_len, cp, r) for r in range(cp)]).to(device)
-
-
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float):
+    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float, places: Places):
         cdt = _compute_dtype(q.dtype)
         cp, local = cp_group.size, q.size(2)
         kv = _pack(k, v)  # [b, kv_heads, s/cp, dk + dv], gathered in the input dtype
@@ -393,11 +432,7 @@ class _AllGatherAttention(torch.autograd.Function):
         all_gather_into(gathered.view((cp * b,) + tuple(kv.shape[1:])), kv, cp_group)
         full = gathered.permute(1, 2, 0, 3, 4).reshape(b, kv_heads, cp * local, width).to(cdt)
         full_k, full_v = _unpack(full, k.size(-1))
-        allowed = None
-        if causal:
-            positions = _gathered_positions(cp * local, cp, q.device)
-            mine = zigzag_chunk_indices(cp * local, cp, cp_group.rank).to(q.device)
-            allowed = positions.unsqueeze(0) <= mine.unsqueeze(1)
+        allowed = places.member(cp_group.rank).allowed(places.joined()) if causal else None
         out, lse = _block_forward(q.to(cdt), full_k, full_v, scale, allowed)
         ctx.save_for_backward(q, full_k, full_v, out, lse, allowed if allowed is not None else torch.empty(0))
         ctx.cp_group, ctx.causal, ctx.scale, ctx.kv_dtypes = cp_group, causal, scale, (k.dtype, v.dtype)
@@ -421,7 +456,7 @@ class _AllGatherAttention(torch.autograd.Function):
         reduce_scatter_into(mine, dkv.view((cp * b, kv_heads, local, width)), cp_group)
         k_dtype, v_dtype = ctx.kv_dtypes
         mine_k, mine_v = _unpack(mine, full_k.size(-1))
-        return dq.to(q.dtype), mine_k.to(k_dtype), mine_v.to(v_dtype), None, None, None
+        return dq.to(q.dtype), mine_k.to(k_dtype), mine_v.to(v_dtype), None, None, None, None
 
 
 # ---------------------------------------------------------------- all-to-all (Ulysses)
@@ -469,14 +504,16 @@ class _SequenceToHeads(torch.autograd.Function):
         return _heads_to_sequence(grad.contiguous(), ctx.cp_group), None
 
 
-def _all_to_all_attention(q, k, v, cp_group: ParallelGroup, causal: bool, scale: float) -> torch.Tensor:
+def _all_to_all_attention(q, k, v, cp_group: ParallelGroup, causal: bool, scale: float,
+                          places: Places) -> torch.Tensor:
     cp, heads = cp_group.size, q.size(1)
     if heads % cp:
         raise ValueError(f"cp_comm_type \"a2a\" splits the {heads} heads of a TP rank over cp={cp}; they must divide")
     if k.size(1) % cp:  # fewer KV heads than cp: every query head gets its own copy
         k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     qs, ks, vs = (_HeadsToSequence.apply(t, cp_group) for t in (q, k, v))
-    return _SequenceToHeads.apply(_WholeSequenceAttention.apply(qs, ks, vs, causal, scale, cp), cp_group)
+    whole = places.joined() if causal else None  # the keys (and queries) arrive in rank order
+    return _SequenceToHeads.apply(_WholeSequenceAttention.apply(qs, ks, vs, whole, scale, cp), cp_group)
 
 
 class _WholeSequenceAttention(torch.autograd.Function):
@@ -491,28 +528,27 @@ class _WholeSequenceAttention(torch.autograd.Function):
         return [(i, i + rows) for i in range(0, seq, rows)]
 
     @staticmethod
-    def _allowed(positions, i0: int, i1: int):
-        return None if positions is None else positions.unsqueeze(0) <= positions[i0:i1].unsqueeze(1)
+    def _allowed(places: Optional[Places], i0: int, i1: int):
+        return None if places is None else places.rows(i0, i1).allowed(places)
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, cp: int):
+    def forward(ctx, q, k, v, places: Optional[Places], scale: float, cp: int):
+        """``places``: of the whole sequence's tokens in rank order (None: not causal)."""
         cdt = _compute_dtype(q.dtype)
-        positions = _gathered_positions(q.size(2), cp, q.device) if causal else None
         qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
         outs, lses = [], []
         for i0, i1 in _WholeSequenceAttention._tiles(q.size(2), cp):
-            o, lse = _block_forward(qc[:, :, i0:i1], kc, vc, scale, _WholeSequenceAttention._allowed(positions, i0, i1))
+            o, lse = _block_forward(qc[:, :, i0:i1], kc, vc, scale, _WholeSequenceAttention._allowed(places, i0, i1))
             outs.append(o)
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.cp = causal, scale, cp
+        ctx.places, ctx.scale, ctx.cp = places, scale, cp
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        positions = _gathered_positions(q.size(2), ctx.cp, q.device) if ctx.causal else None
         cdt = out.dtype
         dout = dout.to(cdt)
         qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
@@ -523,39 +559,40 @@ class _WholeSequenceAttention(torch.autograd.Function):
         for i0, i1 in _WholeSequenceAttention._tiles(q.size(2), ctx.cp):
             dq[:, :, i0:i1], dk_t, dv_t = _block_backward(
                 qc[:, :, i0:i1], kc, vc, dout[:, :, i0:i1], lse[..., i0:i1], delta[..., i0:i1], ctx.scale,
-                _WholeSequenceAttention._allowed(positions, i0, i1))
+                _WholeSequenceAttention._allowed(ctx.places, i0, i1))
             dk += dk_t
             dv += dv_t
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _hierarchical_attention(q, k, v, cp_group: ParallelGroup, inner: ParallelGroup, outer: ParallelGroup,
-                            causal: bool, scale: float) -> torch.Tensor:
+                            causal: bool, scale: float, places: Places) -> torch.Tensor:
     """``"a2a+p2p"``: the all-to-all inside ``inner`` (consecutive CP ranks) gives each rank its a2a group's
     tokens of ``heads / inner`` heads, the ring across ``outer`` runs attention over the whole sequence with
-    each block masked by its tokens' positions, and the all-to-all back."""
+    each block masked by its tokens' places, and the all-to-all back."""
     heads = q.size(1)
     if heads % inner.size:
         raise ValueError(f"cp_comm_type \"a2a+p2p\" splits the {heads} heads of a TP rank over {inner.size} "
                          "ranks; they must divide")
     if k.size(1) % inner.size:
         k, v = _expand_kv(k, heads), _expand_kv(v, heads)
-    cp, seq = cp_group.size, q.size(2) * cp_group.size
-    # Ring member j holds the zigzag chunks of CP ranks j * inner + i, i in inner-rank order.
-    positions = torch.stack([torch.cat([zigzag_chunk_indices(seq, cp, j * inner.size + i)
-                                        for i in range(inner.size)]) for j in range(outer.size)]).to(q.device)
+    # Ring member j holds the tokens of CP ranks j * inner + i, i in inner-rank order.
+    ring = places.grouped([[j * inner.size + i for i in range(inner.size)] for j in range(outer.size)])
     qs, ks, vs = (_HeadsToSequence.apply(t, inner) for t in (q, k, v))
-    out = _RingAttention.apply(qs, ks, vs, outer, causal, scale, positions)
+    out = _RingAttention.apply(qs, ks, vs, outer, causal, scale, ring)
     return _SequenceToHeads.apply(out, inner)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: ParallelGroup,
                                comm_type: str = "p2p", causal: bool = True,
-                               softmax_scale: Optional[float] = None, hierarchical=None) -> torch.Tensor:
+                               softmax_scale: Optional[float] = None, hierarchical=None,
+                               places: Optional[Places] = None) -> torch.Tensor:
     """Attention of this CP rank's queries over the whole sequence; inputs and output in the zigzag layout.
 
     ``q [b, heads, s/cp, d]``, ``k [b, kv_heads, s/cp, d]``, ``v [b, kv_heads, s/cp, dv]`` with ``kv_heads``
-    dividing ``heads``; the output is ``[b, heads, s/cp, dv]`` in q's dtype.  A group of one is plain attention."""
+    dividing ``heads``; the output is ``[b, heads, s/cp, dv]`` in q's dtype.  A group of one is plain attention.
+    ``places``: where every CP rank's tokens sit (packed rows: ``PackedSeqParams.cp_places``, each document
+    zigzagged on its own); None: one document per row in the zigzag layout."""
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type {comm_type!r} is not one of {COMM_TYPES}")
     if q.size(1) % k.size(1) or k.shape[:-1] != v.shape[:-1] or k.size(-1) != q.size(-1):
@@ -565,13 +602,16 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if q.size(2) % 2:
         raise ValueError(f"each CP rank holds two equal chunks; local sequence length {q.size(2)} is odd")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(-1))
+    if places is not None and not causal:
+        raise ValueError("packed rows (places) are masked causally; call with causal=True")
+    if comm_type == "p2p":  # without places the ring takes its zigzag pair shortcut
+        return _RingAttention.apply(q, k, v, cp_group, causal, scale, places)
+    places = places if places is not None else Places.zigzag(q.size(2) * cp_group.size, cp_group.size, q.device)
     if comm_type == "a2a":
-        return _all_to_all_attention(q, k, v, cp_group, causal, scale)
+        return _all_to_all_attention(q, k, v, cp_group, causal, scale, places)
     if comm_type == "a2a+p2p":
         if hierarchical is None:
             raise ValueError("cp_comm_type \"a2a+p2p\" needs the hierarchical CP groups (ParallelState."
                              "build_hierarchical_context_parallel, from megatron.hierarchical_context_parallel_sizes)")
-        return _hierarchical_attention(q, k, v, cp_group, *hierarchical, causal, scale)
-    if comm_type == "p2p":
-        return _RingAttention.apply(q, k, v, cp_group, causal, scale, None)
-    return _AllGatherAttention.apply(q, k, v, cp_group, causal, scale)
+        return _hierarchical_attention(q, k, v, cp_group, *hierarchical, causal, scale, places)
+    return _AllGatherAttention.apply(q, k, v, cp_group, causal, scale, places)

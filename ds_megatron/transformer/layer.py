@@ -9,6 +9,7 @@ only part of the sequence when computing their gradients.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -19,6 +20,7 @@ from ..tensor_parallel import checkpoint
 from .attention import ParallelAttention
 from .multi_latent_attention import MLASelfAttention
 from .norm import build_norm
+from .packed_seq_params import PackedSeqParams
 
 
 class GraphableLayer(torch.nn.Module):
@@ -34,7 +36,8 @@ class GraphableLayer(torch.nn.Module):
 
     mlp: torch.nn.Module
 
-    def forward_attention(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward_attention(self, hidden: torch.Tensor,
+                          packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
         """Input LayerNorm, attention and its residual add."""
         raise NotImplementedError
 
@@ -46,9 +49,13 @@ class GraphableLayer(torch.nn.Module):
         """The MLP's residual add (and dropout)."""
         raise NotImplementedError
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = self.forward_attention(hidden)
-        return self.post_mlp(hidden, self.mlp(self.pre_mlp(hidden)))
+    def run_mlp(self, hidden: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+        """The MLP; a packed micro-batch's documents go with the tokens (an MoE router needs them)."""
+        return self.mlp(hidden) if packed_seq_params is None else self.mlp(hidden, packed_seq_params)
+
+    def forward(self, hidden: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+        hidden = self.forward_attention(hidden, packed_seq_params)
+        return self.post_mlp(hidden, self.run_mlp(self.pre_mlp(hidden), packed_seq_params))
 
 
 class ParallelTransformerLayer(GraphableLayer):
@@ -92,9 +99,10 @@ class ParallelTransformerLayer(GraphableLayer):
             return checkpoint(module, self.rng_tracker, x)  # keeps x, reruns module in backward
         return module(x)
 
-    def forward_attention(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward_attention(self, hidden: torch.Tensor,
+                          packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
         normed = self._selective(self.recompute_layernorm, self.input_layernorm, hidden)
-        return hidden + self._dropout(self.self_attention(normed))
+        return hidden + self._dropout(self.self_attention(normed, packed_seq_params))
 
     def pre_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._selective(self.recompute_layernorm, self.post_attention_layernorm, hidden)
@@ -102,18 +110,21 @@ class ParallelTransformerLayer(GraphableLayer):
     def post_mlp(self, hidden: torch.Tensor, mlp_output: torch.Tensor) -> torch.Tensor:
         return hidden + self._dropout(mlp_output)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
+        """``packed_seq_params``: the documents of a packed micro-batch (attention within each, MoE routing)."""
+        packed = packed_seq_params
         if self.recompute and self.training and torch.is_grad_enabled():
             # Rerun in backward, replaying the default generator and the tracker's streams (the same
             # dropout masks).  Inside the layer, so that every owner (GPTModel, a pipeline stage) gets it.
-            return checkpoint(super().forward, self.rng_tracker, hidden)
+            return checkpoint(super().forward, self.rng_tracker, hidden, packed)
         if self.mlp_sequence_tiles > 1 and self.training and torch.is_grad_enabled():
-            hidden = self.forward_attention(hidden)
-            return self.post_mlp(hidden, self._tiled_mlp(self.pre_mlp(hidden)))
+            hidden = self.forward_attention(hidden, packed)
+            return self.post_mlp(hidden, self._tiled_mlp(self.pre_mlp(hidden)))  # dense MLPs only: per token
         if self.recompute_mlp:
-            hidden = self.forward_attention(hidden)
-            return self.post_mlp(hidden, self._selective(True, self.mlp, self.pre_mlp(hidden)))
-        return super().forward(hidden)
+            hidden = self.forward_attention(hidden, packed)
+            mlp = self.mlp if packed is None else functools.partial(self.run_mlp, packed_seq_params=packed)
+            return self.post_mlp(hidden, self._selective(True, mlp, self.pre_mlp(hidden)))
+        return super().forward(hidden, packed)
 
     def _tiled_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP over sequence tiles of ``x [s, b, h]``, each kept as its input and rerun in backward: the

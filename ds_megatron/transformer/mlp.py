@@ -61,7 +61,8 @@ class ParallelMLP(torch.nn.Module):
                                                sequence_parallel=sequence_parallel)
         self.activation_func = activation_func(activation, gated_linear_unit)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+        """``packed_seq_params``: taken as every MLP of a layer takes it; a dense MLP acts per token."""
         intermediate, _ = self.dense_h_to_4h(hidden)
         out, _ = self.dense_4h_to_h(self.activation_func(intermediate))
         return out

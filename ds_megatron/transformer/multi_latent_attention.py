@@ -48,6 +48,7 @@ from ..tensor_parallel.utils import divide
 from ..tensor_parallel.weight_grad_store import linear
 from .context_parallel import context_parallel_attention, rank_positions
 from .norm import build_norm
+from .packed_seq_params import PackedSeqParams, document_attention
 from .rotary import RotaryEmbedding, yarn_attention_factor
 
 
@@ -136,7 +137,7 @@ class MLASelfAttention(torch.nn.Module):
         """The column-parallel up-projection without its own *f*: ``x`` went through it once already."""
         return linear(x, layer.weight, None, layer.weight_grad_store)
 
-    def _qkv(self, hidden: torch.Tensor):
+    def _qkv(self, hidden: torch.Tensor, packed: Optional[PackedSeqParams]):
         """q, k [b, heads, s, qk_head_dim + qk_pos_emb_head_dim] and v [b, heads, s, v_head_dim] of this rank."""
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(hidden, self.tp, tensor_parallel_output_grad=True)
@@ -153,38 +154,46 @@ class MLASelfAttention(torch.nn.Module):
         kv = kv.view(s, b, self.heads, self.qk_head_dim + self.v_head_dim).permute(1, 2, 0, 3)
         k_nope, v = torch.split(kv, [self.qk_head_dim, self.v_head_dim], dim=-1)
         q_nope, q_pos = torch.split(q, [self.qk_head_dim, self.pos_dim], dim=-1)
-        positions = rank_positions(s, self.cp, q.device)  # with CP: its two zigzag chunks
+        # packed: each token's place in its document; with CP: this rank's tokens (its two zigzag chunks)
+        positions = packed.local_position_ids if packed is not None else rank_positions(s, self.cp, q.device)
         q_pos = self.rotary(deinterleave(q_pos), positions)
         k_pos = self.rotary(deinterleave(k_pos.permute(1, 0, 2).unsqueeze(1)), positions)  # [b, 1, s, pos]
         q = torch.cat((q_nope, q_pos), dim=-1)
         k = torch.cat((k_nope, k_pos.expand(-1, self.heads, -1, -1)), dim=-1)
         return q, k, v
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
         # hidden: [s, b, h] (or this rank's [s/tp, b, h] under sequence parallelism) -> the same shape
-        q, k, v = self._qkv(hidden)
+        packed = packed_seq_params
+        q, k, v = self._qkv(hidden, packed)
         if self.cp.size > 1:  # k as wide as q, v narrower: the CP cores carry both widths
             ctx = context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, softmax_scale=self.softmax_scale,
-                                             hierarchical=self.hierarchical_cp)
+                                             hierarchical=self.hierarchical_cp,
+                                             places=None if packed is None else packed.cp_places)
         elif self.recompute_core and self.training and torch.is_grad_enabled():
-            ctx = checkpoint(self._core, self.rng_tracker, q, k, v)
+            ctx = checkpoint(self._core, self.rng_tracker, q, k, v, packed)
         else:
-            ctx = self._core(q, k, v)
+            ctx = self._core(q, k, v, packed)
         s, b = ctx.size(2), ctx.size(0)
         out, _ = self.o_proj(ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.v_head_dim))
         return out
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              packed: Optional[PackedSeqParams] = None) -> torch.Tensor:
         dropout = self.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (dropout > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
         # On a CPU, torch's flash kernel takes one head width for q, k and v; narrower values would send the
         # core to the math kernel, which keeps the s x s softmax per head for backward.  Zero channels appended
         # to v add zero channels to the output, which are dropped.
         pad = q.size(-1) - v.size(-1) if q.device.type == "cpu" else 0
+        v = F.pad(v, (0, pad)) if pad else v
         with fork:
-            out = F.scaled_dot_product_attention(q, k, F.pad(v, (0, pad)) if pad else v, dropout_p=dropout,
-                                                 is_causal=True, scale=self.softmax_scale)
-        return out[..., :v.size(-1)] if pad else out
+            if packed is not None:
+                out = document_attention(q, k, v, packed, scale=self.softmax_scale, dropout_p=dropout)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                     scale=self.softmax_scale)
+        return out[..., :v.size(-1) - pad] if pad else out
 
     def extra_repr(self) -> str:
         return f"heads_per_partition={self.heads}, softmax_scale={self.softmax_scale:.6g}"

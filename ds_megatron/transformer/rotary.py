@@ -127,12 +127,15 @@ class RotaryEmbedding(torch.nn.Module):
         return self._cache[key]
 
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x [b, heads, s, d]`` rotated by position: 0..s-1, or ``positions [s]`` (a context-parallel rank's)."""
+        """``x [b, heads, s, d]`` rotated by position: 0..s-1, ``positions [s]`` (a context-parallel rank's) or
+        ``positions [b, s]`` (each row's own: packed documents, ``PackedSeqParams.local_position_ids``)."""
         if positions is None:
             cos, sin = self._table(x.size(2), x.device)
         else:
             cos, sin = self._table(int(positions.max()) + 1, x.device)
             cos, sin = cos[positions], sin[positions]
+            if positions.dim() == 2:  # [b, s, rot] -> [b, 1, s, rot]: every head of a row
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
         half = self.rotary_dim // 2
