@@ -4,11 +4,13 @@
 | --- | --- |
 | ``tokenizer`` | the byte tokenizer (and the names config validation checks against) |
 | ``indexed_dataset`` | Megatron-compatible ``.bin`` / ``.idx`` token files (numpy, no torch) |
-| ``preprocess`` | ``ds-megatron preprocess``: text / JSONL into ``.bin`` / ``.idx`` |
+| ``preprocess`` | ``ds-megatron preprocess``: text / JSONL into ``.bin`` / ``.idx``; ``--sft`` reads chat rows |
+| ``sft`` | packed SFT datasets: chat rows into tokens and trained flags (chat templates), best-fit-decreasing packing, the files |
+| ``sft_dataset`` | SFT samples over packed rows: per-document positions, loss on the trained tokens |
 | ``corpus`` | the embedded default corpus: the running Python's standard-library sources |
 | ``gpt_dataset`` | fixed-length GPT samples over document splits |
 | ``sampler`` | Megatron's per-DP-rank batch samplers and the data loader |
 
 This file imports nothing, so the torch-free modules (tokenizer, indexed
-dataset, preprocessing) stay torch-free for the config checks and the CLI.
+dataset, preprocessing, sft) stay torch-free for the config checks and the CLI.
 """

@@ -18,6 +18,11 @@ the tokenizer's end-of-document id unless ``append_eod=False``; documents withou
 order, so the output is byte-identical to one worker's.  The output is written
 atomically: an input error half way leaves no files under the output prefix
 (and keeps an older dataset there intact), with any number of keys or workers.
+
+``--sft`` (``preprocess_sft``) reads chat rows instead, from ``.jsonl``,
+``.jsonl.gz``, ``.parquet`` files and directories written by ``datasets``'
+``save_to_disk``, one or more ``--input``, and writes a packed SFT dataset
+(``data/sft.py``: what is trained, the packing, the files).
 """
 from __future__ import annotations
 
@@ -27,13 +32,16 @@ import gzip
 import json
 import multiprocessing
 import os
+import sys
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 from .indexed_dataset import IndexedDatasetBuilder, best_dtype
+from .sft import TRUNCATIONS, SFTStats, build_packed_sft
 from .tokenizer import build_tokenizer
 
 INPUT_EXTENSIONS = (".txt", ".jsonl", ".jsonl.gz")
+SFT_INPUT_EXTENSIONS = (".jsonl", ".jsonl.gz", ".parquet")
 _CHUNK = 64  # lines handed to a worker at a time (Megatron's pool uses 32-100)
 
 
@@ -193,12 +201,77 @@ def preprocess(input_path: str, output_prefix: str, tokenizer: str = "byte", jso
                            eod_token)[0]
 
 
+def _sft_input_kind(input_path: str) -> str:
+    """``"jsonl"``, ``"parquet"`` or ``"datasets"`` (a ``save_to_disk`` directory); errors name the fix."""
+    if os.path.isdir(input_path):
+        if os.path.isfile(os.path.join(input_path, "dataset_dict.json")):
+            splits = ", ".join(sorted(d for d in os.listdir(input_path)
+                                      if os.path.isdir(os.path.join(input_path, d))))
+            raise ValueError(f"--input {input_path!r} holds several splits ({splits}); pass the directory of "
+                             f"one split, such as {os.path.join(input_path, 'train')!r}")
+        if not os.path.isfile(os.path.join(input_path, "state.json")):
+            raise ValueError(f"--input {input_path!r} is a directory without state.json, not one written by "
+                             "datasets' save_to_disk; pass such a directory or a .jsonl / .parquet file")
+        return "datasets"
+    if not os.path.isfile(input_path):
+        raise FileNotFoundError(f"--input {input_path!r} does not exist; pass a .jsonl, .jsonl.gz or .parquet "
+                                "file or a datasets save_to_disk directory")
+    lower = input_path.lower()
+    ext = next((e for e in SFT_INPUT_EXTENSIONS if lower.endswith(e)), os.path.splitext(lower)[1])
+    if ext not in SFT_INPUT_EXTENSIONS:
+        raise ValueError(f"--input {input_path!r} has extension {ext or '(none)'!r}; --sft reads .jsonl, "
+                         ".jsonl.gz and .parquet files and datasets save_to_disk directories")
+    return "parquet" if ext == ".parquet" else "jsonl"
+
+
+def _datasets():
+    try:
+        # Imported here: only parquet files and datasets directories need it, an optional dependency.
+        import datasets
+    except ImportError:
+        raise ValueError("reading .parquet files and datasets directories needs the datasets library; "
+                         "pip install 'ds-megatron[sft]' (transformers and datasets)") from None
+    return datasets
+
+
+def iter_sft_rows(input_path: str) -> Iterator[Tuple[str, Union[str, dict]]]:
+    """``(where, row)`` of each row of ``input_path`` in order: ``where`` names the file and the line (.jsonl, a
+    JSON line as ``row``) or the row number from 0 (parquet, datasets directory, a dict as ``row``)."""
+    kind = _sft_input_kind(input_path)
+    if kind == "jsonl":
+        for lineno, line in _read_lines(input_path):
+            if line.strip():
+                yield f"--input {input_path!r} line {lineno}", line
+        return
+    if kind == "parquet":
+        # Streaming reads the file where it is: no copy into the datasets cache.
+        rows = _datasets().load_dataset("parquet", data_files=input_path, split="train", streaming=True)
+    else:
+        rows = _datasets().load_from_disk(input_path)
+    for i, row in enumerate(rows):
+        yield f"--input {input_path!r} row {i}", row
+
+
+def preprocess_sft(inputs: Union[str, Sequence[str]], output_prefix: str, tokenizer: str, seq_length: int,
+                   max_length: Optional[int] = None, truncation: str = "right", workers: int = 1,
+                   seed: int = 1234) -> SFTStats:
+    """Encode, pack and write the rows of ``inputs`` (in order) as a packed SFT dataset at ``output_prefix``."""
+    inputs = [inputs] if isinstance(inputs, str) else list(inputs)
+    for path in inputs:
+        _sft_input_kind(path)  # every input checked before the first is read
+    units = (unit for path in inputs for unit in iter_sft_rows(path))
+    return build_packed_sft(units, output_prefix, tokenizer, seq_length, max_length, truncation, workers, seed,
+                            sources=inputs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ds-megatron preprocess",
-        description="Tokenize a .txt, .jsonl or .jsonl.gz corpus into a Megatron .bin/.idx dataset.")
-    p.add_argument("--input", required=True, help="a .txt file (one document) or a .jsonl / .jsonl.gz file "
-                   "(one JSON object per line)")
+        description="Tokenize a .txt, .jsonl or .jsonl.gz corpus into a Megatron .bin/.idx dataset, or (--sft) "
+                    "chat rows into a packed SFT dataset.")
+    p.add_argument("--input", required=True, action="append", help="a .txt file (one document) or a .jsonl / "
+                   ".jsonl.gz file (one JSON object per line); with --sft also .parquet files and datasets "
+                   "save_to_disk directories, and the flag may repeat")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (with --json-keys: "
                    "PREFIX_<key>_document.bin/.idx per key, as Megatron's preprocess_data.py)")
     p.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", default="byte",
@@ -209,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eod-token", default=None, help="the token that ends a document (default: the eos_token of "
                    "the tokenizer_config.json beside tokenizer.json)")
     keys = p.add_mutually_exclusive_group()
-    keys.add_argument("--json-key", default="text", help="field of each .jsonl object that holds the text")
+    keys.add_argument("--json-key", default=None, help="field of each .jsonl object that holds the text "
+                      "(default: text)")
     keys.add_argument("--json-keys", nargs="+", default=None, help="Megatron's flag: one dataset per field")
     p.add_argument("--split-lines", action="store_true", help=".txt only: every non-blank line "
                    "is a document")
@@ -220,19 +294,69 @@ def build_parser() -> argparse.ArgumentParser:
                           "preprocess_data.py appends it only with this flag)")
     eod.add_argument("--no-append-eod", dest="append_eod", action="store_false",
                      help="do not end each document with the end-of-document token")
+    sft = p.add_argument_group("SFT", "--sft: chat rows (messages, prompt / completion or text) into a packed "
+                               "dataset, loss on the assistant / completion tokens only")
+    sft.add_argument("--sft", action="store_true", help="write a packed SFT dataset (--tokenizer DIR with a chat "
+                     "template, --seq-length S)")
+    sft.add_argument("--seq-length", type=int, default=None, help="tokens per packed row: the seq_length of the "
+                     "training job (the dataset trains only at it)")
+    sft.add_argument("--max-length", type=int, default=None, help="longest conversation kept whole (default and "
+                     "at most: --seq-length)")
+    sft.add_argument("--truncation", choices=TRUNCATIONS, default=None, help="a longer conversation: right keeps "
+                     "its first --max-length tokens (the default), drop leaves it out; both are counted")
+    sft.add_argument("--seed", type=int, default=None, help="order of equal-length conversations in the packing "
+                     "(default 1234)")
     return p
+
+
+_SFT_ONLY = ("seq_length", "max_length", "truncation", "seed")
+
+
+def _main_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    unused = [flag for flag, given in (("--json-key", args.json_key is not None),
+                                       ("--json-keys", args.json_keys is not None),
+                                       ("--split-lines", args.split_lines), ("--eod-token", args.eod_token),
+                                       ("--no-append-eod", not args.append_eod)) if given]
+    if unused:
+        parser.error(f"{', '.join(unused)} do(es) not apply to --sft; remove it")
+    if args.tokenizer == "byte":
+        parser.error("--sft needs --tokenizer DIR, a transformers tokenizer directory (with a chat template for "
+                     "'messages' rows)")
+    if args.seq_length is None:
+        parser.error("--sft needs --seq-length S, the seq_length of the training job")
+    try:
+        stats = preprocess_sft(args.input, args.output_prefix, args.tokenizer, args.seq_length,
+                               max_length=args.max_length, truncation=args.truncation or "right",
+                               workers=args.workers, seed=1234 if args.seed is None else args.seed)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"ds-megatron preprocess: error: {e}") from None
+    if stats.untrained:
+        print(f"ds-megatron preprocess: {stats.untrained} conversation(s) had no token to train and were left out "
+              f"(first: {'; '.join(stats.untrained_where)})", file=sys.stderr)
+    print(f"wrote {args.output_prefix}.bin/.idx, .trained.bin/.idx and .sft.json: {stats.documents} conversations "
+          f"in {stats.packed_rows} rows of {args.seq_length} tokens")
+    print(json.dumps(stats.as_dict()))
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry of ``ds-megatron preprocess``; ``argv`` are the arguments after ``preprocess``."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.sft:
+        return _main_sft(parser, args)
+    given = [f"--{name.replace('_', '-')}" for name in _SFT_ONLY if getattr(args, name) is not None]
+    if given:
+        parser.error(f"{', '.join(given)} apply only with --sft")
+    if len(args.input) > 1:
+        parser.error(f"--input is given {len(args.input)} times; give one file (several only with --sft)")
     if args.tokenizer_type is not None and args.tokenizer == "byte":
         parser.error("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH (a tokenizer.json file "
                      "or a transformers tokenizer directory)")
     try:
-        all_stats = preprocess_keys(args.input, args.output_prefix, json_keys=args.json_keys,
-                                    tokenizer=args.tokenizer, json_key=args.json_key, append_eod=args.append_eod,
+        all_stats = preprocess_keys(args.input[0], args.output_prefix, json_keys=args.json_keys,
+                                    tokenizer=args.tokenizer, json_key=args.json_key or "text",
+                                    append_eod=args.append_eod,
                                     split_lines=args.split_lines, workers=args.workers,
                                     eod_token=args.eod_token)
     except (ValueError, OSError) as e:
