@@ -7,6 +7,7 @@
 | ``preprocess`` | ``ds-megatron preprocess``: text / JSONL into ``.bin`` / ``.idx``; ``--sft`` reads chat rows |
 | ``sft`` | packed SFT datasets: chat rows into tokens and trained flags (chat templates), best-fit-decreasing packing, the files |
 | ``sft_dataset`` | SFT samples over packed rows: per-document positions, loss on the trained tokens |
+| ``collator`` | ``PackedCollator``: a user loop's tokenized examples packed into rows (padding-free, per-example positions) |
 | ``corpus`` | the embedded default corpus: the running Python's standard-library sources |
 | ``gpt_dataset`` | fixed-length GPT samples over document splits |
 | ``sampler`` | Megatron's per-DP-rank batch samplers and the data loader |
