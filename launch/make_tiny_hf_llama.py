@@ -37,13 +37,14 @@ def train_tokenizer(vocab_size=512, max_bytes=1_000_000):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
 
 
-def make_model(vocab_size, eos_token_id, seed=0):
+def make_model(vocab_size, eos_token_id, seed=0, max_positions=256):
     import torch
     import transformers
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=eos_token_id,
+        num_key_value_heads=2, max_position_embeddings=max_positions, tie_word_embeddings=False,
+        eos_token_id=eos_token_id,
         bos_token_id=None, pad_token_id=None)
     return transformers.LlamaForCausalLM(config).float()
 
