@@ -3,7 +3,9 @@
 A config that continues a Hugging Face model (``train.load_hf``) gets the tiny
 model the commands of docs/huggingface.md make (``launch/make_tiny_hf_llama.py``, or for
 ``runs/hf/tiny-deepseek-v3`` ``launch/make_tiny_hf_deepseek_v3.py``), written to a
-temporary directory that replaces its ``load_hf`` and ``data.tokenizer`` paths.
+temporary directory that replaces its ``load_hf`` and ``data.tokenizer`` paths; a fine-tuning config
+(``runs/hf/tiny-chat`` and a ``data_path``) gets docs/finetuning.md's tiny chat model and its chat data packed
+by ``preprocess --sft``.
 """
 import glob
 import importlib.util
@@ -27,7 +29,8 @@ WORLD = {"gpt_tp2_pp2_dp2.json": 8}  # 3D: tp 2 x pp 2 x dp 2; every other confi
 # falling back on a CPU) at a thirty-second of the cost.
 SHRINK = {"gpt_cuda_graphs.json": {"num_layers": 2, "seq_length": 64}}
 # The maker of each tiny Hugging Face model a config's load_hf names (by its directory's name).
-MAKERS = {"tiny-llama": "make_tiny_hf_llama", "tiny-deepseek-v3": "make_tiny_hf_deepseek_v3"}
+MAKERS = {"tiny-llama": "make_tiny_hf_llama", "tiny-deepseek-v3": "make_tiny_hf_deepseek_v3",
+          "tiny-chat": "make_tiny_chat_model"}
 
 
 def _few_steps(path, out_dir, steps=3):
@@ -63,7 +66,15 @@ def _with_tiny_hf_model(path, tmp_path):
     maker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(maker)
     hf_dir = str(tmp_path / name)
-    assert maker.main([hf_dir]) == 0
+    data = section["data"].get("data_path")
+    if data is None:
+        assert maker.main([hf_dir]) == 0
+    else:  # a chat dataset beside the chat model, packed as docs/finetuning.md packs it
+        from ds_megatron.data.preprocess import preprocess_sft
+        chats = str(tmp_path / "chat.jsonl")
+        assert maker.main([hf_dir, "--data", chats, "--conversations", "120"]) == 0
+        section["data"]["data_path"] = str(tmp_path / "chat")
+        preprocess_sft([chats], section["data"]["data_path"], hf_dir, section["model"]["seq_length"])
     assert section["train"]["load_hf"] == section["data"]["tokenizer"]  # the model's own tokenizer
     section["train"]["load_hf"] = section["data"]["tokenizer"] = hf_dir
     return cfg

@@ -3,10 +3,12 @@ records about its job, the checks ``--resume`` makes before anything starts, and
 
 ``checkpointing.api.save`` writes ``JOB_META`` into every checkpoint directory (rank 0,
 before ``latest`` moves to it): the model's shape fields, the parallel sizes that name the
-checkpoint's files and the parameter dtype.  ``check_resume`` compares them with the job that
-resumes and raises a ``ConfigError`` naming the first field that differs, before any process
-group exists and before any file is written.  The data-parallel size may differ (the optimizer
-states are saved DP-independent).
+checkpoint's files, the parameter dtype and the settings the sample order depends on (the
+datasets, the split, the seed, the sampler; ``seq_length`` is a model field).  ``check_resume``
+compares them with the job that resumes and raises a ``ConfigError`` naming the first field that
+differs, before any process group exists and before any file is written.  The data-parallel size
+may differ (the optimizer states are saved DP-independent), and so may the global batch: the
+samples consumed are counted globally, so the resumed run reads on from the next sample.
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_h
 # The parallel sizes a checkpoint's files are named and cut by (Megatron's names, as in the section).
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                  "expert_tensor_parallel_size")
+# The settings the data order depends on (besides model.seq_length), as "section.key" of the megatron section.
+DATA_ORDER_FIELDS = ("data.data_path", "data.train_data_path", "data.split", "data.dataloader_type", "train.seed")
+# What the embedded corpus is made of, recorded when the job trains on it.
+CORPUS_FIELDS = ("data.default_corpus_bytes", "data.tokenizer", "data.eod_token")
 
 
 def tag_for(step: int) -> str:
@@ -67,7 +73,16 @@ def job_meta(job) -> Dict[str, Any]:
                        "expert_tensor_parallel_size": (parallel.expert_tensor_parallel_size
                                                        or parallel.tensor_model_parallel_size)},
             "params_dtype": job.megatron.precision.params_dtype,
-            "ckpt_format": job.train.ckpt_format}
+            "ckpt_format": job.train.ckpt_format,
+            "data_order": data_order(job)}
+
+
+def data_order(job) -> Dict[str, Any]:
+    """The settings the job's sample order depends on, by ``section.key`` (``DATA_ORDER_FIELDS``, and
+    ``CORPUS_FIELDS`` when it trains on the embedded corpus)."""
+    corpus = job.data.data_path is None and job.data.train_data_path is None
+    fields = DATA_ORDER_FIELDS + (CORPUS_FIELDS if corpus else ())
+    return {name: getattr(getattr(job.megatron, name.split(".")[0]), name.split(".")[1]) for name in fields}
 
 
 def write_job_meta(save_dir: str, tag: str, meta: Dict[str, Any]) -> None:
@@ -111,6 +126,13 @@ def check_resume(job, save_dir: str) -> Optional[str]:
         raise ConfigError(f"this config trains {now['params_dtype']} params (fp16.enabled / bf16.enabled) but the "
                           f"checkpoint {where} holds {saved['params_dtype']} ones with their optimizer state; resume "
                           "with the same precision, or use another --output-dir")
+    # Checkpoints written before the data order was recorded have none to compare.
+    saved_order, now_order = saved.get("data_order", {}), now["data_order"]
+    for name in DATA_ORDER_FIELDS + CORPUS_FIELDS:
+        if name in saved_order and saved_order[name] != now_order.get(name):
+            raise ConfigError(f"{SECTION}.{name}={now_order.get(name)!r} but the checkpoint {where} was saved with "
+                              f"{saved_order[name]!r}, and the order of the samples depends on it; resume with the "
+                              "same value, or use another --output-dir to start a new run")
     return tag
 
 

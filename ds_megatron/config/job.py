@@ -41,7 +41,7 @@ class JobConfig:
 
 # megatron.train fields that DeepSpeed's optimizer / scheduler sections replace.
 OPTIMIZER_FIELDS = ("lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps")
-SCHEDULE_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_style")
+SCHEDULE_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style")
 # DeepSpeed activation_checkpointing keys our recomputation (torch's checkpoint per layer) has no equivalent for.
 _AC_UNSUPPORTED = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
                    "synchronize_checkpoint_boundary", "profile")

@@ -30,7 +30,7 @@ from .ddp import DistributedDataParallelConfig
 from .model import GPTConfig
 from .parallel import ParallelConfig
 from .parsing import SECTION, coerce, deepspeed_section, field_names, load_ds_config, parse_section
-from .pipeline import DeepSpeedBatchKeys, check_pipeline, pipeline_schedule
+from .pipeline import DeepSpeedBatchKeys, check_pipeline, pipeline_runtime, pipeline_schedule
 from .precision import PrecisionConfig, resolve_precision
 from .training import DataConfig, TrainConfig
 
@@ -85,6 +85,12 @@ class MegatronConfig:
             raise ConfigError(f"{SECTION}.cuda_graph with pipeline_schedule \"zero_bubble\": a captured layer's "
                               "backward computes its weight gradients inside the graph, so ZB-H1 cannot defer them; "
                               "turn cuda_graph off or use \"1f1b\" / \"interleaved_1f1b\"")
+        if layout.pp > 1 and self.data.packed_sequences and pipeline_runtime(self.parallel,
+                                                                              self.optimizer_impl) == "deepspeed":
+            raise ConfigError(f"{SECTION}.data packs several documents per row, but with {SECTION}.optimizer_impl "
+                              f"\"{self.optimizer_impl}\" and pipeline_schedule \"1f1b\" DeepSpeed's PipelineEngine runs "
+                              "the stages, and it passes tokens and labels only; use optimizer_impl \"megatron\" (our "
+                              "pipeline runtime carries the documents)")
         return layout
 
     @classmethod
@@ -127,6 +133,10 @@ class MegatronConfig:
                 model_section[key] = getattr(parallel, key)
             model = parse_section(GPTConfig, model_section, f"{SECTION}.model")
         nested["cuda_graph"].check_moe_settings(model)
+        if nested["cuda_graph"].enabled and nested["data"].packed_sequences:
+            raise ConfigError(f"{SECTION}.cuda_graph.impl={nested['cuda_graph'].impl!r} but {SECTION}.data packs "
+                              "several documents per row, whose attention runs one kernel per document with boundaries "
+                              "read on the host, which a captured graph cannot replay; set cuda_graph.impl \"none\"")
         _check_expert_bias(model, precision, nested["cuda_graph"])
         _check_ckpt_format(nested["train"], precision)
         train_keys = tuple(section.get("train", {})) if isinstance(section.get("train"), dict) else ()

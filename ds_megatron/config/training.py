@@ -5,9 +5,10 @@ Read by ``ds-megatron train``; a bad value fails before anything heavy is import
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple, Union
 
 from ..data.indexed_dataset import dataset_exists, max_token_id, token_dtype_code
+from ..data.sft import is_packed_sft
 from ..data.tokenizer import build_tokenizer, is_byte
 from ..errors import ConfigError
 from .parsing import SECTION
@@ -22,6 +23,9 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float = 1e-4
     lr_warmup_iters: int = 20
+    # Megatron's --lr-decay-iters: the step the decay reaches min_lr; None: train_iters.  Set it to extend a run
+    # later (--resume --train-iters N) along the schedule it started on.
+    lr_decay_iters: Optional[int] = None
     lr_decay_style: str = "cosine"  # cosine | linear | constant
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
@@ -81,17 +85,106 @@ class TrainConfig:
         if self.lr_decay_style not in ("cosine", "linear", "constant"):
             raise ConfigError(f"{SECTION}.train.lr_decay_style {self.lr_decay_style!r} is unknown; "
                               "use cosine, linear or constant")
+        if self.lr_decay_iters is not None and self.lr_decay_iters < 1:
+            raise ConfigError(f"{SECTION}.train.lr_decay_iters must be >= 1 or null (train_iters), "
+                              f"got {self.lr_decay_iters}")
         if not self.lr > 0:
             raise ConfigError(f"{SECTION}.train.lr must be > 0, got {self.lr} (the schedule is relative to it)")
         if not 0 <= self.min_lr <= self.lr:
             raise ConfigError(f"{SECTION}.train.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
 
 
+# A dataset: one prefix, or Megatron's blend list: ["0.3", "a", "0.7", "b"] (weight, prefix pairs) or ["a", "b"].
+BlendValue = Optional[Union[str, List[Union[str, float]]]]
+DATA_PATH_KEYS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+DEFAULT_SPLIT = "98,2"
+_MAX_BLEND = 32767  # Megatron's limit (its dataset index is int16)
+
+
+@dataclass
+class Blend:
+    """A parsed blend: its prefixes, their weights as written (None: weighted by their sizes), and the field that
+    names each prefix (``megatron.data.data_path[1]``)."""
+
+    prefixes: List[str]
+    weights: Optional[List[float]]
+    fields: List[str]
+
+
+def _number(value) -> Optional[float]:
+    """``value`` as a weight if it is a number or a string of one, else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def _check_prefix(field: str, prefix) -> str:
+    if not isinstance(prefix, str):
+        raise ConfigError(f"{field}={prefix!r} must be a dataset prefix (a string)")
+    if not dataset_exists(prefix):
+        corpus = ", or drop data_path to train on the built-in corpus" if field == f"{SECTION}.data.data_path" else ""
+        raise ConfigError(f"{field}={prefix!r} has no {prefix}.bin / .idx; make them with `ds-megatron preprocess "
+                          f"--input FILE --output-prefix PREFIX`{corpus}")
+    try:
+        token_dtype_code(prefix)
+    except ValueError as e:
+        raise ConfigError(f"{field}={prefix!r}: {e}") from None
+    return prefix
+
+
+def parse_blend(field: str, value: Union[str, List[Union[str, float]]]) -> Blend:
+    """One prefix, or Megatron's blend list (weight, prefix pairs, or prefixes alone), checked element by element;
+    a ConfigError names ``field[i]``."""
+    if isinstance(value, str):
+        return Blend([_check_prefix(field, value)], None, [field])
+    if not value:
+        raise ConfigError(f"{field} is an empty list; give a prefix, [\"0.3\", \"a\", \"0.7\", \"b\"] "
+                          "(weight, prefix pairs) or [\"a\", \"b\"] (prefixes weighted by their sizes)")
+    if len(value) > 2 * _MAX_BLEND:
+        raise ConfigError(f"{field} blends more than {_MAX_BLEND} datasets (Megatron's limit); merge some")
+    if _number(value[0]) is None:  # prefixes alone
+        for i, prefix in enumerate(value):
+            if _number(prefix) is not None:
+                raise ConfigError(f"{field}[{i}]={prefix!r} is a number in a list of prefixes; a weighted blend "
+                                  f"starts with a weight: [\"0.3\", \"a\", \"0.7\", \"b\"]")
+            _check_prefix(f"{field}[{i}]", prefix)
+        return Blend(list(value), None, [f"{field}[{i}]" for i in range(len(value))])
+    if len(value) % 2:
+        raise ConfigError(f"{field} has {len(value)} elements, an odd number, but starts with a weight; write "
+                          f"weight, prefix pairs like [\"0.3\", \"a\", \"0.7\", \"b\"]")
+    weights = []
+    for i in range(0, len(value), 2):
+        weight = _number(value[i])
+        if weight is None:
+            raise ConfigError(f"{field}[{i}]={value[i]!r} is not a number; a blend list is weight, prefix pairs "
+                              f"like [\"0.3\", \"a\", \"0.7\", \"b\"]")
+        if not 0 < weight < float("inf"):
+            raise ConfigError(f"{field}[{i}]={value[i]!r}: a weight must be a finite number > 0")
+        weights.append(weight)
+        _check_prefix(f"{field}[{i + 1}]", value[i + 1])
+    return Blend(list(value[1::2]), weights, [f"{field}[{i}]" for i in range(1, len(value), 2)])
+
+
 @dataclass
 class DataConfig:
-    # Prefix of a .bin/.idx pair from `ds-megatron preprocess`; None: the embedded stdlib corpus.
-    data_path: Optional[str] = None
-    split: str = "98,2"
+    # Prefix of a .bin/.idx pair from `ds-megatron preprocess`, or Megatron's blend list of them; None: the embedded
+    # stdlib corpus.  Or train_data_path / valid_data_path / test_data_path, each a prefix or a blend, without split.
+    data_path: BlendValue = None
+    split: Optional[str] = None  # None: DEFAULT_SPLIT with data_path (or the corpus); unused with train_data_path
+    train_data_path: BlendValue = None
+    valid_data_path: BlendValue = None
+    test_data_path: BlendValue = None
+    # Where a blend's indices are cached (Megatron's --data-cache-path); None: data_cache in train.output_dir.
+    data_cache_path: Optional[str] = None
+    # Megatron's pretraining flags (its _get_ltor_masks_and_position_ids); the two resets go together.
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
     # "byte", or a Hugging Face tokenizer.json file / transformers tokenizer directory (Megatron's
     # HuggingFaceTokenizer); eod_token: the token ending a document when its tokenizer_config.json names no eos_token.
     tokenizer: str = "byte"
@@ -105,22 +198,62 @@ class DataConfig:
 
     def __post_init__(self):
         where = f"{SECTION}.data"
-        if self.data_path is not None and not dataset_exists(self.data_path):
-            raise ConfigError(f"{where}.data_path={self.data_path!r} has no {self.data_path}.bin / .idx; make them "
-                              "with `ds-megatron preprocess --input FILE --output-prefix PREFIX`, or drop data_path "
-                              "to train on the built-in corpus")
-        if self.data_path is not None:
-            try:
-                token_dtype_code(self.data_path)
-            except ValueError as e:
-                raise ConfigError(f"{where}.data_path={self.data_path!r}: {e}") from None
+        split_paths = [k for k in DATA_PATH_KEYS[1:] if getattr(self, k) is not None]
+        if self.data_path is not None and split_paths:
+            raise ConfigError(f"{where}.data_path and {where}.{split_paths[0]} are both set; give data_path (cut by "
+                              f"split) or train_data_path / valid_data_path / test_data_path, not both")
+        if split_paths and self.train_data_path is None:
+            raise ConfigError(f"{where}.{split_paths[0]} is set without {where}.train_data_path; add it, or give "
+                              f"data_path with split instead")
+        if split_paths and self.split is not None:
+            raise ConfigError(f"{where}.split={self.split!r} is set with {where}.train_data_path, which is not cut "
+                              "by split; remove split (valid_data_path / test_data_path give the other sets)")
+        if not split_paths and self.split is None:
+            self.split = DEFAULT_SPLIT
+        for key in DATA_PATH_KEYS:
+            self.blend(key)  # each prefix exists and holds integer tokens, each weight is a positive number
         if self.tokenizer_type is not None or self.tokenizer_model is not None:
             self._megatron_tokenizer_names()
         self.build_tokenizer()  # a missing or unreadable tokenizer fails here, naming the field
         if self.dataloader_type not in ("single", "cyclic"):
             raise ConfigError(f"{where}.dataloader_type={self.dataloader_type!r} is unknown; use single or cyclic")
+        train = self.blend("train_data_path" if self.train_data_path is not None else "data_path")
+        if self.dataloader_type == "cyclic" and train is not None and len(train.prefixes) > 1:
+            raise ConfigError(f"{where}.dataloader_type \"cyclic\" reshuffles one pass over a single dataset, but the "
+                              "train set is a blend, which has no pass of its own; use \"single\" (each blended "
+                              "dataset is read in a new order every epoch)")
         if self.num_workers < 0:
             raise ConfigError(f"{where}.num_workers must be >= 0, got {self.num_workers}")
+        if self.reset_position_ids != self.reset_attention_mask:
+            raise ConfigError(f"{where}.reset_position_ids={str(self.reset_position_ids).lower()} but "
+                              f"reset_attention_mask={str(self.reset_attention_mask).lower()}: our models cut "
+                              "attention exactly where the position ids restart, so set both true or both false")
+        packed = [field for field, prefix in self.prefixes() if is_packed_sft(prefix)]
+        if self.reset_position_ids and packed:
+            raise ConfigError(f"{where}.reset_position_ids / reset_attention_mask are true but {packed[0]} is a packed "
+                              "SFT dataset (ds-megatron preprocess --sft), whose rows carry their documents' "
+                              "boundaries already; set both false")
+        if self.reset_position_ids and not self.eod_mask_loss:
+            raise ConfigError(f"{where}.reset_position_ids / reset_attention_mask are true but eod_mask_loss is "
+                              "false: each EOD's label is then the next document's first token, which the EOD's "
+                              "document cannot see (our models leave it untrained, Megatron trains it); set "
+                              "eod_mask_loss true")
+
+    @property
+    def packed_sequences(self) -> bool:
+        """Whether the job's rows pack several documents (Megatron's reset flags, or a packed SFT dataset), which
+        every model path then keeps apart (``PackedSeqParams``)."""
+        return self.reset_position_ids or any(is_packed_sft(prefix) for _, prefix in self.prefixes())
+
+    def blend(self, key: str) -> Optional[Blend]:
+        """The parsed value of ``key`` (``data_path``, ``train_data_path``, ...): None when it is not set."""
+        value = getattr(self, key)
+        return None if value is None else parse_blend(f"{SECTION}.data.{key}", value)
+
+    def prefixes(self) -> List[Tuple[str, str]]:
+        """``(field, prefix)`` of every dataset the config names."""
+        blends = [self.blend(key) for key in DATA_PATH_KEYS if getattr(self, key) is not None]
+        return [pair for blend in blends for pair in zip(blend.fields, blend.prefixes)]
 
     def _megatron_tokenizer_names(self) -> None:
         """tokenizer_type / tokenizer_model (Megatron's names) onto ``tokenizer``; one spelling per config."""
@@ -149,19 +282,19 @@ class DataConfig:
         """Every token id the job can read is below ``vocab_size`` (model.vocab_size); else a ConfigError with both.
 
         An id at or above it has no logit: its loss is infinite at every step.  The tokenizer's ids are
-        checked when it tokenizes the built-in corpus or is a Hugging Face one (a data_path made with it); the
+        checked when it tokenizes the built-in corpus or is a Hugging Face one (a dataset made with it); each
         dataset's largest id comes from its ``.stats.json`` (written by ``preprocess``) or is read from the ``.bin``.
         """
         where = f"{SECTION}.data"
-        if self.data_path is None or not is_byte(self.tokenizer):
+        prefixes = self.prefixes()
+        if not prefixes or not is_byte(self.tokenizer):
             ids = self.build_tokenizer().vocab_size
             if ids > vocab_size:
                 raise ConfigError(f"{where}.tokenizer={self.tokenizer!r} has {ids} token ids but "
                                   f"{SECTION}.model.vocab_size={vocab_size}; set vocab_size to at least {ids}")
-        if self.data_path is None:
-            return
-        largest = max_token_id(self.data_path)
-        if largest >= vocab_size:
-            raise ConfigError(f"{where}.data_path={self.data_path!r} holds token id {largest} but "
-                              f"{SECTION}.model.vocab_size={vocab_size} (ids must be below it); set vocab_size to at "
-                              f"least {largest + 1} or rebuild the data with the model's tokenizer")
+        for field, prefix in prefixes:
+            largest = max_token_id(prefix)
+            if largest >= vocab_size:
+                raise ConfigError(f"{field}={prefix!r} holds token id {largest} but {SECTION}.model.vocab_size="
+                                  f"{vocab_size} (ids must be below it); set vocab_size to at least {largest + 1} "
+                                  "or rebuild the data with the model's tokenizer")

@@ -209,7 +209,7 @@ def _without_packed_seq_params(args, kwargs):
     if packed is not None:
         raise ValueError("CUDA graphs replay the shapes they captured, but this micro-batch packs several documents "
                          "per row (position_ids / cu_seqlens / padding_mask), whose attention depends on the "
-                         "boundaries: set megatron.cuda_graph.enabled to false to train on packed sequences")
+                         "boundaries: set megatron.cuda_graph.impl to \"none\" to train on packed sequences")
     return args, kwargs
 
 

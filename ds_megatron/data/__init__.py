@@ -10,6 +10,7 @@
 | ``collator`` | ``PackedCollator``: a user loop's tokenized examples packed into rows (padding-free, per-example positions) |
 | ``corpus`` | the embedded default corpus: the running Python's standard-library sources |
 | ``gpt_dataset`` | fixed-length GPT samples over document splits |
+| ``blended_dataset`` | Megatron's blends: blending indices, their cache, ``BlendedDataset`` |
 | ``sampler`` | Megatron's per-DP-rank batch samplers and the data loader |
 
 This file imports nothing, so the torch-free modules (tokenizer, indexed

@@ -5,7 +5,8 @@ DP rank ``r`` takes the ``r``-th slice of ``micro_batch_size`` of them.  The
 choice depends on the DP rank only, so every tensor/pipeline-parallel rank of
 one model replica reads the same micro-batch, and different replicas read
 disjoint ones.  ``consumed_samples`` (the global count already trained on, as
-saved in a checkpoint) makes a resumed run continue exactly where it stopped.
+saved in a checkpoint) makes a resumed run continue exactly where it stopped,
+also at another DP size or global batch: the next step starts at the next sample.
 """
 from __future__ import annotations
 
@@ -70,13 +71,15 @@ class MegatronPretrainingSampler:
 
 
 class MegatronPretrainingRandomSampler:
-    """Shuffled batch sampler: each epoch draws a new order from ``seed + epoch``.
+    """Shuffled batch sampler over endless epochs of a ``total_samples`` dataset (Megatron's "cyclic").
 
-    Every DP rank owns a fixed contiguous bucket of ``len // G * micro_batch_size``
-    indices and walks it in that epoch's random order, so ranks stay disjoint.
-    One ``iter()`` runs to the end of the current epoch; ``consumed_samples``
-    advances as batches are handed out and picks the epoch and position on resume.
-    The last ``total_samples % G`` indices are never used (as in Megatron).
+    Global position ``p`` reads sample ``order_e[p % total_samples]``, epoch ``e = p // total_samples`` drawing
+    its order from ``seed + e``; step ``k`` covers positions ``consumed + k*G .. consumed + (k+1)*G`` and DP rank
+    ``r`` takes the ``r``-th ``micro_batch_size`` of them, as ``MegatronPretrainingSampler`` does.  So the order
+    depends on the dataset and the seed alone: not on the run's length, the DP size or the global batch, and
+    ``consumed_samples`` resumes it at the same sample.  A global batch may straddle two epochs.  (Megatron's
+    sampler gives each DP rank its own bucket and drops an epoch's last ``total_samples % G`` samples, so its
+    order changes with the DP size and the global batch.)
     """
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
@@ -89,27 +92,23 @@ class MegatronPretrainingRandomSampler:
         self.data_parallel_size = data_parallel_size
         self.seed = seed
         self.global_batch = micro_batch_size * data_parallel_size
-        self.active_total_samples = total_samples - total_samples % self.global_batch
-        if self.active_total_samples == 0:
-            raise ValueError(f"total_samples {total_samples} is smaller than one global batch "
-                             f"(micro_batch_size * data_parallel_size = {self.global_batch}); add data or "
-                             f"lower the batch size")
+        self._epoch, self._order = -1, None  # the order of the epoch read last
 
-    def __len__(self) -> int:
-        return self.active_total_samples // self.global_batch
+    def sample_at(self, position: int) -> int:
+        """The dataset index read at global position ``position``."""
+        epoch, k = divmod(position, self.total_samples)
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch, self._order = epoch, torch.randperm(self.total_samples, generator=generator)
+        return int(self._order[k])
 
     def __iter__(self) -> Iterator[List[int]]:
-        epoch, in_epoch = divmod(self.consumed_samples, self.active_total_samples)
-        bucket_size = self.active_total_samples // self.data_parallel_size
-        bucket_start = self.data_parallel_rank * bucket_size
-        g = torch.Generator()
-        g.manual_seed(self.seed + epoch)
-        order = torch.randperm(bucket_size, generator=g).tolist()
-        # Each global step consumed one micro-batch from every rank's bucket.
-        done = in_epoch // self.data_parallel_size
-        for i in range(done, bucket_size - self.micro_batch_size + 1, self.micro_batch_size):
+        start = self.data_parallel_rank * self.micro_batch_size
+        while True:  # endless: the training loop takes the steps it needs
+            first = self.consumed_samples + start
+            batch = [self.sample_at(p) for p in range(first, first + self.micro_batch_size)]
             self.consumed_samples += self.global_batch
-            yield [bucket_start + j for j in order[i:i + self.micro_batch_size]]
+            yield batch
 
 
 def build_data_loader(dataset, micro_batch_size: int, dp_rank: int, dp_size: int, consumed_samples: int = 0,
@@ -118,7 +117,7 @@ def build_data_loader(dataset, micro_batch_size: int, dp_rank: int, dp_size: int
     """A DataLoader over ``dataset`` that yields this DP rank's micro-batches.
 
     ``dataloader_type`` is Megatron's ``--dataloader-type``: ``"single"``
-    (sequential) or ``"cyclic"`` (``MegatronPretrainingRandomSampler``).
+    (sequential) or ``"cyclic"`` (``MegatronPretrainingRandomSampler``, endless).
     ``pin_memory``: batches in page-locked memory, so a GPU job copies them asynchronously.
     """
     if dataloader_type == "single":

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from .gpt_dataset import Split, parse_split, split_document_ranges
+from .gpt_dataset import Split
 from .indexed_dataset import IndexedDataset
 from .sft import PADDING, TRAINED, PackedSFT
 
@@ -95,26 +95,3 @@ def sample_targets(tokens: np.ndarray, flags: np.ndarray, segments: np.ndarray,
     loss_mask = np.zeros(len(tokens), dtype=np.float32)
     loss_mask[:-1] = same_next[:-1] & (flags[1:] == TRAINED)
     return labels, loss_mask, position_ids
-
-
-def build_sft_train_valid_datasets(prefix: str, seq_length: int, split: str = "98,2", seed: int = 1234,
-                                   train_samples: Optional[int] = None, valid_samples: Optional[int] = None
-                                   ) -> Tuple[PackedSFTDataset, Optional[PackedSFTDataset]]:
-    """Train and valid ``PackedSFTDataset``s over disjoint ranges of ``prefix``'s packed rows.
-
-    ``split`` weights packed rows as ``gpt_dataset.build_train_valid_datasets`` weights documents; a zero valid
-    weight gives ``None`` for valid.
-    """
-    indexed = IndexedDataset(prefix)
-    num_rows = PackedSFT(prefix, seq_length, tokens=indexed).num_rows
-    train_rows, valid_rows = split_document_ranges(split, num_rows)[:2]
-    if len(train_rows) == 0:
-        raise ValueError(f"split {split!r} leaves no train rows out of the {num_rows} packed rows of {prefix!r}; "
-                         "raise the train weight or add data")
-    train = PackedSFTDataset(indexed, seq_length, train_samples, seed, split=train_rows)
-    if parse_split(split)[1] == 0:
-        return train, None
-    if len(valid_rows) == 0:
-        raise ValueError(f"split {split!r} leaves no valid rows out of the {num_rows} packed rows of {prefix!r}; "
-                         "raise the valid weight, add data, or use a 0 valid weight")
-    return train, PackedSFTDataset(indexed, seq_length, valid_samples, seed, split=valid_rows)

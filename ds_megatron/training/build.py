@@ -7,8 +7,9 @@ model before the engine exists, so the optimizer's fp32 main params start from t
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -17,10 +18,15 @@ from ..config.job import JobConfig
 from ..config.megatron import INHERITED_MODEL_KEYS
 from ..config.parsing import load_ds_config
 from ..config.pipeline import pipeline_runtime, virtual_pipeline_size
+from ..config.training import DataConfig
 from ..convert.model_io import load_weights, stage_layers
 from ..data.corpus import build_default_dataset
-from ..data.gpt_dataset import GPTDataset, build_train_valid_datasets
+from ..data.blended_dataset import build_blended_dataset
+from ..data.gpt_dataset import GPTDataset, parse_split, split_fractions
+from ..data.indexed_dataset import IndexedDataset
 from ..data.sampler import build_data_loader
+from ..data.sft import is_packed_sft
+from ..data.sft_dataset import PackedSFTDataset
 from ..integration.engine import initialize, initialize_model_parallel
 from ..integration.pipeline import GPTPipelineModule
 from ..integration.runtime import accelerator_device_type
@@ -101,7 +107,8 @@ def build_optimizer(job: JobConfig, model: torch.nn.Module):
     optimizer = torch.optim.AdamW(get_param_groups(model), lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2),
                                   eps=tcfg.adam_eps, weight_decay=tcfg.weight_decay)
     scheduler = None if "scheduler" in ds_config else build_lr_scheduler(
-        optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters, tcfg.train_iters, tcfg.lr_decay_style)
+        optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters, tcfg.lr_decay_iters or tcfg.train_iters,
+        tcfg.lr_decay_style)
     return optimizer, scheduler
 
 
@@ -145,7 +152,7 @@ class TrainingData:
     """The training batches (an iterator from the consumed position on) and the validation set."""
 
     train: Iterator[Dict[str, Any]]
-    valid: Optional[GPTDataset]
+    valid: Optional[torch.utils.data.Dataset]
     setup: TrainingSetup
 
     def validation_batches(self):
@@ -155,21 +162,64 @@ class TrainingData:
                                  pin_memory=self.setup.pin_memory)
 
 
-def build_datasets(job: JobConfig, global_batch: int, valid_batch: int):
-    """``(train, valid)``: Megatron's datasets over ``data.data_path`` (or the embedded corpus), sized for
-    ``train_iters`` steps of ``global_batch`` samples and ``eval_iters`` of ``valid_batch``."""
-    data, tcfg = job.data, job.train
-    prefix = data.data_path or build_default_dataset(max_bytes=data.default_corpus_bytes, tokenizer=data.tokenizer,
-                                                     eod_token=data.eod_token)
-    return build_train_valid_datasets(prefix, job.model.seq_length, data.split, tcfg.seed,
-                                      train_samples=tcfg.train_iters * global_batch,
-                                      valid_samples=tcfg.eval_iters * valid_batch)
+def dataset_for_prefix(prefix: str, seq_length: int, num_samples: Optional[int], seed: int,
+                       split: Tuple[float, float], data: DataConfig, eod: Optional[int]) -> torch.utils.data.Dataset:
+    """The dataset over the documents ``split`` (a ``(start, end)`` fraction pair) of ``prefix``, sized
+    ``num_samples`` (None: one pass): a ``PackedSFTDataset`` for ``ds-megatron preprocess --sft``'s packed rows,
+    else Megatron's ``GPTDataset`` with ``data``'s pretraining flags and the tokenizer's end-of-document id
+    ``eod`` (its samples carrying document fields when the job's rows pack documents, so that a blend with
+    packed data batches alike).  The one place a prefix's kind picks its dataset class."""
+    if is_packed_sft(prefix):
+        return PackedSFTDataset(prefix, seq_length, num_samples, seed, split)
+    return GPTDataset(IndexedDataset(prefix), seq_length, num_samples, seed, split, eod=eod,
+                      reset_position_ids=data.reset_position_ids, eod_mask_loss=data.eod_mask_loss,
+                      document_fields=data.packed_sequences)
+
+
+def build_datasets(job: JobConfig, global_batch: int, valid_batch: int, consumed_samples: int = 0,
+                   write_cache: bool = True):
+    """``(train, valid)``: Megatron's datasets over ``data.data_path`` cut by ``data.split`` (or the embedded
+    corpus), or over ``train_data_path`` / ``valid_data_path``; each a prefix's dataset or a ``BlendedDataset``.
+
+    Sized for ``train_iters`` more steps of ``global_batch`` samples after ``consumed_samples`` (the run may have
+    had another global batch before) and ``eval_iters`` of ``valid_batch``; a sample's place never depends on
+    the size.  "cyclic" reads one pass of the train set, reshuffled each epoch by its sampler.  A blend's indices
+    are cached in ``data.data_cache_path`` (default ``data_cache`` in the output dir); ``write_cache``: this
+    rank writes them.
+    """
+    data, tcfg, seq_length = job.data, job.train, job.model.seq_length
+    uses_eod = data.reset_position_ids or data.eod_mask_loss
+    eod = data.build_tokenizer().eod if uses_eod else None
+    cache_dir = data.data_cache_path or os.path.join(tcfg.output_dir, "data_cache")
+
+    def build(prefixes: List[str], weights: Optional[List[float]], split: Tuple[float, float],
+              num_samples: Optional[int], name: str):
+        def make(prefix, n):
+            return dataset_for_prefix(prefix, seq_length, n, tcfg.seed, split, data, eod)
+        if len(prefixes) == 1:
+            return make(prefixes[0], num_samples)
+        description = {"split": name, "fractions": list(split), "seq_length": seq_length, "seed": tcfg.seed}
+        return build_blended_dataset(prefixes, weights, num_samples, make, cache_dir, description, write_cache)[0]
+
+    train_samples = None if data.dataloader_type == "cyclic" else consumed_samples + tcfg.train_iters * global_batch
+    valid_samples = tcfg.eval_iters * valid_batch
+    if data.train_data_path is not None:
+        train, valid = data.blend("train_data_path"), data.blend("valid_data_path")
+        return (build(train.prefixes, train.weights, (0.0, 1.0), train_samples, "train"),
+                None if valid is None else build(valid.prefixes, valid.weights, (0.0, 1.0), valid_samples, "valid"))
+    blend = data.blend("data_path")
+    prefixes, weights = (blend.prefixes, blend.weights) if blend else ([build_default_dataset(
+        max_bytes=data.default_corpus_bytes, tokenizer=data.tokenizer, eod_token=data.eod_token)], None)
+    train_split, valid_split = split_fractions(data.split)[:2]
+    return (build(prefixes, weights, train_split, train_samples, "train"),
+            None if parse_split(data.split)[1] == 0 else build(prefixes, weights, valid_split, valid_samples, "valid"))
 
 
 def build_data(job: JobConfig, setup: TrainingSetup, consumed_samples: int) -> TrainingData:
     """The datasets (``build_datasets``) and this DP rank's loader from ``consumed_samples`` on."""
     data, tcfg, dp, batches = job.data, job.train, setup.state.dp, setup.batches
-    train_ds, valid_ds = build_datasets(job, batches.global_batch, batches.micro_batch * dp.size)
+    train_ds, valid_ds = build_datasets(job, batches.global_batch, batches.micro_batch * dp.size, consumed_samples,
+                                        write_cache=setup.state.world.rank == 0)
     loader = build_data_loader(train_ds, batches.micro_batch, dp.rank, dp.size, consumed_samples, data.num_workers,
                                data.dataloader_type, tcfg.seed, pin_memory=setup.pin_memory)
     return TrainingData(iter(loader), valid_ds, setup)

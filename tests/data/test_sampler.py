@@ -1,5 +1,6 @@
 """Samplers: each DP rank's slice of the global batch, disjoint ranks, exact resume."""
 import pytest
+import torch
 
 from ds_megatron.data.sampler import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 
@@ -52,36 +53,33 @@ def test_bad_arguments():
         MegatronPretrainingSampler(10, 0, 0, 0, 1)
 
 
-@pytest.mark.parametrize("dp", [1, 2, 4])
-def test_random_sampler_disjoint_and_covering(dp):
-    mbs, total = 2, 50
-    steps = _steps(MegatronPretrainingRandomSampler, dp, total, mbs=mbs, seed=7)
-    flat = [i for ranks in steps for b in ranks for i in b]
-    active = total - total % (mbs * dp)
-    assert sorted(flat) == list(range(active))  # each sample once per epoch, ranks disjoint
-    if dp == 1:
-        assert flat != sorted(flat)
+def _global_order(total, steps, mbs, dp, consumed=0, seed=7):
+    """The random sampler's first ``steps`` global batches, each the ranks' micro-batches in rank order."""
+    iters = [iter(MegatronPretrainingRandomSampler(total, consumed, mbs, r, dp, seed=seed)) for r in range(dp)]
+    return [[i for it in iters for i in next(it)] for _ in range(steps)]
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
-def test_random_sampler_resume_and_epochs(dp):
+def test_random_sampler_covers_each_epoch_once(dp):
     mbs, total = 2, 48
-    samplers = [MegatronPretrainingRandomSampler(total, 0, mbs, r, dp, seed=7) for r in range(dp)]
-    epoch0 = list(zip(*[list(s) for s in samplers]))
-    epoch1 = list(zip(*[list(s) for s in samplers]))
-    assert epoch0 != epoch1 and all(s.consumed_samples == 2 * total for s in samplers)
-    history = epoch0 + epoch1
-    steps_per_epoch = total // (mbs * dp)
-    for done in (1, steps_per_epoch, steps_per_epoch + 2):
-        resumed = [MegatronPretrainingRandomSampler(total, done * mbs * dp, mbs, r, dp, seed=7) for r in range(dp)]
-        got = list(zip(*[list(s) for s in resumed]))
-        end = steps_per_epoch if done < steps_per_epoch else 2 * steps_per_epoch
-        assert got == history[done:end]
+    flat = [i for batch in _global_order(total, 3 * total // (mbs * dp), mbs, dp) for i in batch]
+    epochs = [flat[e * total:(e + 1) * total] for e in range(3)]
+    assert all(sorted(e) == list(range(total)) for e in epochs)  # each sample once per epoch, ranks disjoint
+    assert epochs[0] != sorted(epochs[0]) and epochs[0] != epochs[1] != epochs[2]
+    for e, order in enumerate(epochs):  # epoch e is the permutation drawn from seed + e
+        assert order == torch.randperm(total, generator=torch.Generator().manual_seed(7 + e)).tolist()
 
 
-def test_random_sampler_needs_a_full_batch():
-    with pytest.raises(ValueError, match="smaller than one global batch"):
-        MegatronPretrainingRandomSampler(3, 0, 2, 0, 2)
+def test_random_sampler_order_is_global():
+    """The order depends on the dataset and the seed alone: any DP size, any global batch (a batch may straddle
+    epochs: 50 is no multiple of 12), any resume point reads the same sample sequence, and it never ends."""
+    total = 50
+    reference = [i for batch in _global_order(total, 400, 1, 1) for i in batch]  # 8 epochs
+    for mbs, dp in ((2, 1), (2, 2), (3, 4), (5, 2)):
+        g = mbs * dp
+        for consumed in (0, g, 7 * g + 3):
+            flat = [i for batch in _global_order(total, 12, mbs, dp, consumed) for i in batch]
+            assert flat == reference[consumed:consumed + len(flat)], (mbs, dp, consumed)
 
 
 def test_build_data_loader_rejects_unknown_type():

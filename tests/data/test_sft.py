@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import chat_data
-from ds_megatron.data.gpt_dataset import split_document_ranges
+from ds_megatron.data.gpt_dataset import split_document_ranges, split_fractions
 from ds_megatron.data.indexed_dataset import IndexedDataset
 from ds_megatron.data.preprocess import main, preprocess_sft
 from ds_megatron.data.sft import PADDING, TRAINED, UNTRAINED, PackedSFT, best_fit_decreasing, is_packed_sft
-from ds_megatron.data.sft_dataset import PackedSFTDataset, build_sft_train_valid_datasets
+from ds_megatron.data.sft_dataset import PackedSFTDataset
 
 transformers = pytest.importorskip("transformers")
 
@@ -331,10 +331,12 @@ def test_the_order_does_not_depend_on_num_samples(packed):
 
 def test_split_and_checks(packed):
     prefix, stats = packed
-    train, valid = build_sft_train_valid_datasets(prefix, S, "80,20", seed=1)
+    # The job cuts packed rows as it cuts documents: the split's (start, end) fractions (training/build.py).
+    train_split, valid_split = split_fractions("80,20")[:2]
+    train = PackedSFTDataset(prefix, S, seed=1, split=train_split)
+    valid = PackedSFTDataset(prefix, S, split=valid_split)
     want = split_document_ranges("80,20", stats.packed_rows)
     assert (train.rows, valid.rows) == (want[0], want[1]) and len(valid) == len(want[1]) > 0
-    assert build_sft_train_valid_datasets(prefix, S, "100,0")[1] is None
     with pytest.raises(ValueError, match=rf"seq_length 512 differs from the seq_length {S} that data_path .* "
                                          rf"set seq_length to {S} or re-pack with --seq-length 512"):
         PackedSFTDataset(prefix, 512)
