@@ -297,3 +297,26 @@ def test_pipeline_schedules_give_the_one_rank_packed_loss_and_gradients(chunks_p
         assert sorted(grads) == sorted(ref_grads)
         for key, g in ref_grads.items():
             assert torch.allclose(grads[key], g, rtol=1e-9, atol=1e-12), key
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_varlen_kernel_on_a_gpu_equals_one_call_per_document():
+    """bf16 on a GPU runs every document in one launch of torch's variable-length flash kernel: the same outputs and
+    input gradients as one SDPA call per document, in float32, to bf16 rounding."""
+    from ds_megatron.transformer.packed_seq_params import document_attention
+    _, _, positions, _ = _packed(ROWS)
+    packed = PackedSeqParams.from_batch(positions.cuda(), ParallelGroup.single("cp"), position_ids=positions.cuda())
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, SEQ, 16, generator=g).cuda() for _ in range(3))
+    inputs = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    out = document_attention(*inputs, packed)
+    out.float().square().sum().backward()
+    reference = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.cat([torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(t[r:r + 1, :, a:z] for t in reference), is_causal=True) for row, a, z in packed.spans if row == r], dim=2)
+        for r in range(3)])
+    expected.square().sum().backward()
+    assert torch.allclose(out.float(), expected, rtol=2e-2, atol=2e-2)
+    for got, want in zip(inputs, reference):
+        assert torch.allclose(got.grad.float(), want.grad, rtol=5e-2, atol=5e-2)
