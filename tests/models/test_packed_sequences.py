@@ -106,6 +106,26 @@ def test_each_document_gets_its_own_logits_loss_and_gradients(name, form):
         assert torch.allclose(packed_grads[n], g / count, rtol=1e-10, atol=1e-13), n
 
 
+@pytest.mark.parametrize("recompute", [dict(recompute_granularity="full"),
+                                       dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])],
+                         ids=["full", "selective-core_attn-mlp"])
+@pytest.mark.parametrize("name", ["llama", "mla"])
+def test_recomputation_keeps_the_documents_apart(name, recompute):
+    """Recomputed layers (whole, or the attention core and the MLP) rerun with the same documents: the packed loss
+    and gradients of the model without recomputation (dense models: the config refuses recomputation with MoE)."""
+    tokens, labels, positions, _ = _packed(ROWS)
+    batch = {"tokens": tokens, "labels": labels, "position_ids": positions}
+    dense = {k: v for k, v in MODELS["deepseek_v3"].items() if not k.startswith(("num_experts", "moe_"))}
+    results = []
+    for extra in ({}, recompute):
+        torch.manual_seed(11)
+        model = (GPTModel(GPTConfig(**dense, **extra)).double() if name == "mla" else _model(name, **extra))
+        model(batch).backward()
+        results.append(_grads(model))
+    for n, g in results[0].items():
+        assert torch.allclose(results[1][n], g, rtol=1e-12, atol=1e-15), n
+
+
 @pytest.mark.parametrize("name", list(ROUTING_LOSSES))
 def test_routing_and_mtp_losses_count_real_tokens_and_each_document_as_a_sequence(name):
     """Six documents of 8 tokens as six rows, and packed four and two to a row with a 16-token padding tail (given
@@ -208,7 +228,7 @@ def _full_gradients(model, state, config):
     return full
 
 
-def _layout_loss_and_gradients(name, layout, cp_comm_type="p2p", hierarchical=None):
+def _layout_loss_and_gradients(name, layout, cp_comm_type="p2p", hierarchical=None, form="position_ids"):
     world = dist.get_world_size()
     config = GPTConfig(**MODELS[name], **ROUTING_LOSSES.get(name, {}), sequence_parallel=layout.get("sp", False),
                        cp_comm_type=cp_comm_type)
@@ -219,7 +239,11 @@ def _layout_loss_and_gradients(name, layout, cp_comm_type="p2p", hierarchical=No
         state.build_hierarchical_context_parallel(hierarchical)
     torch.manual_seed(11)
     model = GPTModel(config, state).double()
-    loss = model(_multi_rank_batch())
+    batch = _multi_rank_batch()
+    if form == "cu_seqlens":  # megatron-core's THD form: the first row, its last 8 tokens padding
+        batch = {"tokens": batch["tokens"][:1], "labels": batch["labels"][:1],
+                 "cu_seqlens": torch.tensor([0, 5, 16, 24], dtype=torch.int32)}
+    loss = model(batch)
     loss.backward()
     grads = _full_gradients(model, state, config)
     state.destroy()
@@ -235,21 +259,23 @@ LAYOUTS = {  # name: (model, world, layout, cp_comm_type, the hierarchical a2a s
     "cp2-a2a": ("gpt2", 2, {"cp": 2}, "a2a", None),
     "cp4-a2a+p2p": ("qwen3", 4, {"cp": 4}, "a2a+p2p", 2),
     "ep2": ("mixtral", 2, {"ep": 2}, "p2p", None),
+    "tp2-sp-cp2-p2p-cu_seqlens": ("deepseek_v3", 4, {"tp": 2, "sp": True, "cp": 2}, "p2p", None),
 }
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_every_layout_gives_the_one_rank_packed_loss_and_gradients(case):
     name, world, layout, comm, hierarchical = LAYOUTS[case]
-    (ref_loss, ref_grads), = run_on_ranks(1, _layout_loss_and_gradients, name, {})
-    for loss, grads in run_on_ranks(world, _layout_loss_and_gradients, name, layout, comm, hierarchical):
+    form = "cu_seqlens" if case.endswith("cu_seqlens") else "position_ids"
+    (ref_loss, ref_grads), = run_on_ranks(1, _layout_loss_and_gradients, name, {}, "p2p", None, form)
+    for loss, grads in run_on_ranks(world, _layout_loss_and_gradients, name, layout, comm, hierarchical, form):
         assert abs(loss - ref_loss) <= 1e-10 * abs(ref_loss)
         for key, g in ref_grads.items():
             scale = 2.0 if "experts" in key and layout.get("ep") else 1.0  # both EP ranks route the same batch
             assert torch.allclose(grads[key], scale * g, rtol=1e-9, atol=1e-12), key
 
 
-def _pipeline_loss_and_gradients(chunks_per_rank):
+def _pipeline_loss_and_gradients(chunks_per_rank, schedule_name="interleaved_1f1b"):
     """Our pipeline runtime's schedule over this rank's chunks (PP 2, or one rank without PP): the packed
     micro-batches (one row each) and their documents reach every chunk, the middle ones included."""
     from ds_megatron.models.gpt_chunks import GPTModelChunks
@@ -272,8 +298,15 @@ def _pipeline_loss_and_gradients(chunks_per_rank):
     model = GPTModelChunks(config, state, num_model_chunks=chunks_per_rank).double()
     model.set_aux_loss_gradient_scale(lambda: torch.tensor(0.5, dtype=torch.float64))
     channels = PipelineChannels(state)
+    store = None
+    if schedule_name == "zero_bubble":  # W deferred: the weight gradients computed after the step's B
+        from ds_megatron.tensor_parallel.layers import attach_weight_grad_store
+        from ds_megatron.tensor_parallel.weight_grad_store import WeightGradStore
+        store = WeightGradStore()
+        attach_weight_grad_store(model, store)
     schedule = PipelineSchedule(model.chunks, state.pp, channels, (SEQ, 1, config.hidden_size), torch.float64,
-                                torch.device("cpu"), prepare_documents=model.packed_seq_params)
+                                torch.device("cpu"), schedule=schedule_name, weight_grad_store=store,
+                                prepare_documents=model.packed_seq_params)
     losses = schedule.run(iter(micro_batches), 2)
     mine = {}
     for name, p in model.named_gpt_parameters():  # the tied / MTP embedding copies: summed over the stages
@@ -289,10 +322,11 @@ def _pipeline_loss_and_gradients(chunks_per_rank):
     return everyone[-1][0], grads
 
 
-@pytest.mark.parametrize("chunks_per_rank", [1, 2], ids=["1f1b", "interleaved"])
-def test_pipeline_schedules_give_the_one_rank_packed_loss_and_gradients(chunks_per_rank):
+@pytest.mark.parametrize("chunks_per_rank,schedule", [(1, "interleaved_1f1b"), (2, "interleaved_1f1b"),
+                                                      (1, "zero_bubble")], ids=["1f1b", "interleaved", "zb-h1"])
+def test_pipeline_schedules_give_the_one_rank_packed_loss_and_gradients(chunks_per_rank, schedule):
     (ref_loss, ref_grads), = run_on_ranks(1, _pipeline_loss_and_gradients, 1)
-    for loss, grads in run_on_ranks(2, _pipeline_loss_and_gradients, chunks_per_rank):
+    for loss, grads in run_on_ranks(2, _pipeline_loss_and_gradients, chunks_per_rank, schedule):
         assert abs(loss - ref_loss) <= 1e-10 * abs(ref_loss)
         assert sorted(grads) == sorted(ref_grads)
         for key, g in ref_grads.items():
