@@ -218,7 +218,8 @@ def build_datasets(job: JobConfig, global_batch: int, valid_batch: int, consumed
 def build_data(job: JobConfig, setup: TrainingSetup, consumed_samples: int) -> TrainingData:
     """The datasets (``build_datasets``) and this DP rank's loader from ``consumed_samples`` on."""
     data, tcfg, dp, batches = job.data, job.train, setup.state.dp, setup.batches
-    train_ds, valid_ds = build_datasets(job, batches.global_batch, batches.micro_batch * dp.size, consumed_samples,
+    # eval_iters counts global batches (Megatron's): the same validation samples at every layout.
+    train_ds, valid_ds = build_datasets(job, batches.global_batch, batches.global_batch, consumed_samples,
                                         write_cache=setup.state.world.rank == 0)
     loader = build_data_loader(train_ds, batches.micro_batch, dp.rank, dp.size, consumed_samples, data.num_workers,
                                data.dataloader_type, tcfg.seed, pin_memory=setup.pin_memory)

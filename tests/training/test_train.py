@@ -67,6 +67,26 @@ def test_resume_continues_with_the_same_losses(tmp_path):
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 13))
 
 
+def _step0_validation(cfg):
+    return _train(cfg, stop_after=1)[1][0]
+
+
+@pytest.mark.parametrize("world,layout,mbs,gas", [(2, {"data": 2}, 4, 1), (2, {"tensor_model_parallel_size": 2}, 1, 8)],
+                         ids=["dp2-mbs4", "tp2-mbs1"])
+def test_validation_reads_the_same_samples_at_every_layout(tmp_path, world, layout, mbs, gas):
+    """eval_iters counts global batches (Megatron's): the same weights and data give the same step-0 validation
+    loss whatever the micro-batch, accumulation and layout (float32 summation orders only)."""
+    def cfg(out, tp_pp, mbs, gas):
+        c = _config(out, tp=1, mbs=mbs, steps=2)
+        c["gradient_accumulation_steps"] = gas
+        c["megatron"].update({k: v for k, v in tp_pp.items() if k != "data"})
+        c["megatron"]["train"]["eval_interval"] = 1
+        return c
+    reference = run_on_ranks(1, _step0_validation, cfg(str(tmp_path / "one"), {}, 2, 4))[0]
+    got = run_on_ranks(world, _step0_validation, cfg(str(tmp_path / "other"), layout, mbs, gas))[-1]
+    assert got == pytest.approx(reference, rel=1e-6), (got, reference)
+
+
 def test_bad_job_config_names_the_field(tmp_path):
     cfg = _config(str(tmp_path), tp=2, mbs=2)
     cfg["megatron"]["model"]["num_attention_heads"] = 3
