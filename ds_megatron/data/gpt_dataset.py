@@ -186,6 +186,12 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
+    def describe(self) -> str:
+        """One line for the job's start: the data, its size, this set's samples."""
+        return (f"{self.indexed_dataset.prefix} (documents {self.documents.start}..{self.documents.stop}, "
+                f"{self.tokens_per_epoch:,} tokens, {self.samples_per_epoch:,} samples of {self.seq_length} a pass), "
+                f"{self.num_samples:,} samples")
+
     def get_sample_tokens(self, sample: int) -> np.ndarray:
         """The ``seq_length + 1`` tokens of sample ``sample`` in stream order (before shuffling)."""
         (doc_f, off_f), (doc_l, off_l) = self.sample_idx[sample], self.sample_idx[sample + 1]

@@ -61,6 +61,11 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
+    def describe(self) -> str:
+        """One line for the job's start: the data, its size, this set's samples."""
+        return (f"{self.packed.prefix} (packed SFT: rows {self.rows.start}..{self.rows.stop} of "
+                f"{self.seq_length} tokens), {self.num_samples:,} samples")
+
     def row_of_sample(self, idx: int) -> int:
         """The packed row that sample ``idx`` reads."""
         epoch, k = divmod(idx, len(self.rows))

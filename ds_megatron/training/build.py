@@ -154,6 +154,7 @@ class TrainingData:
     train: Iterator[Dict[str, Any]]
     valid: Optional[torch.utils.data.Dataset]
     setup: TrainingSetup
+    train_set: Optional[torch.utils.data.Dataset] = None  # what ``train`` reads (described at the job's start)
 
     def validation_batches(self):
         """This DP rank's micro-batches of the whole validation set, from its start."""
@@ -223,4 +224,4 @@ def build_data(job: JobConfig, setup: TrainingSetup, consumed_samples: int) -> T
                                         write_cache=setup.state.world.rank == 0)
     loader = build_data_loader(train_ds, batches.micro_batch, dp.rank, dp.size, consumed_samples, data.num_workers,
                                data.dataloader_type, tcfg.seed, pin_memory=setup.pin_memory)
-    return TrainingData(iter(loader), valid_ds, setup)
+    return TrainingData(iter(loader), valid_ds, setup, train_ds)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..checkpointing import api as checkpoints
 from ..checkpointing.run_dir import LATEST, check_resume, job_meta, tag_for
 from ..config.job import JobConfig
+from ..config.pipeline import pipeline_runtime, pipeline_schedule, virtual_pipeline_size
 from ..convert.model_io import save_job_model
 from ..models.gpt import MTP_LOSS
 from ..models.gpt_chunks import GPTModelChunks
@@ -93,6 +94,7 @@ class Trainer:
                 self.say(notice, flush=True)
         self.run = RunState(*self._resume(resume, resume_tag))
         self.data = build_data(job, setup, self.run.consumed_samples)
+        self._announce(resume_tag)
         self.stepper = (PipelineStep(self.engine, setup.batches.micro_batches,
                                      isinstance(setup.model, GPTModelChunks)) if setup.pipeline else
                         MicroBatchStep(self.engine, setup.model, self.state, setup.batches.micro_batches))
@@ -126,6 +128,33 @@ class Trainer:
             if moved:
                 self.say(f"a new run starts in {self.out_dir}: the earlier {METRICS} is now {moved}", flush=True)
         return step, consumed
+
+    def _announce(self, resume_tag: Optional[str]) -> None:
+        """What the run is, one line each on rank 0: the layout and batch, the data, the checkpoint it resumed from."""
+        job, layout, batches = self.job, self.state.layout, self.setup.batches
+        dp = self.state.dp.size
+        parts = [f"TP {layout.tp}" + (" with SP" if job.model.sequence_parallel and layout.tp > 1 else ""),
+                 f"CP {layout.cp}", f"PP {layout.pp}", f"DP {dp}"]
+        if job.model.num_experts:
+            parts.append(f"experts EP {layout.ep} x ETP {layout.etp}")
+        line = f"layout: {layout.world_size} ranks, " + " x ".join(parts)
+        if layout.pp > 1:
+            parallel = job.megatron.parallel
+            v = virtual_pipeline_size(parallel, job.model.num_layers, layout.pp)
+            where = ("DeepSpeed's PipelineEngine" if pipeline_runtime(parallel, job.megatron.optimizer_impl)
+                     == "deepspeed" else "our runtime")
+            line += f"; schedule {pipeline_schedule(parallel)}" + (f", {v} chunks per rank" if v > 1 else "") + \
+                f" on {where}"
+        self.say(f"{line}; global batch {batches.global_batch} = micro-batch {batches.micro_batch} x "
+                 f"{batches.micro_batches} accumulation x DP {dp}, of {job.model.seq_length} tokens", flush=True)
+
+        def describe(dataset):
+            return getattr(dataset, "describe", lambda: f"{len(dataset):,} samples")()
+        valid = "none" if self.data.valid is None else describe(self.data.valid)
+        self.say(f"data: train {describe(self.data.train_set)}; validation {valid}", flush=True)
+        if resume_tag is not None:
+            self.say(f"resumed from {os.path.join(self.out_dir, resume_tag)}: step {self.run.step}, "
+                     f"{self.run.consumed_samples:,} samples consumed", flush=True)
 
     # -- step ----------------------------------------------------------------------------------------------------
     def train_step(self, is_log_step: bool) -> Optional[float]:
@@ -184,6 +213,7 @@ class Trainer:
                          job_meta=job_meta(self.job), keep_last_n=tcfg.keep_last_n_checkpoints)
         if tcfg.load_hf or tcfg.export_hf_family:  # our layout too, for `ds-megatron convert` to HF
             save_job_model(self.setup.model, self.job, self.state, os.path.join(self.out_dir, tag_for(step)))
+        self.say(f"saved {os.path.join(self.out_dir, tag_for(step))} (step {step})", flush=True)
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def run_loop(self, stop_after: Optional[int] = None) -> TrainResult:

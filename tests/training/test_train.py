@@ -87,6 +87,29 @@ def test_validation_reads_the_same_samples_at_every_layout(tmp_path, world, layo
     assert got == pytest.approx(reference, rel=1e-6), (got, reference)
 
 
+def _printed(cfg, resume=False):
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train(load_job(cfg, dist.get_world_size()), cfg, resume=resume, show_progress=True)
+    return out.getvalue().splitlines()
+
+
+def test_a_run_says_what_it_is_and_when_it_saves(tmp_path):
+    cfg = _config(str(tmp_path), tp=1, mbs=2, steps=2, save_interval=1)
+    first = run_on_ranks(1, _printed, cfg)[0]
+    assert first[0] == ("layout: 1 ranks, TP 1 x CP 1 x PP 1 x DP 1; global batch 4 = micro-batch 2 x 2 "
+                        "accumulation x DP 1, of 32 tokens")
+    assert first[1].startswith("data: train ") and "documents 0.." in first[1] and "; validation " in first[1]
+    out = os.path.join(str(tmp_path), "run")
+    assert [line for line in first if line.startswith("saved")] == [
+        f"saved {out}/iter_0000001 (step 1)", f"saved {out}/iter_0000002 (step 2)"]
+    cfg["megatron"]["train"]["train_iters"] = 3
+    resumed = run_on_ranks(1, _printed, cfg, True)[0]
+    assert f"resumed from {out}/iter_0000002: step 2, 8 samples consumed" in resumed
+
+
 def test_bad_job_config_names_the_field(tmp_path):
     cfg = _config(str(tmp_path), tp=2, mbs=2)
     cfg["megatron"]["model"]["num_attention_heads"] = 3
