@@ -53,7 +53,7 @@ def test_configs_are_shipped():
     assert {"gpt_cpu_tp2_dp2.json", "gpt_tp1.json", "gpt_tp4.json", "gpt_tp2_sp.json", "moe_ep2.json",
             "moe_ep4_tp2.json", "gpt_bf16_tp2_dp2.json", "gpt_fp16_tp2_dp2.json", "gpt_distopt_tp2_dp2.json",
             "gpt_cuda_graphs.json", "gpt_tp2_pp2.json", "gpt_tp2_pp2_dp2.json", "llama_continue_tp2_pp2.json",
-            "gpt_cp2_tp2.json", "deepseek_v3_tiny_tp2_ep2.json"} <= names
+            "gpt_cp2_tp2.json", "deepseek_v3_tiny_tp2_ep2.json", "gpt_tp2_pp2_interleaved.json"} <= names
 
 
 def _with_tiny_hf_model(path, tmp_path):

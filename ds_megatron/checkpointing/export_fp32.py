@@ -22,11 +22,16 @@ is put together from its rank files:
   expert-tensor ranks, under ``SequentialMLP``'s names.
 * The word embedding keeps the rows of a TP=1 model (the rows added for a larger
   TP's padding are zero and never read), every floating tensor becomes fp32.
+* Under ZeRO 3 (DeepSpeed's optimizer path) the rank files hold no weights
+  (``zero_pp_rank_<D>_mp_rank_<TT>_model_states.pt``: empty placeholders, the record, ``param_shapes``); each
+  tensor-parallel rank's fp32 weights are put together from its data-parallel ranks' optimizer files
+  (``..._optim_states.pt``), then placed like any rank's weights (``_zero3_modules``).
 * Version 1 records (before the record carried the model config) are joined by
   concatenation, which cannot express a gated fc1 over TP or KV copies: those refuse.
 
 The result loads into a TP=1 ``GPTModel`` of the same config (``load_state_dict``, strict).
-``OUT`` ending in ``.safetensors`` is written with safetensors, anything else with ``torch.save``.
+``OUT`` ending in ``.safetensors`` is a safetensors file, anything else ``torch.save``'s; either is written beside
+``OUT`` and renamed onto it, with the mode the umask gives (safetensors' own ``save_file`` makes 0600).
 
 DeepSpeed's own optimizer path (``optimizer_impl: "deepspeed"`` with ZeRO 1/2) does get
 ``zero_to_fp32.py`` / ``zero_to_torch.py`` beside its checkpoints.  With data parallelism alone
@@ -41,12 +46,14 @@ import glob
 import os
 import re
 import sys
+import uuid
 import warnings
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..convert.safetensors_io import StreamingWriter
 from ..models import GPTConfig
 from ..models.gpt import OutputLayer
 from ..moe.moe_layer import BaseMoELayer
@@ -173,6 +180,9 @@ def consolidate(tag_dir: str) -> Dict[str, torch.Tensor]:
     if os.path.isfile(os.path.join(tag_dir, ".metadata")):  # torch.distributed.checkpoint's, written last
         return _consolidate_torch_dist(tag_dir)
     rank_files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    if not rank_files and glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_*_model_states.pt")):
+        modules = _zero3_modules(tag_dir)
+        return {k: v.contiguous() for k, v in _place_dense(modules).items()}
     if not rank_files:
         raise ExportError(f"{tag_dir} holds no mp_rank_*_model_states.pt: not a DeepSpeed checkpoint directory "
                           "(give the run directory with 'latest', or one checkpoint's directory)")
@@ -210,6 +220,55 @@ def consolidate(tag_dir: str) -> Dict[str, torch.Tensor]:
     full = _place_dense(modules) if first["version"] >= 2 else _concatenate_dense(modules)
     full.update(_experts(tag_dir, first["etp"], sum(r["moe_layers"] for r in records if r["tp_rank"] == 0)))
     return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in full.items()}
+
+
+_ZERO3_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+
+
+def _zero3_modules(tag_dir: str) -> List[Any]:
+    """``(file, record, {name: fp32 tensor})`` of every model-parallel rank of a ZeRO 3 checkpoint.
+
+    ZeRO 3 splits each parameter of a param group into ``partition_count`` equal pieces (the last padded), in
+    the group's order, and data-parallel rank D holds piece D of every parameter, one after the other, in its
+    fp32 flat groups (DeepSpeed's ``zero_to_fp32.py`` reads them the same way).  The parameters and their order
+    are the model file's ``param_shapes`` (one ordered dict per group).
+    """
+    ranks: Dict[int, Dict[int, str]] = {}
+    for path in glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_*_model_states.pt")):
+        match = _ZERO3_FILE.search(os.path.basename(path))
+        ranks.setdefault(int(match.group(2)), {})[int(match.group(1))] = path
+    modules = []
+    for mp_rank in sorted(ranks):
+        saved = _load(ranks[mp_rank][min(ranks[mp_rank])])
+        record = saved.get(RECORD_KEY)
+        if record is None:
+            raise ExportError(f"{ranks[mp_rank][min(ranks[mp_rank])]} has no {RECORD_KEY} record: the checkpoint was "
+                              "not saved by ds_megatron.save_checkpoint from a GPTModel")
+        flats = {}
+        for dp_rank in sorted(ranks[mp_rank]):
+            optim = os.path.join(tag_dir, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
+            if not os.path.isfile(optim):
+                raise ExportError(f"{optim} is missing: ZeRO 3 keeps the weights in the optimizer files")
+            state = _load(optim)["optimizer_state_dict"]
+            count = state["partition_count"]
+            count = max(count) if isinstance(count, (list, tuple)) else count
+            flats[dp_rank] = torch.cat([g.float() for g in state["fp32_flat_groups"]])
+        if sorted(flats) != list(range(count)):
+            raise ExportError(f"{tag_dir}: ZeRO 3 files of data-parallel ranks {sorted(flats)} for model-parallel "
+                              f"rank {mp_rank}, the checkpoint was split over {count}; some are missing")
+        tensors, offset = {}, 0
+        for group in saved["param_shapes"]:
+            for name, shape in group.items():
+                numel = int(torch.Size(shape).numel())
+                piece = -(-numel // count)
+                whole = torch.cat([flats[d][offset:offset + piece] for d in range(count)])
+                tensors[name] = whole[:numel].view(shape)
+                offset += piece
+        if offset != flats[0].numel():
+            raise ExportError(f"{tag_dir}: model-parallel rank {mp_rank}'s parameters fill {offset} elements of its "
+                              f"{flats[0].numel()}-element ZeRO 3 partition; the files do not belong together")
+        modules.append((ranks[mp_rank][min(ranks[mp_rank])], record, tensors))
+    return modules
 
 
 def _place_dense(modules) -> Dict[str, torch.Tensor]:
@@ -278,12 +337,24 @@ def _experts(tag_dir: str, etp: int, moe_layers: int) -> Dict[str, torch.Tensor]
 
 
 def save_state_dict(state: Dict[str, torch.Tensor], out: str) -> None:
+    """``state`` to ``out`` atomically (a temporary file beside it, renamed), created by ``open`` so that its mode
+    follows the umask."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    if out.endswith(".safetensors"):
-        from safetensors.torch import save_file  # optional: only for this output format
-        save_file(state, out)
-    else:
-        torch.save(state, out)
+    tmp = f"{out}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        if out.endswith(".safetensors"):
+            writer = StreamingWriter(tmp, [(name, t.dtype, tuple(t.shape)) for name, t in state.items()],
+                                     {"format": "pt"})
+            for name, t in state.items():
+                writer.write(name, t)
+            writer.close()
+        else:
+            torch.save(state, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def main(argv: Optional[List[str]] = None) -> int:

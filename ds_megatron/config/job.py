@@ -179,6 +179,10 @@ def load_job(config, world_size: int, train_iters: Optional[int] = None,
         if train_iters < 1:
             raise ConfigError(f"--train-iters must be >= 1, got {train_iters}")
         job.train.train_iters = train_iters
+    if "optimizer" not in job.ds_config and "scheduler" not in job.ds_config:  # megatron.train's schedule runs
+        notice = job.train.check_warmup(None if train_iters is None else f"--train-iters {train_iters}")
+        if notice:
+            job.megatron.notices.append(notice)
     if output_dir is not None:
         job.train.output_dir = output_dir
     return job

@@ -29,7 +29,7 @@ from .deepspeed_keys import check_deepspeed_keys
 from .ddp import DistributedDataParallelConfig
 from .model import GPTConfig
 from .parallel import ParallelConfig
-from .parsing import SECTION, coerce, deepspeed_section, field_names, load_ds_config, parse_section
+from .parsing import SECTION, coerce, deepspeed_section, field_names, load_ds_config, parse_section, unknown_key
 from .pipeline import DeepSpeedBatchKeys, check_pipeline, pipeline_runtime, pipeline_schedule
 from .precision import PrecisionConfig, resolve_precision
 from .training import DataConfig, TrainConfig
@@ -39,6 +39,18 @@ _PATH_KEYS = {"optimizer_impl": str, "log_num_zeros_in_grad": bool, "use_megatro
 _NESTED = {"cuda_graph": CudaGraphConfig, "model": GPTConfig, "train": TrainConfig, "data": DataConfig}
 # Model fields set for the whole layout at the top of the section; the model inherits them.
 INHERITED_MODEL_KEYS = ("sequence_parallel", "make_vocab_size_divisible_by")
+
+
+def _flat_key_owners() -> Dict[str, str]:
+    """Each key at the top of the section and the part of the tree it is read into."""
+    return {**{k: "parallel" for k in field_names(ParallelConfig)},
+            **{k: "ddp" for k in field_names(DistributedDataParallelConfig)},
+            **{k: "path" for k in _PATH_KEYS}}
+
+
+def section_keys() -> List[str]:
+    """Every key the top of the section accepts: the flat keys, then the nested sections."""
+    return [*_flat_key_owners(), *_NESTED]
 
 
 @dataclass
@@ -102,15 +114,15 @@ class MegatronConfig:
         if not isinstance(section, dict):
             raise ConfigError(f"{SECTION} must be a JSON object, got {type(section).__name__}")
         flat = {"parallel": {}, "ddp": {}, "path": {}}
-        owners = {**{k: "parallel" for k in field_names(ParallelConfig)},
-                  **{k: "ddp" for k in field_names(DistributedDataParallelConfig)},
-                  **{k: "path" for k in _PATH_KEYS}}
+        owners = _flat_key_owners()
         for key, value in section.items():
             if key in _NESTED:
                 continue
             if key not in owners:
-                known = [*owners, *_NESTED]
-                raise ConfigError(f"unknown key {SECTION}.{key}; known keys are: {', '.join(known)}")
+                home = next((name for name, tp in _NESTED.items() if key in field_names(tp)), None)
+                if home is not None:  # e.g. num_layers written next to the layout instead of under "model"
+                    raise ConfigError(f"unknown key {SECTION}.{key}; it is a key of {SECTION}.{home}: move it there")
+                raise unknown_key(SECTION, key, section_keys())
             flat[owners[key]][key] = value
         parallel = parse_section(ParallelConfig, flat["parallel"], SECTION)
         ddp = parse_section(DistributedDataParallelConfig, flat["ddp"], SECTION)

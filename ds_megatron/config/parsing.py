@@ -3,19 +3,23 @@
 ``parse_section(cls, data, where)`` builds a dataclass from a JSON object and
 names the offending field (``megatron.cuda_graph.scope[0]``) in one sentence
 when a key is unknown or a value has the wrong type; the dataclass's own
-``__post_init__`` checks the values.
+``__post_init__`` checks the values.  ``unknown_key`` is the one message for a
+key a section does not have, wherever it is found: the likely key it meant.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import typing
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..errors import ConfigError
 
 SECTION = "megatron"
+# Where every key of every section is listed, for an unknown key close to none of them.
+KEYS_DOC = "docs/configuration.md"
 
 
 def _type_name(tp) -> str:
@@ -58,6 +62,18 @@ def coerce(where: str, value, tp):
     return value
 
 
+def unknown_key(where: str, key: str, known: Sequence[str]) -> ConfigError:
+    """The error for ``where.key``, which section ``where`` does not have: the known key it most likely meant (a
+    typo, another case), or where the keys are listed; never the whole list."""
+    typed = key.lower()
+    nearest = difflib.get_close_matches(typed, known, n=3, cutoff=0.6)
+    if not nearest:
+        return ConfigError(f"unknown key {where}.{key}; {KEYS_DOC} lists every key of {where}")
+    score = {k: difflib.SequenceMatcher(None, typed, k).ratio() for k in nearest}
+    likely = [f"{where}.{k}" for k in known if score.get(k) == score[nearest[0]]]  # ties: adam_beta -> 1 or 2
+    return ConfigError(f"unknown key {where}.{key}; did you mean {' or '.join(likely)}?")
+
+
 def field_names(cls) -> List[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
@@ -70,7 +86,7 @@ def parse_section(cls, data: Dict[str, Any], where: str):
     known = field_names(cls)
     for key in data:
         if key not in known:
-            raise ConfigError(f"unknown key {where}.{key}; known keys are: {', '.join(known)}")
+            raise unknown_key(where, key, known)
     kwargs = {k: coerce(f"{where}.{k}", v, hints[k]) for k, v in data.items()}
     try:
         return cls(**kwargs)
@@ -109,3 +125,13 @@ def world_size_from_env() -> Optional[int]:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return None
+
+
+def local_rank_from_env() -> int:
+    """This process's rank on its node as the launcher announced it (the job's rank when it names none: one node;
+    0 when no launcher started it)."""
+    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "RANK", "OMPI_COMM_WORLD_RANK",
+                "PMI_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0

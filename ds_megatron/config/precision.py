@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from ..errors import ConfigError
-from .parsing import SECTION, deepspeed_section
+from .parsing import SECTION, deepspeed_section, unknown_key
 
 OPTIMIZER_IMPLS = ("megatron", "deepspeed")
 
@@ -123,7 +123,7 @@ def resolve_precision(ds_config: Dict[str, Any], optimizer_impl: str = "megatron
                                   f"{SECTION}.optimizer_impl='megatron' does not implement; remove it, or {_FIX}")
             continue
         if key not in values:
-            raise ConfigError(f"unknown key fp16.{key}; known keys are: enabled, {', '.join(FP16_DEFAULTS)}")
+            raise unknown_key("fp16", key, ["enabled", *FP16_DEFAULTS, *_FP16_OFF_ONLY])
         values[key] = value
     _number("fp16.loss_scale", values["loss_scale"], 0.0)
     _number("fp16.initial_scale_power", values["initial_scale_power"], 0, integer=True)

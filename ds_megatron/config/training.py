@@ -93,6 +93,25 @@ class TrainConfig:
         if not 0 <= self.min_lr <= self.lr:
             raise ConfigError(f"{SECTION}.train.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
 
+    def check_warmup(self, run: Optional[str] = None) -> Optional[str]:
+        """The warmup against the schedule: one that outlasts ``lr_decay_iters`` is refused (the decay would end
+        before it: Megatron asserts warmup < decay steps; our rate reaches ``lr`` on step ``lr_warmup_iters``, so
+        they may be equal); one that outlasts the run (``train_iters``, ``run`` naming where that value came from)
+        without ``lr_decay_iters`` is said in the returned line: the rate never reaches ``lr``, which a short trial
+        run may mean.  Called once ``train_iters`` is final (``load_job``)."""
+        warmup = f"{SECTION}.train.lr_warmup_iters={self.lr_warmup_iters}"
+        if self.lr_decay_iters is not None:
+            if self.lr_warmup_iters > self.lr_decay_iters:
+                raise ConfigError(f"{warmup} exceeds {SECTION}.train.lr_decay_iters={self.lr_decay_iters}: the decay "
+                                  f"would end before the warmup does; lower lr_warmup_iters to at most "
+                                  f"{self.lr_decay_iters} or raise lr_decay_iters")
+        elif self.lr_warmup_iters > self.train_iters:
+            run = run or f"{SECTION}.train.train_iters={self.train_iters}"
+            return (f"note: {warmup} is longer than the run ({run}), so the learning rate never reaches "
+                    f"{SECTION}.train.lr; lower lr_warmup_iters to at most {self.train_iters}, train longer, or set "
+                    f"{SECTION}.train.lr_decay_iters to the length of the whole schedule this run starts")
+        return None
+
 
 # A dataset: one prefix, or Megatron's blend list: ["0.3", "a", "0.7", "b"] (weight, prefix pairs) or ["a", "b"].
 BlendValue = Optional[Union[str, List[Union[str, float]]]]

@@ -5,9 +5,10 @@ Face directory has ``config.json``; ours has ``ds_megatron_checkpoint.json``).
 Every name, shape and file is checked from the headers before a byte is
 written; the output goes to a temporary directory next to ``dst`` that is
 renamed to ``dst`` at the end, so a failure leaves nothing behind and never
-touches an existing directory.  Peak memory is one target tensor (import:
-read through ``get_slice``, only the rows and columns it needs) or one Hugging
-Face tensor (export).
+touches an existing directory; its files and directories get the modes the
+umask gives (not ``mkdtemp``'s 0700, not the source files' own).  Peak memory
+is one target tensor (import: read through ``get_slice``, only the rows and
+columns it needs) or one Hugging Face tensor (export).
 
 Our directory: ``ds_megatron_checkpoint.json`` (family, model section, layout,
 the original ``config.json``, the Hugging Face dtypes and tensor order), the
@@ -21,7 +22,7 @@ import json
 import os
 import shutil
 import sys
-import tempfile
+import uuid
 from dataclasses import asdict
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -123,7 +124,11 @@ def _fresh_destination(dst: str) -> str:
         raise ConvertError(f"{dst}: the destination exists; choose a new directory (nothing is overwritten)")
     parent = os.path.dirname(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(dst))}.tmp-", dir=parent)
+    # A unique name made by mkdir, not tempfile.mkdtemp: mkdtemp's 0700 would be dst's mode after the rename, where
+    # mkdir's follows the umask like every file written into it (readable by an inference server's user).
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(dst))}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.mkdir(tmp)
+    return tmp
 
 
 def _finish(tmp: str, dst: str) -> None:
@@ -174,7 +179,7 @@ def hf_to_ours(src: str, dst: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: O
         if extra:
             os.makedirs(os.path.join(tmp, HF_FILES))
             for f in extra:
-                shutil.copy2(os.path.join(src, f), os.path.join(tmp, HF_FILES, f))
+                shutil.copyfile(os.path.join(src, f), os.path.join(tmp, HF_FILES, f))
         write_metadata(tmp, source.family, config, layout, source.hf_config,
                        {n: DTYPES[dt] for n, (_, dt, _) in sorted(source.table.items())
                         if not n.endswith(_IGNORED_SUFFIXES)})
@@ -269,7 +274,7 @@ def ours_to_hf(src: str, dst: str) -> str:
         extra = os.path.join(src, HF_FILES)
         if os.path.isdir(extra):
             for f in os.listdir(extra):
-                shutil.copy2(os.path.join(extra, f), os.path.join(tmp, f))
+                shutil.copyfile(os.path.join(extra, f), os.path.join(tmp, f))
         _finish(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -2,8 +2,8 @@
 
 ``main`` parses the job's config (``config.job.load_job``) against the world size the launcher
 announced and, with ``--resume``, checks the checkpoint against it; a bad config is reported in
-one line with exit code 2, before torch or DeepSpeed is imported.  Only then does it load the
-training loop (``training.train``).
+one line (by the first rank of each node) with exit code 2, before torch or DeepSpeed is imported.
+Only then does it load the training loop (``training.train``).
 """
 from __future__ import annotations
 
@@ -11,12 +11,17 @@ import argparse
 import os
 import signal
 import sys
+import time
 from typing import Optional, Sequence
 
 from ..checkpointing.run_dir import check_resume
 from ..config.job import load_job
-from ..config.parsing import SECTION, world_size_from_env
+from ..config.parsing import SECTION, local_rank_from_env, world_size_from_env
 from ..errors import ConfigError, NonFiniteLossError
+
+
+# How long a rank that does not print a config error outlives the one that does (it parses the same config).
+QUIET_RANK_EXIT_DELAY_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +47,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.resume:
             check_resume(job, job.train.output_dir)
     except ConfigError as e:
-        print(f"ds-megatron train: error: {e}", file=sys.stderr)
+        # Every rank of a node reads the same files and fails alike: its first rank says why, once per node (another
+        # node may lack a file this one has).  The others wait before leaving, so that a launcher, which stops every
+        # rank when the first one exits, does not stop the speaker before its line is out.
+        if local_rank_from_env() == 0:
+            print(f"ds-megatron train: error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(QUIET_RANK_EXIT_DELAY_S)
         return 2
     # Boundary: the config is valid, only now load torch, DeepSpeed and the loop.
     from . import train as loop

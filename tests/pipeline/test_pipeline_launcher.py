@@ -24,10 +24,8 @@ def _short(name, tmp_path, **megatron):
         cfg = json.load(f)
     cfg["megatron"].update(megatron)
     cfg["megatron"]["model"].update(num_layers=4, hidden_size=64, seq_length=64)
-    dp = 4 // (cfg["megatron"]["tensor_model_parallel_size"] * cfg["megatron"].get("pipeline_model_parallel_size", 1))
-    # The same 32 validation sequences for both layouts: eval_iters x micro-batch x DP.
-    eval_iters = 32 // (cfg["train_micro_batch_size_per_gpu"] * dp)
-    cfg["megatron"]["train"].update(train_iters=STEPS, eval_interval=STEPS, eval_iters=eval_iters, save_interval=0,
+    # The same 32 validation sequences for both layouts: eval_iters counts global batches (16 sequences in both).
+    cfg["megatron"]["train"].update(train_iters=STEPS, eval_interval=STEPS, eval_iters=2, save_interval=0,
                                     log_interval=5)
     cfg["megatron"]["data"].update(default_corpus_bytes=1_000_000, split="90,10")
     path = tmp_path / (name if not megatron else f"v_{name}")

@@ -99,9 +99,11 @@ def _printed(cfg, resume=False):
 def test_a_run_says_what_it_is_and_when_it_saves(tmp_path):
     cfg = _config(str(tmp_path), tp=1, mbs=2, steps=2, save_interval=1)
     first = run_on_ranks(1, _printed, cfg)[0]
-    assert first[0] == ("layout: 1 ranks, TP 1 x CP 1 x PP 1 x DP 1; global batch 4 = micro-batch 2 x 2 "
+    # The config's warmup (4) outlasts this 2-step run: said once, before the run's own lines.
+    assert first[0].startswith("note: megatron.train.lr_warmup_iters=4 is longer than the run")
+    assert first[1] == ("layout: 1 ranks, TP 1 x CP 1 x PP 1 x DP 1; global batch 4 = micro-batch 2 x 2 "
                         "accumulation x DP 1, of 32 tokens")
-    assert first[1].startswith("data: train ") and "documents 0.." in first[1] and "; validation " in first[1]
+    assert first[2].startswith("data: train ") and "documents 0.." in first[2] and "; validation " in first[2]
     out = os.path.join(str(tmp_path), "run")
     assert [line for line in first if line.startswith("saved")] == [
         f"saved {out}/iter_0000001 (step 1)", f"saved {out}/iter_0000002 (step 2)"]
@@ -208,8 +210,9 @@ def test_batches_are_moved_to_the_engine_device(tmp_path):
     cfg["megatron"]["train"]["eval_interval"] = 3
     (losses, val), lazy_batches = run_on_ranks(2, _train_with_batches_on_another_device, cfg)[0]
     ref_losses, ref_val = run_on_ranks(2, _train, _config(str(tmp_path / "ref"), tp=2, mbs=2, steps=3))[0]
-    # 3 steps x 2 micro-batches, and 2 evaluations x 2 eval micro-batches: every batch came from the lazy loader.
-    assert lazy_batches == 3 * 2 + 2 * 2
+    # 3 steps x 2 micro-batches, and 2 evaluations of eval_iters 2 global batches (2 x 2 micro-batches each):
+    # every batch came from the lazy loader.
+    assert lazy_batches == 3 * 2 + 2 * 2 * 2
     assert losses == ref_losses and val == ref_val
 
 
