@@ -78,9 +78,10 @@ def train_float64(cfg, dtype=torch.float64,
     model.to(dtype)
     optimizer = torch.optim.AdamW(get_param_groups(model), lr=tcfg.lr, betas=(tcfg.adam_beta1, tcfg.adam_beta2),
                                   eps=tcfg.adam_eps, weight_decay=tcfg.weight_decay)
-    scheduler = build_lr_scheduler(optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters, tcfg.train_iters,
-                                   tcfg.lr_decay_style)
-    train_ds, valid_ds = build_datasets(job, mbs * gas, mbs)  # the job's datasets (one rank)
+    scheduler = build_lr_scheduler(optimizer, tcfg.lr, tcfg.min_lr, tcfg.lr_warmup_iters,
+                                   tcfg.lr_decay_iters or tcfg.train_iters, tcfg.lr_decay_style)
+    # The job's datasets (one rank: the global batch is mbs x gas, and eval_iters counts global batches).
+    train_ds, valid_ds = build_datasets(job, mbs * gas, mbs * gas)
     batches = iter(build_data_loader(train_ds, mbs // split, 0, 1, 0, job.data.num_workers,
                                      job.data.dataloader_type, tcfg.seed))
 
