@@ -150,6 +150,12 @@ class MegatronConfig:
                               "several documents per row, whose attention runs one kernel per document with boundaries "
                               "read on the host, which a captured graph cannot replay; set cuda_graph.impl \"none\"")
         _check_expert_bias(model, precision, nested["cuda_graph"])
+        if not precision.owns_optimizer:
+            notice = check_deepspeed_optimizer(
+                precision, deepspeed_section(ds_config, "zero_optimization").get("stage", 0),
+                parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                bool(model is not None and model.num_experts) or parallel.expert_model_parallel_size > 1)
+            notices += [notice] if notice else []
         _check_ckpt_format(nested["train"], precision)
         train_keys = tuple(section.get("train", {})) if isinstance(section.get("train"), dict) else ()
         return cls(parallel=parallel, ddp=ddp, precision=precision, model=model, notices=notices,
@@ -217,6 +223,40 @@ def _check_expert_bias(model: Optional[GPTConfig], precision: PrecisionConfig, c
                           "checked under graph replay; turn cuda_graph off or the expert bias off")
 
 
+def check_deepspeed_optimizer(precision: PrecisionConfig, zero_stage, tp: int, pp: int,
+                              has_experts: bool) -> Optional[str]:
+    """What DeepSpeed's own optimizers (``optimizer_impl "deepspeed"``) get wrong with Megatron's layouts: refused,
+    or, where only a reported figure is wrong, the notice to log (else None).
+
+    * fp16 / bf16 without ZeRO: DeepSpeed wraps the optimizer in its 16-bit optimizer without ZeRO
+      (``FP16_UnfusedOptimizer`` for any optimizer but its ``FusedAdam``: bf16 always on a CPU, and the job's
+      torch AdamW on a GPU; with a ``PipelineModule`` bf16 gets its ``BF16_Optimizer`` instead).  It takes the
+      gradient norm, which clipping divides by and the job reports, through ``get_weight_norm`` handed the
+      gradients rather than the parameters: their tensor-parallel marks are missing, so every TP rank but the
+      first counts nothing (measured at TP 2: 3.14 where the norm is 3.26), and expert gradients are left out.
+      With ``gradient_clipping`` 0 the training is right (the step it takes at construction is undone by
+      ``ds_megatron.initialize``) and only the reported norm is off.
+    * ZeRO 3 with MoE experts: DeepSpeed supports MoE at ZeRO stages 1 and 2 only (stage 3 would partition each
+      expert over the dense data-parallel group, whose ranks hold other experts).
+    """
+    if zero_stage == 3 and has_experts:
+        raise ConfigError(f"zero_optimization.stage=3 with MoE experts on {SECTION}.optimizer_impl \"deepspeed\": "
+                          "DeepSpeed's ZeRO supports MoE at stages 1 and 2 only; set the stage to 1 or 2, or "
+                          f"optimizer_impl \"megatron\" with {SECTION}.use_distributed_optimizer")
+    sixteen_bit = precision.params_dtype == "fp16" or (precision.params_dtype == "bf16" and pp == 1)
+    if zero_stage not in (0, False, None) or not sixteen_bit or not (tp > 1 or has_experts):
+        return None
+    split = f"{SECTION}.tensor_model_parallel_size={tp}" if tp > 1 else "MoE experts"
+    what = (f"{precision.params_dtype}.enabled with zero_optimization.stage 0 and {split} on {SECTION}.optimizer_impl "
+            "\"deepspeed\": DeepSpeed's 16-bit optimizer without ZeRO takes the gradient norm")
+    if precision.clip_grad > 0:
+        raise ConfigError(f"{what} that gradient_clipping={precision.clip_grad:g} divides by from tensor-parallel "
+                          "rank 0 alone and leaves the experts out; set zero_optimization.stage to 1, "
+                          "gradient_clipping to 0, or optimizer_impl \"megatron\"")
+    return f"{what} it reports from tensor-parallel rank 0 alone, without the experts (clipping is off: training is " \
+           "not affected)"
+
+
 def _check_ckpt_format(train: TrainConfig, precision: PrecisionConfig) -> None:
     """The layout-independent checkpoint reads our optimizers' state: the default where they are."""
     if train.ckpt_format is None:
@@ -234,5 +274,5 @@ def split_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Tuple[Dict[
     return ds_config, MegatronConfig.from_section(ds_config.pop(SECTION, None), ds_config)
 
 
-__all__ = ["MegatronConfig", "split_config"]
+__all__ = ["MegatronConfig", "check_deepspeed_optimizer", "split_config"]
 

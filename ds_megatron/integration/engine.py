@@ -37,11 +37,20 @@ result when the model does not take part in them:
 
 Both raise a ``ConfigError`` naming the setting and the fix, before the engine exists.  So do,
 on DeepSpeed's optimizer path, a layout of our MoE layers that DeepSpeed's MoE checkpoint cannot
-save, and an ``lr_scheduler=`` given together with a ``"scheduler"`` section.
+save, what DeepSpeed's optimizers get wrong with a user's MoE model (``config.megatron.check_deepspeed_optimizer``,
+which the config already applied to our GPT), and an ``lr_scheduler=`` given together with a ``"scheduler"``
+section.
+
+On DeepSpeed's optimizer path three more things make its optimizers right with our layouts: ZeRO 1/2 get our
+experts in DeepSpeed's MoE param groups and know our MoE layers when they are built
+(``integration.moe.zero_expert_param_groups``, ``seams.engines_built_with_moe``); its fp32 clipping without ZeRO
+divides by Megatron's true global norm (``clip_fp32_by_the_global_norm``); and the step its 16-bit optimizer
+without ZeRO takes at construction is undone (``seams.undo_construction_step``).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import logging
@@ -53,17 +62,20 @@ import torch
 import torch.distributed as dist
 
 from ..config import MegatronConfig, split_config, world_size_from_env
+from ..config.megatron import check_deepspeed_optimizer
 from ..config.pipeline import pipeline_schedule, virtual_pipeline_size
 from ..distributed import DistributedDataParallel, finalize_model_grads
 from ..errors import ConfigError
 from ..models.gpt_chunks import GPTModelChunks
+from ..optimizer import clip_grad_by_total_norm_fp32
+from ..optimizer.clip_grads import get_grad_norm_with_experts
 from ..parallel_state import ParallelState
 from ..tensor_parallel.params import is_expert_param
 from ..utils.collectives import record
 from .cuda_graphs import CudaGraphEngineHook, PipelineRuntimeCudaGraphs, attach_cuda_graphs
 from .gradients import MegatronDDPInEngine, complete_tp_partial_grads_in_backward
 from .moe import (check_deepspeed_moe_checkpoint_layout, hand_expert_groups_to_deepspeed, mark_engine_has_our_moe,
-                  moe_layers, prepare_deepspeed_moe)
+                  moe_layers, our_num_experts, prepare_deepspeed_moe, zero_expert_param_groups)
 from .mpu import MegatronMPU
 from .optimizer import prepare_optimizer_path
 from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, destroy_pipeline_module_groups,
@@ -71,7 +83,8 @@ from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, de
                        set_routing_loss_scale)
 from .pipeline_runtime import PipelineRuntime, attach_pipeline_runtime
 from .runtime import adopt_existing_process_group, init_distributed_from_env
-from .seams import count_pipeline_sends, install_rng_tracker, report_precision
+from .seams import (count_pipeline_sends, engines_built_with_moe, install_rng_tracker, report_precision,
+                    set_fp32_clipping, undo_construction_step)
 
 ConfigLike = Union[str, Dict[str, Any]]
 logger = logging.getLogger("ds_megatron")
@@ -231,17 +244,31 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     has_moe = model is not None and (bool(model.config.num_experts)
                                      if isinstance(model, (GPTPipelineModule, GPTModelChunks))
                                      else bool(moe_layers(model)))
+    moe_on_deepspeed_path = has_moe and not mcfg.precision.owns_optimizer
+    if mcfg.section_given and not mcfg.precision.owns_optimizer:  # a user's model: its experts are known now
+        notice = check_deepspeed_optimizer(mcfg.precision, mcfg.deepspeed_batch.zero_stage, layout.tp, layout.pp,
+                                           has_moe)
+        if notice and notice not in mcfg.notices:
+            mcfg.notices.append(notice)
     if has_moe:
-        if not mcfg.precision.owns_optimizer:
+        if moe_on_deepspeed_path:
             check_deepspeed_moe_checkpoint_layout(parallel_state)
         # DeepSpeed's own expert groups need EP to divide DP (folding breaks that): hand it ours.
         hand_expert_groups_to_deepspeed(parallel_state)
+    building = contextlib.nullcontext()
+    if moe_on_deepspeed_path and moe_layers(model) and mcfg.deepspeed_batch.zero_stage in (1, 2):
+        # ZeRO partitions this rank's experts over their own groups, which it must know of when it is built
+        opt_path.optimizer, opt_path.model_parameters, lr_scheduler = zero_expert_param_groups(
+            model, opt_path.optimizer, opt_path.model_parameters, lr_scheduler)
+        building = engines_built_with_moe(our_num_experts(model))
 
     # A PipelineModule brings DeepSpeed its grid (our groups, check_topology_matches); DeepSpeed refuses an mpu then.
-    engine, opt, loader, sched = deepspeed.initialize(
-        args=args, model=model, optimizer=opt_path.optimizer, model_parameters=opt_path.model_parameters,
-        training_data=training_data, lr_scheduler=lr_scheduler, mpu=None if pipeline else our_mpu,
-        dist_init_required=dist_init_required, collate_fn=collate_fn, config=opt_path.ds_config, **deepspeed_kwargs)
+    with building:
+        engine, opt, loader, sched = deepspeed.initialize(
+            args=args, model=model, optimizer=opt_path.optimizer, model_parameters=opt_path.model_parameters,
+            training_data=training_data, lr_scheduler=lr_scheduler, mpu=None if pipeline else our_mpu,
+            dist_init_required=dist_init_required, collate_fn=collate_fn, config=opt_path.ds_config,
+            **deepspeed_kwargs)
     if isinstance(model, (GPTPipelineModule, GPTModelChunks)) and layout.pp > 1:
         set_routing_loss_scale(model, opt_path.optimizer, engine.gradient_accumulation_steps())
     context = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu, ddp=opt_path.ddp, has_moe=has_moe,
@@ -258,8 +285,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         context.ddp_in_engine = MegatronDDPInEngine(engine, opt_path.ddp)
     elif model is not None:  # DeepSpeed reduces over data parallel; TP-partial grads are completed in backward
         complete_tp_partial_grads_in_backward(model, parallel_state)
-    if has_moe and not mcfg.precision.owns_optimizer:  # DeepSpeed reduces and checkpoints the experts: its path only
+        if mcfg.section_given and not pipeline:
+            clip_fp32_by_the_global_norm(engine, model, parallel_state)
+    if moe_on_deepspeed_path:  # DeepSpeed reduces and checkpoints the experts: its path only
         mark_engine_has_our_moe(engine)
+    if mcfg.section_given and not mcfg.precision.owns_optimizer:
+        undo_construction_step(engine)  # its 16-bit optimizer without ZeRO then takes Adam's first step as the first
     if mcfg.precision.owns_optimizer and model is not None:
         report_precision(engine, mcfg.precision)  # engine.bfloat16_enabled(), gradient_clipping(), ... tell the truth
     if dist.get_rank() == 0:
@@ -268,6 +299,25 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if mcfg.cuda_graph.enabled:  # capture after warmup_steps, then replay; without CUDA: one log line
         context.cuda_graphs = attach_cuda_graphs(engine, mcfg.cuda_graph)
     return engine, opt, loader, sched
+
+
+def clip_fp32_by_the_global_norm(engine, model: torch.nn.Module, state: ParallelState) -> None:
+    """DeepSpeed's fp32 clipping (no fp16, bf16 or ZeRO) by Megatron's true global norm.
+
+    DeepSpeed's ``clip_grad_norm_`` sums squares over the mpu's model-parallel group and then averages the
+    norm over data parallel: experts spread over data-parallel ranks (EP folding) give every rank another
+    norm (measured at TP 2 x EP 2: 1.1055 where the global norm is 1.1142), and the TP copies of a KV head
+    count twice.  Dense params are counted once over tp-pp, experts once over etp-ep-pp.
+    """
+    if engine.fp16_enabled() or engine.bfloat16_enabled() or engine.zero_optimization() \
+            or engine.gradient_clipping() <= 0:
+        return
+    params, max_norm = [p for p in model.parameters() if p.requires_grad], engine.gradient_clipping()
+
+    def clip() -> None:
+        norm = get_grad_norm_with_experts(params, state.tp.rank, state.mp, state.expert_mp)
+        clip_grad_by_total_norm_fp32(params, max_norm, norm)
+    set_fp32_clipping(engine, clip)
 
 
 def check_model_uses_layout(model: Optional[torch.nn.Module], state: ParallelState) -> None:

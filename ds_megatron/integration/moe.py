@@ -30,6 +30,18 @@ there) are built before.  So on our path ``prepare_deepspeed_moe``:
   group (the optimizer sums the experts' share of the global grad norm, and agrees on inf/nan,
   over it).
 
+**ZeRO 1/2 on DeepSpeed's path** partition each optimizer param group over one group of ranks: experts
+(distinct on every expert-parallel rank) over their expert-data-parallel group, so they must sit in param
+groups of their own, marked ``{"moe": True, "name": <group_name>}`` (DeepSpeed's convention, which its
+``split_params_into_different_moe_groups_for_optimizer`` follows), and the engine must know the model has
+MoE layers while it builds ZeRO (``seams.engines_built_with_moe``).  ``zero_expert_param_groups`` splits the
+groups it is given: the model's params, the ``model_parameters`` groups, or a client torch optimizer's own
+groups (before its first step).  A client optimizer's new groups come after its old ones; a torch LR
+scheduler built on it drives the groups it saw at construction, by index, so ``ExpertGroupsFollowScheduler``
+steps it over those and then copies every setting but the params from each split-off group's source group.
+DeepSpeed supports MoE at ZeRO stages 1 and 2 only: stage 3 with experts is refused
+(``config.megatron.check_deepspeed_optimizer``).
+
 What cannot be made right is refused in one line: DeepSpeed's and our MoE layers in one model,
 DeepSpeed layers of different ``ep_size``, and DeepSpeed layers with tensor parallelism (its
 experts are then neither split nor marked, and its legacy groups ignore the TP layout).  Stale
@@ -47,7 +59,7 @@ from ..config.megatron import MegatronConfig
 from ..errors import ConfigError
 from ..moe.moe_layer import BaseMoELayer
 from ..parallel_state import ParallelGroup, ParallelState
-from ..tensor_parallel.params import expert_group_name
+from ..tensor_parallel.params import expert_group_name, is_expert_param
 from .seams import (clear_expert_groups, create_deepspeed_expert_groups, deepspeed_expert_groups,
                     mark_engine_has_moe, register_expert_groups)
 
@@ -62,9 +74,14 @@ def hand_expert_groups_to_deepspeed(parallel_state: ParallelState) -> None:
     register_expert_groups(expert_group_name(parallel_state.ep.size), parallel_state.ep, parallel_state.edp)
 
 
+def our_num_experts(model: torch.nn.Module) -> List[int]:
+    """The expert count of each of our MoE layers in ``model``, as DeepSpeed's engine lists its own."""
+    return [layer.config.num_experts for _, layer in moe_layers(model)]
+
+
 def mark_engine_has_our_moe(engine) -> None:
     """DeepSpeed's MoE switches on the built engine, for our layers (its optimizer path only)."""
-    mark_engine_has_moe(engine, [layer.config.num_experts for _, layer in moe_layers(engine.module)])
+    mark_engine_has_moe(engine, our_num_experts(engine.module))
 
 
 def check_deepspeed_moe_checkpoint_layout(state: ParallelState) -> None:
@@ -93,6 +110,99 @@ def check_deepspeed_moe_checkpoint_layout(state: ParallelState) -> None:
                           f"expert_tensor_parallel_size={layout.etp}): DeepSpeed's MoE checkpoint writes from "
                           "expert-data-parallel rank 0 only, which does not hold every rank's state here; use "
                           "optimizer_impl \"megatron\" (it saves every layout) or other expert sizes")
+
+
+# The key a split-off expert group carries: the index of the param group it was split from.
+SOURCE_GROUP = "ds_megatron_source_group"
+_NOT_COPIED = ("params", "moe", "name", "param_names", SOURCE_GROUP)
+
+
+def split_expert_param_groups(groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``groups`` (changed in place: their expert params taken out), followed by the expert groups: one per
+    source group and expert ``group_name``, with every setting of its source group, ``moe`` True, ``name`` the
+    group name and ``SOURCE_GROUP`` the source's index.  A group of experts only becomes its first expert group
+    itself (DeepSpeed drops empty groups, which would move the indices a scheduler drives)."""
+    split = []
+    for index, group in enumerate(groups):
+        by_name: Dict[str, List[torch.nn.Parameter]] = {}
+        for p in group["params"]:
+            if is_expert_param(p):
+                by_name.setdefault(p.group_name, []).append(p)
+        if not by_name:
+            continue
+        dense = [p for p in group["params"] if not is_expert_param(p)]
+        settings = {k: v for k, v in group.items() if k not in _NOT_COPIED}
+        names = list(by_name)
+        if not dense:
+            name = names.pop(0)
+            group.update(params=by_name[name], moe=True, name=name)
+        else:
+            group["params"] = dense
+        split += [{**settings, "params": by_name[name], "moe": True, "name": name, SOURCE_GROUP: index}
+                  for name in names]
+    return list(groups) + split
+
+
+def follow_source_groups(optimizer) -> None:
+    """Every split-off expert group takes its source group's current settings (lr, weight decay, ...)."""
+    groups = optimizer.param_groups
+    for group in groups:
+        if SOURCE_GROUP in group:
+            group.update({k: v for k, v in groups[group[SOURCE_GROUP]].items() if k not in _NOT_COPIED})
+
+
+class ExpertGroupsFollowScheduler:
+    """A client LR scheduler whose optimizer's expert groups were split off after it was built.  It steps over
+    the groups it was built with (``optimizer.param_groups`` is narrowed to them for the call, as ZeRO narrows
+    it for each group's step: torch's schedulers drive their groups by index, strictly), then the expert groups
+    follow their source groups; after a state load too.  Everything else is the scheduler's own."""
+
+    def __init__(self, scheduler, optimizer):
+        self.scheduler, self.optimizer = scheduler, optimizer
+
+    def step(self, *args, **kwargs):
+        groups = self.optimizer.param_groups
+        self.optimizer.param_groups = [g for g in groups if SOURCE_GROUP not in g]
+        try:
+            result = self.scheduler.step(*args, **kwargs)
+        finally:
+            self.optimizer.param_groups = groups
+        follow_source_groups(self.optimizer)
+        return result
+
+    def load_state_dict(self, state_dict) -> None:
+        self.scheduler.load_state_dict(state_dict)
+        follow_source_groups(self.optimizer)
+
+    def state_dict(self):
+        return self.scheduler.state_dict()
+
+    def __getattr__(self, name):  # only for names not found on the instance
+        if name == "scheduler":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+
+def zero_expert_param_groups(model: torch.nn.Module, optimizer, model_parameters, lr_scheduler):
+    """``(optimizer, model_parameters, lr_scheduler)`` for ``deepspeed.initialize`` with ZeRO 1/2 and our MoE
+    layers: the expert params in DeepSpeed's MoE param groups (see the module docstring).  A torch optimizer's
+    own groups are split; otherwise (DeepSpeed builds the optimizer from its section, or ``optimizer=`` is a
+    callable it calls) the ``model_parameters`` it is built over."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if any(g.get("moe") for g in optimizer.param_groups):
+            return optimizer, model_parameters, lr_scheduler  # the caller made DeepSpeed's MoE groups already
+        if optimizer.state:
+            raise ConfigError("ZeRO with MoE layers needs the expert params in param groups of their own, and "
+                              "optimizer= has taken steps already; pass an optimizer that has not stepped")
+        optimizer.param_groups[:] = split_expert_param_groups(optimizer.param_groups)
+        if lr_scheduler is not None and not callable(lr_scheduler):
+            lr_scheduler = ExpertGroupsFollowScheduler(lr_scheduler, optimizer)
+        return optimizer, model_parameters, lr_scheduler
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    if not any(g.get("moe") for g in groups):
+        groups = split_expert_param_groups([dict(g, params=list(g["params"])) for g in groups])
+    return optimizer, groups, lr_scheduler
 
 
 def deepspeed_moe_layers(module: torch.nn.Module) -> List[Tuple[str, DeepSpeedMoE]]:
@@ -151,5 +261,7 @@ def prepare_deepspeed_moe(model: Optional[torch.nn.Module], state: ParallelState
     return ParallelState(state.layout, {**state.groups, **expert_groups}, state.all_ranks, [], state.world)
 
 
-__all__ = ["check_deepspeed_moe_checkpoint_layout", "deepspeed_moe_layers",
-           "hand_expert_groups_to_deepspeed", "mark_engine_has_our_moe", "moe_layers", "prepare_deepspeed_moe"]
+__all__ = ["ExpertGroupsFollowScheduler", "SOURCE_GROUP", "check_deepspeed_moe_checkpoint_layout",
+           "deepspeed_moe_layers", "follow_source_groups", "hand_expert_groups_to_deepspeed",
+           "mark_engine_has_our_moe", "moe_layers", "our_num_experts", "prepare_deepspeed_moe",
+           "split_expert_param_groups", "zero_expert_param_groups"]

@@ -12,17 +12,20 @@ one test, naming it.  The DeepSpeed version is checked here, once, at import.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import deepspeed
 import deepspeed.ops
 import torch
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.pipe import PipelineModule, p2p
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import groups as ds_groups
@@ -111,7 +114,27 @@ def report_precision(engine, precision: PrecisionConfig) -> None:
     config.bfloat16_config.enabled = precision.params_dtype == "bf16"
     config.gradient_clipping = precision.clip_grad
     if precision.params_dtype == "fp32" and precision.clip_grad > 0:
-        engine.clip_fp32_gradients = _our_optimizer_clips
+        set_fp32_clipping(engine, _our_optimizer_clips)
+
+
+def set_fp32_clipping(engine, clip: Callable[[], None]) -> None:
+    """``clip()`` in place of ``engine.clip_fp32_gradients``, which ``_take_model_step`` calls before the optimizer
+    step when fp16, bf16 and ZeRO are off and ``gradient_clipping`` > 0 (replaced on the instance)."""
+    engine.clip_fp32_gradients = clip
+
+
+def undo_construction_step(engine) -> bool:
+    """Undo the optimizer step DeepSpeed's 16-bit optimizers without ZeRO (``FP16_Optimizer``,
+    ``FP16_UnfusedOptimizer``) take at construction (``initialize_optimizer_states``: a step with zero gradients,
+    which Adam counts, so its first update comes out 0.74x with Adam's betas (bias correction of step 2), and
+    which decays the fp32 weights once).  The inner optimizer's state is emptied (it is made at the next step,
+    as for a fresh optimizer) and the fp32 weights are copied again from the 16-bit ones they were made from.
+    True when the engine's optimizer is one of them."""
+    if not isinstance(engine.optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        return False
+    engine.basic_optimizer.state.clear()
+    engine.optimizer.refresh_fp32_params()
+    return True
 
 
 # -- the step counters a checkpoint carries ----------------------------------------------------------------------
@@ -181,6 +204,29 @@ def mark_engine_has_moe(engine, num_experts: List[int]) -> None:
     engine.num_experts = list(num_experts)
     engine.expert_parallel_group = ds_groups._get_expert_parallel_group_dict()
     engine.expert_data_parallel_group = ds_groups._get_expert_data_parallel_group_dict()
+
+
+@contextlib.contextmanager
+def engines_built_with_moe(num_experts: List[int]) -> Iterator[None]:
+    """Inside the block, a ``DeepSpeedEngine`` under construction knows our MoE layers before it builds its
+    optimizer: ``mark_engine_has_moe`` runs at the start of ``_configure_optimizer``.
+
+    The engine finds MoE layers by ``isinstance(module, deepspeed.moe.layer.MoE)`` in
+    ``_configure_distributed_model``, which ours are not, and hands ZeRO 1/2 ``has_moe_layers`` and the expert
+    groups when it builds them (``_configure_zero_optimizer``): too early for ``mark_engine_has_moe`` on the built
+    engine, so ZeRO would partition the expert groups over the dense data-parallel group and fail on their first
+    reduction.  The class method is wrapped for the block only (``deepspeed.initialize``)."""
+    original = DeepSpeedEngine.__dict__["_configure_optimizer"]
+
+    def configure_optimizer(self, client_optimizer, model_parameters):
+        mark_engine_has_moe(self, num_experts)
+        return original(self, client_optimizer, model_parameters)
+
+    DeepSpeedEngine._configure_optimizer = configure_optimizer
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._configure_optimizer = original
 
 
 def expert_checkpoint_name(save_dir: str, tag: str, layer_id: int, expert_id: int, etp_rank: int) -> str:
@@ -385,6 +431,24 @@ def _expert_tables() -> Optional[str]:
     return None
 
 
+def _construction_step() -> Optional[str]:
+    for cls in (FP16_Optimizer, FP16_UnfusedOptimizer):
+        problem = (_reads(cls, "__init__", "self.initialize_optimizer_states()")()
+                   or _reads(cls, "initialize_optimizer_states", "self.optimizer.step()")()
+                   or _has(cls, "refresh_fp32_params", params=("self",))())
+        if problem:
+            return problem
+    return _reads(DeepSpeedEngine, "_configure_optimizer", "self.basic_optimizer = basic_optimizer")()
+
+
+def _configure_optimizer_order() -> Optional[str]:
+    source = _source(DeepSpeedEngine.__init__)
+    model, optimizer = source.find("self._configure_distributed_model("), source.find("self._configure_optimizer(")
+    if model < 0 or optimizer < model:
+        return "DeepSpeedEngine.__init__ no longer calls _configure_optimizer after _configure_distributed_model"
+    return None
+
+
 SEAMS: List[Seam] = [
     Seam("engine.enable_backward_allreduce, pipeline_enable_backward_allreduce: DeepSpeed's own reduction switch",
          "set_deepspeed_reduces_gradients (integration.gradients)",
@@ -406,9 +470,12 @@ SEAMS: List[Seam] = [
                   or _reads(DeepSpeedEngine, "bfloat16_enabled", "bfloat16_config")()
                   or _reads(DeepSpeedEngine, "gradient_clipping", "gradient_clipping")())),
     Seam("engine.clip_fp32_gradients, called by _take_model_step on the fp32 path with clipping",
-         "report_precision (replaces it on the instance)",
+         "set_fp32_clipping (report_precision; integration.engine on DeepSpeed's path), on the instance",
          lambda: (_has(DeepSpeedEngine, "clip_fp32_gradients", params=("self",))()
                   or _reads(DeepSpeedEngine, "_take_model_step", "self.clip_fp32_gradients()")())),
+    Seam("FP16_Optimizer / FP16_UnfusedOptimizer step their optimizer at construction "
+         "(initialize_optimizer_states), engine.basic_optimizer, refresh_fp32_params()",
+         "undo_construction_step (integration.engine)", _construction_step),
     Seam("optimizer.overflow and optimizer._global_grad_norm, read after the client optimizer's step",
          "optimizer.megatron_optimizer (our optimizers set them)",
          _reads(DeepSpeedEngine, "_take_model_step", "self.optimizer.overflow", "self.optimizer._global_grad_norm")),
@@ -429,6 +496,14 @@ SEAMS: List[Seam] = [
          "mark_engine_has_moe (integration.moe)",
          lambda: (_sets_in_init(DeepSpeedEngine, "has_moe_layers", "num_experts")()
                   or _reads(DeepSpeedEngine, "_reduce_expert_gradients", "expert_data_parallel_group")())),
+    Seam("DeepSpeedEngine._configure_optimizer(client_optimizer, model_parameters), wrapped while an engine is "
+         "built; __init__ calls it after _configure_distributed_model, and ZeRO 1/2 take has_moe_layers and the "
+         "expert groups from the engine there", "engines_built_with_moe (integration.engine)",
+         lambda: (_has(DeepSpeedEngine, "_configure_optimizer", params=("self", "client_optimizer",
+                                                                         "model_parameters"))()
+                  or _configure_optimizer_order()
+                  or _reads(DeepSpeedEngine, "_configure_zero_optimizer", "has_moe_layers=self.has_moe_layers",
+                            "self.expert_data_parallel_group if self.has_moe_layers")())),
     Seam("DeepSpeedEngine._get_expert_ckpt_name and its file name", "expert_checkpoint_name "
          "(checkpointing.deepspeed_format), checkpointing.export_fp32", _expert_file_name),
     Seam("runtime.activation_checkpointing.checkpointing._CUDA_RNG_STATE_TRACKER", "install_rng_tracker "
@@ -474,7 +549,8 @@ def check_seams() -> List[str]:
 
 __all__ = ["ENGINE_COUNTERS", "PIPELINE_MODULE_OVERRIDES", "SEAMS", "Seam", "check_deepspeed_version", "check_seams",
            "clear_expert_groups", "count_pipeline_sends", "create_deepspeed_expert_groups", "deepspeed_expert_groups",
-           "engine_counters", "expert_checkpoint_name", "inside_no_sync", "install_rng_tracker", "mark_engine_has_moe",
-           "pipeline_layer_state_dicts", "pipeline_micro_batches", "register_expert_groups", "release_pipeline_module_groups",
-           "report_precision", "set_deepspeed_reduces_gradients", "set_engine_counters", "set_pipeline_parts",
-           "skip_shm_comm_build", "tied_weights"]
+           "engine_counters", "engines_built_with_moe", "expert_checkpoint_name", "inside_no_sync",
+           "install_rng_tracker", "mark_engine_has_moe", "pipeline_layer_state_dicts", "pipeline_micro_batches",
+           "register_expert_groups", "release_pipeline_module_groups", "report_precision",
+           "set_deepspeed_reduces_gradients", "set_engine_counters", "set_fp32_clipping", "set_pipeline_parts",
+           "skip_shm_comm_build", "tied_weights", "undo_construction_step"]

@@ -58,6 +58,24 @@ peak of their sum is planned.
 MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
 split over ETP (no biases), plus a replicated router and, if configured, a
 TP-split shared-expert MLP.
+
+DeepSpeed's optimizer path (``optimizer_impl "deepspeed"``, ``ZeroPlan``) holds what DeepSpeed allocates
+(0.19.8, measured tensor by tensor: ``tests/optimizer/test_planning_zero.py``), with ``own`` the parameters
+whose partition a rank keeps (``ceil(dense / DP) + ceil(experts / EDP)``) and a reduction bucket of
+``zero_optimization.reduce_bucket_size`` elements in the params' dtype (default 5e8: 1 GiB in bf16):
+
+* stage 0: the params, their gradients in the params' dtype, with 16-bit params the fp32 copies of both
+  (its 16-bit optimizer without ZeRO) and the optimizer state of every param;
+* stage 1: the params and their whole gradients through the accumulation window, the bucket (two with
+  ``overlap_comm``) while they are reduced into the partition, fp32 copies of the partition (for fp32 params too),
+  its fp32 gradients during the step (one param group's at a time: the dense or the expert partition) and its
+  optimizer state;
+* stage 2: as stage 1, the gradients reduced into the partition during backward (the bucket alive then: it is
+  counted with them), each rank keeping those of every parameter reaching into its partition (up to the
+  largest parameter more than ``own``, not counted);
+* stage 3: the params' partitions too (parameters under ``stage3_param_persistence_threshold`` elements stay
+  whole on every rank: not counted; the gathered params of the layer running are transients, not counted),
+  the gradient partitions and one bucket, allocated when the engine is built.
 """
 from __future__ import annotations
 
@@ -358,6 +376,46 @@ def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str
 
 
 @dataclass(frozen=True)
+class ZeroPlan:
+    """DeepSpeed's optimizer path: its ZeRO stage and the ``zero_optimization`` keys that size its buffers."""
+
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000  # DeepSpeed's defaults (runtime/zero/config.py)
+    overlap_comm: Optional[bool] = None  # None: DeepSpeed's default, on at stage 3 only
+    contiguous_gradients: bool = True
+
+    @classmethod
+    def from_section(cls, zero) -> "ZeroPlan":
+        return cls(stage=int(zero.get("stage", 0) or 0),
+                   reduce_bucket_size=int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)),
+                   overlap_comm=zero.get("overlap_comm"),
+                   contiguous_gradients=bool(zero.get("contiguous_gradients", True)))
+
+    def bucket_elements(self) -> int:
+        """The reduction bucket's elements (stages 1 to 3): two buckets with ``overlap_comm`` at stages 1 and 2."""
+        if self.stage == 0 or not self.contiguous_gradients and self.stage < 3:
+            return 0
+        return self.reduce_bucket_size * (2 if self.stage < 3 and self.overlap_comm else 1)
+
+
+def zero_state_bytes(zero: ZeroPlan, params: int, dense_owned: int, expert_owned: int, params_dtype: str,
+                     state_bytes_per_param: int):
+    """``(model params, grads, fp32 main params, fp32 main grads, optimizer states)`` on a rank of DeepSpeed's
+    optimizer path holding ``params`` parameters and the partitions of ``dense_owned`` dense and ``expert_owned``
+    expert ones (see the module docstring).  ZeRO makes the fp32 gradients of one param group at a time, for its
+    step: the larger of the dense and expert partitions is planned (its biases and norms, a group of their own,
+    counted with it)."""
+    low, mixed = BYTES[params_dtype], params_dtype != "fp32"
+    if zero.stage == 0:
+        return (params * low, params * low, 4 * params if mixed else 0, 4 * params if mixed else 0,
+                params * state_bytes_per_param)
+    owned = dense_owned + expert_owned
+    grads = (params if zero.stage == 1 else owned) * low + zero.bucket_elements() * low
+    return (owned * low if zero.stage == 3 else params * low, grads, 4 * owned, 4 * max(dense_owned, expert_owned),
+            owned * state_bytes_per_param)
+
+
+@dataclass(frozen=True)
 class RankMemory:
     """The memory plan of the ranks that share one role."""
 
@@ -388,7 +446,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
                 first: Optional[int] = None, last: Optional[int] = None, schedule: str = "1f1b",
                 num_model_chunks: int = 1, group_size: Optional[int] = None,
                 deepspeed_engine: bool = False, grad_reduce_in_fp32: Optional[bool] = None,
-                hierarchical_inner: Optional[int] = None) -> List[RankMemory]:
+                hierarchical_inner: Optional[int] = None, zero: Optional[ZeroPlan] = None) -> List[RankMemory]:
     """One ``RankMemory`` per (pipeline stage, TP rank index): the ranks holding the same shards.
 
     ``distributed_optimizer``: fp32 main params, main grads and optimizer states
@@ -409,7 +467,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     take 2 + 4 + 4 + 8 = 18 bytes per parameter, and 2 + 4 + 12 / DP with the distributed optimizer
     (megatron-core's table).  ``deepspeed_engine``: the stage
     runs on DeepSpeed's ``PipelineEngine`` (a ``GPTPipelineModule``: no chunk output kept beside the
-    activations, no receive posted ahead) instead of our runtime.
+    activations, no receive posted ahead) instead of our runtime.  ``zero``: DeepSpeed's optimizer path holds the
+    params, gradients, fp32 copies and optimizer states as its ZeRO stage allocates them (``zero_state_bytes``).
     """
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
@@ -426,8 +485,9 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
                                   last_stage=stage == pp - 1)
         n = counts.total
         # Parameters whose fp32 copies and optimizer state this rank keeps.
-        owned = (-(-(counts.sharded + counts.replicated) // layout.dp) + -(-counts.expert // layout.edp)
-                 if distributed_optimizer else n)
+        dense_shard = -(-(counts.sharded + counts.replicated) // layout.dp)
+        expert_shard = -(-counts.expert // layout.edp)
+        owned = dense_shard + expert_shard if distributed_optimizer else n
         # Each chunk's kept set for every micro-batch in flight; the transients of one backward (the head's, a
         # layer's, the cores') once, at the largest chunk's.
         chunk_args = [dict(logits=stage == pp - 1 and c == v - 1, cp=layout.cp, layers=chunk, etp=layout.etp,
@@ -452,13 +512,18 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
             ranks = sorted(g[tp_rank] for g in groups["tp"] if g[tp_rank] in
                            {p[stage] for p in groups["pp"]})
             role = f"stage {stage} tp rank {tp_rank}" if pp > 1 else f"tp rank {tp_rank}"
+            state_per_param = optimizer_state_bytes_per_param(optimizer_type, momentum)
+            if zero is not None:
+                columns = zero_state_bytes(zero, n, dense_shard, expert_shard, params_dtype, state_per_param)
+            else:
+                columns = (n * low, n * grad_elem, 4 * owned if mixed else 0,
+                           4 * owned if mixed and grad_elem < 4 else 0, owned * state_per_param)
             plans.append(RankMemory(
                 role=role, ranks=ranks, params=n, params_sharded=counts.sharded,
-                params_replicated=counts.replicated, params_expert=counts.expert, model_param_bytes=n * low,
-                grad_bytes=n * grad_elem, main_param_bytes=4 * owned if mixed else 0,
-                main_grad_bytes=4 * owned if mixed and grad_elem < 4 else 0,
-                optimizer_state_bytes=owned * optimizer_state_bytes_per_param(optimizer_type, momentum),
-                activation_bytes=activations, in_flight_micro_batches=in_flight, layers=list(layers)))
+                params_replicated=counts.replicated, params_expert=counts.expert, model_param_bytes=columns[0],
+                grad_bytes=columns[1], main_param_bytes=columns[2], main_grad_bytes=columns[3],
+                optimizer_state_bytes=columns[4], activation_bytes=activations, in_flight_micro_batches=in_flight,
+                layers=list(layers)))
     return plans
 
 

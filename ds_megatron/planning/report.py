@@ -13,7 +13,7 @@ from ..config.job import parse_job_config
 from ..config.pipeline import pipeline_runtime, pipeline_schedule, virtual_pipeline_size
 from ..errors import ConfigError
 from .comm_volume import format_comm_volume, plan_comm_volume
-from .memory import format_plan, plan_memory
+from .memory import ZeroPlan, format_plan, plan_memory
 
 
 def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None):
@@ -35,12 +35,13 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
     schedule = pipeline_schedule(parallel) if layout.pp > 1 else "1f1b"
     deepspeed_engine = layout.pp > 1 and pipeline_runtime(parallel, precision.optimizer_impl) == "deepspeed"
     vpp = virtual_pipeline_size(parallel, job.model.num_layers, layout.pp)
+    zero = None if precision.owns_optimizer else ZeroPlan.from_section(job.ds_config.get("zero_optimization", {}))
     plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb, distributed,
                         micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage,
                         **uneven, schedule=schedule, num_model_chunks=vpp,
                         group_size=parallel.microbatch_group_size_per_vp_stage, deepspeed_engine=deepspeed_engine,
                         grad_reduce_in_fp32=job.megatron.ddp.grad_dtype_is_fp32(precision.params_dtype != "fp32"),
-                        hierarchical_inner=(parallel.hierarchical_context_parallel_sizes or [None])[0])
+                        hierarchical_inner=(parallel.hierarchical_context_parallel_sizes or [None])[0], zero=zero)
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
     chunks = f", {vpp} chunks per rank" if vpp > 1 else ""
     chunks += " on DeepSpeed's PipelineEngine" if deepspeed_engine else ""
@@ -58,9 +59,8 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
         # peak on the last stage and with 2 chunks (within 10% without pipeline parallelism); cause not found yet
         header += ("\nactivations: selective recomputation / MLP tiles with pipeline parallelism were measured up to "
                    "15% above this plan (last stage, chunks): leave that headroom")
-    if not precision.owns_optimizer:
-        header += ("\ngradients, fp32 copies and optimizer states: not planned on DeepSpeed's optimizer path (DeepSpeed "
-                   "allocates its own); the columns below are what ds_megatron's path would hold")
+    if zero is not None:
+        header += f"\n{zero_note(zero, precision.params_dtype)}"
     if not precision.owns_optimizer:
         comm = "bytes on the wire: not planned on DeepSpeed's optimizer path (DeepSpeed reduces the gradients)"
     else:
@@ -72,6 +72,21 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
         except ConfigError as e:
             comm = f"bytes on the wire: not planned ({e})"
     return header, plans, comm
+
+
+def zero_note(zero: ZeroPlan, params_dtype: str) -> str:
+    """What the plan's columns hold on DeepSpeed's optimizer path, in one line."""
+    if zero.stage == 0:
+        kept = "fp32 copies of 16-bit params and grads, " if params_dtype != "fp32" else ""
+        return f"DeepSpeed's optimizer without ZeRO: {kept}optimizer states of every param"
+    bucket = zero.bucket_elements()
+    sharded = {1: "", 2: "grads, ", 3: "params, grads, "}[zero.stage]
+    line = (f"ZeRO stage {zero.stage}: {sharded}fp32 copies and optimizer states sharded over DP (experts over "
+            f"EDP); grads include the reduction bucket{'s' if bucket > zero.reduce_bucket_size else ''} "
+            f"(zero_optimization.reduce_bucket_size={zero.reduce_bucket_size:,} elements)")
+    if zero.stage == 3:
+        line += ("; parameters under stage3_param_persistence_threshold stay whole on every rank (not counted)")
+    return line
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -16,7 +16,8 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
-from ..optimizer import MegatronOptimizer, get_grad_norm_fp32, grads_for_norm
+from ..optimizer import MegatronOptimizer
+from ..optimizer.clip_grads import get_grad_norm_with_experts
 from ..parallel_state import ParallelState
 from ..utils.collectives import all_reduce
 
@@ -57,9 +58,10 @@ class MicroBatchStep:
             loss = engine(batch_to_device(next(batches), device))
             engine.backward(loss)
             if micro == self.micro_batches - 1 and self.measures_grad_norm and want_grad_norm:
-                # Grads are DP-reduced now and still unclipped: Megatron's true global norm.
-                out.grad_norm = get_grad_norm_fp32(grads_for_norm(self.model.parameters(), self.state.tp.rank),
-                                                   self.state.mp)
+                # Grads are DP-reduced now and still unclipped: Megatron's true global norm (experts counted once
+                # over their own grid, which folding spreads over data-parallel ranks).
+                out.grad_norm = get_grad_norm_with_experts(list(self.model.parameters()), self.state.tp.rank,
+                                                           self.state.mp, self.state.expert_mp)
             engine.step()
             out.loss += loss.detach().double() / self.micro_batches
             # Keep no reference to this micro-batch's autograd graph: it would hold the parameters'
