@@ -126,9 +126,8 @@ class BlendedDataset(torch.utils.data.Dataset):
     def describe(self) -> str:
         """One line for the job's start: the blend's members and what it draws from each."""
         counts = blend_counts(np.stack([self.dataset_index, self.dataset_sample_index], axis=1), len(self.datasets))
-        members = "; ".join(f"{n:,} from {getattr(d, 'describe', lambda: type(d).__name__)()}"
-                            for d, n in zip(self.datasets, counts))
-        return f"a blend of {len(self.datasets)}, {len(self):,} samples: {members}"
+        members = "; ".join(getattr(d, "describe", lambda n=n: f"{n:,} samples")() for d, n in zip(self.datasets, counts))
+        return f"{len(self):,} samples blended from {len(self.datasets)} datasets: {members}"
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
         return self.datasets[int(self.dataset_index[idx])][int(self.dataset_sample_index[idx])]

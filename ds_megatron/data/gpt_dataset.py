@@ -188,9 +188,9 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def describe(self) -> str:
         """One line for the job's start: the data, its size, this set's samples."""
-        return (f"{self.indexed_dataset.prefix} (documents {self.documents.start}..{self.documents.stop}, "
-                f"{self.tokens_per_epoch:,} tokens, {self.samples_per_epoch:,} samples of {self.seq_length} a pass), "
-                f"{self.num_samples:,} samples")
+        return (f"{self.num_samples:,} samples of {self.seq_length} tokens from {self.indexed_dataset.prefix} "
+                f"(documents {self.documents.start}..{self.documents.stop}: {self.tokens_per_epoch:,} tokens, "
+                f"{self.samples_per_epoch:,} samples a pass)")
 
     def get_sample_tokens(self, sample: int) -> np.ndarray:
         """The ``seq_length + 1`` tokens of sample ``sample`` in stream order (before shuffling)."""

@@ -63,8 +63,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
 
     def describe(self) -> str:
         """One line for the job's start: the data, its size, this set's samples."""
-        return (f"{self.packed.prefix} (packed SFT: rows {self.rows.start}..{self.rows.stop} of "
-                f"{self.seq_length} tokens), {self.num_samples:,} samples")
+        return (f"{self.num_samples:,} samples of {self.seq_length} tokens from {self.packed.prefix} (packed SFT rows "
+                f"{self.rows.start}..{self.rows.stop})")
 
     def row_of_sample(self, idx: int) -> int:
         """The packed row that sample ``idx`` reads."""
