@@ -118,8 +118,10 @@ def test_plan_of_deepspeeds_zero_stages_is_what_the_engine_allocates():
             # The window open: stage 0 and 1 keep every param's gradient whole (stage 1 and its bucket(s)), stage 2
             # the gradients reduced into the partition, each of them whole when it reaches into the partition (up
             # to the largest param more; its bucket lives during backward only), stage 3 nothing new.
-            if stage in (0, 1):
+            if stage in (0, 1) and not overlap:
                 assert got["accumulating"] == plan.grad_bytes, what
+            elif stage == 1:  # overlap_comm: a reduction may still hold a piece of one gradient (seen once: 2 KiB)
+                assert 0 <= got["accumulating"] - plan.grad_bytes <= got["largest"] * low, what
             elif stage == 2:
                 assert 0 <= got["accumulating"] - (plan.grad_bytes - bucket) <= got["largest"] * low, what
             else:
