@@ -44,7 +44,7 @@ from ..transformer import ParallelTransformerLayer
 from ..transformer.context_parallel import zigzag_chunk_indices, zigzag_split
 from ..transformer.layer import set_recompute_method
 from ..transformer.mlp import build_mlp
-from ..transformer.packed_seq_params import PackedSeqParams
+from ..transformer.packed_seq_params import PackedSeqParams, shift_left
 from ..utils.collectives import all_reduce
 from ..transformer.norm import build_norm
 
@@ -332,11 +332,6 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         return self.final_layernorm(self.layer(x, packed_seq_params))
 
 
-def _shift_left(t: torch.Tensor, k: int, fill=0) -> torch.Tensor:
-    """[b, s] shifted k tokens left (position i gets i + k), the last k filled."""
-    return torch.cat((t[:, k:], torch.full_like(t[:, :k], fill)), dim=1)
-
-
 def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor,
                         output_layer: Optional[torch.nn.Module], labels: Optional[torch.Tensor],
                         loss_mask: Optional[torch.Tensor], config: GPTConfig, tp: ParallelGroup,
@@ -392,7 +387,7 @@ def mtp_loss(mtp_layers, word_embeddings, position_embeddings, tokens, labels, l
     if packed is not None:
         mask = packed.loss_mask(mask)
     total = 0.0
-    shift = _shift_left if packed is None else packed.shift_left  # packed: inside each document
+    shift = shift_left if packed is None else packed.shift_left  # packed: inside each document
     for k, module in enumerate(mtp_layers, start=1):
         embedded = embed(word_embeddings, position_embeddings, shift(tokens, k), packed)
         hidden = module(embedded, hidden, packed)

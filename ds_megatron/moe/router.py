@@ -233,9 +233,9 @@ def _whole_sequence(local: torch.Tensor, groups: Sequence[ParallelGroup], grad_s
 
 @dataclass(frozen=True)
 class RoutedTokens:
-    """What a router needs to know of its tokens in a packed micro-batch (``PackedSeqParams.routed_tokens``):
-    ``valid [T]`` (not padding), ``segments [T]`` their documents, ``segment_tokens [D]`` each document's real
-    tokens over the whole micro-batch."""
+    """What a router needs to know of its tokens in a packed micro-batch (``MoELayer.route`` makes it from
+    ``PackedSeqParams.router_tokens``): ``valid [T]`` (not padding), ``segments [T]`` their documents,
+    ``segment_tokens [D]`` each document's real tokens over the whole micro-batch."""
 
     valid: torch.Tensor
     segments: torch.Tensor
@@ -351,7 +351,9 @@ class TopKRouter(torch.nn.Module):
         num_tokens, E, k = logits.size(0), self.num_experts, self.topk
         total_tokens = self._total_tokens(num_tokens)
         valid = None if tokens is None else tokens.valid
-        if valid is not None and (self.z_loss_coeff > 0 or self.aux_loss_coeff > 0) and self.training:
+        # The sequence-wise and the global balancing losses count their tokens themselves.
+        counts_real = self.z_loss_coeff > 0 or (self.aux_loss_coeff > 0 and self.load_balancing_type == "aux_loss")
+        if valid is not None and counts_real and self.training:
             # The whole sequence's real tokens (a tensor: no host sync), in the losses' precision (at least fp32).
             real = valid.sum().to(torch.promote_types(logits.dtype, torch.float32))
             all_reduce(real, self.tp_cp)

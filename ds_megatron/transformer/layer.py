@@ -122,7 +122,7 @@ class ParallelTransformerLayer(GraphableLayer):
             return self.post_mlp(hidden, self._tiled_mlp(self.pre_mlp(hidden)))  # dense MLPs only: per token
         if self.recompute_mlp:
             hidden = self.forward_attention(hidden, packed)
-            mlp = self.mlp if packed is None else functools.partial(self.run_mlp, packed_seq_params=packed)
+            mlp = functools.partial(self.run_mlp, packed_seq_params=packed)
             return self.post_mlp(hidden, self._selective(True, mlp, self.pre_mlp(hidden)))
         return super().forward(hidden, packed)
 

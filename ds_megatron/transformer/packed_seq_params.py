@@ -97,6 +97,11 @@ def document_zigzag(lengths: Sequence[int], cp: int) -> List[List[int]]:
     return held
 
 
+def shift_left(t: torch.Tensor, k: int, fill=0) -> torch.Tensor:
+    """``[b, s]`` shifted ``k`` tokens left (position i gets i + k), the last k filled with ``fill``."""
+    return torch.cat((t[:, k:], torch.full_like(t[:, :k], fill)), dim=1)
+
+
 class PackedSeqParams:
     """The documents of a packed micro-batch ``[b, s]`` and what each model path needs of them.
 
@@ -105,7 +110,8 @@ class PackedSeqParams:
     ``trainable`` (the token's label lies in its document and the token is not padding).  Host side: ``spans``
     ``[(row, start, stop)]`` of every segment, ``cu_seqlens`` over the flattened rows and ``max_seqlen``
     (variable-length kernels).  With context parallelism ``cp_index [cp, b, s/cp]``: the row positions each CP
-    rank holds.
+    rank holds, and ``cp_places``, where they sit (the cores' masks).  ``local_position_ids [b, s/cp]``: this
+    rank's tokens' positions in their documents (RoPE, learned positions).  Each is made once, for every layer.
     """
 
     def __init__(self, starts: torch.Tensor, padding: torch.Tensor, cp: ParallelGroup, device):
@@ -126,15 +132,13 @@ class PackedSeqParams:
         self.cu_seqlens = torch.tensor(flat_starts, dtype=torch.int32)
         self.max_seqlen = max(lengths)
         real = torch.tensor(lengths, dtype=torch.int64) * ~padding.reshape(-1)[torch.tensor(flat_starts[:-1])]
-        self.num_segments = len(lengths)
         self.segment_real_tokens = real.to(device)  # 0 for a padding segment
-        self.batch_size, self.seq_length = b, s
         self.position_ids = position_ids.to(device)
         self.segment_ids = segment_ids.to(device)
         self.padding = padding.to(device)
         self.trainable = trainable.to(device)
         self.cp = cp
-        self.cp_index = None
+        self.cp_index, self.cp_places = None, None
         if cp.size > 1:
             if s % (2 * cp.size):
                 raise ValueError(f"a packed row of {s} tokens cannot be cut over context_parallel_size={cp.size}: "
@@ -142,6 +146,9 @@ class PackedSeqParams:
             held = [document_zigzag([z - a for (row, a, z) in self.spans if row == r], cp.size) for r in range(b)]
             self.cp_index = torch.tensor([[held[r][m] for r in range(b)] for m in range(cp.size)],
                                          dtype=torch.int64, device=device)
+            segments = self.segment_ids.unsqueeze(0).expand(cp.size, -1, -1).gather(2, self.cp_index)
+            self.cp_places = Places(self.cp_index, segments, batched=True)
+        self.local_position_ids = self.local(self.position_ids)
 
     @classmethod
     def from_batch(cls, tokens: torch.Tensor, cp: ParallelGroup, position_ids: Optional[torch.Tensor] = None,
@@ -181,17 +188,6 @@ class PackedSeqParams:
         index = self.cp_index[self.cp.rank]
         return t.gather(1, index.view(index.shape + (1,) * (t.dim() - 2)).expand(index.shape + t.shape[2:]))
 
-    @property
-    def local_position_ids(self) -> torch.Tensor:
-        """[b, s/cp]: the positions inside their documents of this rank's tokens (RoPE, learned positions)."""
-        return self.local(self.position_ids)
-
-    @property
-    def cp_places(self) -> Places:
-        """Where every CP rank's tokens sit (row position, document): the context-parallel cores' masks."""
-        segments = self.segment_ids.unsqueeze(0).expand(self.cp.size, -1, -1).gather(2, self.cp_index)
-        return Places(self.cp_index, segments, batched=True)
-
     def loss_mask(self, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """The full-row loss mask with every document's last token and the padding left out."""
         keep = self.trainable.to(torch.float64 if loss_mask is None else loss_mask.dtype)
@@ -201,10 +197,8 @@ class PackedSeqParams:
         """A full-row ``[b, s]`` tensor shifted ``k`` tokens left inside each document: position i gets i + k's
         value when that is in i's document, else ``fill``, as past the end of a document alone.  Multi-token
         prediction's depth k: the tokens it embeds, its labels and its loss mask (of a ``loss_mask``'d mask)."""
-        def shifted(x, value):
-            return torch.cat((x[:, k:], torch.full_like(x[:, :k], value)), dim=1)
-        same = shifted(self.segment_ids, -1) == self.segment_ids
-        return torch.where(same, shifted(t, fill), torch.full_like(t, fill))
+        same = shift_left(self.segment_ids, k, -1) == self.segment_ids
+        return torch.where(same, shift_left(t, k, fill), torch.full_like(t, fill))
 
     def router_tokens(self, sequence_parallel: Optional[ParallelGroup]) -> Tuple[torch.Tensor, torch.Tensor]:
         """(padding [T], segment [T]) of the tokens a router sees, in its ``[s, b]`` order: this CP rank's, and
@@ -253,4 +247,4 @@ def _varlen(q, k, v, packed: PackedSeqParams, scale: Optional[float]) -> torch.T
     return out.view(b, s, h, v.size(-1)).permute(0, 2, 1, 3)
 
 
-__all__ = ["PackedSeqParams", "document_attention", "document_zigzag"]
+__all__ = ["PackedSeqParams", "document_attention", "document_zigzag", "shift_left"]
