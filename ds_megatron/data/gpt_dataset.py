@@ -82,12 +82,22 @@ def split_document_ranges(split: Union[str, Sequence[float]], num_documents: int
     return [fraction_range(pair, num_documents) for pair in split_fractions(split)]
 
 
-def fraction_range(pair: Tuple[float, float], n: int) -> range:
+def fraction_range(pair: Tuple[float, float], n: int, items: str = "documents") -> range:
     """The items ``round(start * n) .. round(end * n)`` of ``n``: what a ``(start, end)`` split pair selects."""
     start, end = pair
     if not 0.0 <= start <= end <= 1.0:
-        raise ValueError(f"split {pair!r} must be fractions 0 <= start <= end <= 1 of the documents")
+        raise ValueError(f"split {pair!r} must be fractions 0 <= start <= end <= 1 of the {items}")
     return range(int(round(start * n)), int(round(end * n)))
+
+
+def split_range(split: Split, n: int, items: str, prefix: str) -> range:
+    """What ``split`` selects of ``n`` ``items`` of the dataset at ``prefix``: a ``(start, end)`` fraction pair
+    (``fraction_range``) or a ``range`` of them, checked."""
+    if isinstance(split, range):
+        if split.step != 1 or not 0 <= split.start <= split.stop <= n:
+            raise ValueError(f"split {split!r} must be a contiguous range inside the {n} {items} of {prefix!r}")
+        return split
+    return fraction_range(split, n, items)
 
 
 def ltor_position_ids_and_loss_mask(tokens: np.ndarray, eod: Optional[int], reset_position_ids: bool,
@@ -133,7 +143,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.seed = seed
         self.eod, self.reset_position_ids, self.eod_mask_loss = eod, reset_position_ids, eod_mask_loss
         self.document_fields = document_fields or reset_position_ids
-        self.documents = self._documents(indexed_dataset, split)
+        self.documents = split_range(split, indexed_dataset.num_documents, "documents", indexed_dataset.prefix)
         if len(self.documents) == 0:
             raise ValueError(f"split {split!r} selects none of the {indexed_dataset.num_documents} documents of "
                              f"{indexed_dataset.prefix!r}; widen the split or add documents")
@@ -157,16 +167,6 @@ class GPTDataset(torch.utils.data.Dataset):
         self.sample_idx = self._build_sample_idx(num_built)
         self.shuffle_idx = np.concatenate([b * self.samples_per_epoch + self._block_order(b)
                                            for b in range(blocks)])[:self.num_samples]
-
-    @staticmethod
-    def _documents(indexed_dataset: IndexedDataset, split: Split) -> range:
-        n = indexed_dataset.num_documents
-        if isinstance(split, range):
-            if split.step != 1 or not 0 <= split.start <= split.stop <= n:
-                raise ValueError(f"split {split!r} must be a contiguous range inside the {n} documents "
-                                 f"of {indexed_dataset.prefix!r}")
-            return split
-        return fraction_range(split, n)
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         return np.random.RandomState([self.seed, _DOCUMENT_ORDER, epoch]).permutation(self._sequences)

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from .gpt_dataset import Split
+from .gpt_dataset import Split, split_range
 from .indexed_dataset import IndexedDataset
 from .sft import PADDING, TRAINED, PackedSFT
 
@@ -39,24 +39,12 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         else:
             self.packed = PackedSFT(indexed_dataset.prefix, seq_length, tokens=indexed_dataset)
         self.seq_length, self.seed = seq_length, seed
-        self.rows = self._rows(split)
+        self.rows = split_range(split, self.packed.num_rows, "packed rows", self.packed.prefix)
         if len(self.rows) == 0:
             raise ValueError(f"split {split!r} holds none of the {self.packed.num_rows} packed rows of "
                              f"{self.packed.prefix!r}; widen the split or add data")
         self.num_samples = len(self.rows) if num_samples is None else num_samples
         self._orders: Dict[int, np.ndarray] = {}
-
-    def _rows(self, split: Split) -> range:
-        n = self.packed.num_rows
-        if isinstance(split, range):
-            if split.step != 1 or not 0 <= split.start <= split.stop <= n:
-                raise ValueError(f"split {split!r} must be a contiguous range inside the {n} packed rows of "
-                                 f"{self.packed.prefix!r}")
-            return split
-        start, end = split
-        if not 0.0 <= start <= end <= 1.0:
-            raise ValueError(f"split {split!r} must be fractions 0 <= start <= end <= 1 of the packed rows")
-        return range(int(round(start * n)), int(round(end * n)))
 
     def __len__(self) -> int:
         return self.num_samples
