@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import gzip
 import json
-import multiprocessing
 import os
 import sys
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 from .indexed_dataset import IndexedDatasetBuilder, best_dtype
 from .sft import TRUNCATIONS, SFTStats, build_packed_sft
 from .tokenizer import build_tokenizer
+from .workers import encoded_in_order
 
 INPUT_EXTENSIONS = (".txt", ".jsonl", ".jsonl.gz")
 SFT_INPUT_EXTENSIONS = (".jsonl", ".jsonl.gz", ".parquet")
@@ -175,16 +175,7 @@ def preprocess_keys(input_path: str, output_prefix: str, json_keys: Optional[Seq
     counts = [[0, 0] for _ in prefixes]
     with contextlib.ExitStack() as stack:
         builders = [stack.enter_context(IndexedDatasetBuilder(p, dtype)) for p in prefixes]
-        units = _units(input_path, split_lines)
-        if workers > 1:
-            # imap keeps the input order: the output is one worker's, byte for byte.
-            pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(workers))
-            encoded = pool.imap(encoder, units, chunksize=_CHUNK)
-        else:
-            encoded = map(encoder, units)
-        for ids_per_key, error in encoded:
-            if error is not None:
-                raise ValueError(error)
+        for ids_per_key in encoded_in_order(encoder, _units(input_path, split_lines), workers, _CHUNK, stack):
             for builder, count, ids in zip(builders, counts, ids_per_key):
                 if ids:
                     builder.add_document(ids)

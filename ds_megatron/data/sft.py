@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import heapq
 import json
-import multiprocessing
 import os
 import re
 import uuid
@@ -56,6 +55,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
+from .workers import encoded_in_order
 
 ROLES = ("system", "user", "assistant", "tool")
 TRUNCATIONS = ("right", "drop")
@@ -392,16 +392,8 @@ def build_packed_sft(units: Iterable[Tuple[str, Union[str, dict]]], output_prefi
         with contextlib.ExitStack() as stack:
             ids_out = stack.enter_context(IndexedDatasetBuilder(staging, dtype))
             flags_out = stack.enter_context(IndexedDatasetBuilder(trained_prefix(staging), np.uint8))
-            if workers > 1:
-                # imap keeps the input order: what is packed, and so the output, is one worker's.
-                pool = stack.enter_context(multiprocessing.get_context("spawn").Pool(workers))
-                encoded = pool.imap(encoder, units, chunksize=_CHUNK)
-            else:
-                encoded = map(encoder, units)
-            for result, error in encoded:
-                if error is not None:
-                    raise ValueError(error)
-                where, status, ids, flags, truncated = result
+            # In input order: what is packed, and so the output, is one worker's.
+            for where, status, ids, flags, truncated in encoded_in_order(encoder, units, workers, _CHUNK, stack):
                 stats.rows += 1
                 stats.truncated += truncated
                 if status == "dropped":
