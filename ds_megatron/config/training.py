@@ -63,8 +63,17 @@ class TrainConfig:
     # Megatron's --distributed-timeout-minutes: how long any collective waits for a peer before the rank fails
     # (torch.distributed's default is 30 minutes; a node cut off sends nothing, so this bounds the wait).
     collective_timeout_minutes: float = 10.0
+    # A peer whose heartbeat (a thread of its own: a rank busy in a save or a collective still beats) stood still
+    # this long is lost: every other rank names it and exits 4 at once, whatever it waits in (training/liveness.py).
+    # 0: off (only the collective timeout then ends a job whose node is cut off or whose rank is stopped).
+    heartbeat_timeout_seconds: float = 30.0
 
     def __post_init__(self):
+        if not (isinstance(self.heartbeat_timeout_seconds, (int, float)) and not isinstance(
+                self.heartbeat_timeout_seconds, bool) and (self.heartbeat_timeout_seconds == 0
+                                                           or self.heartbeat_timeout_seconds >= 1)):
+            raise ConfigError(f"{SECTION}.train.heartbeat_timeout_seconds must be 0 (off) or at least 1 (seconds), "
+                              f"got {self.heartbeat_timeout_seconds!r}")
         if not (isinstance(self.collective_timeout_minutes, (int, float)) and self.collective_timeout_minutes > 0):
             raise ConfigError(f"{SECTION}.train.collective_timeout_minutes must be > 0, "
                               f"got {self.collective_timeout_minutes!r}")

@@ -73,11 +73,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from . import liveness  # loaded with the loop above; imported here where it is used
         # Which ranks went silent (a few heartbeats' wait), then leave marked so the other survivors do not name us.
         line = loop.lost_peer_message(e, job.train.collective_timeout_minutes, liveness.describe_silent())
-        sys.stderr.write(line + "\n")  # one write: the launcher interleaves the ranks' output
-        sys.stderr.flush()
         beat = liveness.current()
-        if beat is not None:
-            beat.leave()
-        loop.abort(loop.LOST_PEER_EXIT_CODE)
+        # (unless the watchdog found the loss first and is printing its own line)
+        liveness.leave_process(line, beat.leave if beat is not None else None)
     loop.shutdown()
     return 0

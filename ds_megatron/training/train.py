@@ -86,8 +86,10 @@ class Trainer:
         setup: TrainingSetup = build(job, config_source)
         self.setup, self.engine, self.state = setup, setup.engine, setup.state
         self.rank = dist.get_rank()
-        # Names the silent ranks if a collective fails on a lost peer (job.main, lost_peer_message).
-        liveness.start(self.rank, dist.get_world_size(), self.tcfg.collective_timeout_minutes)
+        # The watchdog that ends the job when a peer's heartbeat stops; names the silent ranks if a collective fails
+        # on a lost peer first (job.main, lost_peer_message).
+        liveness.start(self.rank, dist.get_world_size(), self.tcfg.collective_timeout_minutes,
+                       self.tcfg.heartbeat_timeout_seconds)
         self.say = print if self.rank == 0 and show_progress else (lambda *a, **k: None)
         for notice in job.megatron.notices:
             if notice not in self.engine.megatron.config.notices:  # the job's own (initialize logged the others)
@@ -297,7 +299,6 @@ def shutdown(exit_code: int = 0) -> None:
     os._exit(exit_code)
 
 
-LOST_PEER_EXIT_CODE = 4
 # How gloo and NCCL word a collective that failed because a peer went away or never answered.
 _LOST_PEER_MARKERS = ("Timed out waiting", "Connection reset by peer", "Connection closed by peer",
                       "Connection refused", "Broken pipe", "Socket Timeout", "collective operation timeout",
@@ -322,10 +323,3 @@ def lost_peer_message(error: BaseException, timeout_minutes: float, silent: str 
             f"lost (its node down or cut off) or stalled, or did not answer within "
             f"megatron.train.collective_timeout_minutes={timeout_minutes:g}: {detail}{silent}; the checkpoint "
             "'latest' names is complete: restart with --resume")
-
-
-def abort(exit_code: int) -> None:
-    """Leave at once, without the barrier ``shutdown`` waits on (a lost peer would hold it up to the timeout)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
