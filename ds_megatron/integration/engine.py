@@ -221,8 +221,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError(f"parallel_state was built for {parallel_state.layout} but the config asks for {layout}; "
                           "build it from the same config")
     chunked = isinstance(model, GPTModelChunks)  # our pipeline runtime, on DeepSpeed's plain engine
-    pipeline = layout.pp > 1 and not chunked  # DeepSpeed's PipelineEngine
-    if pipeline or isinstance(model, PipelineModule):
+    # DeepSpeed's PipelineEngine: every PipelineModule, one stage too (it takes the module's grid, never an mpu)
+    pipeline = isinstance(model, PipelineModule) or (layout.pp > 1 and not chunked)
+    if pipeline:
         # Before the buffers are built: the tied embedding's copies are marked for their layout.
         prepare_pipeline_module(model, parallel_state, our_buffers=mcfg.precision.owns_optimizer)
         if mcfg.section_given:  # a plain DeepSpeed job keeps DeepSpeed's own pipeline defaults
@@ -269,7 +270,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             training_data=training_data, lr_scheduler=lr_scheduler, mpu=None if pipeline else our_mpu,
             dist_init_required=dist_init_required, collate_fn=collate_fn, config=opt_path.ds_config,
             **deepspeed_kwargs)
-    if isinstance(model, (GPTPipelineModule, GPTModelChunks)) and layout.pp > 1:
+    if isinstance(model, GPTPipelineModule) or (chunked and layout.pp > 1):  # a GPTPipelineModule: one stage too
         set_routing_loss_scale(model, opt_path.optimizer, engine.gradient_accumulation_steps())
     context = MegatronContext(config=mcfg, state=parallel_state, mpu=our_mpu, ddp=opt_path.ddp, has_moe=has_moe,
                               pipeline_module=model if pipeline else None)

@@ -102,7 +102,7 @@ def check_topology_matches(topology: ProcessTopology, parallel_state: ParallelSt
             raise ConfigError(f"megatron.order {parallel_state.layout.order!r}: DeepSpeed's pipeline topology gives "
                               f"{kind} groups {groups} but the Megatron layout has {mine}; use an order whose "
                               "tp, dp and pp tokens DeepSpeed can express (e.g. the default tp-cp-ep-dp-pp)")
-    embedding = sorted(sorted([g[0], g[-1]]) for g in theirs["pp"])
+    embedding = sorted(sorted({g[0], g[-1]}) for g in theirs["pp"])  # one stage: first and last are one rank
     if embedding != sorted(sorted(g) for g in ours["embedding"]):
         raise ConfigError(f"megatron.order {parallel_state.layout.order!r}: the first/last stage pairs differ "
                           "between DeepSpeed's topology and the Megatron embedding groups")

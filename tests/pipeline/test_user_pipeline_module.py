@@ -6,6 +6,7 @@ point; the losses of every step and the final weights must be bit-identical (the
 them).  The cases are DeepSpeed's own pipeline patterns: a sequential model split by parameters, gradient
 accumulation, activation checkpointing, a weight tied between stages 0 and 2 of 4 (not the first and the last),
 fewer micro-batches than stages, and DeepSpeed's default activation partitioning with a model axis.
+``_module`` also builds the one-stage modules ``test_one_stage_pipeline_module.py`` trains with ``_train``.
 """
 import pytest
 import torch
@@ -22,7 +23,7 @@ def _config(gas: int, extra=None):
 
 def _module(case: str):
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -38,6 +39,10 @@ def _module(case: str):
         kwargs["activation_checkpoint_interval"] = 1
     elif case == "model-axis":  # DeepSpeed's pipe x data x model grid, its activation partitioning left on
         kwargs = {"topology": PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=world // 4)}
+    elif case == "one-stage":  # DeepSpeed's TestPipeModuleCheckpointInterval: one stage, every layer checkpointed
+        kwargs = {"num_stages": 1, "activation_checkpoint_interval": 1}
+    elif case == "one-stage-topology":  # DeepSpeed's TestPipeDynamicShape with num_pp=1: data parallel only
+        kwargs = {"topology": PipeDataParallelTopology(num_pp=1, num_dp=world)}
     return PipelineModule(layers=layers, loss_fn=torch.nn.MSELoss(), **kwargs)
 
 
@@ -50,12 +55,11 @@ CASES = {  # name: (ranks, gradient accumulation steps)
 }
 
 
-def _train(case: str, ours: bool):
+def _train(case: str, ours: bool, gas: int):
     import deepspeed
     import torch.distributed as dist
 
     import ds_megatron
-    ranks, gas = CASES[case]
     model = _module(case)
     initialize = ds_megatron.initialize if ours else deepspeed.initialize
     engine, _, _, _ = initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -78,9 +82,9 @@ def _train(case: str, ours: bool):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_deepspeed_pipeline_module_trains_as_with_deepspeed_initialize(case):
-    ranks, _ = CASES[case]
-    theirs = run_on_ranks(ranks, _train, case, False)
-    ours = run_on_ranks(ranks, _train, case, True)
+    ranks, gas = CASES[case]
+    theirs = run_on_ranks(ranks, _train, case, False, gas)
+    ours = run_on_ranks(ranks, _train, case, True, gas)
     stages = 4 if case == "tied-middle-stages" else 2
     model_axis = 2 if case == "model-axis" else 1
     for (our_losses, our_weights, sizes, _), (their_losses, their_weights, _, _) in zip(ours, theirs):
