@@ -148,11 +148,23 @@ class GPTConfig:
     # GroupedMLP / SequentialMLP; None: the faster for the device (grouped with CUDA, sequential on CPU:
     # launch/bench/bench_moe.py)
     moe_grouped_gemm: Optional[bool] = None
+    # FP8 GEMMs of the transformer's linear layers (Megatron's names; ds_megatron/fp8): fp8 null | "e4m3" |
+    # "hybrid" (E4M3 forward, E5M2 gradients); fp8_recipe "tensorwise" (current scaling), "delayed" (amax
+    # history) or "blockwise" (DeepSeek-V3's 1x128 / 128x128 power-of-two scales).
+    fp8: Optional[str] = None
+    fp8_recipe: str = "tensorwise"
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    first_last_layers_bf16: bool = False  # keep the first / last layers' GEMMs in 16-bit
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         self._resolve_aliases()
+        self._check_fp8()
         self._check_moe()
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length",
                      "vocab_size", "make_vocab_size_divisible_by"):
@@ -239,6 +251,45 @@ class GPTConfig:
             # The routing losses and capacity of a tile are not the whole sequence's.
             raise ConfigError("model.mlp_sequence_tiles > 1 with model.num_experts: MoE layers route the whole "
                               "sequence at once; set mlp_sequence_tiles to 1")
+
+    def _check_fp8(self) -> None:
+        if self.fp8 is None:
+            return
+        for name, allowed in (("fp8", ("e4m3", "hybrid")), ("fp8_recipe", ("tensorwise", "delayed", "blockwise")),
+                              ("fp8_amax_compute_algo", ("most_recent", "max"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} is unknown; use one of "
+                                  f"{', '.join(map(repr, allowed))}")
+        for name, low in (("fp8_margin", 0), ("fp8_amax_history_len", 1), ("num_layers_at_start_in_bf16", 0),
+                          ("num_layers_at_end_in_bf16", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"model.{name} must be an integer >= {low}, got {v!r}")
+        if self.fp8_recipe == "delayed":
+            # The amax history must advance once per optimizer step, which the training step does not call yet.
+            raise ConfigError("model.fp8_recipe \"delayed\" is not wired into the training step yet (its amax "
+                              "history advances once per optimizer step); use \"tensorwise\" or \"blockwise\"")
+        if self.num_experts:
+            raise ConfigError("model.fp8 with model.num_experts: the experts' grouped fp8 GEMMs are not built yet; "
+                              "set fp8 null or train a dense model")
+        if self.fp8_recipe == "blockwise":
+            if self.multi_latent_attention:
+                raise ConfigError("model.fp8_recipe \"blockwise\" with model.multi_latent_attention: its "
+                                  "projections (kv_lora_rank + qk_pos_emb_head_dim wide) do not tile by 128; use "
+                                  "fp8_recipe \"tensorwise\"")
+            for name in ("hidden_size", "seq_length"):
+                if getattr(self, name) % 128:
+                    raise ConfigError(f"model.{name}={getattr(self, name)} is not a multiple of 128, which "
+                                      "fp8_recipe \"blockwise\" tiles by; choose a multiple of 128 or fp8_recipe "
+                                      "\"tensorwise\"")
+
+    def fp8_layer(self, layer_number: int) -> bool:
+        """Whether transformer layer ``layer_number`` (0-based, of the whole model) runs its GEMMs in fp8."""
+        if self.fp8 is None:
+            return False
+        if not self.first_last_layers_bf16:
+            return True
+        return self.num_layers_at_start_in_bf16 <= layer_number < self.num_layers - self.num_layers_at_end_in_bf16
 
     def recomputes_layer(self, local_index: int) -> bool:
         """Whether the layer at ``local_index`` in its owner (the model, a pipeline stage or chunk) is recomputed
@@ -564,6 +615,15 @@ class GPTConfig:
         if self.moe_shared_expert_intermediate_size and self.moe_shared_expert_intermediate_size % tp:
             raise ConfigError(f"model.moe_shared_expert_intermediate_size={self.moe_shared_expert_intermediate_size} "
                               f"is not divisible by tensor_model_parallel_size={tp}; choose a TP size that divides it")
+        if self.fp8_recipe == "blockwise" and self.fp8 is not None:
+            widths = {"ffn_hidden_size": self.ffn_hidden_size,
+                      "num_attention_heads * head_dim": self.num_attention_heads * self.head_dim,
+                      "num_query_groups * head_dim": self.query_groups * self.head_dim}
+            for name, width in widths.items():
+                if width % (128 * tp) and not (name.startswith("num_query") and self.query_groups < tp):
+                    raise ConfigError(f"model.{name}={width} is not a multiple of 128 x tensor_model_parallel_size"
+                                      f"={128 * tp}, which fp8_recipe \"blockwise\" tiles each rank's share by; "
+                                      "choose sizes that are, or fp8_recipe \"tensorwise\"")
         if self.sequence_parallel and self.seq_length % tp:
             raise ConfigError(f"model.seq_length={self.seq_length} is not divisible by tensor_model_parallel_size={tp}, "
                               "which sequence parallelism needs")

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config.model import GPTConfig
+from ..fp8 import FP8Recipe
 from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer, MoELayer
 from ..parallel_state import ParallelGroup, ParallelState
@@ -39,6 +40,7 @@ from ..tensor_parallel import (LogitsBuffer, RNGStatesTracker, VocabParallelEmbe
                                scaled_init_method_normal, scatter_to_sequence_parallel_region,
                                vocab_parallel_cross_entropy)
 from ..tensor_parallel import ColumnParallelLinear
+from ..tensor_parallel.layers import attach_fp8
 from ..tensor_parallel.weight_grad_store import WeightGradStore, linear
 from ..transformer import ParallelTransformerLayer
 from ..transformer.context_parallel import zigzag_chunk_indices, zigzag_split
@@ -282,18 +284,22 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
         if hcp is None:
             raise ValueError("model.cp_comm_type \"a2a+p2p\" needs the hierarchical CP groups: build the "
                              "ParallelState from a config with megatron.hierarchical_context_parallel_sizes")
+    fp8 = FP8Recipe.from_config(config)  # the transformer layers' linears only, as in Megatron
     for i in range(config.num_layers):
-        yield f"layers.{i}", ParallelTransformerLayer(config, tp=tp, build_mlp=functools.partial(mlp, i),
-                                                      init_method=init, output_init_method=out_init,
-                                                      rng_tracker=rng_tracker, cp=parallel_state.cp,
-                                                      hierarchical_cp=hcp)
+        layer = ParallelTransformerLayer(config, tp=tp, build_mlp=functools.partial(mlp, i), init_method=init,
+                                         output_init_method=out_init, rng_tracker=rng_tracker, cp=parallel_state.cp,
+                                         hierarchical_cp=hcp)
+        attach_fp8(layer, fp8 if config.fp8_layer(i) else None)
+        yield f"layers.{i}", layer
     yield "final_layernorm", build_norm(config, config.hidden_size, sequence_parallel=config.sequence_parallel)
     if config.untie_embeddings_and_output_weights:
         yield "output_layer", OutputLayer(config.hidden_size, padded_vocab_size, tp=tp, bias=False,
                                           init_method=embedding_init, sequence_parallel=config.sequence_parallel)
     for k in range(config.mtp_num_layers or 0):
-        yield f"mtp.{k}", MultiTokenPredictionLayer(config, parallel_state, rng_tracker, init, out_init,
-                                                    functools.partial(mlp, config.num_layers + k), hcp)
+        mtp = MultiTokenPredictionLayer(config, parallel_state, rng_tracker, init, out_init,
+                                        functools.partial(mlp, config.num_layers + k), hcp)
+        attach_fp8(mtp.layer, fp8 if config.fp8_layer(config.num_layers + k) else None)  # eh_proj stays 16-bit
+        yield f"mtp.{k}", mtp
 
 
 class MultiTokenPredictionLayer(torch.nn.Module):

@@ -18,17 +18,21 @@ Both ``forward`` return ``(output, output_bias)``: ``output_bias`` is the bias
 when ``skip_bias_add`` (the caller fuses the add, e.g. bias-GeLU or
 bias-dropout-add), else None.
 
+``attach_fp8`` gives the linears an fp8 scaling state (``ds_megatron.fp8``): their three GEMMs then run in fp8,
+the input quantized after the sequence-parallel gather.
+
 Weights are initialized independently of the TP size (see ``init.py``); biases
 start at zero.  The TP group is always passed in (``tp``, a ``ParallelGroup``;
 ``ParallelGroup.single("tp")`` means no tensor parallelism).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from ..fp8 import FP8LinearState, FP8Recipe
 from ..parallel_state import ParallelGroup
 
 from .init import InitMethod, init_method_normal, initialize_affine_weight_cpu
@@ -74,6 +78,7 @@ class ColumnParallelLinear(torch.nn.Module):
         self.weight_grad_store: Optional[WeightGradStore] = None  # the zero-bubble schedule's deferred W
         world, rank = tp.size, tp.rank
         self.output_size_per_partition = divide(output_size, world, what="ColumnParallelLinear output_size")
+        self.fp8: Optional[FP8LinearState] = None  # set by attach_fp8: the three GEMMs in fp8
 
         self.weight = torch.nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
                                                      dtype=params_dtype, device=device))
@@ -93,7 +98,7 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x, self.tp)
         bias = None if self.skip_bias_add else self.bias
-        output = linear(x, self.weight, bias, self.weight_grad_store)
+        output = linear(x, self.weight, bias, self.weight_grad_store, self.fp8)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp)
         return output, (self.bias if self.skip_bias_add else None)
@@ -130,6 +135,7 @@ class RowParallelLinear(torch.nn.Module):
         self.weight_grad_store: Optional[WeightGradStore] = None  # the zero-bubble schedule's deferred W
         world, rank = tp.size, tp.rank
         self.input_size_per_partition = divide(input_size, world, what="RowParallelLinear input_size")
+        self.fp8: Optional[FP8LinearState] = None  # set by attach_fp8: the three GEMMs in fp8
 
         self.weight = torch.nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
                                                      dtype=params_dtype, device=device))
@@ -148,7 +154,7 @@ class RowParallelLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp)
-        partial = linear(x, self.weight, None, self.weight_grad_store)
+        partial = linear(x, self.weight, None, self.weight_grad_store, self.fp8)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp)
         else:
@@ -172,6 +178,26 @@ def attach_weight_grad_store(module: torch.nn.Module, store: Optional[WeightGrad
             m.weight_grad_store = store
             count += 1
     return count
+
+
+def attach_fp8(module: torch.nn.Module, recipe: Optional[FP8Recipe]) -> int:
+    """Give every column- and row-parallel linear in ``module`` its own fp8 scaling state from ``recipe`` (None:
+    back to 16-bit GEMMs); returns how many.  Quantization happens after the sequence-parallel gather, so the
+    gathered input's amax is the same on every TP rank."""
+    count = 0
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            out_features, in_features = m.weight.shape
+            m.fp8 = None if recipe is None else FP8LinearState(recipe, m.tp, in_features, out_features,
+                                                               device=m.weight.device)
+            count += 1
+    return count
+
+
+def fp8_states(module: torch.nn.Module) -> List[FP8LinearState]:
+    """The fp8 states of ``module``'s linears in module order (``fp8.update_delayed_scaling`` takes them)."""
+    return [m.fp8 for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+            and m.fp8 is not None]
 
 
 class VocabParallelEmbedding(torch.nn.Module):

@@ -22,6 +22,8 @@ from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
 
+from ..fp8 import FP8LinearState, fp8_linear
+
 
 def accumulate_into_grad(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
     """The default ``accumulate``: what autograd does with a leaf's gradient."""
@@ -133,8 +135,14 @@ def deferrable(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torc
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-           store: Optional[WeightGradStore]) -> torch.Tensor:
-    """``F.linear``, or with a store the linear whose weight gradient the store may defer."""
+           store: Optional[WeightGradStore], fp8: Optional[FP8LinearState] = None) -> torch.Tensor:
+    """``F.linear``, or with a store the linear whose weight gradient the store may defer, or with an fp8 state
+    the linear whose three GEMMs run in fp8 by its recipe."""
+    if fp8 is not None:
+        if store is not None:
+            raise ValueError("an fp8 linear layer was given a WeightGradStore: deferring fp8 weight gradients "
+                             "(pipeline_schedule \"zero_bubble\") is not built yet; use another schedule or fp8 null")
+        return fp8_linear(x, weight, bias, fp8)
     if store is None:
         return torch.nn.functional.linear(x, weight, bias)
     return _LinearWithDeferrableWeightGrad.apply(x, weight, bias, store)

@@ -1,0 +1,127 @@
+"""The fp8 recipe (Megatron's ``fp8`` / ``fp8_recipe`` settings) and the scaling state of one linear layer.
+
+Scales follow Transformer Engine's convention: a tensor is quantized as ``fp8(x * scale)`` and read back as
+``q * scale_inv``, with ``scale = fp8_max / amax / 2^margin``.  Recipes:
+
+* ``"tensorwise"`` (current scaling): one scale per tensor from its own amax, reduced (MAX) over the layer's TP
+  group, so a tensor split over TP gets the scale the whole tensor would have.
+* ``"delayed"``: one scale per tensor role (input, weight, output gradient) from the amax history of earlier
+  optimizer steps; this step's amaxes are collected (MAX over micro-batches) and enter the history in
+  ``update_delayed_scaling``, reduced over TP and DP, once per optimizer step.  The scale of step t therefore
+  comes from the amaxes of steps < t; the first step uses scale 1.
+* ``"blockwise"`` (DeepSeek-V3): a power-of-two scale per 1x128 tile of activations and gradients (along the
+  GEMM's reduction dimension) and per 128x128 block of weights; no collective needed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from ..parallel_state import ParallelGroup
+from ..utils import collectives
+
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+BLOCK = 128  # the blockwise recipe's tile edge
+FORMATS = ("e4m3", "hybrid")
+RECIPES = ("tensorwise", "delayed", "blockwise")
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+ROLES = ("input", "weight", "grad_output")
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    """``fp8``: "e4m3" (every tensor E4M3) or "hybrid" (E4M3 forward, E5M2 output gradients)."""
+
+    fp8: str = "e4m3"
+    recipe: str = "tensorwise"
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    margin: int = 0
+
+    def __post_init__(self):
+        if self.fp8 not in FORMATS:
+            raise ValueError(f"fp8={self.fp8!r} is unknown; use one of {', '.join(FORMATS)}")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"fp8_recipe={self.recipe!r} is unknown; use one of {', '.join(RECIPES)}")
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"fp8_amax_compute_algo={self.amax_compute_algo!r} is unknown; use one of "
+                             f"{', '.join(AMAX_COMPUTE_ALGOS)}")
+
+    @classmethod
+    def from_config(cls, config) -> Optional["FP8Recipe"]:
+        """The recipe of a ``GPTConfig`` (None when ``fp8`` is null)."""
+        if config.fp8 is None:
+            return None
+        return cls(config.fp8, config.fp8_recipe, config.fp8_amax_history_len, config.fp8_amax_compute_algo,
+                   config.fp8_margin)
+
+    def dtype(self, role: str) -> torch.dtype:
+        return torch.float8_e5m2 if self.fp8 == "hybrid" and role == "grad_output" else torch.float8_e4m3fn
+
+    def fp8_max(self, role: str) -> float:
+        return E5M2_MAX if self.dtype(role) == torch.float8_e5m2 else E4M3_MAX
+
+
+class FP8LinearState:
+    """The fp8 scaling state of one linear layer: its recipe, the TP group its amaxes are agreed over, and for
+    the delayed recipe each role's amax history, scale and this step's running amax."""
+
+    def __init__(self, recipe: FP8Recipe, tp: ParallelGroup, in_features: int, out_features: int,
+                 device: Optional[torch.device] = None):
+        if recipe.recipe == "blockwise":
+            for name, size in (("input features per TP rank", in_features),
+                               ("output features per TP rank", out_features)):
+                if size % BLOCK:
+                    raise ValueError(f"fp8_recipe \"blockwise\" tiles by {BLOCK}, but this linear layer's {name} "
+                                     f"is {size}; choose model sizes whose per-rank widths are multiples of {BLOCK}")
+        self.recipe, self.tp = recipe, tp
+        if recipe.recipe == "delayed":
+            n = recipe.amax_history_len
+            self.amax_history = {r: torch.zeros(n, dtype=torch.float32, device=device) for r in ROLES}
+            self.scale = {r: torch.ones((), dtype=torch.float32, device=device) for r in ROLES}
+            self.step_amax = {r: torch.zeros((), dtype=torch.float32, device=device) for r in ROLES}
+
+    def follow(self, device: torch.device) -> None:
+        """Delayed recipe: keep the history and scales on the layer's device (a model moved after it was built)."""
+        if self.scale["input"].device != device:
+            for d in (self.amax_history, self.scale, self.step_amax):
+                d.update({r: t.to(device) for r, t in d.items()})
+
+    def record_amax(self, role: str, amax: torch.Tensor) -> None:
+        """Delayed recipe: fold a micro-batch's amax into this step's (MAX)."""
+        torch.maximum(self.step_amax[role], amax.detach().float(), out=self.step_amax[role])
+
+    def advance(self, reduced_amax: dict) -> None:
+        """Delayed recipe: this step's amaxes (already agreed over TP and DP) enter the history; the scales of the
+        next step follow from it.  An amax of 0 or a non-finite one keeps the previous scale (Transformer Engine)."""
+        r = self.recipe
+        for role in ROLES:
+            history = self.amax_history[role]
+            history.copy_(torch.roll(history, 1))
+            history[0] = reduced_amax[role]
+            amax = history[0] if r.amax_compute_algo == "most_recent" else history.max()
+            new = torch.full_like(amax, r.fp8_max(role)) / amax / (2.0 ** r.margin)  # not float / tensor: 2 roundings
+            keep = ~torch.isfinite(amax) | (amax <= 0)
+            self.scale[role] = torch.where(keep, self.scale[role], new)
+            self.step_amax[role].zero_()
+
+
+def update_delayed_scaling(states: Sequence[FP8LinearState], groups: Iterable[ParallelGroup]) -> None:
+    """Once per optimizer step: agree on every delayed state's step amaxes over ``groups`` (TP and DP; MAX, one
+    all-reduce per group for all layers) and advance their histories and scales.  Every rank passes its layers
+    in the same order."""
+    states = [s for s in states if s.recipe.recipe == "delayed"]
+    if not states:
+        return
+    amax = torch.stack([s.step_amax[r] for s in states for r in ROLES])
+    for group in groups:
+        collectives.all_reduce(amax, group, op=collectives.MAX)
+    for i, s in enumerate(states):
+        s.advance({r: amax[i * len(ROLES) + j] for j, r in enumerate(ROLES)})
+
+
+__all__ = ["AMAX_COMPUTE_ALGOS", "BLOCK", "E4M3_MAX", "E5M2_MAX", "FORMATS", "FP8LinearState", "FP8Recipe",
+           "RECIPES", "ROLES", "update_delayed_scaling"]

@@ -1,0 +1,65 @@
+"""What fp8 part A cannot run is refused at start, one line naming the setting and the fix (ConfigError from the
+config layer, before any process group); what it runs is accepted and lands in the model."""
+from __future__ import annotations
+
+import pytest
+
+from ds_megatron.config import split_config
+from ds_megatron.errors import ConfigError
+
+
+def job(model=None, bf16=True, **megatron):
+    model = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 128, "fp8": "e4m3",
+             **(model or {})}
+    return {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": bf16}, "megatron": {"model": model, **megatron}}
+
+
+def refused(config, world: int = 1) -> str:
+    with pytest.raises(ConfigError) as err:
+        split_config(config)[1].layout(world)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("config,world,names", [
+    (job(bf16=False), 1, ("model.fp8", "bf16.enabled")),
+    (job(pipeline_model_parallel_size=2), 2, ("pipeline_model_parallel_size=2", "zero-bubble")),
+    (job(context_parallel_size=2, model={"attention_dropout": 0.0}), 2, ("context_parallel_size=2", "set it to 1")),
+    (job(cuda_graph={"impl": "local"}), 1, ("cuda_graph.impl", "\"none\"")),
+    (job(model={"num_experts": 4}), 1, ("model.num_experts", "grouped")),
+    (job(model={"fp8_recipe": "delayed"}), 1, ("fp8_recipe \"delayed\"", "\"tensorwise\"")),
+    (job(model={"fp8": "e5m2"}), 1, ("model.fp8='e5m2'", "'hybrid'")),
+    (job(model={"fp8_recipe": "mxfp8"}), 1, ("model.fp8_recipe='mxfp8'", "'blockwise'")),
+    (job(model={"fp8_margin": -1}), 1, ("model.fp8_margin", ">= 0")),
+    (job(model={"fp8_recipe": "blockwise", "hidden_size": 192, "num_attention_heads": 3}), 1,
+     ("model.hidden_size=192", "multiple of 128")),
+    (job(model={"fp8_recipe": "blockwise", "seq_length": 96}), 1, ("model.seq_length=96", "multiple of 128")),
+    (job(model={"fp8_recipe": "blockwise", "ffn_hidden_size": 384}, tensor_model_parallel_size=2), 2,
+     ("model.ffn_hidden_size=384", "128 x tensor_model_parallel_size=256")),
+    (job(model={"fp8_recipe": "blockwise", "multi_latent_attention": True}), 1,
+     ("multi_latent_attention", "\"tensorwise\"")),
+    (job(fp8_param_gather=True), 1, ("fp8_param_gather",)),
+])
+def test_refused_at_start_naming_the_setting_and_the_fix(config, world, names):
+    message = refused(config, world)
+    for name in names:
+        assert name in message, message
+
+
+def test_accepted_recipes_and_the_bf16_layers():
+    cfg = split_config(job(model={"fp8": "hybrid", "fp8_recipe": "blockwise", "first_last_layers_bf16": True,
+                                  "num_layers_at_end_in_bf16": 2}))[1]
+    cfg.layout(1)
+    model = cfg.model
+    assert (model.fp8, model.fp8_recipe) == ("hybrid", "blockwise")
+    # 4 layers, 1 at the start and 2 at the end in bf16: only layer 1 runs fp8.
+    assert [model.fp8_layer(i) for i in range(4)] == [False, True, False, False]
+    assert split_config(job(model={"fp8": None}))[1].model.fp8_layer(1) is False
+
+
+def test_the_plan_refuses_fp8_in_one_line():
+    from ds_megatron.planning.report import plan_from_config
+    with pytest.raises(ConfigError) as err:
+        plan_from_config(job(), 1)
+    assert "\n" not in str(err.value) and "model.fp8='e4m3'" in str(err.value) and "fp8 null" in str(err.value)

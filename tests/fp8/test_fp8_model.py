@@ -1,0 +1,46 @@
+"""The GPT puts fp8 on its transformer layers' linears only (not the embeddings, the output layer or MTP's
+projection), keeps the first / last layers 16-bit when asked, and trains a step in bf16 with fp8 engaged."""
+from __future__ import annotations
+
+import torch
+
+from ds_megatron.config.model import GPTConfig
+from ds_megatron.models.gpt import GPTModel
+from ds_megatron.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+CFG = dict(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=100, hidden_dropout=0.0,
+           attention_dropout=0.0, untie_embeddings_and_output_weights=True, mtp_num_layers=1)
+
+
+def build(**extra) -> GPTModel:
+    torch.manual_seed(7)
+    return GPTModel(GPTConfig(**CFG, **extra)).bfloat16()
+
+
+def test_only_the_transformer_layers_linears_run_fp8_and_first_last_stay_bf16():
+    model = build(fp8="hybrid", first_last_layers_bf16=True)
+    linears = {name: m.fp8 for name, m in model.named_modules() if isinstance(m, (ColumnParallelLinear,
+                                                                                   RowParallelLinear))}
+    on = sorted(name for name, state in linears.items() if state is not None)
+    assert on == sorted(f"layers.1.{p}" for p in ("self_attention.query_key_value", "self_attention.dense",
+                                                  "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")), on
+    assert all(state.recipe.fp8 == "hybrid" for name, state in linears.items() if state is not None)
+    # Without first_last_layers_bf16 every layer, the MTP layer's too, but never eh_proj.
+    model = build(fp8="e4m3")
+    on = {name for name, m in model.named_modules() if getattr(m, "fp8", None) is not None}
+    assert len(on) == 4 * 4 and not any("eh_proj" in name or "output_layer" in name for name in on)
+
+
+def test_a_bf16_training_step_with_fp8_is_close_to_bf16_but_not_equal():
+    tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(tokens, -1, 1)
+    losses, grads = [], []
+    for extra in ({}, {"fp8": "e4m3"}):
+        model = build(**extra)
+        loss = model(tokens, labels)
+        loss.backward()
+        losses.append(loss.float().item())
+        grads.append(model.layers[1].mlp.dense_h_to_4h.weight.grad.float())
+    assert losses[0] != losses[1] and abs(losses[1] - losses[0]) < 0.02 * losses[0], losses
+    rel = ((grads[1] - grads[0]).norm() / grads[0].norm()).item()
+    assert 1e-3 < rel < 0.2, rel
