@@ -16,13 +16,14 @@ names anything of this run still present (namespaces, links, processes).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 SSHD = "/usr/sbin/sshd"
 PACKAGES = {"sshd": ("openssh-server", SSHD), "pdsh": ("pdsh", "/usr/bin/pdsh"),
@@ -277,3 +278,21 @@ class Nodes:
         if os.path.exists(self.dir):
             left.append(f"directory {self.dir}")
         return left
+
+
+@contextlib.contextmanager
+def started(n: int, slots: int = 2) -> Iterator["Nodes"]:
+    """``n`` nodes up for a test module's fixture (the module skipped with the reason where they cannot be had);
+    torn down after, failing if anything of them is left."""
+    import pytest
+    cluster = Nodes(n=n, slots=slots)
+    try:
+        cluster.start()
+    except (NodesUnavailable, subprocess.TimeoutExpired, OSError) as e:
+        pytest.skip(f"no namespaced nodes here: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+        left = cluster.leftovers()
+        assert not left, f"left behind: {left}"

@@ -8,12 +8,11 @@ of the fault, each of the first node's ranks says one line naming the lost ranks
 non-zero, and ``latest`` names a complete checkpoint.  Root only; skipped where namespaces or sshd cannot be had.
 """
 import os
-import subprocess
 import time
 
 import pytest
 
-from nodes import Nodes, NodesUnavailable
+from nodes import started
 from test_nodes import FaultRun, _assert_named, _job_processes, _no_job_left
 
 PAIRS = [("kill", "ssh"), ("kill", "torchrun"), ("cut", "pdsh"), ("cut", "torchrun"), ("stall", "pdsh"),
@@ -23,17 +22,8 @@ LIMIT_S = 60
 
 @pytest.fixture(scope="module")
 def nodes():
-    cluster = Nodes(n=2 * len(PAIRS), slots=2)
-    try:
-        cluster.start()
-    except (NodesUnavailable, subprocess.TimeoutExpired, OSError) as e:
-        pytest.skip(f"no namespaced nodes here: {e}")
-    try:
+    with started(2 * len(PAIRS)) as cluster:
         yield cluster
-    finally:
-        cluster.close()
-        left = cluster.leftovers()
-        assert not left, f"left behind: {left}"
 
 
 def _ranks_running(nodes, i):

@@ -35,7 +35,7 @@ import pytest
 from ds_megatron.config import ConfigError
 from ds_megatron.config.training import TrainConfig
 from harness import run_on_ranks
-from nodes import Nodes, NodesUnavailable
+from nodes import Nodes, started
 from test_launchers import ROOT, _clean_env
 
 VENV_BIN = os.path.dirname(sys.executable)
@@ -49,17 +49,8 @@ LIMIT_S = 420
 
 @pytest.fixture(scope="module")
 def nodes():
-    cluster = Nodes(n=2, slots=2)
-    try:
-        cluster.start()
-    except (NodesUnavailable, subprocess.TimeoutExpired, OSError) as e:
-        pytest.skip(f"no namespaced nodes here: {e}")
-    try:
+    with started(2) as cluster:
         yield cluster
-    finally:
-        cluster.close()
-        left = cluster.leftovers()
-        assert not left, f"left behind: {left}"
 
 
 @pytest.mark.parametrize("bad", [0, -1.5, "10"])
