@@ -1,4 +1,5 @@
-"""Every shipped config validates and trains a few steps through the real job on 4 gloo ranks (8 for 3D).
+"""Every shipped config validates and trains three steps through the real job on 4 gloo ranks (8 for 3D): the
+losses of steps 2 and 3 show the updates the first two made.
 
 A config that continues a Hugging Face model (``train.load_hf``) gets the tiny
 model the commands of docs/huggingface.md make (``launch/make_tiny_hf_llama.py``, or for
@@ -7,11 +8,13 @@ temporary directory that replaces its ``load_hf`` and ``data.tokenizer`` paths; 
 (``runs/hf/tiny-chat`` and a ``data_path``) gets docs/finetuning.md's tiny chat model and its chat data packed
 by ``preprocess --sft``.
 """
+import copy
 import glob
 import importlib.util
 import json
 import math
 import os
+import sys
 
 import pytest
 import torch.distributed as dist
@@ -56,15 +59,36 @@ def test_configs_are_shipped():
             "gpt_cp2_tp2.json", "deepseek_v3_tiny_tp2_ep2.json", "gpt_tp2_pp2_interleaved.json"} <= names
 
 
-def _with_tiny_hf_model(path, tmp_path):
+def _launch_module(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "launch", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_TOKENIZER = {}
+
+
+def _trained_once(train):
+    """``make_tiny_hf_llama.train_tokenizer`` (deterministic: a BPE of the embedded corpus, which every maker's
+    model takes) trained once per module; each caller gets its own copy (the chat maker adds tokens to it)."""
+    def tokenizer():
+        if "trained" not in _TOKENIZER:
+            _TOKENIZER["trained"] = train()
+        return copy.deepcopy(_TOKENIZER["trained"])
+    return tokenizer
+
+
+def _with_tiny_hf_model(path, tmp_path, monkeypatch):
     """``path``'s config as a dict, its Hugging Face paths pointing at a fresh tiny model (no download)."""
     with open(path) as f:
         cfg = json.load(f)
     section = cfg["megatron"]
     name = os.path.basename(section["train"]["load_hf"])
-    spec = importlib.util.spec_from_file_location(MAKERS[name], os.path.join(ROOT, "launch", f"{MAKERS[name]}.py"))
-    maker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(maker)
+    llama = _launch_module("make_tiny_hf_llama")  # the other makers import its tokenizer from it
+    monkeypatch.setattr(llama, "train_tokenizer", _trained_once(llama.train_tokenizer))
+    monkeypatch.setitem(sys.modules, "make_tiny_hf_llama", llama)
+    maker = llama if MAKERS[name] == "make_tiny_hf_llama" else _launch_module(MAKERS[name])
     hf_dir = str(tmp_path / name)
     data = section["data"].get("data_path")
     if data is None:
@@ -81,10 +105,10 @@ def _with_tiny_hf_model(path, tmp_path):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
-def test_config_trains(path, tmp_path):
+def test_config_trains(path, tmp_path, monkeypatch):
     with open(path) as f:
         if "load_hf" in json.load(f)["megatron"].get("train", {}):
-            path = _with_tiny_hf_model(path, tmp_path)
+            path = _with_tiny_hf_model(path, tmp_path, monkeypatch)
     name = os.path.basename(path) if isinstance(path, str) else ""
     steps = 3
     losses = run_on_ranks(WORLD.get(name, 4), _few_steps, path, str(tmp_path / "run"), steps)

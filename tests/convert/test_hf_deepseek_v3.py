@@ -207,13 +207,16 @@ def _gather_vocab(logits, state):
     return logits[..., :hf_models.VOCAB]
 
 
-def _logits(path, hf_dir, tp, pp, ep, etp, sp, cp, toks):
+def _logits(paths, hf_dir, tp, pp, ep, etp, sp, cp, toks):
+    """The logits of our model read from each of ``paths`` at one layout (built once): on the last stage's ranks,
+    None on the others."""
     state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep, etp=etp,
                                                cp=2 if cp else 1))
     config = HFSource(hf_dir).gpt_config(sequence_parallel=sp, seq_length=hf_models.SEQ, cp_comm_type=cp or "p2p",
                                          **F64)
     stages = [list(r) for r in stage_layer_ranges(stage_layer_counts(config.num_layers, pp, "uniform", None, None))]
-    try:
+
+    def logits(path):
         if pp == 1:
             model = GPTModel(config, state).double().eval()
             load_weights(model, path, state, stages)
@@ -234,6 +237,8 @@ def _logits(path, hf_dir, tp, pp, ep, etp, sp, cp, toks):
                 return _gather_vocab(model(hidden).transpose(0, 1), state)
         finally:
             model.destroy_process_groups()
+    try:
+        return [logits(path) for path in paths]
     finally:
         state.destroy()
 
@@ -266,8 +271,10 @@ def test_every_layout_equals_transformers_and_round_trips(deepseek):
     _, hf_dir, toks, ref, tmp = deepseek
     ours = {lay: _convert(hf_dir, str(tmp / f"ours_{_name(*lay)}"), *lay[:4]) for lay in LAYOUTS}
     for lay in LAYOUTS:
-        for path in (hf_dir, ours[lay]):
-            results = [r for r in run_on_ranks(4, _logits, path, hf_dir, *lay, toks) if r is not None]
+        paths = (hf_dir, ours[lay])
+        per_rank = run_on_ranks(4, _logits, paths, hf_dir, *lay, toks)
+        for i, path in enumerate(paths):
+            results = [r[i] for r in per_rank if r[i] is not None]
             assert results
             for got in results:
                 err = hf_models.max_relative_error(got, ref)

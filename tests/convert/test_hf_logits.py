@@ -32,18 +32,20 @@ def _gather_vocab(logits, state, vocab):
     return logits[..., :vocab]
 
 
-def _our_logits(path, hf_dir, tp, pp, ep, sp, toks):
-    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep))
+def _logits_at(state, path, hf_dir, sp, toks):
+    """Our model of ``hf_dir``'s config at ``state``'s layout, its weights read from ``path``: the logits on the last
+    stage's ranks (gathered over TP), None on the others."""
+    tp, pp = state.tp.size, state.pp.size
     config = HFSource(hf_dir).gpt_config(sequence_parallel=sp, seq_length=hf_models.SEQ)
     stages = [list(r) for r in stage_layer_ranges(stage_layer_counts(config.num_layers, pp, "uniform", None, None))]
+    if pp == 1:
+        model = GPTModel(config, state).double().eval()
+        load_weights(model, path, state, stages)
+        with torch.no_grad():
+            return _gather_vocab(model(toks), state, config.vocab_size)
+    from ds_megatron.integration.pipeline import GPTPipelineModule
+    model = GPTPipelineModule(config, state).double().eval()
     try:
-        if pp == 1:
-            model = GPTModel(config, state).double().eval()
-            load_weights(model, path, state, stages)
-            with torch.no_grad():
-                return _gather_vocab(model(toks), state, config.vocab_size)
-        from ds_megatron.integration.pipeline import GPTPipelineModule
-        model = GPTPipelineModule(config, state).double().eval()
         load_weights(model, path, state, stages)
         pipe = state.pp
         with torch.no_grad():
@@ -57,8 +59,19 @@ def _our_logits(path, hf_dir, tp, pp, ep, sp, toks):
             logits = model(hidden).transpose(0, 1)
             return _gather_vocab(logits, state, config.vocab_size)
     finally:
-        if pp > 1:
-            model.destroy_process_groups()
+        model.destroy_process_groups()
+
+
+def _our_logits(path, hf_dir, tp, pp, ep, sp, toks):
+    return _our_logits_each([(path, hf_dir)], tp, pp, ep, sp, toks)[0]
+
+
+def _our_logits_each(models, tp, pp, ep, sp, toks):
+    """``_logits_at`` of each (path, Hugging Face directory) in ``models``, at one layout built once."""
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep))
+    try:
+        return [_logits_at(state, path, hf_dir, sp, toks) for path, hf_dir in models]
+    finally:
         state.destroy()
 
 
@@ -70,22 +83,6 @@ MOE_LAYOUTS = [(1, 1, 2, False, "hf"), (2, 1, 2, True, "ours"), (1, 2, 2, False,
 CASES = [(f, *lay) for f in hf_models.FAMILIES for lay in LAYOUTS + (MOE_LAYOUTS if f in hf_models.MOE else [])]
 
 
-@pytest.mark.parametrize("family,tp,pp,ep,sp,via", CASES,
-                         ids=[f"{f}-tp{t}-pp{p}-ep{e}{'-sp' if s else ''}-{v}" for f, t, p, e, s, v in CASES])
-def test_logits_equal_transformers(tmp_path, family, tp, pp, ep, sp, via):
-    model = hf_models.make_model(family)
-    hf_dir = hf_models.save(model, str(tmp_path / "hf"))
-    toks = hf_models.tokens()
-    ref = hf_models.reference_logits(model, toks)
-    path = hf_dir if via == "hf" else hf_to_ours(hf_dir, str(tmp_path / "ours"), tp=tp, pp=pp, ep=ep)
-    results = [r for r in run_on_ranks(WORLD, _our_logits, path, hf_dir, tp, pp, ep, sp, toks) if r is not None]
-    assert results
-    for got in results:
-        err = hf_models.max_relative_error(got, ref)
-        print(f"max relative logits error {family} tp={tp} pp={pp} ep={ep} sp={sp} via {via}: {err:.1e}")
-        assert err < 1e-10, (family, tp, pp, ep, sp, err)
-
-
 # family, hf_models.ROPE_SCALINGS key, layout: each type at a few layouts, not the cross product
 ROPE_CASES = [
     ("llama", "llama3", (2, 1, 1, True, "hf")), ("llama", "llama3", (1, 2, 1, False, "ours")),
@@ -94,18 +91,55 @@ ROPE_CASES = [
     ("qwen3", "llama3", (1, 1, 1, False, "hf")), ("qwen2", "yarn", (2, 2, 1, False, "ours")),
     ("qwen3_moe", "yarn", (1, 1, 2, False, "hf")),
 ]
+# (family, rope, (tp, pp, ep, sp, via)) of both tests below
+ALL_CASES = [(f, None, tuple(lay)) for f, *lay in CASES] + ROPE_CASES
+
+
+@pytest.fixture(scope="module")
+def logits(tmp_path_factory):
+    """``logits(family, rope, layout)``: (the logits our ranks returned, transformers' float64 logits).  Each tiny
+    model is made once; the cases of one layout (tp, pp, ep, sp) run in one 4-rank job on one ParallelState, the
+    first time one of them is asked for (a job per case spent most of its time starting and collecting garbage)."""
+    tmp, toks = tmp_path_factory.mktemp("hf_logits"), hf_models.tokens()
+    made, done = {}, {}
+
+    def model(family, rope):
+        if (family, rope) not in made:
+            hf = hf_models.make_model(family, rope=rope)
+            made[(family, rope)] = (hf_models.save(hf, str(tmp / f"{family}-{rope}" / "hf")),
+                                    hf_models.reference_logits(hf, toks))
+        return made[(family, rope)]
+
+    def get(family, rope, layout):
+        tp, pp, ep, sp, _ = layout
+        if layout[:4] not in done:
+            cases = [(f, r, lay) for f, r, lay in ALL_CASES if lay[:4] == layout[:4]]
+            models = []
+            for f, r, (*_, via) in cases:
+                hf_dir = model(f, r)[0]
+                ours = str(tmp / f"{f}-{r}" / f"ours-tp{tp}-pp{pp}-ep{ep}")
+                models.append((hf_dir if via == "hf" else hf_to_ours(hf_dir, ours, tp=tp, pp=pp, ep=ep), hf_dir))
+            per_rank = run_on_ranks(WORLD, _our_logits_each, models, tp, pp, ep, sp, toks)
+            done[layout[:4]] = {case: [r[i] for r in per_rank if r[i] is not None] for i, case in enumerate(cases)}
+        return done[layout[:4]][(family, rope, layout)], model(family, rope)[1]
+    return get
+
+
+@pytest.mark.parametrize("family,tp,pp,ep,sp,via", CASES,
+                         ids=[f"{f}-tp{t}-pp{p}-ep{e}{'-sp' if s else ''}-{v}" for f, t, p, e, s, v in CASES])
+def test_logits_equal_transformers(logits, family, tp, pp, ep, sp, via):
+    results, ref = logits(family, None, (tp, pp, ep, sp, via))
+    assert results
+    for got in results:
+        err = hf_models.max_relative_error(got, ref)
+        print(f"max relative logits error {family} tp={tp} pp={pp} ep={ep} sp={sp} via {via}: {err:.1e}")
+        assert err < 1e-10, (family, tp, pp, ep, sp, err)
 
 
 @pytest.mark.parametrize("family,rope,layout", ROPE_CASES,
                          ids=[f"{f}-{r}-tp{t}-pp{p}-ep{e}{'-sp' if s else ''}-{v}" for f, r, (t, p, e, s, v) in ROPE_CASES])
-def test_scaled_rope_logits_equal_transformers(tmp_path, family, rope, layout):
-    tp, pp, ep, sp, via = layout
-    model = hf_models.make_model(family, rope=rope)
-    hf_dir = hf_models.save(model, str(tmp_path / "hf"))
-    toks = hf_models.tokens()
-    ref = hf_models.reference_logits(model, toks)
-    path = hf_dir if via == "hf" else hf_to_ours(hf_dir, str(tmp_path / "ours"), tp=tp, pp=pp, ep=ep)
-    results = [r for r in run_on_ranks(WORLD, _our_logits, path, hf_dir, tp, pp, ep, sp, toks) if r is not None]
+def test_scaled_rope_logits_equal_transformers(logits, family, rope, layout):
+    results, ref = logits(family, rope, layout)
     assert results
     for got in results:
         assert hf_models.max_relative_error(got, ref) < 1e-10, (family, rope, layout)

@@ -1,7 +1,7 @@
 """``ckpt_format: "torch_dist"``: a training checkpoint resumes at another TP / PP / EP / DP.
 
-The reference is the unbroken run at the saving layout.  A job saves at step 4 and stops;
-the same output directory is resumed at other layouts with the same global batch.  The next
+The reference is the unbroken run at the saving layout (6 steps).  A job saves at step 4 and stops;
+the same output directory is resumed at other layouts with the same global batch.  The next two
 steps' losses must follow the unbroken run (float tolerance: other layouts sum in another
 order).  They would not without the optimizer moments (Adam's first step after a reset is
 about lr x sign(grad)), the LR schedule or the data position, all restored from the checkpoint.
@@ -27,9 +27,11 @@ LLAMA_MOE = {**GPT, "num_query_groups": 2, "position_embedding_type": "rope", "n
              "gated_linear_unit": True, "activation": "silu", "add_bias_linear": False,
              "untie_embeddings_and_output_weights": True, "num_experts": 4, "moe_ffn_hidden_size": 16,
              "moe_router_topk": 2, "moe_aux_loss_coeff": 0.0}  # a per-micro-batch loss: layouts differ
+STEPS = 6
+RESUMED = range(5, STEPS + 1)  # after the checkpoint of step 4
 
 
-def _config(out, tp=1, pp=1, ep=1, etp=None, mbs=1, world=4, model=GPT, steps=8, distopt=False, precision=None,
+def _config(out, tp=1, pp=1, ep=1, etp=None, mbs=1, world=4, model=GPT, steps=STEPS, distopt=False, precision=None,
             pipeline=None):
     dp = world // (tp * pp)
     megatron = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
@@ -56,15 +58,15 @@ def _train(cfg, resume=False, stop_after=None):
 
 
 def _resume_at(tmp_path, snapshot, name, **layout):
-    """Resume a copy of ``snapshot`` (a run stopped after step 4) at ``layout`` to step 8."""
+    """Resume a copy of ``snapshot`` (a run stopped after step 4) at ``layout`` to step ``STEPS``."""
     out = str(tmp_path / name)
     shutil.copytree(snapshot, out)
     return run_on_ranks(4, _train, _config(out, **layout), True)[0]
 
 
 def _check_follows(resumed, full, rel):
-    assert sorted(resumed) == list(range(5, 9))
-    for step in range(5, 9):
+    assert sorted(resumed) == list(RESUMED)
+    for step in RESUMED:
         assert resumed[step] == pytest.approx(full[step], rel=rel), step
 
 
@@ -82,7 +84,7 @@ def test_tp2_pp2_checkpoint_resumes_at_tp1_dp4_and_tp4(tmp_path):
     saving = dict(tp=2, pp=2, mbs=4)
     full, snapshot = _stopped_at_4(tmp_path, **saving)
     same = _resume_at(tmp_path, snapshot, "same", **saving)
-    assert [same[s] for s in range(5, 9)] == [full[s] for s in range(5, 9)]  # same layout: bit-exact
+    assert [same[s] for s in RESUMED] == [full[s] for s in RESUMED]  # same layout: bit-exact
     _check_follows(_resume_at(tmp_path, snapshot, "tp1_dp4", tp=1, mbs=1), full, 2e-5)
     _check_follows(_resume_at(tmp_path, snapshot, "tp4", tp=4, mbs=4), full, 2e-5)
 
@@ -93,7 +95,7 @@ def test_interleaved_pipeline_checkpoint_resumes_at_pp4_pp1_and_zero_bubble(tmp_
     saving = dict(pp=2, mbs=1, model=gpt4, pipeline={"virtual_pipeline_model_parallel_size": 2})
     full, snapshot = _stopped_at_4(tmp_path, **saving)
     same = _resume_at(tmp_path, snapshot, "same", **saving)
-    assert [same[s] for s in range(5, 9)] == [full[s] for s in range(5, 9)]  # same layout: bit-exact
+    assert [same[s] for s in RESUMED] == [full[s] for s in RESUMED]  # same layout: bit-exact
     _check_follows(_resume_at(tmp_path, snapshot, "pp4_v1", pp=4, mbs=1, model=gpt4,
                               pipeline={"pipeline_schedule": "interleaved_1f1b"}), full, 2e-5)
     _check_follows(_resume_at(tmp_path, snapshot, "pp1", pp=1, mbs=1, model=gpt4), full, 2e-5)
@@ -116,7 +118,7 @@ def test_bf16_main_params_and_moments_reshard(tmp_path):
     saving = dict(tp=2, mbs=2, precision="bf16")
     full, snapshot = _stopped_at_4(tmp_path, **saving)
     same = _resume_at(tmp_path, snapshot, "same", **saving)
-    assert [same[s] for s in range(5, 9)] == [full[s] for s in range(5, 9)]
+    assert [same[s] for s in RESUMED] == [full[s] for s in RESUMED]
     _check_follows(_resume_at(tmp_path, snapshot, "tp1", tp=1, mbs=1, precision="bf16", distopt=True), full, 2e-2)
 
 

@@ -7,6 +7,7 @@ to one fp32 ``GPTModel`` state dict (``checkpointing.export_fp32.consolidate``),
 "The same" is to float32 rounding: every run is compared with the single-rank model trained in float64, within a
 small multiple of the float32 single-rank job's own distance from it (``float64_reference.py``).
 """
+import json
 import os
 
 import pytest
@@ -20,7 +21,9 @@ from ds_megatron.checkpointing.export_fp32 import consolidate
 from ds_megatron.config.job import load_job
 from ds_megatron.training.train import train
 
-STEPS = 10
+# 2 steps of warmup, 4 of decay: the loss falls by 0.40 to 0.61 (0.3 asserted), and every layout's distance from
+# float64 is the same share of its bound as over 10 steps (at most 0.57 of it, with torch's scalar kernels).
+STEPS = 6
 BASE_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 257,
               "hidden_dropout": 0.0, "attention_dropout": 0.0}
 
@@ -60,6 +63,19 @@ def _references(cfg):
     return fp32, train_float64(cfg), train_float64(cfg, torch.float32, split=2)
 
 
+# The one-rank references by the model and dp they stand for: several layouts share one (cp_comm_type chooses how CP
+# ranks exchange, nothing at CP=1).  Computed by the first test that needs one, kept for the module's other tests.
+_REFERENCES = {}
+
+
+def _references_of(tmp_path, model, dp):
+    model = {k: v for k, v in (model or {}).items() if k != "cp_comm_type"}
+    key = json.dumps([model, dp], sort_keys=True)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_on_ranks(1, _references, _config(str(tmp_path / "ref"), model=model, mbs=2 * dp))[0]
+    return _REFERENCES[key]
+
+
 def _check_same_run(tmp_path, world, par_kwargs, model=None, dp=1):
     """``world`` ranks with ``par_kwargs`` (dp data-parallel replicas of 2 samples each) against one rank
     reading the same 2 * dp samples per micro-batch.
@@ -71,9 +87,8 @@ def _check_same_run(tmp_path, world, par_kwargs, model=None, dp=1):
     from it (``float64_reference.assert_within_float32_noise``).  A layout error (gradients not reduced over
     CP, KV copies or sequence-parallel gradients not summed) moves weights by ~1e-2: 1e3 times that bound."""
     par_cfg = _config(str(tmp_path / "cp"), model=model, **par_kwargs)
-    ref_cfg = _config(str(tmp_path / "ref"), model=model, mbs=2 * dp)
     par = run_on_ranks(world, _train, par_cfg)
-    fp32, fp64, fp32_split = run_on_ranks(1, _references, ref_cfg)[0]
+    fp32, fp64, fp32_split = _references_of(tmp_path, model, dp)
     assert all(r == par[0] for r in par), "ranks disagree on the logged losses"
     losses, val = par[0]
     assert sorted(losses) == list(range(1, STEPS + 1))

@@ -37,8 +37,8 @@ def _dense(q, k, v, dout, causal):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _cp_rank(kv_heads, comm_type, causal, dtype=torch.float64, v_dim=D):
-    """``comm_type`` one name, or a list of them run in turn in this job (one result per name)."""
+def _cp_rank(cases, v_dim=D):
+    """``cases``: [(kv_heads, comm_type, causal, dtype)] run in turn in this job; one (out, dq, dk, dv) per case."""
     import torch.distributed as dist
     from ds_megatron.parallel import ParallelLayout
     from ds_megatron.parallel_state import ParallelState
@@ -46,7 +46,7 @@ def _cp_rank(kv_heads, comm_type, causal, dtype=torch.float64, v_dim=D):
     state = ParallelState.build(ParallelLayout(world_size=cp, cp=cp))
     try:
         results = []
-        for name in ([comm_type] if isinstance(comm_type, str) else comm_type):
+        for kv_heads, name, causal, dtype in cases:
             hierarchical = None
             if name.startswith("a2a+p2p"):  # "a2a+p2p:INNER"
                 name, inner = name.split(":")
@@ -61,7 +61,7 @@ def _cp_rank(kv_heads, comm_type, causal, dtype=torch.float64, v_dim=D):
             out.backward(dout)
             assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
             results.append((out.detach(), q.grad, k.grad, v.grad))
-        return results[0] if isinstance(comm_type, str) else results
+        return results
     finally:
         state.destroy()
 
@@ -77,10 +77,34 @@ CASES += [(4, "a2a+p2p:2", kvh) for kvh in (4, 2, 1)] + [(4, "a2a+p2p:1", 2), (4
                                                          (2, "a2a+p2p:2", 1)]
 
 
+NOT_CAUSAL = ["p2p", "all_gather", "a2a", "a2a+p2p:2"]  # at cp = 2, kv_heads 2
+BF16 = ["p2p", "all_gather", "a2a", "a2a+p2p:2"]  # at cp = 4, kv_heads 2
+# (cp, kv_heads, comm_type, causal, dtype) of the tests below that compare a job's result with dense attention
+JOBS = ([(cp, kvh, comm, True, torch.float64) for cp, comm, kvh in CASES]
+        + [(2, 2, comm, False, torch.float64) for comm in NOT_CAUSAL]
+        + [(4, 2, comm, True, torch.bfloat16) for comm in BF16])
+
+
+@pytest.fixture(scope="module")
+def attention():
+    """``attention(cp, kv_heads, comm_type, causal, dtype)``: each rank's (out, dq, dk, dv).  The ``JOBS`` of one CP
+    size run in one job, the first time one of them is asked for (a job per case spent most of its time starting
+    and collecting the workers' garbage)."""
+    done = {}
+
+    def get(cp, *case):
+        if cp not in done:
+            cases = [job[1:] for job in JOBS if job[0] == cp]
+            per_rank = run_on_ranks(cp, _cp_rank, cases, timeout=300)
+            done[cp] = {c: [r[i] for r in per_rank] for i, c in enumerate(cases)}
+        return done[cp][case]
+    return get
+
+
 @pytest.mark.parametrize("cp,comm_type,kv_heads", CASES)
-def test_matches_dense_attention(cp, comm_type, kv_heads):
+def test_matches_dense_attention(attention, cp, comm_type, kv_heads):
     expected = _dense(*_inputs(kv_heads), causal=True)
-    per_rank = run_on_ranks(cp, _cp_rank, kv_heads, comm_type, True, timeout=120)
+    per_rank = attention(cp, kv_heads, comm_type, True, torch.float64)
     for name, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
         got = zigzag_unsplit([r[i] for r in per_rank], seq_dim=2)
         err = _rel(got, expected[i])
@@ -92,7 +116,7 @@ def test_values_narrower_than_keys_as_multi_latent_attention():
     # MLA: k is qk_head_dim + qk_pos_emb_head_dim wide, v only v_head_dim; K and V travel side by side.
     expected = _dense(*_inputs(4, v_dim=D - 3), causal=True)
     names = ["p2p", "all_gather", "a2a", "a2a+p2p:2"]
-    per_rank = run_on_ranks(4, _cp_rank, 4, names, True, torch.float64, D - 3, timeout=120)
+    per_rank = run_on_ranks(4, _cp_rank, [(4, name, True, torch.float64) for name in names], D - 3, timeout=120)
     for j, name in enumerate(names):
         for grad, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
             got = zigzag_unsplit([r[j][i] for r in per_rank], seq_dim=2)
@@ -100,21 +124,21 @@ def test_values_narrower_than_keys_as_multi_latent_attention():
             assert _rel(got, expected[i]) < TOL, (name, grad, _rel(got, expected[i]))
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a", "a2a+p2p:2"])
-def test_not_causal(comm_type):
+@pytest.mark.parametrize("comm_type", NOT_CAUSAL)
+def test_not_causal(attention, comm_type):
     expected = _dense(*_inputs(2), causal=False)
-    per_rank = run_on_ranks(2, _cp_rank, 2, comm_type, False, timeout=120)
+    per_rank = attention(2, 2, comm_type, False, torch.float64)
     for i in range(4):
         assert _rel(zigzag_unsplit([r[i] for r in per_rank], seq_dim=2), expected[i]) < TOL
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a", "a2a+p2p:2"])
-def test_bfloat16_inputs_match_dense_attention_to_bfloat16_rounding(comm_type):
+@pytest.mark.parametrize("comm_type", BF16)
+def test_bfloat16_inputs_match_dense_attention_to_bfloat16_rounding(attention, comm_type):
     # K/V travel in bf16, blocks are computed and dK/dV accumulated in float32: the result is the exact
     # attention of the bf16 inputs up to bf16's rounding of the outputs (2^-8 relative).
     inputs = [t.to(torch.bfloat16).to(torch.float64) for t in _inputs(2)]
     expected = _dense(*inputs, causal=True)
-    per_rank = run_on_ranks(4, _cp_rank, 2, comm_type, True, torch.bfloat16, timeout=120)
+    per_rank = attention(4, 2, comm_type, True, torch.bfloat16)
     for name, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
         got = zigzag_unsplit([r[i].double() for r in per_rank], seq_dim=2)
         assert _rel(got, expected[i]) < 2 ** -7, (name, _rel(got, expected[i]))
