@@ -18,6 +18,7 @@ when W runs, for the weight's; the vocab-parallel loss takes a store for the out
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
@@ -137,12 +138,10 @@ def deferrable(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torc
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            store: Optional[WeightGradStore], fp8: Optional[FP8LinearState] = None) -> torch.Tensor:
     """``F.linear``, or with a store the linear whose weight gradient the store may defer, or with an fp8 state
-    the linear whose three GEMMs run in fp8 by its recipe."""
-    if fp8 is not None:
-        if store is not None:
-            raise ValueError("an fp8 linear layer was given a WeightGradStore: deferring fp8 weight gradients "
-                             "(pipeline_schedule \"zero_bubble\") is not built yet; use another schedule or fp8 null")
-        return fp8_linear(x, weight, bias, fp8)
+    the linear whose three GEMMs run in fp8 by its recipe (its weight gradient deferrable the same way)."""
+    if fp8 is not None:  # a deferred W runs on the fp8 copies of X and dY its B pass made, not the 16-bit ones
+        return fp8_linear(x, weight, bias, fp8,
+                          None if store is None else functools.partial(weight_grad_or_defer, store, weight))
     if store is None:
         return torch.nn.functional.linear(x, weight, bias)
     return _LinearWithDeferrableWeightGrad.apply(x, weight, bias, store)
