@@ -45,7 +45,9 @@ On DeepSpeed's optimizer path three more things make its optimizers right with o
 experts in DeepSpeed's MoE param groups and know our MoE layers when they are built
 (``integration.moe.zero_expert_param_groups``, ``seams.engines_built_with_moe``); its fp32 clipping without ZeRO
 divides by Megatron's true global norm (``clip_fp32_by_the_global_norm``); and the step its 16-bit optimizer
-without ZeRO takes at construction is undone (``seams.undo_construction_step``).
+without ZeRO takes at construction is undone (``seams.undo_construction_step``).  The delayed fp8 recipe's amax histories advance
+after each of its optimizer steps (``advance_delayed_fp8_after_each_step``), as ``finalize_model_grads`` advances
+them on ours.
 """
 from __future__ import annotations
 
