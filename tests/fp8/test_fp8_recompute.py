@@ -37,3 +37,15 @@ def test_recomputed_fp8_forward_equals_the_stored_one(recipe):
         assert torch.equal(got_loss, loss), recompute
         assert all(torch.equal(got_grads[n], g) for n, g in grads.items()), recompute
         assert got_amaxes == amaxes and (recipe == "tensorwise" or min(amaxes) > 0), recompute
+
+
+def test_an_evaluation_forward_records_no_amax():
+    """Only the passes that train feed the delayed recipe's step amaxes: a validation forward between steps leaves
+    them alone, so the next scales do not depend on when the job evaluates."""
+    model = GPTModel(GPTConfig(**MODEL, fp8="e4m3", fp8_recipe="delayed"))
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(tokens[:, :-1], tokens[:, 1:])
+    assert all(float(a) == 0 for s in fp8_states(model) for a in s.step_amax.values())
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert all(float(a) > 0 for s in fp8_states(model) for a in s.step_amax.values())
