@@ -59,8 +59,10 @@ def load_scaling_tensors(module: torch.nn.Module, saved: Dict[str, torch.Tensor]
     states = delayed_states(module)
     found = [n for n in states if f"{PREFIX}{n}.amax_history" in saved]
     first = dist.get_rank() == 0 if dist.is_initialized() else True
+    config = getattr(module, "config", None)  # a pipeline stage may hold none of a delayed job's fp8 layers
     if not states:
-        if saved and first:
+        delayed_job = config is not None and config.fp8 is not None and config.fp8_recipe == "delayed"
+        if saved and first and not delayed_job:
             logger.warning(f"{where} holds the delayed fp8 recipe's amax histories; this job does not use the "
                            "delayed recipe, so they are ignored")
         return
@@ -71,9 +73,8 @@ def load_scaling_tensors(module: torch.nn.Module, saved: Dict[str, torch.Tensor]
     for name in found:
         state, history = states[name], saved[f"{PREFIX}{name}.amax_history"]
         if history.size(-1) != state.recipe.amax_history_len:
-            raise ValueError(f"{where} was saved with model.fp8_amax_history_len={history.size(-1)}, "
-                             f"this job has {state.recipe.amax_history_len}; resume with "
-                             f"{history.size(-1)}")
+            raise ValueError(f"{where} was saved with model.fp8_amax_history_len={history.size(-1)}, this job "
+                             f"has {state.recipe.amax_history_len}; resume with {history.size(-1)}")
         scale = saved[f"{PREFIX}{name}.scale"]
         device = state.scale[ROLES[0]].device
         for i, role in enumerate(ROLES):

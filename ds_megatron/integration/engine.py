@@ -45,9 +45,9 @@ On DeepSpeed's optimizer path three more things make its optimizers right with o
 experts in DeepSpeed's MoE param groups and know our MoE layers when they are built
 (``integration.moe.zero_expert_param_groups``, ``seams.engines_built_with_moe``); its fp32 clipping without ZeRO
 divides by Megatron's true global norm (``clip_fp32_by_the_global_norm``); and the step its 16-bit optimizer
-without ZeRO takes at construction is undone (``seams.undo_construction_step``).  The delayed fp8 recipe's amax histories advance
-after each of its optimizer steps (``advance_delayed_fp8_after_each_step``), as ``finalize_model_grads`` advances
-them on ours.
+without ZeRO takes at construction is undone (``seams.undo_construction_step``).  The delayed fp8 recipe's amax
+histories advance after each of its optimizer steps (``advance_delayed_fp8_after_each_step``), as
+``finalize_model_grads`` advances them on ours.
 """
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, de
                        set_routing_loss_scale)
 from .pipeline_runtime import PipelineRuntime, attach_pipeline_runtime
 from .runtime import adopt_existing_process_group, init_distributed_from_env
-from .seams import (after_optimizer_step, count_pipeline_sends, engines_built_with_moe, install_rng_tracker, report_precision,
-                    set_fp32_clipping, undo_construction_step)
+from .seams import (after_optimizer_step, count_pipeline_sends, engines_built_with_moe, install_rng_tracker,
+                    report_precision, set_fp32_clipping, undo_construction_step)
 
 ConfigLike = Union[str, Dict[str, Any]]
 logger = logging.getLogger("ds_megatron")

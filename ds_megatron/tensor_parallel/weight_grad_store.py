@@ -7,8 +7,8 @@ bubble.  ``ColumnParallelLinear`` and ``RowParallelLinear`` given a ``WeightGrad
 store is deferring: then the GEMM is queued under the current key and runs when the schedule calls
 ``run(key)``.  The deferred gradient is the same GEMM on the same tensors, so it is bit-identical to
 the undeferred one; it reaches the parameter through ``accumulate`` (the gradient buffers' own
-accumulation, which also tells a bucket its gradient is in).  An fp8 linear (``fp8.fp8_linear``) defers the same way: its queued GEMM
-holds the fp8 copies of X and dY that B made, not the 16-bit tensors.
+accumulation, which also tells a bucket its gradient is in).  An fp8 linear (``fp8.fp8_linear``)
+defers the same way: its queued GEMM holds the fp8 copies of X and dY that B made, not the 16-bit tensors.
 
 Besides the plain linear: ``deferrable(fn, x, weight, store)`` splits any ``fn(x, weight)`` (the experts'
 grouped GEMM) the same way through autograd's own backward of ``fn``, asked first for the input gradient and,

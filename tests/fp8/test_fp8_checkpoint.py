@@ -86,3 +86,5 @@ def test_histories_meet_a_job_of_another_recipe_as_decided(caplog):
         assert all(torch.equal(got.amax_history[r], want.amax_history[r]) and torch.equal(got.scale[r], want.scale[r])
                    for r in want.scale)
     assert all(float(s.scale["input"]) == 1.0 for s in fp8_states(fresh))
+    with pytest.raises(ValueError, match="fp8_amax_history_len=3, this job has 4; resume with 3"):
+        load_scaling_tensors(_model(fp8_amax_history_len=4), saved, "ckpt")  # a loop's own load, past the record
