@@ -31,6 +31,7 @@ DeepSpeed API, left untouched on the engine) and add what it cannot know:
 * DeepSpeed's ZeRO path copies ``zero_to_fp32.py`` next to the checkpoint; with TP / PP / EP it cannot
   consolidate our shards, so it is replaced by one that names ``ds-megatron export-fp32``
   (``export_fp32.guard_zero_recovery_scripts``).
+* The delayed fp8 recipe's amax histories and scales (``fp8_scaling``), one file per pipeline rank.
 * A distributed optimizer gathers its shards on every rank before anything asks
   (the gather is a collective).
 * After a load our gradient buffers start a new window at the next forward
@@ -55,6 +56,7 @@ from ..integration.seams import expert_checkpoint_name, pipeline_layer_state_dic
 from ..moe.moe_layer import BaseMoELayer
 from ..optimizer import MegatronOptimizer
 from ..utils.collectives import barrier
+from . import fp8_scaling
 from .torch_dist import CheckpointFormatError
 from .export_fp32 import RECORD_KEY, export_record, guard_zero_recovery_scripts
 
@@ -113,6 +115,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
                     weights = {f"{name}.experts.local_experts.{global_id}.{k}": v.detach().clone().contiguous()
                                for k, v in experts.expert_weights(local).items()}
                     torch.save(weights, expert_checkpoint_name(save_dir, tag, layer_id, global_id, state.etp.rank))
+    fp8_scaling.save_files(engine.module, os.path.join(save_dir, tag), state)  # before DeepSpeed writes `latest`
     gathered = getattr(engine.optimizer, "gathered_state_dict", None)
     with gathered() if gathered is not None else contextlib.nullcontext():
         if _saves_moe_optimizer_itself(engine):
@@ -147,6 +150,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, **kwargs) 
         with open(os.path.join(load_dir, "latest")) as f:
             tag = f.read().strip()
     _load_experts(engine, load_dir, str(tag))
+    fp8_scaling.load_files(engine.module, os.path.join(load_dir, str(tag)))
     if ours:
         if load_optimizer:
             shard = optimizer_shard_name(load_dir, str(tag), engine.megatron.state.layout, dist.get_rank())

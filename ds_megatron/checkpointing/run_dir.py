@@ -73,8 +73,14 @@ def job_meta(job) -> Dict[str, Any]:
                        "expert_tensor_parallel_size": (parallel.expert_tensor_parallel_size
                                                        or parallel.tensor_model_parallel_size)},
             "params_dtype": job.megatron.precision.params_dtype,
+            "fp8_amax_history_len": delayed_history_len(job.model),
             "ckpt_format": job.train.ckpt_format,
             "data_order": data_order(job)}
+
+
+def delayed_history_len(model) -> Optional[int]:
+    """The length of the delayed fp8 recipe's amax histories a checkpoint holds (None: it holds none)."""
+    return model.fp8_amax_history_len if model.fp8 is not None and model.fp8_recipe == "delayed" else None
 
 
 def data_order(job) -> Dict[str, Any]:
@@ -126,6 +132,11 @@ def check_resume(job, save_dir: str) -> Optional[str]:
         raise ConfigError(f"this config trains {now['params_dtype']} params (fp16.enabled / bf16.enabled) but the "
                           f"checkpoint {where} holds {saved['params_dtype']} ones with their optimizer state; resume "
                           "with the same precision, or use another --output-dir")
+    history = saved.get("fp8_amax_history_len")
+    if history is not None and now["fp8_amax_history_len"] not in (None, history):
+        raise ConfigError(f"{SECTION}.model.fp8_amax_history_len={now['fp8_amax_history_len']} but the checkpoint "
+                          f"{where} holds the delayed fp8 recipe's amax histories of {history} steps; resume with "
+                          f"{history}, or use another --output-dir")
     # Checkpoints written before the data order was recorded have none to compare.
     saved_order, now_order = saved.get("data_order", {}), now["data_order"]
     for name in DATA_ORDER_FIELDS + CORPUS_FIELDS:

@@ -19,7 +19,8 @@ Keys of the checkpoint (the one-rank ``GPTModel``'s names, ``N``):
 ``model.N``; ``optimizer.state.N.<key>`` (moments sharded like the param, the
 step replicated); ``optimizer.main.N`` (fp32 main params of 16-bit params);
 ``optimizer.param_groups``, ``optimizer.grad_scaler``, ``lr_scheduler``,
-``engine``, ``client``, ``meta``: small objects.
+``engine``, ``client``, ``meta``: small objects; ``fp8.<linear>.amax_history`` / ``.scale``: the delayed
+fp8 recipe's state (``fp8_scaling``), replicated.
 
 Needs our optimizer path (a ``MegatronOptimizer``) and our GPT (``GPTModel`` or a
 ``GPTPipelineModule`` stage) whose tensors are its parameters (``moe_grouped_gemm``
@@ -44,6 +45,7 @@ from ..convert.model_io import model_tensors
 from ..integration.seams import engine_counters, set_engine_counters
 from ..models import GPTConfig
 from ..optimizer import MegatronOptimizer
+from .fp8_scaling import PREFIX as FP8_PREFIX, load_scaling_tensors, scaling_tensors
 from .global_shards import GlobalShard, RankCoordinates, global_shards
 from .rng import saved_layout
 
@@ -214,6 +216,7 @@ def save(engine, directory: str, client_state: Dict[str, Any]) -> None:
     for param, views in by_param.values():
         _add_sharded(state, "model.", param, views)
     state.update({key: bias.detach().clone() for key, bias in _expert_biases(module).items()})
+    state.update(scaling_tensors(module))  # the delayed fp8 recipe's, agreed over TP and dp-cp: replicated
     saved = optimizer.state_dict()  # the distributed optimizer gathers here (a collective)
     groups, float16_groups = optimizer.state_dict_params()
     for index, param in enumerate(p for group in groups for p in group):
@@ -275,6 +278,9 @@ def load(engine, directory: str) -> Dict[str, Any]:
     if not biases and any(k.endswith("router.expert_bias") for k in saved_md):
         raise CheckpointFormatError(f"{directory} holds the routers' expert_bias but this model has none; set "
                                     "model.moe_router_enable_expert_bias as the checkpoint's job did")
+    fp8 = {key: torch.zeros(tuple(md.size), dtype=md.properties.dtype) for key, md in saved_md.items()
+           if key.startswith(FP8_PREFIX) and isinstance(md, TensorStorageMetadata)}
+    state.update(fp8)  # every stage's: load_scaling_tensors takes this rank's layers and checks the history length
     groups, float16_groups = optimizer.state_dict_params()
     moments: Dict[int, Dict[str, Any]] = {}  # state index -> {name: buffer, or the key of a replicated value}
     for index, param in enumerate(p for group in groups for p in group):
@@ -336,4 +342,5 @@ def load(engine, directory: str) -> Dict[str, Any]:
     if engine.lr_scheduler is not None and "lr_scheduler" in state:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
     set_engine_counters(engine, state["engine"])
+    load_scaling_tensors(module, fp8, directory)
     return state["client"]

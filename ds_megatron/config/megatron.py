@@ -232,10 +232,7 @@ def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig,
     if precision.params_dtype != "bf16":
         raise ConfigError(f"{what} needs bf16 training (fp8 GEMMs on bf16 params with fp32 main params); set "
                           "bf16.enabled true")
-    refused = ((parallel.pipeline_model_parallel_size > 1, f"{SECTION}.pipeline_model_parallel_size="
-                f"{parallel.pipeline_model_parallel_size} (pipeline schedules, zero-bubble's deferred weight "
-                "gradients included)", "set it to 1"),
-               (parallel.context_parallel_size > 1, f"{SECTION}.context_parallel_size="
+    refused = ((parallel.context_parallel_size > 1, f"{SECTION}.context_parallel_size="
                 f"{parallel.context_parallel_size}", "set it to 1"),
                (cuda_graph.enabled, f"{SECTION}.cuda_graph.impl={cuda_graph.impl!r}", "set cuda_graph.impl \"none\""))
     for bad, setting, fix in refused:

@@ -23,6 +23,12 @@ gradient, in this order:
 4. the aux-loss-free expert bias of every router that has one moves once, from the step's token counts
    summed over the ranks routing for the same experts (``moe.router.update_expert_bias``: the
    sequence group, then dp), Megatron's place for it.
+5. the delayed fp8 recipe's amax histories and scales advance once (``fp8.update_delayed_scaling``: this step's
+   amaxes, MAX over TP, then over dp-cp, the ranks whose replicas saw other data), after the last micro-batch's
+   backward and before the next step's forward, so the scales stay the same for every micro-batch of a step.  It
+   is the once-per-step model state next to the expert bias, and sits before the optimizer's inf/nan check: a
+   skipped step advances the history too, as Transformer Engine's update knows nothing of the optimizer (an
+   inf/nan amax enters the history and keeps the previous scale while it is the one the algorithm reads).
 
 The Megatron optimizer wrappers call it at the start of ``step()``, the one
 point of a DeepSpeed loop that every rank reaches once per accumulation window.
@@ -34,8 +40,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..fp8 import update_delayed_scaling
 from ..moe.router import expert_bias_routers, update_expert_bias
 from ..parallel_state import ParallelState
+from ..tensor_parallel.layers import fp8_states
 from ..tensor_parallel.params import allreduce_tp_partial_grads, grad_of, tp_partial_params
 from ..utils.collectives import all_reduce
 from .distributed_data_parallel import DistributedDataParallel
@@ -53,5 +61,7 @@ def finalize_model_grads(model_chunks: Sequence[DistributedDataParallel], parall
         for p in tied:  # only first and last stage hold them, and those are in the embedding group
             all_reduce(grad_of(p), parallel_state["embedding"])
     update_expert_bias(expert_bias_routers(chunk.module for chunk in chunks))
+    update_delayed_scaling([s for chunk in chunks for s in fp8_states(chunk.module)],
+                           [parallel_state.tp, parallel_state.dp_cp])
     for chunk in chunks:
         chunk.grads_finalized = True

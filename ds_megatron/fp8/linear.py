@@ -7,10 +7,14 @@ once and reuse its fp8 copy, transposed, in both GEMMs it feeds (only the fp8 co
 Transformer Engine does).  Blockwise tiles each operand along its GEMM's reduction dimension, so X and dY are
 quantized once per GEMM (1x128 along features, then along tokens for the weight gradient, DeepSeek-V3's 128x1
 tiles); W's 128x128 blocks serve both of its GEMMs.
+
+The delayed recipe records the amaxes of the passes that train (a forward with gradients on, and its backward), not
+those of an evaluation under ``no_grad``: the scales of a step then depend on the training steps alone.  A deferred
+weight gradient (ZB-H1's W pass, ``weight_grad``) runs later on the fp8 copies of X and dY the B pass made.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -19,10 +23,10 @@ from .quantize import amax, cast, quantize_128x128, quantize_1x128, scale_from_a
 from .recipe import BLOCK, FP8LinearState
 
 
-def _per_tensor(state: FP8LinearState, tensors: Tuple[torch.Tensor, ...], roles: Tuple[str, ...]):
+def _per_tensor(state: FP8LinearState, tensors: Tuple[torch.Tensor, ...], roles: Tuple[str, ...], record: bool):
     """Tensorwise or delayed: each tensor's (fp8 copy, scale_inv).  Tensorwise agrees on the amaxes over TP (one
     all-reduce for all of them), so a tensor split over TP is scaled as the whole; delayed uses the state's scales
-    and records the amaxes for the step's update."""
+    and, when ``record``, folds the amaxes into the step's."""
     recipe = state.recipe
     amaxes = torch.stack([amax(t) for t in tensors])
     if recipe.recipe == "tensorwise":
@@ -31,7 +35,8 @@ def _per_tensor(state: FP8LinearState, tensors: Tuple[torch.Tensor, ...], roles:
     else:
         state.follow(amaxes.device)
         for a, r in zip(amaxes, roles):
-            state.record_amax(r, a)
+            if record:
+                state.record_amax(r, a)
         scales = [state.scale[r] for r in roles]
     return [(cast(t, s, recipe.dtype(r)), 1.0 / s) for t, s, r in zip(tensors, scales, roles)]
 
@@ -47,7 +52,7 @@ def _blockwise_tokens(state: FP8LinearState, t: torch.Tensor, role: str):
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, state: FP8LinearState):
+    def forward(ctx, x, weight, bias, state: FP8LinearState, record: bool, weight_grad):
         r = state.recipe
         x2 = x.reshape(-1, x.size(-1))
         if r.recipe == "blockwise":
@@ -55,12 +60,13 @@ class _FP8Linear(torch.autograd.Function):
             qw, sw = quantize_128x128(weight, r.dtype("weight"), r.fp8_max("weight"), r.margin)
             saved_x = _blockwise_tokens(state, x2, "input") if ctx.needs_input_grad[1] else (None, None)
         else:
-            (qx, sx), (qw, sw) = _per_tensor(state, (x2, weight), ("input", "weight"))
+            (qx, sx), (qw, sw) = _per_tensor(state, (x2, weight), ("input", "weight"), record)
             saved_x = (qx, sx)
         y = scaled_gemm(qx, sx, qw, sw, x.dtype)
         if bias is not None:
             y = y + bias
         ctx.state, ctx.has_bias, ctx.x_shape, ctx.dtypes = state, bias is not None, x.shape, (x.dtype, weight.dtype)
+        ctx.weight_grad = weight_grad
         ctx.save_for_backward(saved_x[0], saved_x[1], qw, sw)
         return y.reshape(*x.shape[:-1], weight.size(0))
 
@@ -77,24 +83,31 @@ class _FP8Linear(torch.autograd.Function):
                 grad_input = scaled_gemm(qdy, sdy, qw.t(), sw.t(), x_dtype)
             if ctx.needs_input_grad[1]:
                 qdyt, sdyt = _blockwise_tokens(state, dy, "grad_output")
-                grad_weight = scaled_gemm(qdyt, sdyt, qx, sx, w_dtype)
+                grad_weight = ctx.weight_grad(lambda: scaled_gemm(qdyt, sdyt, qx, sx, w_dtype))
         else:
-            ((qdy, sdy),) = _per_tensor(state, (dy,), ("grad_output",))
+            ((qdy, sdy),) = _per_tensor(state, (dy,), ("grad_output",), True)
             if ctx.needs_input_grad[0]:
                 grad_input = scaled_gemm(qdy, sdy, qw.t(), sw, x_dtype)
             if ctx.needs_input_grad[1]:
-                grad_weight = scaled_gemm(qdy.t(), sdy, qx.t(), sx, w_dtype)
+                grad_weight = ctx.weight_grad(lambda: scaled_gemm(qdy.t(), sdy, qx.t(), sx, w_dtype))
         if grad_input is not None:
             grad_input = grad_input.reshape(ctx.x_shape)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(0)
-        return grad_input, grad_weight, grad_bias, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               state: FP8LinearState) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with its three GEMMs in fp8 by ``state``'s recipe."""
-    return _FP8Linear.apply(x, weight, bias, state)
+def _now(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    return compute()
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: FP8LinearState,
+               weight_grad: Optional[Callable[[Callable[[], torch.Tensor]], Optional[torch.Tensor]]] = None
+               ) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with its three GEMMs in fp8 by ``state``'s recipe.  ``weight_grad`` is handed
+    the weight-gradient GEMM (a closure over the fp8 copies) and returns the gradient, or None having deferred it
+    (``tensor_parallel.weight_grad_store.weight_grad_or_defer``); by default it runs at once."""
+    return _FP8Linear.apply(x, weight, bias, state, torch.is_grad_enabled(), weight_grad or _now)
 
 
 __all__ = ["fp8_linear"]

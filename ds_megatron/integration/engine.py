@@ -45,7 +45,9 @@ On DeepSpeed's optimizer path three more things make its optimizers right with o
 experts in DeepSpeed's MoE param groups and know our MoE layers when they are built
 (``integration.moe.zero_expert_param_groups``, ``seams.engines_built_with_moe``); its fp32 clipping without ZeRO
 divides by Megatron's true global norm (``clip_fp32_by_the_global_norm``); and the step its 16-bit optimizer
-without ZeRO takes at construction is undone (``seams.undo_construction_step``).
+without ZeRO takes at construction is undone (``seams.undo_construction_step``).  The delayed fp8 recipe's amax
+histories advance after each of its optimizer steps (``advance_delayed_fp8_after_each_step``), as
+``finalize_model_grads`` advances them on ours.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple, Union
@@ -66,10 +69,12 @@ from ..config.megatron import check_deepspeed_optimizer
 from ..config.pipeline import pipeline_schedule, virtual_pipeline_size
 from ..distributed import DistributedDataParallel, finalize_model_grads
 from ..errors import ConfigError
+from ..fp8 import update_delayed_scaling
 from ..models.gpt_chunks import GPTModelChunks
 from ..optimizer import clip_grad_by_total_norm_fp32
 from ..optimizer.clip_grads import get_grad_norm_with_experts
 from ..parallel_state import ParallelState
+from ..tensor_parallel.layers import fp8_states
 from ..tensor_parallel.params import is_expert_param
 from ..utils.collectives import record
 from .cuda_graphs import CudaGraphEngineHook, PipelineRuntimeCudaGraphs, attach_cuda_graphs
@@ -83,8 +88,8 @@ from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, de
                        set_routing_loss_scale)
 from .pipeline_runtime import PipelineRuntime, attach_pipeline_runtime
 from .runtime import adopt_existing_process_group, init_distributed_from_env
-from .seams import (count_pipeline_sends, engines_built_with_moe, install_rng_tracker, report_precision,
-                    set_fp32_clipping, undo_construction_step)
+from .seams import (after_optimizer_step, count_pipeline_sends, engines_built_with_moe, install_rng_tracker,
+                    report_precision, set_fp32_clipping, undo_construction_step)
 
 ConfigLike = Union[str, Dict[str, Any]]
 logger = logging.getLogger("ds_megatron")
@@ -288,6 +293,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         complete_tp_partial_grads_in_backward(model, parallel_state)
         if mcfg.section_given and not pipeline:
             clip_fp32_by_the_global_norm(engine, model, parallel_state)
+        advance_delayed_fp8_after_each_step(engine, model, parallel_state)
     if moe_on_deepspeed_path:  # DeepSpeed reduces and checkpoints the experts: its path only
         mark_engine_has_our_moe(engine)
     if mcfg.section_given and not mcfg.precision.owns_optimizer:
@@ -319,6 +325,14 @@ def clip_fp32_by_the_global_norm(engine, model: torch.nn.Module, state: Parallel
         norm = get_grad_norm_with_experts(params, state.tp.rank, state.mp, state.expert_mp)
         clip_grad_by_total_norm_fp32(params, max_norm, norm)
     set_fp32_clipping(engine, clip)
+
+
+def advance_delayed_fp8_after_each_step(engine, model: torch.nn.Module, state: ParallelState) -> None:
+    """DeepSpeed's optimizer path: the delayed fp8 recipe's histories and scales advance after each optimizer step
+    (what ``finalize_model_grads`` does on ours), on every stage, over TP and dp-cp."""
+    states = [s for s in fp8_states(model) if s.recipe.recipe == "delayed"]
+    if states and engine.optimizer is not None:  # an engine without an optimizer takes no step
+        after_optimizer_step(engine, functools.partial(update_delayed_scaling, states, [state.tp, state.dp_cp]))
 
 
 def check_model_uses_layout(model: Optional[torch.nn.Module], state: ParallelState) -> None:

@@ -123,6 +123,19 @@ def set_fp32_clipping(engine, clip: Callable[[], None]) -> None:
     engine.clip_fp32_gradients = clip
 
 
+def after_optimizer_step(engine, then: Callable[[], None]) -> None:
+    """``then()`` after every ``engine.optimizer.step()``, which ``_take_model_step`` calls once per accumulation
+    boundary on every engine (the plain one, the ``PipelineEngine``), a skipped step too (replaced on the
+    instance)."""
+    step = engine.optimizer.step
+
+    def step_then(*args, **kwargs):
+        result = step(*args, **kwargs)
+        then()
+        return result
+    engine.optimizer.step = step_then
+
+
 def undo_construction_step(engine) -> bool:
     """Undo the optimizer step DeepSpeed's 16-bit optimizers without ZeRO (``FP16_Optimizer``,
     ``FP16_UnfusedOptimizer``) take at construction (``initialize_optimizer_states``: a step with zero gradients,
@@ -476,6 +489,9 @@ SEAMS: List[Seam] = [
     Seam("FP16_Optimizer / FP16_UnfusedOptimizer step their optimizer at construction "
          "(initialize_optimizer_states), engine.basic_optimizer, refresh_fp32_params()",
          "undo_construction_step (integration.engine)", _construction_step),
+    Seam("engine.optimizer.step(), called by _take_model_step once per accumulation boundary",
+         "after_optimizer_step (integration.engine: the delayed fp8 recipe on DeepSpeed's optimizer path), on the "
+         "instance", _reads(DeepSpeedEngine, "_take_model_step", "self.optimizer.step()")),
     Seam("optimizer.overflow and optimizer._global_grad_norm, read after the client optimizer's step",
          "optimizer.megatron_optimizer (our optimizers set them)",
          _reads(DeepSpeedEngine, "_take_model_step", "self.optimizer.overflow", "self.optimizer._global_grad_norm")),
@@ -547,7 +563,8 @@ def check_seams() -> List[str]:
     return problems
 
 
-__all__ = ["ENGINE_COUNTERS", "PIPELINE_MODULE_OVERRIDES", "SEAMS", "Seam", "check_deepspeed_version", "check_seams",
+__all__ = ["ENGINE_COUNTERS", "PIPELINE_MODULE_OVERRIDES", "SEAMS", "Seam", "after_optimizer_step",
+           "check_deepspeed_version", "check_seams",
            "clear_expert_groups", "count_pipeline_sends", "create_deepspeed_expert_groups", "deepspeed_expert_groups",
            "engine_counters", "engines_built_with_moe", "expert_checkpoint_name", "inside_no_sync",
            "install_rng_tracker", "mark_engine_has_moe", "pipeline_layer_state_dicts", "pipeline_micro_batches",

@@ -7,7 +7,8 @@ bubble.  ``ColumnParallelLinear`` and ``RowParallelLinear`` given a ``WeightGrad
 store is deferring: then the GEMM is queued under the current key and runs when the schedule calls
 ``run(key)``.  The deferred gradient is the same GEMM on the same tensors, so it is bit-identical to
 the undeferred one; it reaches the parameter through ``accumulate`` (the gradient buffers' own
-accumulation, which also tells a bucket its gradient is in).
+accumulation, which also tells a bucket its gradient is in).  An fp8 linear (``fp8.fp8_linear``)
+defers the same way: its queued GEMM holds the fp8 copies of X and dY that B made, not the 16-bit tensors.
 
 Besides the plain linear: ``deferrable(fn, x, weight, store)`` splits any ``fn(x, weight)`` (the experts'
 grouped GEMM) the same way through autograd's own backward of ``fn``, asked first for the input gradient and,
@@ -18,6 +19,7 @@ when W runs, for the weight's; the vocab-parallel loss takes a store for the out
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
@@ -137,12 +139,10 @@ def deferrable(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torc
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
            store: Optional[WeightGradStore], fp8: Optional[FP8LinearState] = None) -> torch.Tensor:
     """``F.linear``, or with a store the linear whose weight gradient the store may defer, or with an fp8 state
-    the linear whose three GEMMs run in fp8 by its recipe."""
-    if fp8 is not None:
-        if store is not None:
-            raise ValueError("an fp8 linear layer was given a WeightGradStore: deferring fp8 weight gradients "
-                             "(pipeline_schedule \"zero_bubble\") is not built yet; use another schedule or fp8 null")
-        return fp8_linear(x, weight, bias, fp8)
+    the linear whose three GEMMs run in fp8 by its recipe (its weight gradient deferrable the same way)."""
+    if fp8 is not None:  # a deferred W runs on the fp8 copies of X and dY its B pass made, not the 16-bit ones
+        return fp8_linear(x, weight, bias, fp8,
+                          None if store is None else functools.partial(weight_grad_or_defer, store, weight))
     if store is None:
         return torch.nn.functional.linear(x, weight, bias)
     return _LinearWithDeferrableWeightGrad.apply(x, weight, bias, store)

@@ -1,4 +1,4 @@
-"""What fp8 part A cannot run is refused at start, one line naming the setting and the fix (ConfigError from the
+"""What fp8 cannot run yet is refused at start, one line naming the setting and the fix (ConfigError from the
 config layer, before any process group); what it runs is accepted and lands in the model."""
 from __future__ import annotations
 
@@ -24,11 +24,9 @@ def refused(config, world: int = 1) -> str:
 
 @pytest.mark.parametrize("config,world,names", [
     (job(bf16=False), 1, ("model.fp8", "bf16.enabled")),
-    (job(pipeline_model_parallel_size=2), 2, ("pipeline_model_parallel_size=2", "zero-bubble")),
     (job(context_parallel_size=2, model={"attention_dropout": 0.0}), 2, ("context_parallel_size=2", "set it to 1")),
     (job(cuda_graph={"impl": "local"}), 1, ("cuda_graph.impl", "\"none\"")),
     (job(model={"num_experts": 4}), 1, ("model.num_experts", "grouped")),
-    (job(model={"fp8_recipe": "delayed"}), 1, ("fp8_recipe \"delayed\"", "\"tensorwise\"")),
     (job(model={"fp8": "e5m2"}), 1, ("model.fp8='e5m2'", "'hybrid'")),
     (job(model={"fp8_recipe": "mxfp8"}), 1, ("model.fp8_recipe='mxfp8'", "'blockwise'")),
     (job(model={"fp8_margin": -1}), 1, ("model.fp8_margin", ">= 0")),
@@ -63,3 +61,12 @@ def test_the_plan_refuses_fp8_in_one_line():
     with pytest.raises(ConfigError) as err:
         plan_from_config(job(), 1)
     assert "\n" not in str(err.value) and "model.fp8='e4m3'" in str(err.value) and "fp8 null" in str(err.value)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble"])
+def test_the_delayed_recipe_with_every_pipeline_schedule_is_accepted(schedule):
+    extra = {"num_layers_per_virtual_pipeline_stage": 1} if schedule == "interleaved_1f1b" else {}
+    cfg = split_config({**job(model={"fp8_recipe": "delayed"}, pipeline_model_parallel_size=2,
+                              pipeline_schedule=schedule, **extra), "gradient_accumulation_steps": 4})[1]
+    cfg.layout(2)
+    assert cfg.model.fp8_recipe == "delayed"

@@ -7,6 +7,7 @@ rounding (bound: (k + 2) * 2^-24 * (|A| @ |B|^T)), and differ from the bf16 laye
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -177,6 +178,30 @@ def test_what_the_layer_cannot_run_is_refused_naming_it():
     attach_fp8(layer, FP8Recipe("e4m3", "blockwise"))
     with pytest.raises(ValueError, match="seq_length x micro_batch_size that is a multiple of 128"):
         layer(torch.randn(96, 1, 256, requires_grad=True))
-    layer.weight_grad_store = WeightGradStore()
-    with pytest.raises(ValueError, match="zero_bubble"):
-        layer(torch.randn(128, 1, 256))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+def test_a_deferred_fp8_weight_gradient_equals_the_undeferred_one(recipe):
+    """ZB-H1's W pass on an fp8 linear: nothing reaches the weight in B, and W gives it the gradient the undeferred
+    layer computes, bit for bit (the GEMM on the fp8 copies of X and dY that B made)."""
+    tp = ParallelGroup.single("tp")
+    grads = []
+    for deferred in (False, True):
+        torch.manual_seed(0)
+        layer = ColumnParallelLinear(256, 128, tp=tp)
+        attach_fp8(layer, FP8Recipe("hybrid", recipe))
+        if recipe == "delayed":
+            layer.fp8.scale = {"input": torch.tensor(100.0), "weight": torch.tensor(3000.0),
+                               "grad_output": torch.tensor(2.0 ** 16)}
+        store = WeightGradStore()
+        if deferred:  # the reference: the plain fp8 layer, no store
+            layer.weight_grad_store = store
+        x = torch.randn(128, 1, 256, requires_grad=True)
+        dy = torch.randn(128, 1, 128)
+        with store.deferring("w") if deferred else contextlib.nullcontext():
+            layer(x)[0].backward(dy)
+        if deferred:
+            assert layer.weight.grad is None and store.pending == ["w"]
+            store.run("w")
+        grads.append(layer.weight.grad)
+    assert torch.equal(grads[0], grads[1])

@@ -1,0 +1,51 @@
+"""Recomputation with fp8: a recomputed forward quantizes the same X with the same scale (tensorwise: the same
+tensor gives the same amax; delayed: the step's scale, which only the optimizer step moves, and MAX folds the
+repeated amax into the same one), so loss, gradients and the delayed recipe's step amaxes equal those of the run
+without recomputation, bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_megatron.models import GPTConfig, GPTModel
+from ds_megatron.tensor_parallel.layers import fp8_states
+
+MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64, hidden_dropout=0.0,
+             attention_dropout=0.0)
+RECOMPUTE = {"none": {}, "full": dict(recompute_granularity="full"),
+             "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"])}
+
+
+def _step(recipe, recompute):
+    torch.manual_seed(5)
+    model = GPTModel(GPTConfig(**MODEL, fp8="hybrid", fp8_recipe=recipe, **RECOMPUTE[recompute]))
+    for s in fp8_states(model):  # a delayed step after the first: scales other than 1
+        if recipe == "delayed":
+            s.scale = {r: torch.tensor(v) for r, v in zip(s.scale, (91.0, 3000.0, 2.0 ** 20))}
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    amaxes = [float(a) for s in fp8_states(model) if recipe == "delayed" for a in s.step_amax.values()]
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, amaxes
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_recomputed_fp8_forward_equals_the_stored_one(recipe):
+    loss, grads, amaxes = _step(recipe, "none")
+    for recompute in ("full", "selective"):
+        got_loss, got_grads, got_amaxes = _step(recipe, recompute)
+        assert torch.equal(got_loss, loss), recompute
+        assert all(torch.equal(got_grads[n], g) for n, g in grads.items()), recompute
+        assert got_amaxes == amaxes and (recipe == "tensorwise" or min(amaxes) > 0), recompute
+
+
+def test_an_evaluation_forward_records_no_amax():
+    """Only the passes that train feed the delayed recipe's step amaxes: a validation forward between steps leaves
+    them alone, so the next scales do not depend on when the job evaluates."""
+    model = GPTModel(GPTConfig(**MODEL, fp8="e4m3", fp8_recipe="delayed"))
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(tokens[:, :-1], tokens[:, 1:])
+    assert all(float(a) == 0 for s in fp8_states(model) for a in s.step_amax.values())
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert all(float(a) > 0 for s in fp8_states(model) for a in s.step_amax.values())
