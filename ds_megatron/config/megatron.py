@@ -91,6 +91,7 @@ class MegatronConfig:
         check_pipeline(self.parallel, self.model, self.deepspeed_batch, layout, self.optimizer_impl,
                        plain_deepspeed=not self.section_given)
         _check_hierarchical_cp(self.parallel, self.model, layout)
+        _check_fp8_experts(self.model, layout)
         schedule = pipeline_schedule(self.parallel)
         if layout.pp > 1 and schedule == "zero_bubble" and self.cuda_graph.enabled:
             # A captured layer's backward computes its weight gradients inside the graph: W cannot be deferred.
@@ -235,12 +236,25 @@ def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig,
     refused = ((parallel.pipeline_model_parallel_size > 1, f"{SECTION}.pipeline_model_parallel_size="
                 f"{parallel.pipeline_model_parallel_size} (pipeline schedules, zero-bubble's deferred weight "
                 "gradients included)", "set it to 1"),
-               (parallel.context_parallel_size > 1, f"{SECTION}.context_parallel_size="
-                f"{parallel.context_parallel_size}", "set it to 1"),
                (cuda_graph.enabled, f"{SECTION}.cuda_graph.impl={cuda_graph.impl!r}", "set cuda_graph.impl \"none\""))
     for bad, setting, fix in refused:
         if bad:
             raise ConfigError(f"{what} with {setting}: fp8 does not compose with it yet; {fix} or set model.fp8 null")
+
+
+def _check_fp8_experts(model: Optional[GPTConfig], layout) -> None:
+    """An fp8 expert quantizes its tokens with one scale per GEMM (tensorwise), which equals the one-rank layer's
+    only when the tokens of one micro-batch that it receives are all on its rank: the ranks splitting a micro-batch
+    (TP x CP) must lie within one EP x ETP group, so the dispatch brings every token of an expert to its ranks."""
+    if model is None or model.fp8 is None or not model.num_experts:
+        return
+    groups = layout.group_ranks()
+    expert_groups = [set(g) for g in groups["etp-ep"]]
+    if not all(any(set(g) <= e for e in expert_groups) for g in groups["tp-cp"]):
+        raise ConfigError(f"{SECTION}.model.fp8={model.fp8!r} with num_experts: the tensor x context-parallel ranks "
+                          f"(tp={layout.tp}, cp={layout.cp}) are not within one expert-parallel group (ep={layout.ep}, "
+                          f"etp={layout.etp}), so an expert's tokens of one micro-batch would be scaled in parts; make "
+                          "expert_model_parallel_size x expert_tensor_parallel_size a multiple of tp x cp")
 
 
 def check_deepspeed_optimizer(precision: PrecisionConfig, zero_stage, tp: int, pp: int,
