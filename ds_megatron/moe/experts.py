@@ -242,6 +242,7 @@ class GroupedMLP(_ExpertsBase):
             intermediate = fp8_grouped_linear(x, self.weight1.transpose(1, 2), tokens_per_expert, self.fp8[:L])
             return fp8_grouped_linear(self._activation(intermediate, probs), self.weight2.transpose(1, 2),
                                       tokens_per_expert, self.fp8[L:])
+
         def gemm(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             return grouped_gemm(inputs, weights, tokens_per_expert, self.use_grouped_mm, counts)
         intermediate = deferrable(gemm, x, self.weight1, self.weight_grad_store)
