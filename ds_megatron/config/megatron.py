@@ -91,7 +91,7 @@ class MegatronConfig:
         check_pipeline(self.parallel, self.model, self.deepspeed_batch, layout, self.optimizer_impl,
                        plain_deepspeed=not self.section_given)
         _check_hierarchical_cp(self.parallel, self.model, layout)
-        _check_fp8_experts(self.model, layout)
+        _check_fp8_layout(self.model, layout, self.data)
         schedule = pipeline_schedule(self.parallel)
         if layout.pp > 1 and schedule == "zero_bubble" and self.cuda_graph.enabled:
             # A captured layer's backward computes its weight gradients inside the graph: W cannot be deferred.
@@ -242,19 +242,28 @@ def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig,
             raise ConfigError(f"{what} with {setting}: fp8 does not compose with it yet; {fix} or set model.fp8 null")
 
 
-def _check_fp8_experts(model: Optional[GPTConfig], layout) -> None:
-    """An fp8 expert quantizes its tokens with one scale per GEMM (tensorwise), which equals the one-rank layer's
-    only when the tokens of one micro-batch that it receives are all on its rank: the ranks splitting a micro-batch
-    (TP x CP) must lie within one EP x ETP group, so the dispatch brings every token of an expert to its ranks."""
-    if model is None or model.fp8 is None or not model.num_experts:
+def _check_fp8_layout(model: Optional[GPTConfig], layout, data) -> None:
+    """FP8 scales as the one-rank run does only where each scale's tokens are the one-rank run's: an expert's tokens
+    of a micro-batch must all reach its ranks (the TP x CP ranks within one EP x ETP group); blockwise weight
+    gradients tile the tokens by 128, so under CP each zigzag chunk must hold whole tiles."""
+    if model is None or model.fp8 is None:
         return
     groups = layout.group_ranks()
     expert_groups = [set(g) for g in groups["etp-ep"]]
-    if not all(any(set(g) <= e for e in expert_groups) for g in groups["tp-cp"]):
+    if model.num_experts and not all(any(set(g) <= e for e in expert_groups) for g in groups["tp-cp"]):
         raise ConfigError(f"{SECTION}.model.fp8={model.fp8!r} with num_experts: the tensor x context-parallel ranks "
                           f"(tp={layout.tp}, cp={layout.cp}) are not within one expert-parallel group (ep={layout.ep}, "
                           f"etp={layout.etp}), so an expert's tokens of one micro-batch would be scaled in parts; make "
                           "expert_model_parallel_size x expert_tensor_parallel_size a multiple of tp x cp")
+    if model.fp8_recipe == "blockwise" and layout.cp > 1:
+        if model.seq_length % (256 * layout.cp):
+            raise ConfigError(f"model.seq_length={model.seq_length} with fp8_recipe \"blockwise\" and "
+                              f"context_parallel_size={layout.cp}: each of a rank's two sequence chunks must hold whole "
+                              f"128-token tiles; choose a multiple of {256 * layout.cp} or fp8_recipe \"tensorwise\"")
+        if data.packed_sequences:
+            raise ConfigError(f"{SECTION}.data packs documents, which context parallelism splits document by document, "
+                              "so fp8_recipe \"blockwise\"'s 128-token tiles would not be the one-rank run's; use "
+                              "fp8_recipe \"tensorwise\" or unpacked rows")
 
 
 def check_deepspeed_optimizer(precision: PrecisionConfig, zero_stage, tp: int, pp: int,

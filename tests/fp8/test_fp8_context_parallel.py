@@ -1,6 +1,6 @@
 """An fp8 GPT at context parallelism 2 equals the one-rank fp8 GPT (float64, tensorwise): each CP rank's linears see
 its sequence chunks, and their amaxes are agreed over TP x CP, so every tensor gets the whole sequence's scale,
-for every ``cp_comm_type``."""
+for every ``cp_comm_type``; blockwise (p2p) too, its token tiles within each rank's zigzag chunks."""
 from __future__ import annotations
 
 import torch
@@ -53,6 +53,21 @@ def _cp2_equals_one_rank():
     torch.manual_seed(7)
     bf16 = GPTModel(GPTConfig(**{**CFG, "fp8": None})).double()
     assert abs(_loss_and_grads(bf16, tokens, labels)[0] - ref_loss) > 1e-4 * ref_loss  # fp8 engaged
+    # Blockwise: each zigzag chunk (seq / 4 = 128 tokens) holds whole 1x128 tiles of the weight gradient's tokens.
+    blockwise = {**CFG, "num_layers": 1, "hidden_size": 128, "seq_length": 512, "fp8_recipe": "blockwise"}
+    tokens = torch.randint(0, 100, (1, 512), generator=g)
+    labels = torch.roll(tokens, -1, 1)
+    torch.manual_seed(7)
+    ref_loss, ref_grads = _loss_and_grads(GPTModel(GPTConfig(**blockwise)).double(), tokens, labels)
+    torch.manual_seed(7)
+    loss, grads = _loss_and_grads(GPTModel(GPTConfig(**blockwise), state).double(), tokens, labels)
+    assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss), ("blockwise", loss.item(), ref_loss.item())
+    for name, grad in grads.items():
+        grad = grad.clone()
+        dist.all_reduce(grad, group=state.cp.group)
+        err = ((grad / 2 - ref_grads[name]).abs().max() / ref_grads[name].abs().max()).item()
+        worst["blockwise"] = max(worst.get("blockwise", 0.0), err)
+        assert err <= GRAD_TOL, f"blockwise: {name} gradient off by {err:.1e} of its largest entry"
     state.destroy()
     return worst if dist.get_rank() == 0 else None
 
