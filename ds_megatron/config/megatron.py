@@ -260,6 +260,11 @@ def _check_fp8_layout(model: Optional[GPTConfig], layout, data) -> None:
             raise ConfigError(f"model.seq_length={model.seq_length} with fp8_recipe \"blockwise\" and "
                               f"context_parallel_size={layout.cp}: each of a rank's two sequence chunks must hold whole "
                               f"128-token tiles; choose a multiple of {256 * layout.cp} or fp8_recipe \"tensorwise\"")
+        if model.num_experts:
+            raise ConfigError(f"{SECTION}.model.num_experts with fp8_recipe \"blockwise\" and context_parallel_size="
+                              f"{layout.cp}: an expert receives the ranks' zigzag chunks in rank order, not the "
+                              "sequence's, so its 128-token tiles would not be the one-rank run's; use fp8_recipe "
+                              "\"tensorwise\"")
         if data.packed_sequences:
             raise ConfigError(f"{SECTION}.data packs documents, which context parallelism splits document by document, "
                               "so fp8_recipe \"blockwise\"'s 128-token tiles would not be the one-rank run's; use "

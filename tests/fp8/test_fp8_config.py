@@ -40,6 +40,8 @@ def refused(config, world: int = 1) -> str:
     (job(model={"fp8_recipe": "blockwise", "seq_length": 512, "attention_dropout": 0.0}, context_parallel_size=2,
          data={"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}), 2,
      ("data packs documents", "\"tensorwise\"")),
+    (job(model={"fp8_recipe": "blockwise", "seq_length": 512, "attention_dropout": 0.0, "num_experts": 4},
+         context_parallel_size=2, expert_model_parallel_size=2), 2, ("num_experts", "rank order", "\"tensorwise\"")),
     (job(model={"fp8_recipe": "delayed"}), 1, ("fp8_recipe \"delayed\"", "\"tensorwise\"")),
     (job(model={"fp8": "e5m2"}), 1, ("model.fp8='e5m2'", "'hybrid'")),
     (job(model={"fp8_recipe": "mxfp8"}), 1, ("model.fp8_recipe='mxfp8'", "'blockwise'")),
