@@ -236,6 +236,10 @@ def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig,
     refused = ((parallel.pipeline_model_parallel_size > 1, f"{SECTION}.pipeline_model_parallel_size="
                 f"{parallel.pipeline_model_parallel_size} (pipeline schedules, zero-bubble's deferred weight "
                 "gradients included)", "set it to 1"),
+               (model.fp8_recipe == "delayed" and parallel.context_parallel_size > 1,
+                f"{SECTION}.context_parallel_size={parallel.context_parallel_size} and fp8_recipe \"delayed\" "
+                "(the step's update must agree the amax histories over TP x CP)",
+                "set it to 1, or fp8_recipe \"tensorwise\","),
                (cuda_graph.enabled, f"{SECTION}.cuda_graph.impl={cuda_graph.impl!r}", "set cuda_graph.impl \"none\""))
     for bad, setting, fix in refused:
         if bad:
@@ -258,8 +262,9 @@ def _check_fp8_layout(model: Optional[GPTConfig], layout, data) -> None:
     if model.fp8_recipe == "blockwise" and layout.cp > 1:
         if model.seq_length % (256 * layout.cp):
             raise ConfigError(f"model.seq_length={model.seq_length} with fp8_recipe \"blockwise\" and "
-                              f"context_parallel_size={layout.cp}: each of a rank's two sequence chunks must hold whole "
-                              f"128-token tiles; choose a multiple of {256 * layout.cp} or fp8_recipe \"tensorwise\"")
+                              f"context_parallel_size={layout.cp}: each of a rank's two sequence chunks must hold "
+                              f"whole 128-token tiles; choose a multiple of {256 * layout.cp} or fp8_recipe "
+                              "\"tensorwise\"")
         if model.num_experts:
             raise ConfigError(f"{SECTION}.model.num_experts with fp8_recipe \"blockwise\" and context_parallel_size="
                               f"{layout.cp}: an expert receives the ranks' zigzag chunks in rank order, not the "
