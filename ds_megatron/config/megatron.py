@@ -91,6 +91,7 @@ class MegatronConfig:
         check_pipeline(self.parallel, self.model, self.deepspeed_batch, layout, self.optimizer_impl,
                        plain_deepspeed=not self.section_given)
         _check_hierarchical_cp(self.parallel, self.model, layout)
+        _check_fp8_layout(self.model, layout, self.data)
         schedule = pipeline_schedule(self.parallel)
         if layout.pp > 1 and schedule == "zero_bubble" and self.cuda_graph.enabled:
             # A captured layer's backward computes its weight gradients inside the graph: W cannot be deferred.
@@ -232,12 +233,43 @@ def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig,
     if precision.params_dtype != "bf16":
         raise ConfigError(f"{what} needs bf16 training (fp8 GEMMs on bf16 params with fp32 main params); set "
                           "bf16.enabled true")
-    refused = ((parallel.context_parallel_size > 1, f"{SECTION}.context_parallel_size="
-                f"{parallel.context_parallel_size}", "set it to 1"),
+    refused = ((model.num_experts and parallel.pipeline_schedule == "zero_bubble",
+                f"{SECTION}.model.num_experts and pipeline_schedule \"zero_bubble\" (the experts' deferred fp8 "
+                "weight gradients)", "choose pipeline_schedule \"1f1b\" or \"interleaved_1f1b\""),
                (cuda_graph.enabled, f"{SECTION}.cuda_graph.impl={cuda_graph.impl!r}", "set cuda_graph.impl \"none\""))
     for bad, setting, fix in refused:
         if bad:
             raise ConfigError(f"{what} with {setting}: fp8 does not compose with it yet; {fix} or set model.fp8 null")
+
+
+def _check_fp8_layout(model: Optional[GPTConfig], layout, data) -> None:
+    """FP8 scales as the one-rank run does only where each scale's tokens are the one-rank run's: an expert's tokens
+    of a micro-batch must all reach its ranks (the TP x CP ranks within one EP x ETP group); blockwise weight
+    gradients tile the tokens by 128, so under CP each zigzag chunk must hold whole tiles."""
+    if model is None or model.fp8 is None:
+        return
+    groups = layout.group_ranks()
+    expert_groups = [set(g) for g in groups["etp-ep"]]
+    if model.num_experts and not all(any(set(g) <= e for e in expert_groups) for g in groups["tp-cp"]):
+        raise ConfigError(f"{SECTION}.model.fp8={model.fp8!r} with num_experts: the tensor x context-parallel ranks "
+                          f"(tp={layout.tp}, cp={layout.cp}) are not within one expert-parallel group (ep={layout.ep}, "
+                          f"etp={layout.etp}), so an expert's tokens of one micro-batch would be scaled in parts; make "
+                          "expert_model_parallel_size x expert_tensor_parallel_size a multiple of tp x cp")
+    if model.fp8_recipe == "blockwise" and layout.cp > 1:
+        if model.seq_length % (256 * layout.cp):
+            raise ConfigError(f"model.seq_length={model.seq_length} with fp8_recipe \"blockwise\" and "
+                              f"context_parallel_size={layout.cp}: each of a rank's two sequence chunks must hold "
+                              f"whole 128-token tiles; choose a multiple of {256 * layout.cp} or fp8_recipe "
+                              "\"tensorwise\"")
+        if model.num_experts:
+            raise ConfigError(f"{SECTION}.model.num_experts with fp8_recipe \"blockwise\" and context_parallel_size="
+                              f"{layout.cp}: an expert receives the ranks' zigzag chunks in rank order, not the "
+                              "sequence's, so its 128-token tiles would not be the one-rank run's; use fp8_recipe "
+                              "\"tensorwise\"")
+        if data.packed_sequences:
+            raise ConfigError(f"{SECTION}.data packs documents, which context parallelism splits document by document, "
+                              "so fp8_recipe \"blockwise\"'s 128-token tiles would not be the one-rank run's; use "
+                              "fp8_recipe \"tensorwise\" or unpacked rows")
 
 
 def check_deepspeed_optimizer(precision: PrecisionConfig, zero_stage, tp: int, pp: int,

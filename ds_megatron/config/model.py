@@ -265,9 +265,11 @@ class GPTConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ConfigError(f"model.{name} must be an integer >= {low}, got {v!r}")
-        if self.num_experts:
-            raise ConfigError("model.fp8 with model.num_experts: the experts' grouped fp8 GEMMs are not built yet; "
-                              "set fp8 null or train a dense model")
+        if self.fp8_recipe == "delayed" and self.num_experts:
+            # An expert's weights differ across EP ranks: its history must be agreed over ETP and expert-DP only.
+            raise ConfigError("model.fp8_recipe \"delayed\" with model.num_experts: the experts' amax histories "
+                              "are not agreed over their own groups (ETP, expert-DP) by the step's update yet; use "
+                              "\"tensorwise\" or \"blockwise\"")
         if self.fp8_recipe == "blockwise":
             if self.multi_latent_attention:
                 raise ConfigError("model.fp8_recipe \"blockwise\" with model.multi_latent_attention: its "
@@ -576,6 +578,10 @@ class GPTConfig:
         if self.moe_ffn_hidden_size % etp:
             raise ConfigError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} is not divisible by "
                               f"megatron.expert_tensor_parallel_size={etp}; choose an ETP size that divides it")
+        if self.fp8 is not None and self.fp8_recipe == "blockwise" and self.moe_ffn_hidden_size % (128 * etp):
+            raise ConfigError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} is not a multiple of 128 x "
+                              f"expert_tensor_parallel_size={128 * etp}, which fp8_recipe \"blockwise\" tiles each "
+                              "rank's share of an expert by; choose a size that is, or fp8_recipe \"tensorwise\"")
 
     def check_layout(self, layout) -> None:
         """This model fits the ``ParallelLayout`` (ConfigError naming the fields otherwise)."""
@@ -614,7 +620,8 @@ class GPTConfig:
         if self.fp8_recipe == "blockwise" and self.fp8 is not None:
             widths = {"ffn_hidden_size": self.ffn_hidden_size,
                       "num_attention_heads * head_dim": self.num_attention_heads * self.head_dim,
-                      "num_query_groups * head_dim": self.query_groups * self.head_dim}
+                      "num_query_groups * head_dim": self.query_groups * self.head_dim,
+                      "moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size or 0}
             for name, width in widths.items():
                 if width % (128 * tp) and not (name.startswith("num_query") and self.query_groups < tp):
                     raise ConfigError(f"model.{name}={width} is not a multiple of 128 x tensor_model_parallel_size"

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..fp8 import update_delayed_scaling
+from ..fp8 import delayed_scaling_groups, update_delayed_scaling
 from ..moe.router import expert_bias_routers, update_expert_bias
 from ..parallel_state import ParallelState
 from ..tensor_parallel.layers import fp8_states
@@ -62,6 +62,6 @@ def finalize_model_grads(model_chunks: Sequence[DistributedDataParallel], parall
             all_reduce(grad_of(p), parallel_state["embedding"])
     update_expert_bias(expert_bias_routers(chunk.module for chunk in chunks))
     update_delayed_scaling([s for chunk in chunks for s in fp8_states(chunk.module)],
-                           [parallel_state.tp, parallel_state.dp_cp])
+                           delayed_scaling_groups(parallel_state))
     for chunk in chunks:
         chunk.grads_finalized = True

@@ -24,13 +24,13 @@ from .recipe import BLOCK, FP8LinearState
 
 
 def _per_tensor(state: FP8LinearState, tensors: Tuple[torch.Tensor, ...], roles: Tuple[str, ...], record: bool):
-    """Tensorwise or delayed: each tensor's (fp8 copy, scale_inv).  Tensorwise agrees on the amaxes over TP (one
-    all-reduce for all of them), so a tensor split over TP is scaled as the whole; delayed uses the state's scales
-    and, when ``record``, folds the amaxes into the step's."""
+    """Tensorwise or delayed: each tensor's (fp8 copy, scale_inv).  Tensorwise agrees on the amaxes over the
+    state's amax group (one all-reduce for all of them), so a split tensor is scaled as the whole; delayed uses the
+    state's scales and, when ``record``, folds the amaxes into the step's."""
     recipe = state.recipe
     amaxes = torch.stack([amax(t) for t in tensors])
     if recipe.recipe == "tensorwise":
-        collectives.all_reduce(amaxes, state.tp, op=collectives.MAX)
+        collectives.all_reduce(amaxes, state.amax_group, op=collectives.MAX)
         scales = [scale_from_amax(a, recipe.fp8_max(r), recipe.margin) for a, r in zip(amaxes, roles)]
     else:
         state.follow(amaxes.device)

@@ -3,8 +3,8 @@
 Scales follow Transformer Engine's convention: a tensor is quantized as ``fp8(x * scale)`` and read back as
 ``q * scale_inv``, with ``scale = fp8_max / amax / 2^margin``.  Recipes:
 
-* ``"tensorwise"`` (current scaling): one scale per tensor from its own amax, reduced (MAX) over the layer's TP
-  group, so a tensor split over TP gets the scale the whole tensor would have.
+* ``"tensorwise"`` (current scaling): one scale per tensor from its own amax, reduced (MAX) over the layer's amax
+  group (the ranks that split its tensors: TP, times CP in a model), so a split tensor gets the whole one's scale.
 * ``"delayed"``: one scale per tensor role (input, weight, output gradient) from the amax history of earlier
   optimizer steps; this step's amaxes are collected (MAX over micro-batches) and enter the history in
   ``update_delayed_scaling``, reduced over TP and DP, once per optimizer step.  The scale of step t therefore
@@ -15,11 +15,11 @@ Scales follow Transformer Engine's convention: a tensor is quantized as ``fp8(x 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 
-from ..parallel_state import ParallelGroup
+from ..parallel_state import ParallelGroup, ParallelState
 from ..utils import collectives
 
 E4M3_MAX = 448.0
@@ -66,10 +66,11 @@ class FP8Recipe:
 
 
 class FP8LinearState:
-    """The fp8 scaling state of one linear layer: its recipe, the TP group its amaxes are agreed over, and for
-    the delayed recipe each role's amax history, scale and this step's running amax."""
+    """The fp8 scaling state of one linear layer: its recipe, ``amax_group`` (the ranks its tensors are split over,
+    whose amaxes it agrees on: TP x CP for the transformer's linears, ETP for an expert's), and for the delayed
+    recipe each role's amax history, scale and this step's running amax."""
 
-    def __init__(self, recipe: FP8Recipe, tp: ParallelGroup, in_features: int, out_features: int,
+    def __init__(self, recipe: FP8Recipe, amax_group: ParallelGroup, in_features: int, out_features: int,
                  device: Optional[torch.device] = None):
         if recipe.recipe == "blockwise":
             for name, size in (("input features per TP rank", in_features),
@@ -77,7 +78,7 @@ class FP8LinearState:
                 if size % BLOCK:
                     raise ValueError(f"fp8_recipe \"blockwise\" tiles by {BLOCK}, but this linear layer's {name} "
                                      f"is {size}; choose model sizes whose per-rank widths are multiples of {BLOCK}")
-        self.recipe, self.tp = recipe, tp
+        self.recipe, self.amax_group = recipe, amax_group
         if recipe.recipe == "delayed":
             n = recipe.amax_history_len
             self.amax_history = {r: torch.zeros(n, dtype=torch.float32, device=device) for r in ROLES}
@@ -109,6 +110,12 @@ class FP8LinearState:
             self.step_amax[role].zero_()
 
 
+def delayed_scaling_groups(parallel_state: ParallelState) -> List[ParallelGroup]:
+    """The groups a step's delayed-recipe amaxes are agreed over (MAX), in order: TP, then dp-cp: every rank that
+    holds the same layer, whether it saw other tokens (DP, CP's other sequence chunks) or other columns (TP)."""
+    return [parallel_state.tp, parallel_state.dp_cp]
+
+
 def update_delayed_scaling(states: Sequence[FP8LinearState], groups: Iterable[ParallelGroup]) -> None:
     """Once per optimizer step: agree on every delayed state's step amaxes over ``groups`` (TP and DP; MAX, one
     all-reduce per group for all layers) and advance their histories and scales.  Every rank passes its layers
@@ -124,4 +131,4 @@ def update_delayed_scaling(states: Sequence[FP8LinearState], groups: Iterable[Pa
 
 
 __all__ = ["AMAX_COMPUTE_ALGOS", "BLOCK", "E4M3_MAX", "E5M2_MAX", "FORMATS", "FP8LinearState", "FP8Recipe",
-           "RECIPES", "ROLES", "update_delayed_scaling"]
+           "RECIPES", "ROLES", "delayed_scaling_groups", "update_delayed_scaling"]

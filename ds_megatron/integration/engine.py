@@ -69,7 +69,7 @@ from ..config.megatron import check_deepspeed_optimizer
 from ..config.pipeline import pipeline_schedule, virtual_pipeline_size
 from ..distributed import DistributedDataParallel, finalize_model_grads
 from ..errors import ConfigError
-from ..fp8 import update_delayed_scaling
+from ..fp8 import delayed_scaling_groups, update_delayed_scaling
 from ..models.gpt_chunks import GPTModelChunks
 from ..optimizer import clip_grad_by_total_norm_fp32
 from ..optimizer.clip_grads import get_grad_norm_with_experts
@@ -332,7 +332,8 @@ def advance_delayed_fp8_after_each_step(engine, model: torch.nn.Module, state: P
     (what ``finalize_model_grads`` does on ours), on every stage, over TP and dp-cp."""
     states = [s for s in fp8_states(model) if s.recipe.recipe == "delayed"]
     if states and engine.optimizer is not None:  # an engine without an optimizer takes no step
-        after_optimizer_step(engine, functools.partial(update_delayed_scaling, states, [state.tp, state.dp_cp]))
+        after_optimizer_step(engine, functools.partial(update_delayed_scaling, states,
+                                                       delayed_scaling_groups(state)))
 
 
 def check_model_uses_layout(model: Optional[torch.nn.Module], state: ParallelState) -> None:

@@ -284,12 +284,13 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
         if hcp is None:
             raise ValueError("model.cp_comm_type \"a2a+p2p\" needs the hierarchical CP groups: build the "
                              "ParallelState from a config with megatron.hierarchical_context_parallel_sizes")
-    fp8 = FP8Recipe.from_config(config)  # the transformer layers' linears only, as in Megatron
+    fp8 = FP8Recipe.from_config(config)  # the transformer layers' linears and experts only, as in Megatron
+    amax_group = parallel_state["tp-cp"]  # CP splits the sequence: the linears' amaxes agreed over TP x CP
     for i in range(config.num_layers):
         layer = ParallelTransformerLayer(config, tp=tp, build_mlp=functools.partial(mlp, i), init_method=init,
                                          output_init_method=out_init, rng_tracker=rng_tracker, cp=parallel_state.cp,
                                          hierarchical_cp=hcp)
-        attach_fp8(layer, fp8 if config.fp8_layer(i) else None)
+        attach_fp8(layer, fp8 if config.fp8_layer(i) else None, amax_group)
         yield f"layers.{i}", layer
     yield "final_layernorm", build_norm(config, config.hidden_size, sequence_parallel=config.sequence_parallel)
     if config.untie_embeddings_and_output_weights:
@@ -298,7 +299,8 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
     for k in range(config.mtp_num_layers or 0):
         mtp = MultiTokenPredictionLayer(config, parallel_state, rng_tracker, init, out_init,
                                         functools.partial(mlp, config.num_layers + k), hcp)
-        attach_fp8(mtp.layer, fp8 if config.fp8_layer(config.num_layers + k) else None)  # eh_proj stays 16-bit
+        # eh_proj stays 16-bit
+        attach_fp8(mtp.layer, fp8 if config.fp8_layer(config.num_layers + k) else None, amax_group)
         yield f"mtp.{k}", mtp
 
 

@@ -19,16 +19,21 @@ e.g. float64); ``SequentialMLP`` loops over experts.  ``launch/bench/bench_moe.p
 compares them; ``moe_grouped_gemm`` null (the default) picks the faster one for
 the device: grouped with CUDA, sequential on CPU (see ``experts_class``).
 
+With an fp8 recipe (``set_fp8``, which the model's ``attach_fp8`` calls) each expert's fc1 and fc2 have their
+own scaling state and run their three GEMMs in fp8 (``fp8.grouped``), in both implementations.
+
 Expert params carry the expert marks (``tensor_parallel.params.mark_expert_param``):
 their gradients are reduced over the expert-data-parallel group, not the
 data-parallel one.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from ..fp8 import FP8LinearState, FP8Recipe
+from ..fp8.grouped import fp8_grouped_linear
 from ..parallel_state import ParallelGroup
 from ..tensor_parallel.init import InitMethod, init_method_normal
 from ..tensor_parallel.params import mark_expert_param
@@ -120,7 +125,7 @@ class _ExpertsBase(torch.nn.Module):
         self.local_expert_indices = list(range(ep_rank * self.num_local_experts,
                                                (ep_rank + 1) * self.num_local_experts))
         self.ffn_per_partition = divide(ffn_hidden_size, etp_size, what="moe_ffn_hidden_size")
-        self.ep_size, self.etp_rank = ep_size, etp_rank
+        self.ep_size, self.etp, self.etp_rank = ep_size, etp, etp_rank
         self.params_dtype = params_dtype
         init_method = init_method or init_method_normal(0.02)
         output_init_method = output_init_method or init_method
@@ -136,6 +141,16 @@ class _ExpertsBase(torch.nn.Module):
     def _activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         return self.activation_func(intermediate) * probs.unsqueeze(-1).to(intermediate.dtype)
 
+    def _fp8_states(self, recipe: FP8Recipe, fc1: torch.Tensor, fc2: torch.Tensor) -> Tuple[FP8LinearState, ...]:
+        """fc1's and fc2's states of one expert (weights ``[out, in]``), their amaxes agreed over ETP."""
+        return tuple(FP8LinearState(recipe, self.etp, w.size(1), w.size(0), device=w.device) for w in (fc1, fc2))
+
+
+def _no_deferred_fp8(store: Optional[WeightGradStore]) -> None:
+    if store is not None:
+        raise ValueError("fp8 experts were given a WeightGradStore: deferring fp8 weight gradients (pipeline_schedule "
+                         "\"zero_bubble\") is not built yet; use another schedule or fp8 null")
+
 
 class _ExpertLinear(torch.nn.Module):
     """A bias-free linear holding a given weight (``torch.nn.Linear`` would draw its own init from the RNG)."""
@@ -144,8 +159,12 @@ class _ExpertLinear(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(weight)
         self.weight_grad_store: Optional[WeightGradStore] = None  # the zero-bubble schedule's deferred W
+        self.fp8: Optional[FP8LinearState] = None  # set by the experts' set_fp8: the three GEMMs in fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            _no_deferred_fp8(self.weight_grad_store)
+            return fp8_grouped_linear(x, self.weight.unsqueeze(0), [x.size(0)], [self.fp8])
         return linear(x, self.weight, None, self.weight_grad_store)
 
 
@@ -163,6 +182,13 @@ class SequentialMLP(_ExpertsBase):
             mark_expert_param(expert.linear_fc2.weight, self.ep_size, 1)
             self.local_experts.append(expert)
         del self._local_masters
+
+    def set_fp8(self, recipe: Optional[FP8Recipe]) -> None:
+        """Each expert's fc1 and fc2 their own fp8 scaling state (None: 16-bit GEMMs)."""
+        for e in self.local_experts:
+            fc1, fc2 = (None, None) if recipe is None else self._fp8_states(recipe, e.linear_fc1.weight,
+                                                                             e.linear_fc2.weight)
+            e.linear_fc1.fp8, e.linear_fc2.fp8 = fc1, fc2
 
     def forward(self, x: torch.Tensor, tokens_per_expert: List[int], probs: torch.Tensor,
                 counts: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -192,6 +218,16 @@ class GroupedMLP(_ExpertsBase):
         mark_expert_param(self.weight2, self.ep_size, 1)
         del self._local_masters
         self.weight_grad_store: Optional[WeightGradStore] = None  # the zero-bubble schedule's deferred W
+        # set_fp8: every expert's fc1 state, then every expert's fc2 state
+        self.fp8: Optional[Tuple[FP8LinearState, ...]] = None
+
+    def set_fp8(self, recipe: Optional[FP8Recipe]) -> None:
+        """Each expert's fc1 and fc2 their own fp8 scaling state (None: 16-bit GEMMs)."""
+        if recipe is None:
+            self.fp8 = None
+            return
+        pairs = [self._fp8_states(recipe, w1.t(), w2.t()) for w1, w2 in zip(self.weight1, self.weight2)]
+        self.fp8 = tuple(p[0] for p in pairs) + tuple(p[1] for p in pairs)
 
     # None: torch._grouped_mm on CUDA, padded bmm elsewhere (see grouped_gemm); benchmarks force either.
     use_grouped_mm: Optional[bool] = None
@@ -199,6 +235,14 @@ class GroupedMLP(_ExpertsBase):
     def forward(self, x: torch.Tensor, tokens_per_expert: List[int], probs: torch.Tensor,
                 counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``counts``: ``tokens_per_expert`` as a device tensor, when the dispatcher has it (no host copy)."""
+        if self.fp8 is not None:
+            _no_deferred_fp8(self.weight_grad_store)
+            L = self.num_local_experts
+            # [L, in, out] -> [L, out, in], the layout the fp8 GEMMs take (a view; its gradient is transposed back)
+            intermediate = fp8_grouped_linear(x, self.weight1.transpose(1, 2), tokens_per_expert, self.fp8[:L])
+            return fp8_grouped_linear(self._activation(intermediate, probs), self.weight2.transpose(1, 2),
+                                      tokens_per_expert, self.fp8[L:])
+
         def gemm(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             return grouped_gemm(inputs, weights, tokens_per_expert, self.use_grouped_mm, counts)
         intermediate = deferrable(gemm, x, self.weight1, self.weight_grad_store)

@@ -19,7 +19,8 @@ when ``skip_bias_add`` (the caller fuses the add, e.g. bias-GeLU or
 bias-dropout-add), else None.
 
 ``attach_fp8`` gives the linears an fp8 scaling state (``ds_megatron.fp8``): their three GEMMs then run in fp8,
-the input quantized after the sequence-parallel gather.
+the input quantized after the sequence-parallel gather; ``fp8_states`` collects every state of a model, the
+experts' included.
 
 Weights are initialized independently of the TP size (see ``init.py``); biases
 start at zero.  The TP group is always passed in (``tp``, a ``ParallelGroup``;
@@ -180,24 +181,36 @@ def attach_weight_grad_store(module: torch.nn.Module, store: Optional[WeightGrad
     return count
 
 
-def attach_fp8(module: torch.nn.Module, recipe: Optional[FP8Recipe]) -> int:
+def attach_fp8(module: torch.nn.Module, recipe: Optional[FP8Recipe],
+               amax_group: Optional[ParallelGroup] = None) -> int:
     """Give every column- and row-parallel linear in ``module`` its own fp8 scaling state from ``recipe`` (None:
-    back to 16-bit GEMMs); returns how many.  Quantization happens after the sequence-parallel gather, so the
-    gathered input's amax is the same on every TP rank."""
+    back to 16-bit GEMMs), and ``recipe`` to every module that declares ``set_fp8`` (the MoE experts, which make
+    their own states); returns how many modules took it.  ``amax_group``: the ranks the linears' tensors are split
+    over, whose amaxes they agree on (a model's TP x CP group: CP splits the sequence); None: each linear's TP
+    group.  Quantization happens after the sequence-parallel gather, so the gathered input's amax is the same on
+    every TP rank."""
     count = 0
     for m in module.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             out_features, in_features = m.weight.shape
-            m.fp8 = None if recipe is None else FP8LinearState(recipe, m.tp, in_features, out_features,
-                                                               device=m.weight.device)
+            m.fp8 = None if recipe is None else FP8LinearState(recipe, amax_group or m.tp, in_features,
+                                                               out_features, device=m.weight.device)
+            count += 1
+        elif hasattr(m, "set_fp8"):
+            m.set_fp8(recipe)
             count += 1
     return count
 
 
 def fp8_states(module: torch.nn.Module) -> List[FP8LinearState]:
-    """The fp8 states of ``module``'s linears in module order (``fp8.update_delayed_scaling`` takes them)."""
-    return [m.fp8 for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-            and m.fp8 is not None]
+    """Every fp8 scaling state in ``module``, in module order: each column- and row-parallel linear's and each
+    expert weight's (a module's ``fp8``: one state, or a tuple of them, as ``GroupedMLP`` holds).  Every rank of a
+    stage gets its states in the same order (``fp8.update_delayed_scaling`` takes them)."""
+    states: List[FP8LinearState] = []
+    for m in module.modules():
+        held = getattr(m, "fp8", None)
+        states += [held] if isinstance(held, FP8LinearState) else list(held) if isinstance(held, tuple) else []
+    return states
 
 
 class VocabParallelEmbedding(torch.nn.Module):

@@ -24,9 +24,25 @@ def refused(config, world: int = 1) -> str:
 
 @pytest.mark.parametrize("config,world,names", [
     (job(bf16=False), 1, ("model.fp8", "bf16.enabled")),
-    (job(context_parallel_size=2, model={"attention_dropout": 0.0}), 2, ("context_parallel_size=2", "set it to 1")),
     (job(cuda_graph={"impl": "local"}), 1, ("cuda_graph.impl", "\"none\"")),
-    (job(model={"num_experts": 4}), 1, ("model.num_experts", "grouped")),
+    (job(model={"num_experts": 4}, pipeline_model_parallel_size=2, pipeline_schedule="zero_bubble"), 2,
+     ("num_experts and pipeline_schedule \"zero_bubble\"", "\"interleaved_1f1b\"")),
+    (job(model={"num_experts": 4, "fp8_recipe": "delayed"}), 1, ("fp8_recipe \"delayed\" with model.num_experts",
+                                                                  "ETP, expert-DP", "\"tensorwise\"")),
+    (job(model={"num_experts": 4, "fp8_recipe": "blockwise", "moe_ffn_hidden_size": 128},
+         tensor_model_parallel_size=2, sequence_parallel=True), 2,
+     ("model.moe_ffn_hidden_size=128", "128 x expert_tensor_parallel_size=256")),
+    (job(model={"num_experts": 4, "attention_dropout": 0.0}, context_parallel_size=2), 2,
+     ("num_experts", "tp=1, cp=2", "ep=1, etp=1", "multiple of tp x cp")),
+    (job(model={"num_experts": 4}, tensor_model_parallel_size=2, expert_tensor_parallel_size=1), 2,
+     ("tp=2, cp=1", "ep=1, etp=1")),
+    (job(model={"fp8_recipe": "blockwise", "seq_length": 256, "attention_dropout": 0.0}, context_parallel_size=2), 2,
+     ("model.seq_length=256", "context_parallel_size=2", "multiple of 512")),
+    (job(model={"fp8_recipe": "blockwise", "seq_length": 512, "attention_dropout": 0.0}, context_parallel_size=2,
+         data={"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True}), 2,
+     ("data packs documents", "\"tensorwise\"")),
+    (job(model={"fp8_recipe": "blockwise", "seq_length": 512, "attention_dropout": 0.0, "num_experts": 4},
+         context_parallel_size=2, expert_model_parallel_size=2), 2, ("num_experts", "rank order", "\"tensorwise\"")),
     (job(model={"fp8": "e5m2"}), 1, ("model.fp8='e5m2'", "'hybrid'")),
     (job(model={"fp8_recipe": "mxfp8"}), 1, ("model.fp8_recipe='mxfp8'", "'blockwise'")),
     (job(model={"fp8_margin": -1}), 1, ("model.fp8_margin", ">= 0")),
@@ -54,6 +70,17 @@ def test_accepted_recipes_and_the_bf16_layers():
     # 4 layers, 1 at the start and 2 at the end in bf16: only layer 1 runs fp8.
     assert [model.fp8_layer(i) for i in range(4)] == [False, True, False, False]
     assert split_config(job(model={"fp8": None}))[1].model.fp8_layer(1) is False
+
+
+@pytest.mark.parametrize("megatron", [
+    {"context_parallel_size": 2},  # each rank's sequence slice: amaxes agreed over TP x CP
+    {"context_parallel_size": 2, "expert_model_parallel_size": 2, "model": {"num_experts": 4}},  # EP covers CP
+    {"tensor_model_parallel_size": 2, "sequence_parallel": True, "model": {"num_experts": 4}},  # ETP = TP
+])
+def test_accepted_with_context_parallelism_and_experts(megatron):
+    megatron = dict(megatron)
+    model = {"attention_dropout": 0.0, **megatron.pop("model", {})}
+    split_config(job(model=model, **megatron))[1].layout(2)
 
 
 def test_the_plan_refuses_fp8_in_one_line():

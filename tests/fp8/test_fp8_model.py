@@ -14,7 +14,7 @@ CFG = dict(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=32, v
 
 def build(**extra) -> GPTModel:
     torch.manual_seed(7)
-    return GPTModel(GPTConfig(**CFG, **extra)).bfloat16()
+    return GPTModel(GPTConfig(**{**CFG, **extra})).bfloat16()
 
 
 def test_only_the_transformer_layers_linears_run_fp8_and_first_last_stay_bf16():
@@ -44,3 +44,25 @@ def test_a_bf16_training_step_with_fp8_is_close_to_bf16_but_not_equal():
     assert losses[0] != losses[1] and abs(losses[1] - losses[0]) < 0.02 * losses[0], losses
     rel = ((grads[1] - grads[0]).norm() / grads[0].norm()).item()
     assert 1e-3 < rel < 0.2, rel
+
+
+def test_moe_gpt_runs_experts_and_shared_expert_in_fp8_and_the_router_in_16_bit():
+    from ds_megatron.fp8.recipe import FP8LinearState
+    from ds_megatron.moe.experts import GroupedMLP, SequentialMLP
+    from ds_megatron.tensor_parallel.layers import fp8_states
+    moe = dict(num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=64, mtp_num_layers=None,
+               moe_grouped_gemm=True)
+    tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for extra in ({}, {"fp8": "e4m3"}):
+        model = build(**{**moe, **extra})
+        loss = model(tokens, torch.roll(tokens, -1, 1))
+        loss.backward()
+        losses.append(loss.float().item())
+    # per layer: QKV, attention output, the shared expert's fc1 / fc2, and fc1 / fc2 of each of the 4 experts
+    states = fp8_states(model)
+    assert len(states) == 3 * (2 + 2 + 2 * 4) and all(isinstance(s, FP8LinearState) for s in states)
+    experts = [m for m in model.modules() if isinstance(m, (GroupedMLP, SequentialMLP))]
+    assert all(len(e.fp8) == 8 for e in experts) and not hasattr(model.layers[0].mlp.router, "fp8")
+    assert model.layers[0].mlp.experts.weight1.grad is not None
+    assert losses[0] != losses[1] and abs(losses[1] - losses[0]) < 0.02 * losses[0], losses

@@ -1,0 +1,132 @@
+"""The MoE experts' grouped GEMMs in fp8: each local expert's projection is its own fp8 linear over that expert's
+tokens, as in Transformer Engine's ``GroupedLinear``: one scaling state per expert weight, and each expert's input
+and output gradient quantized over its own token slice (TE splits the grouped input and quantizes every split with
+that GEMM's quantizer).  Tensorwise agrees on all experts' amaxes in one all-reduce over the states' amax group (the
+expert-tensor-parallel group, which splits the weights, fc1's output gradient and fc2's input); never over EP,
+whose ranks hold other experts and, after the dispatch, all of their own experts' tokens.
+
+Each expert's group of tokens is padded with zero rows to a multiple of ``alignment`` (16, as Megatron's
+``moe_router_padding_for_fp8`` and TE's ``Fp8Padding``: the weight gradient's reduction dimension is the tokens,
+and cuBLASLt's fp8 GEMM takes multiples of 16; 128 for blockwise, whose weight gradient tiles the tokens by 128).
+Zero rows change no amax and no product: their outputs are dropped, and their output gradients are zero.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from ..utils import collectives
+from .quantize import cast, quantize_128x128, quantize_1x128, scale_from_amax, scaled_gemm
+from .recipe import BLOCK, FP8LinearState, FP8Recipe
+
+ALIGN = 16  # cuBLASLt's fp8 GEMM: the reduction dimension (the weight gradient's tokens) a multiple of 16
+
+
+def alignment(recipe: FP8Recipe) -> int:
+    """Rows each expert's token group is padded to a multiple of."""
+    return BLOCK if recipe.recipe == "blockwise" else ALIGN
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    # An expert may receive no tokens: its amax is 0 (and its scale 1).
+    return t.detach().abs().amax().float() if t.numel() else torch.zeros((), device=t.device)
+
+
+def _per_tensor(states: Sequence[FP8LinearState], tensors: Sequence[Tuple[torch.Tensor, ...]],
+                roles: Tuple[str, ...]) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """Tensorwise or delayed: (fp8 copy, scale_inv) of each expert's tensors.  Tensorwise agrees on every
+    expert's amaxes in one all-reduce (MAX) over the amax group; delayed uses each state's scales and records
+    its amaxes for the step's update."""
+    recipe = states[0].recipe
+    amaxes = torch.stack([torch.stack([_amax(t) for t in ts]) for ts in tensors])  # [experts, roles]
+    if recipe.recipe == "tensorwise":
+        collectives.all_reduce(amaxes, states[0].amax_group, op=collectives.MAX)
+        scales = [[scale_from_amax(a, recipe.fp8_max(r), recipe.margin) for a, r in zip(row, roles)]
+                  for row in amaxes]
+    else:
+        for state, row in zip(states, amaxes):
+            state.follow(row.device)
+            for a, r in zip(row, roles):
+                state.record_amax(r, a)
+        scales = [[state.scale[r] for r in roles] for state in states]
+    return [[(cast(t, s, recipe.dtype(r)), 1.0 / s) for t, s, r in zip(ts, row, roles)]
+            for ts, row in zip(tensors, scales)]
+
+
+def _tiles(recipe: FP8Recipe, t: torch.Tensor, role: str):
+    return quantize_1x128(t, recipe.dtype(role), recipe.fp8_max(role), recipe.margin)
+
+
+class _FP8GroupedLinear(torch.autograd.Function):
+    """``x [N, k]`` (groups of ``counts`` rows, each a multiple of the alignment) times ``weight [L, n, k]``:
+    group e's forward, data-gradient and weight-gradient GEMMs in fp8 by ``states[e]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, states):
+        r = states[0].recipe
+        xs, ws = torch.split(x, counts), weight.unbind(0)
+        if r.recipe == "blockwise":
+            qx = [_tiles(r, t, "input") for t in xs]
+            qw = [quantize_128x128(w, r.dtype("weight"), r.fp8_max("weight"), r.margin) for w in ws]
+            # The weight gradient reduces over the tokens: x tiled 1x128 along them (DeepSeek-V3's 128x1).
+            saved_x = [_tiles(r, t.t(), "input") for t in xs] if ctx.needs_input_grad[1] else [(None, None)] * len(xs)
+        else:
+            pairs = _per_tensor(states, list(zip(xs, ws)), ("input", "weight"))
+            qx, qw = [p[0] for p in pairs], [p[1] for p in pairs]
+            saved_x = qx
+        ys = [scaled_gemm(*a, *b, x.dtype) if c else x.new_zeros(0, weight.size(1))
+              for a, b, c in zip(qx, qw, counts)]
+        ctx.counts, ctx.states, ctx.dtypes, ctx.k = counts, states, (x.dtype, weight.dtype), x.size(1)
+        ctx.save_for_backward(*(t for pair in saved_x + qw for t in pair))
+        return torch.cat(ys) if ys else x.new_zeros(0, weight.size(1))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        counts, states, (x_dtype, w_dtype) = ctx.counts, ctx.states, ctx.dtypes
+        r, n, k = states[0].recipe, grad_output.size(1), ctx.k
+        saved = ctx.saved_tensors
+        L = len(counts)
+        qx = [(saved[2 * e], saved[2 * e + 1]) for e in range(L)]
+        qw = [(saved[2 * (L + e)], saved[2 * (L + e) + 1]) for e in range(L)]
+        dys = torch.split(grad_output.contiguous(), counts)
+        grad_x, grad_w = [], []
+        if r.recipe == "blockwise":
+            for dy, (qxt, sxt), (q, s), c in zip(dys, qx, qw, counts):
+                if ctx.needs_input_grad[0]:
+                    grad_x.append(scaled_gemm(*_tiles(r, dy, "grad_output"), q.t(), s.t(), x_dtype) if c
+                                  else dy.new_zeros(0, k, dtype=x_dtype))
+                if ctx.needs_input_grad[1]:
+                    grad_w.append(scaled_gemm(*_tiles(r, dy.t(), "grad_output"), qxt, sxt, w_dtype) if c
+                                  else dy.new_zeros(n, k, dtype=w_dtype))
+        else:
+            qdys = [p[0] for p in _per_tensor(states, [(dy,) for dy in dys], ("grad_output",))]
+            for (qdy, sdy), (q, s), (qxe, sx), c in zip(qdys, qw, qx, counts):
+                if ctx.needs_input_grad[0]:
+                    grad_x.append(scaled_gemm(qdy, sdy, q.t(), s, x_dtype) if c
+                                  else qdy.new_zeros(0, k, dtype=x_dtype))
+                if ctx.needs_input_grad[1]:
+                    grad_w.append(scaled_gemm(qdy.t(), sdy, qxe.t(), sx, w_dtype) if c
+                                  else qdy.new_zeros(n, k, dtype=w_dtype))
+        return (torch.cat(grad_x) if grad_x else None, torch.stack(grad_w) if grad_w else None, None, None)
+
+
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: Sequence[int],
+                       states: Sequence[FP8LinearState]) -> torch.Tensor:
+    """``x [N, k]`` in expert-contiguous groups of ``tokens_per_expert`` rows times ``weight [L, n, k]`` (expert
+    e's weight in ``F.linear``'s layout) -> ``[N, n]``, each expert's GEMMs in fp8 by ``states[e]``; the groups
+    are padded with zero rows to the recipe's alignment for the GEMMs and the padding's rows dropped after."""
+    counts = [int(c) for c in tokens_per_expert]
+    align = alignment(states[0].recipe)
+    padded = [-(-c // align) * align for c in counts]
+    if padded == counts:
+        return _FP8GroupedLinear.apply(x, weight, counts, tuple(states))
+    starts = [sum(padded[:e]) for e in range(len(counts))]
+    rows = torch.cat([torch.arange(s, s + c, device=x.device) for s, c in zip(starts, counts)])
+    # index_copy / index_select: x's gradient is read from the real rows only, and the rows dropped here
+    # receive a zero gradient, so the padding adds nothing to the weight gradient nor to dY's amax.
+    x_padded = x.new_zeros(sum(padded), x.size(1)).index_copy(0, rows, x)
+    return _FP8GroupedLinear.apply(x_padded, weight, padded, tuple(states)).index_select(0, rows)
+
+
+__all__ = ["ALIGN", "alignment", "fp8_grouped_linear"]

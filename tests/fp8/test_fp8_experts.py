@@ -1,0 +1,211 @@
+"""The MoE experts' grouped GEMMs in fp8 against a float64 emulation written here, per expert: one scaling state per
+expert weight, each expert's input and output gradient scaled over its own tokens (Transformer Engine's
+GroupedLinear), blockwise tiles over the real tokens only.  Uneven groups (0, 1, 17, 40, 130 tokens) exercise the
+zero-row padding to 16 (128 for blockwise), which must reach the GEMMs as zeros and be dropped after.  At EP 2 and
+at ETP 2 the MoE layer equals the one-rank layer given the same tokens."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_on_ranks
+from moe_helpers import expert_grads, moe_config
+from test_fp8_linear import MAX, assert_matches, fp8_dtype, ref_gemm, ref_quantize
+
+from ds_megatron.fp8 import FP8LinearState, FP8Recipe, update_delayed_scaling
+from ds_megatron.fp8 import grouped
+from ds_megatron.moe import MoELayer
+from ds_megatron.moe.experts import GroupedMLP, SequentialMLP
+from ds_megatron.parallel.layout import ParallelLayout
+from ds_megatron.parallel_state import ParallelGroup, ParallelState
+from ds_megatron.tensor_parallel.layers import attach_fp8, fp8_states
+
+K, N = 128, 256  # in and out features: multiples of 128 (blockwise)
+COUNTS = [0, 1, 17, 40, 130]
+CASES = list(itertools.product(("tensorwise", "delayed", "blockwise"), ("e4m3", "hybrid")))
+ONE = ParallelGroup.single("etp")
+
+
+def data(seed: int, scale: float = 1.0):
+    """x, weight [L, N, K], dy: each expert's tokens and weight on a scale of its own, so a scale shared by the
+    experts would quantize the small ones differently."""
+    g = torch.Generator().manual_seed(seed)
+    per_row = torch.cat([torch.full((c,), 2.0 ** e) for e, c in enumerate(COUNTS)]).unsqueeze(1)
+    x = torch.randn(sum(COUNTS), K, generator=g) * per_row * scale
+    w = torch.randn(len(COUNTS), N, K, generator=g) * 0.05 * (2.0 ** -torch.arange(len(COUNTS))).view(-1, 1, 1)
+    dy = torch.randn(sum(COUNTS), N, generator=g) * 1e-3 / per_row * scale
+    return x, w, dy
+
+
+def ref_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blockwise 1x128 tiles along ``t``'s rows of any length: the last tile holds what is left (its amax over
+    those elements only)."""
+    pad = -t.size(1) % 128
+    return ref_quantize(torch.nn.functional.pad(t, (0, pad)), dtype, tile=(1, 128))[:, :t.size(1)]
+
+
+def reference(x, w, dy, recipe: str, fmt: str, scales):
+    """Per expert (y, dx, dw), each with its fp32 bound; ``scales[e]`` per role for the delayed recipe."""
+    e4, eg = fp8_dtype(fmt, "input"), fp8_dtype(fmt, "grad_output")
+    out = []
+    for e, (xe, dye) in enumerate(zip(torch.split(x.double(), COUNTS), torch.split(dy.double(), COUNTS))):
+        we = w[e].double()
+        if recipe == "blockwise":
+            qx, qdy, qw = ref_rows(xe, e4), ref_rows(dye, eg), ref_quantize(we, e4, tile=(128, 128))
+            qxt, qdyt = ref_rows(xe.t(), e4), ref_rows(dye.t(), eg)
+        else:
+            s = scales[e] if recipe == "delayed" else {}
+            qx, qw, qdy = (ref_quantize(t, d, s.get(r)) if t.numel() else t for t, d, r in
+                           ((xe, e4, "input"), (we, e4, "weight"), (dye, eg, "grad_output")))
+            qxt, qdyt = qx.t(), qdy.t()
+        out.append((ref_gemm(qx, qw), ref_gemm(qdy, qw.t()), ref_gemm(qdyt, qxt)))
+    return out
+
+
+def run(states, x, w, dy):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = grouped.fp8_grouped_linear(x, w, COUNTS, states)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("recipe,fmt", CASES)
+def test_grouped_fp8_gemms_equal_float64_emulation_per_expert(recipe, fmt):
+    fp8 = FP8Recipe(fmt, recipe)
+    states = [FP8LinearState(fp8, ONE, K, N) for _ in COUNTS]
+    history = []  # the delayed recipe's amaxes of earlier steps, per expert and role
+    for step in range(2 if recipe == "delayed" else 1):
+        x, w, dy = data(step, scale=(1.0, 4.0)[step])
+        scales = None
+        if recipe == "delayed":
+            scales = [{r: (torch.tensor(MAX[fp8_dtype(fmt, r)]) / history[-1][e][r] if history and
+                           history[-1][e][r] > 0 else torch.tensor(1.0)).float() for r in ("input", "weight",
+                                                                                           "grad_output")}
+                      for e in range(len(COUNTS))]
+            assert all(torch.equal(s.scale[r], scales[e][r]) for e, s in enumerate(states) for r in scales[e])
+            history.append([{"input": xe.abs().max() if xe.numel() else 0.0, "weight": w[e].abs().max(),
+                             "grad_output": dye.abs().max() if dye.numel() else 0.0}
+                            for e, (xe, dye) in enumerate(zip(torch.split(x, COUNTS), torch.split(dy, COUNTS)))])
+        y, dx, dw = run(states, x, w, dy)
+        refs = reference(x, w, dy, recipe, fmt, scales)
+        for e, (ys, dxs, (ry, rdx, rdw)) in enumerate(zip(torch.split(y, COUNTS), torch.split(dx, COUNTS), refs)):
+            assert_matches(ys, ry, f"expert {e} output")
+            assert_matches(dxs, rdx, f"expert {e} input gradient")
+            assert_matches(dw[e], rdw, f"expert {e} weight gradient")
+        if step == 0:  # fp8 engaged: far from the 16-bit GEMMs
+            xb, wb, dyb = x.bfloat16().double(), w.bfloat16().double(), dy.bfloat16().double()
+            parts = [(xe @ wb[e].t(), dye @ wb[e], dye.t() @ xe) for e, (xe, dye) in
+                     enumerate(zip(torch.split(xb, COUNTS), torch.split(dyb, COUNTS)))]
+            for e in (2, 3, 4):
+                for got, base in zip((torch.split(y, COUNTS)[e], torch.split(dx, COUNTS)[e], dw[e]), parts[e]):
+                    rel = ((got.double() - base).norm() / base.norm()).item()
+                    assert rel > 1e-2, f"expert {e}: fp8 within {rel:.1e} of bf16 (fp8 off?)"
+        update_delayed_scaling(states, [ONE])
+
+
+@pytest.mark.parametrize("recipe", ("tensorwise", "blockwise"))
+def test_padding_rows_reach_the_gemms_as_zeros_and_are_dropped(recipe, monkeypatch):
+    """Every GEMM sees each expert's tokens padded to the alignment (16; 128 blockwise), the padded rows of x and
+    dy zero; the output has the real rows only."""
+    align = 128 if recipe == "blockwise" else 16
+    padded = [-(-c // align) * align for c in COUNTS]
+    calls = []
+
+    def spy(a, a_scale_inv, b, b_scale_inv, out_dtype):
+        calls.append((a, b))
+        return real(a, a_scale_inv, b, b_scale_inv, out_dtype)
+    real = grouped.scaled_gemm
+    monkeypatch.setattr(grouped, "scaled_gemm", spy)
+    x, w, dy = data(0)
+    y, _, _ = run([FP8LinearState(FP8Recipe("e4m3", recipe), ONE, K, N) for _ in COUNTS], x, w, dy)
+    assert y.shape == (sum(COUNTS), N)
+    experts = [e for e, c in enumerate(COUNTS) if c]
+    forward, backward = calls[:len(experts)], calls[len(experts):]
+    assert len(backward) == 2 * len(experts)
+    for e, (a, _) in zip(experts, forward):  # x [padded tokens, K]
+        assert a.size(0) == padded[e] and not a[COUNTS[e]:].float().any(), f"expert {e}: x's padding"
+    for e, (dgrad, wgrad) in zip(experts, zip(backward[::2], backward[1::2])):
+        assert dgrad[0].size(0) == padded[e] and not dgrad[0][COUNTS[e]:].float().any(), f"expert {e}: dy's padding"
+        for t in wgrad:  # dy^T and x^T [features, padded tokens]: the tokens are the reduction dimension
+            assert t.size(1) == padded[e] and not t[:, COUNTS[e]:].float().any(), f"expert {e}: wgrad padding"
+
+
+@pytest.mark.parametrize("cls", (GroupedMLP, SequentialMLP))
+def test_experts_run_fc1_and_fc2_through_their_own_states(cls):
+    """Both expert classes: one state per expert and projection (in ``fp8_states``), fc1 then the activation and
+    the routing weight then fc2, each a grouped fp8 GEMM; far from the 16-bit experts."""
+    torch.manual_seed(3)
+    experts = cls(len(COUNTS), K, N, ep=ParallelGroup.single("ep"), etp=ONE)
+    x, _, _ = data(1)
+    probs = torch.rand(x.size(0), generator=torch.Generator().manual_seed(2))
+    w = {k: torch.stack([experts.expert_weights(e)[f"linear_{k}.weight"] for e in range(len(COUNTS))]).detach()
+         for k in ("fc1", "fc2")}
+
+    def forward_backward():
+        xi = x.clone().requires_grad_()
+        y = experts(xi, COUNTS, probs)
+        y.square().sum().backward()
+        return y.detach(), xi.grad, expert_grads(experts)
+    base = forward_backward()
+    experts.zero_grad()
+    fp8 = FP8Recipe("hybrid", "tensorwise")
+    assert attach_fp8(experts, fp8) == 1
+    states = fp8_states(experts)
+    assert len(states) == 2 * len(COUNTS) and len({id(s) for s in states}) == len(states)
+    got = forward_backward()
+
+    ref_states = [FP8LinearState(fp8, ONE, K, N) for _ in COUNTS], [FP8LinearState(fp8, ONE, N, K) for _ in COUNTS]
+    xi, w1, w2 = x.clone().requires_grad_(), w["fc1"].clone().requires_grad_(), w["fc2"].clone().requires_grad_()
+    hidden = experts.activation_func(grouped.fp8_grouped_linear(xi, w1, COUNTS, ref_states[0])) * probs[:, None]
+    y = grouped.fp8_grouped_linear(hidden, w2, COUNTS, ref_states[1])
+    y.square().sum().backward()
+    assert torch.equal(got[0], y.detach()) and torch.equal(got[1], xi.grad)
+    for e in range(len(COUNTS)):
+        assert torch.equal(got[2][(e, "fc1")], w1.grad[e]) and torch.equal(got[2][(e, "fc2")], w2.grad[e]), e
+    rel = ((got[0] - base[0]).norm() / base[0].norm()).item()
+    assert rel > 1e-2, f"fp8 experts within {rel:.1e} of the 16-bit ones"
+
+
+def _moe_ranks_equal_one_rank(ep: int, etp: int, grouped_gemm: bool):
+    """MoELayer (tensorwise hybrid) at EP x ETP over 2 ranks (each rank its own micro-batch) against the one-rank
+    layer on both micro-batches at once: every expert then sees the same tokens."""
+    S, B = 8, 2
+    world = dist.get_world_size()
+    state = ParallelState.build(ParallelLayout(world_size=world, ep=ep, etp=etp))
+    cfg = moe_config(moe_grouped_gemm=grouped_gemm, hidden_size=32, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.0)
+    fp8 = FP8Recipe("hybrid", "tensorwise")
+    torch.manual_seed(5)
+    layer = MoELayer(cfg, parallel_state=state)
+    torch.manual_seed(5)
+    ref = MoELayer(cfg)
+    attach_fp8(layer, fp8)
+    attach_fp8(ref, fp8)
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(world * S, B, 32, generator=g), torch.randn(world * S, B, 32, generator=g)
+    mine = slice(dist.get_rank() * S, (dist.get_rank() + 1) * S)  # micro-batches stacked along the sequence
+
+    def run_layer(m, xs, ws):
+        xs = xs.clone().requires_grad_()
+        (m(xs) * ws).sum().backward()
+        return xs.grad
+    dx, rdx = run_layer(layer, x[mine], w[mine]), run_layer(ref, x, w)
+    assert torch.allclose(dx, rdx[mine], rtol=1e-5, atol=1e-6 * rdx.abs().max()), "input gradients differ"
+    f = cfg.moe_ffn_hidden_size // etp
+    cols = slice(state.etp.rank * f, (state.etp.rank + 1) * f)
+    ref_grads = expert_grads(ref.experts)
+    for (e, name), grad in expert_grads(layer.experts).items():
+        expected = ref_grads[(e, name)][cols] if name == "fc1" else ref_grads[(e, name)][:, cols]
+        assert torch.allclose(grad, expected, rtol=1e-5, atol=1e-6 * expected.abs().max()), (e, name)
+    state.destroy()
+
+
+def _ep2_and_etp2():
+    _moe_ranks_equal_one_rank(2, 1, True)
+    _moe_ranks_equal_one_rank(1, 2, False)
+
+
+def test_expert_and_expert_tensor_parallel_equal_one_rank():
+    run_on_ranks(2, _ep2_and_etp2)
