@@ -11,7 +11,8 @@ CP=2 (the ring at TP=2, all-to-all at EP=2); HF -> ours -> HF is bit-exact with 
 
 MTP layers present (a released GLM-4.5's ``model.layers.{num_hidden_layers}``, which transformers neither builds nor
 runs): our loss equals one built from transformers' own decoder layer and norms (as for DeepSeek-V3), and the
-layer round-trips, with the embedding / head copies (GLM-4.5) or without them (GLM-4.6's files lack them).
+layer round-trips, with the embedding / head copies (GLM-4.5) or without them (GLM-4.6's files lack them); the
+plan's parameter count is the model's, with and without the MTP layer.
 """
 import json
 import os
@@ -294,6 +295,10 @@ def test_the_mtp_layer_converts_and_gives_the_mtp_loss(glm_mtp, capsys):
     # asked off: the MTP tensors are left unread, the main model loads
     off = ds_megatron.from_pretrained(hf_dir, dtype=torch.float64, seq_length=SEQ, mtp_num_layers=0, **F64)
     assert off.config.mtp_num_layers is None
+    # `ds-megatron plan` counts the parameters the model has (q/k/v biases, q/k norms, the MTP layer)
+    from ds_megatron.planning import gpt_param_counts
+    for m in (model, off):
+        assert gpt_param_counts(m.config, 1).total == sum(p.numel() for p in m.parameters())
 
 
 def test_mtp_layers_without_the_embedding_and_head_copies_round_trip(glm_mtp, tmp_path):
