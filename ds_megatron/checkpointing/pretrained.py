@@ -53,8 +53,8 @@ def pretrained_config(path: str, notices: Optional[List[str]] = None, **override
     for key, value in overrides.items():
         if key not in _FIELDS:
             raise ConfigError(f"from_pretrained: unknown option {key!r}; use the model's training settings "
-                              f"({', '.join(OVERRIDABLE)}), mtp_num_layers, {', '.join(OTHER_OPTIONS)} or the pipeline's "
-                              f"{', '.join(PIPELINE_OPTIONS)}")
+                              f"({', '.join(OVERRIDABLE)}), mtp_num_layers, {', '.join(OTHER_OPTIONS)} or the "
+                              f"pipeline's {', '.join(PIPELINE_OPTIONS)}")
         if key not in OVERRIDABLE and value != getattr(base, key):
             raise ConfigError(f"from_pretrained: model.{key}={value!r} would change the architecture {path} "
                               f"fixes ({getattr(base, key)!r}); drop it (only training settings "

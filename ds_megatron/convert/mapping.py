@@ -98,7 +98,8 @@ class _Names:
         return self.layer(i, ("block_sparse_moe." if self.family == "mixtral" else "mlp.") + rest)
 
     def shared(self, i: int, rest: str) -> str:
-        return self.moe(i, ("shared_experts." if self.family in ("deepseek_v3", "glm4_moe") else "shared_expert.") + rest)
+        plural = self.family in ("deepseek_v3", "glm4_moe")
+        return self.moe(i, ("shared_experts." if plural else "shared_expert.") + rest)
 
     def expert(self, i: int, e: int, which: str) -> str:
         if self.family == "mixtral":

@@ -150,7 +150,9 @@ def save_weights(model, directory: str, parallel_state, stage_layers: Sequence[S
     mapping = Mapping(family, model.config, layout)
     tensors = _file_tensors(model)
     s = parallel_state
-    by_file: Dict[str, List[Target]] = {}
+    # a pipeline stage of dense layers only still has its (empty) expert file, which the layout lists
+    by_file: Dict[str, List[Target]] = ({expert_file(s.pp.rank, s.ep.rank, s.etp.rank): []}
+                                        if model.config.num_experts else {})
     for fname, t in rank_targets(mapping, s):
         by_file.setdefault(fname, []).append(t)
     os.makedirs(directory, exist_ok=True)

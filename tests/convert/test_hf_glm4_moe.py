@@ -249,7 +249,8 @@ def glm_mtp(tmp_path_factory):
     h = whole.config.hidden_size
     g = torch.Generator().manual_seed(11)
     sd = _tensors(hf_models.save(whole, str(tmp / "whole")))
-    extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=g), "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+    extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+             "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
              "eh_proj.weight": 0.05 * torch.randn(h, 2 * h, generator=g),
              "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
     sd.update({f"model.layers.2.{k}": v.double() for k, v in extra.items()})
