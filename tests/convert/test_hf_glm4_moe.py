@@ -6,8 +6,8 @@ sigmoid routing over 2 expert groups of which 1 is kept, a random non-zero ``e_s
 the choice, a shared expert, routed_scaling_factor 2.5, a dense first layer), saved by transformers with its default
 of one multi-token-prediction layer declared and no MTP tensor: the main model loads with MTP off and one line says
 so.  Our logits equal transformers' (``hf_models.float64_reference``: its fp32 router in float64) to 1e-10 at TP=1
-(``from_pretrained``, and our converted directory), and in one 4-rank job at TP=2 with SP, EP=2, PP=2 x EP=2 and
-CP=2 (the ring at TP=2, all-to-all at EP=2); HF -> ours -> HF is bit-exact with config.json unchanged.
+(``from_pretrained``, and our converted directory), and in one 4-rank job at TP=2 with SP, TP=4 with SP (more
+ranks than query groups), EP=2, PP=2 x EP=2 and CP=2 (the ring at TP=2, all-to-all at EP=2); HF -> ours -> HF is bit-exact with config.json unchanged.
 
 MTP layers present (a released GLM-4.5's ``model.layers.{num_hidden_layers}``, which transformers neither builds nor
 runs): our loss equals one built from transformers' own decoder layer and norms (as for DeepSeek-V3), and the
@@ -160,8 +160,8 @@ def test_transformers_saved_directory_loads_with_mtp_off_and_equals_transformers
 
 
 # tp, pp, ep, sequence parallel, context parallel ("p2p" / "a2a": CP=2 with that exchange), read from
-LAYOUTS = [(2, 1, 1, True, None, "hf"), (1, 1, 2, False, None, "ours"), (1, 2, 2, False, None, "hf"),
-           (2, 1, 1, False, "p2p", "ours"), (1, 1, 2, False, "a2a", "hf")]
+LAYOUTS = [(2, 1, 1, True, None, "hf"), (4, 1, 1, True, None, "ours"), (1, 1, 2, False, None, "ours"),
+           (1, 2, 2, False, None, "hf"), (2, 1, 1, False, "p2p", "ours"), (1, 1, 2, False, "a2a", "hf")]
 
 
 def _gather_vocab(logits, state):
