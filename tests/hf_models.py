@@ -79,7 +79,7 @@ def float64_reference(model):
             module.forward = types.MethodType(_rms_f64, module)
         elif name.endswith("TopKRouter"):
             module.forward = types.MethodType(_router_f64, module)
-        elif name == "DeepseekV3TopkRouter":
+        elif name in ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter"):  # the same router
             module.forward = types.MethodType(_deepseek_v3_router_f64, module)
     return model
 
@@ -112,6 +112,34 @@ def make_deepseek_v3(seed=0, dtype=torch.float64, **overrides):
             p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # of the size of the sigmoid scores' spread
+                b.copy_(0.2 * torch.randn(b.shape, generator=g))
+    return model.to(dtype).eval()
+
+
+# A tiny GLM-4.5 (transformers' defaults where not set: partial_rotary_factor 0.5, one MTP layer declared and, as
+# transformers saves it, absent): head_dim 16 (not hidden / heads) of which 8 channels rotate, q/k/v biases, q/k norms,
+# 2 query groups, 4 experts in 2 groups of which 1 is kept (top-2 inside it), a shared expert, scaled weights, layer 0
+# dense (intermediate_size) and layer 1 MoE.
+GLM4_MOE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4, n_shared_experts=1,
+                num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                attention_bias=True, use_qk_norm=True, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def make_glm4_moe(seed=0, dtype=torch.float64, **overrides):
+    """A tiny random ``Glm4MoeForCausalLM`` (``GLM4_MOE`` with ``overrides``), every weight and bias random and the
+    routers' ``e_score_correction_bias`` too."""
+    config = T.Glm4MoeConfig(**{**GLM4_MOE, **overrides})
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = T.Glm4MoeForCausalLM(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn(b.shape, generator=g))
     return model.to(dtype).eval()
 

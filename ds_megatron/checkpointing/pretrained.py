@@ -9,7 +9,7 @@ The call a DeepSpeed user makes before ``ds_megatron.initialize`` (what ``ds-meg
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -36,13 +36,15 @@ OTHER_OPTIONS = ("seed", "dtype")
 _FIELDS = set(GPTConfig.__dataclass_fields__)
 
 
-def pretrained_config(path: str, **overrides) -> GPTConfig:
+def pretrained_config(path: str, notices: Optional[List[str]] = None, **overrides) -> GPTConfig:
     """The checkpoint's model with ``overrides`` of training settings; an override that would change the
-    architecture (a field outside ``OVERRIDABLE`` set to another value) is refused naming it."""
+    architecture (a field outside ``OVERRIDABLE`` set to another value) is refused naming it.  ``mtp_num_layers``
+    chooses the multi-token-prediction layers (``config.hf_config.resolve_mtp``; its line goes to ``notices``)."""
+    mtp = overrides.pop("mtp_num_layers", None)
     try:
-        model = model_of_checkpoint(path)
+        model = model_of_checkpoint(path, mtp, notices)
     except ConfigError as e:  # ConvertError "config.json: ...": name the directory too
-        raise type(e)(f"{path}/{e}") from None
+        raise type(e)(f"{path}/{e}" if str(e).startswith("config.json") else str(e)) from None
     if model is None:
         raise ConfigError(f"{path}: neither a Hugging Face checkpoint (config.json) nor ours ({METADATA})")
     for alias in ("layernorm_epsilon", "moe_shared_expert_ffn_hidden_size"):  # ours stores them resolved
@@ -51,8 +53,8 @@ def pretrained_config(path: str, **overrides) -> GPTConfig:
     for key, value in overrides.items():
         if key not in _FIELDS:
             raise ConfigError(f"from_pretrained: unknown option {key!r}; use the model's training settings "
-                              f"({', '.join(OVERRIDABLE)}), {', '.join(OTHER_OPTIONS)} or the pipeline's "
-                              f"{', '.join(PIPELINE_OPTIONS)}")
+                              f"({', '.join(OVERRIDABLE)}), mtp_num_layers, {', '.join(OTHER_OPTIONS)} or the "
+                              f"pipeline's {', '.join(PIPELINE_OPTIONS)}")
         if key not in OVERRIDABLE and value != getattr(base, key):
             raise ConfigError(f"from_pretrained: model.{key}={value!r} would change the architecture {path} "
                               f"fixes ({getattr(base, key)!r}); drop it (only training settings "
@@ -68,7 +70,9 @@ def from_pretrained(path: str, parallel_state: Optional[ParallelState] = None, *
     """This rank's model of the checkpoint at ``path`` with its weights (see the module docstring).
 
     ``parallel_state``: the job's (``ds_megatron.initialize_model_parallel(config)``); None: one rank.
-    ``options``: model training settings (``OVERRIDABLE``); ``seed`` (default 1234, as ``ds-megatron train``)
+    ``options``: model training settings (``OVERRIDABLE``); ``mtp_num_layers`` (unset: the multi-token-prediction
+    layers the files hold, off with a printed line when config.json declares layers the files lack; 0: off);
+    ``seed`` (default 1234, as ``ds-megatron train``)
     seeds the dropout streams Megatron's way; ``dtype`` (default float32) of the parameters; with PP the split
     (``PIPELINE_OPTIONS``: ``virtual_pipeline_model_parallel_size`` chunks per rank, uneven stages).
     """
@@ -76,7 +80,11 @@ def from_pretrained(path: str, parallel_state: Optional[ParallelState] = None, *
     seed = options.pop("seed", 1234)
     dtype = options.pop("dtype", torch.float32)
     pipeline: Dict[str, Any] = {PIPELINE_OPTIONS[k]: options.pop(k) for k in list(options) if k in PIPELINE_OPTIONS}
-    config = pretrained_config(path, **options)
+    notices: List[str] = []
+    config = pretrained_config(path, notices, **options)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        for notice in notices:
+            print(notice)
     if pipeline and state.pp.size == 1 and any(v not in (None, 1) for v in pipeline.values()):
         name = next(k for k, v in PIPELINE_OPTIONS.items() if pipeline.get(v) not in (None, 1))
         raise ConfigError(f"from_pretrained: {name} is given but the layout has pipeline_model_parallel_size 1; "

@@ -1,20 +1,22 @@
 """Hugging Face ``config.json`` <-> our ``model`` section (pure Python, no torch).
 
 ``model_from_hf(hf)`` returns ``(family, GPTConfig keyword arguments)`` for the
-families we reproduce exactly (``FAMILIES``; DeepSeek-V3 by ``_deepseek_v3``), RoPE scaling
+families we reproduce exactly (``FAMILIES``; DeepSeek-V3 by ``_deepseek_v3``, GLM-4.5 by ``_glm4_moe``), RoPE scaling
 of types default, linear, llama3 and yarn included; anything that would change the model's
 arithmetic in a way we do not implement (other RoPE scalings, sliding windows
 shorter than the sequence, an unknown field)
 raises ``ConvertError`` naming ``config.json`` and the field.  ``hf_from_model``
 is the way back: the original ``config.json`` with the architecture fields
-written from the model section.
+written from the model section.  ``model_of_checkpoint`` reads a directory, multi-token-prediction layers
+that ``config.json`` declares but the files lack (as transformers saves them) left off (``resolve_mtp``).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from typing import Any, Dict, Optional, Tuple
+import struct
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ..errors import ConvertError
 from .model import GPTConfig
@@ -33,9 +35,12 @@ FAMILIES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # Kimi K2 too (model_type kimi_k2, the same architecture)
+    "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5, GLM-4.5-Air, GLM-4.6
 }
 ARCHITECTURES = {family: arch for arch, family in FAMILIES.items()}
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe")
+# Families whose checkpoints may hold multi-token-prediction layers (model.layers.{num_hidden_layers + k})
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
 
 # Fields that never change the forward pass (ids, caching, bookkeeping, training-only switches).
 _NEUTRAL = {
@@ -166,6 +171,8 @@ def model_from_hf(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
     family = FAMILIES[archs[0]]
     if family == "deepseek_v3":
         return family, _deepseek_v3(hf)
+    if family == "glm4_moe":
+        return family, _glm4_moe(hf)
     for key in hf:
         if key not in _NEUTRAL:
             raise _fail(key, hf[key], "ds_megatron does not know what this field changes: remove it if it does not "
@@ -313,13 +320,7 @@ def _deepseek_v3(hf: Dict[str, Any]) -> Dict[str, Any]:
                                    "norm_epsilon for every norm: convert a model with rms_norm_eps 1e-6")):
         if get(key) != only or isinstance(get(key), bool) != isinstance(only, bool):
             raise _fail(key, get(key), fix)
-    # Multi-token prediction: transformers' two names of one field (its default: 1); the layers follow the decoder's
-    # as model.layers.{num_hidden_layers + k} (transformers neither builds nor runs them)
-    mtp = ({k: hf[k] for k in ("num_nextn_predict_layers", "num_mtp_layers") if k in hf}
-           or {"num_nextn_predict_layers": 1})
-    depths = {_int(key, value, 0) for key, value in mtp.items()}
-    if len(depths) > 1:
-        raise _fail("num_mtp_layers", hf.get("num_mtp_layers"), "it differs from num_nextn_predict_layers: keep one")
+    depth = _mtp_depth(hf)
     if get("hidden_act") not in ("silu", "gelu"):
         raise _fail("hidden_act", get("hidden_act"), "use silu (SwiGLU) or gelu")
     layers, h, n = (_int(k, get(k), 1) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
@@ -333,27 +334,7 @@ def _deepseek_v3(hf: Dict[str, Any]) -> Dict[str, Any]:
     q_lora = get("q_lora_rank")
     if q_lora is not None:
         _int("q_lora_rank", q_lora, 1)
-    experts, topk = _int("n_routed_experts", get("n_routed_experts"), 1), _int("num_experts_per_tok",
-                                                                              get("num_experts_per_tok"), 1)
-    groups, group_topk = _int("n_group", get("n_group"), 1), _int("topk_group", get("topk_group"), 1)
-    if experts % groups or group_topk > groups:  # transformers views the experts as n_group equal groups
-        raise _fail("n_group", groups, f"use a divisor of n_routed_experts ({experts}) of at least topk_group "
-                    f"({group_topk})")
-    if group_topk < groups and topk // group_topk != 2:
-        # transformers scores a group by its best 2 experts, Megatron (and ds_megatron) by its best k / topk_group
-        raise _fail("topk_group", group_topk, f"transformers scores a group by its 2 best experts and ds_megatron by "
-                    f"its num_experts_per_tok // topk_group = {topk // group_topk}: use num_experts_per_tok = 2 x "
-                    "topk_group (or topk_group = n_group)")
-    if bool(get("norm_topk_prob")) != (topk > 1):
-        # ds_megatron (as Megatron) renormalizes the chosen sigmoid scores exactly when more than one is chosen
-        raise _fail("norm_topk_prob", get("norm_topk_prob"), "ds_megatron renormalizes the chosen sigmoid scores "
-                    "when num_experts_per_tok > 1 and not for 1: convert a model with norm_topk_prob "
-                    f"{str(topk > 1).lower()}")
-    shared = _int("n_shared_experts", get("n_shared_experts"), 1)
-    dense = _int("first_k_dense_replace", get("first_k_dense_replace"), 0)
-    if dense >= layers:
-        raise _fail("first_k_dense_replace", dense, f"every one of the {layers} layers is dense: convert it as a "
-                    "dense model or lower it")
+    moe = _sigmoid_topk_moe(get, layers)
     rope = _rope(hf)
     if rope["rotary_percent"] != 1.0:
         raise _fail("partial_rotary_factor", rope["rotary_percent"], "DeepSeek-V3 rotates all qk_rope_head_dim "
@@ -379,35 +360,183 @@ def _deepseek_v3(hf: Dict[str, Any]) -> Dict[str, Any]:
         activation=get("hidden_act"), add_bias_linear=False, add_qkv_bias=False,
         untie_embeddings_and_output_weights=not get("tie_word_embeddings"),
         multi_latent_attention=True, q_lora_rank=q_lora, kv_lora_rank=_int("kv_lora_rank", get("kv_lora_rank"), 1),
-        qk_head_dim=nope, qk_pos_emb_head_dim=pos, v_head_dim=v,
-        num_experts=experts, moe_router_topk=topk,
-        moe_ffn_hidden_size=_int("moe_intermediate_size", get("moe_intermediate_size"), 1),
-        moe_shared_expert_intermediate_size=shared * get("moe_intermediate_size"), moe_shared_expert_gate=False,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        moe_router_topk_scaling_factor=float(get("routed_scaling_factor")),
-        # transformers keeps the gate and the bias in fp32 and routes in fp32 whatever the model's dtype
-        moe_router_dtype="fp32",
+        qk_head_dim=nope, qk_pos_emb_head_dim=pos, v_head_dim=v, **moe,
         # the original code's sequence-wise balancing loss (seq_aux) of weight aux_loss_alpha; transformers has none
         moe_router_load_balancing_type="seq_aux_loss" if get("seq_aux") else "aux_loss",
         moe_aux_loss_coeff=float(get("aux_loss_alpha") or 0.0))
+    if depth:
+        model["mtp_num_layers"] = depth
+    return model
+
+
+def _mtp_depth(hf: Dict[str, Any]) -> int:
+    """The multi-token-prediction layers ``config.json`` declares: transformers' two names of one field (its default:
+    1); the layers follow the decoder's as model.layers.{num_hidden_layers + k} (transformers neither builds nor
+    runs them, nor saves them)."""
+    mtp = ({k: hf[k] for k in ("num_nextn_predict_layers", "num_mtp_layers") if k in hf}
+           or {"num_nextn_predict_layers": 1})
+    depths = {_int(key, value, 0) for key, value in mtp.items()}
+    if len(depths) > 1:
+        raise _fail("num_mtp_layers", hf.get("num_mtp_layers"), "it differs from num_nextn_predict_layers: keep one")
+    return depths.pop()
+
+
+def _sigmoid_topk_moe(get, layers: int) -> Dict[str, Any]:
+    """The MoE of DeepSeek-V3 and GLM-4.5 (transformers' ``TopkRouter``): sigmoid scores, the expert bias added for
+    the choice only, groups of experts of which ``topk_group`` are kept, the chosen scores renormalized
+    (``norm_topk_prob``) and scaled (``routed_scaling_factor``), shared experts, the first k layers dense."""
+    experts, topk = _int("n_routed_experts", get("n_routed_experts"), 1), _int("num_experts_per_tok",
+                                                                              get("num_experts_per_tok"), 1)
+    groups, group_topk = _int("n_group", get("n_group"), 1), _int("topk_group", get("topk_group"), 1)
+    if experts % groups or group_topk > groups:  # transformers views the experts as n_group equal groups
+        raise _fail("n_group", groups, f"use a divisor of n_routed_experts ({experts}) of at least topk_group "
+                    f"({group_topk})")
+    if group_topk < groups and topk // group_topk != 2:
+        # transformers scores a group by its best 2 experts, Megatron (and ds_megatron) by its best k / topk_group
+        raise _fail("topk_group", group_topk, f"transformers scores a group by its 2 best experts and ds_megatron by "
+                    f"its num_experts_per_tok // topk_group = {topk // group_topk}: use num_experts_per_tok = 2 x "
+                    "topk_group (or topk_group = n_group)")
+    if bool(get("norm_topk_prob")) != (topk > 1):
+        # ds_megatron (as Megatron) renormalizes the chosen sigmoid scores exactly when more than one is chosen
+        raise _fail("norm_topk_prob", get("norm_topk_prob"), "ds_megatron renormalizes the chosen sigmoid scores "
+                    "when num_experts_per_tok > 1 and not for 1: convert a model with norm_topk_prob "
+                    f"{str(topk > 1).lower()}")
+    shared = _int("n_shared_experts", get("n_shared_experts"), 1)
+    dense = _int("first_k_dense_replace", get("first_k_dense_replace"), 0)
+    if dense >= layers:
+        raise _fail("first_k_dense_replace", dense, f"every one of the {layers} layers is dense: convert it as a "
+                    "dense model or lower it")
+    moe_ffn = _int("moe_intermediate_size", get("moe_intermediate_size"), 1)
+    model: Dict[str, Any] = dict(
+        num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn,
+        moe_shared_expert_intermediate_size=shared * moe_ffn, moe_shared_expert_gate=False,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=float(get("routed_scaling_factor")),
+        # transformers keeps the gate and the bias in fp32 and routes in fp32 whatever the model's dtype
+        moe_router_dtype="fp32")
     if group_topk < groups:  # all groups kept (or one group) is plain top-k
         model.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
     if dense:
         model["moe_layer_freq"] = [0] * dense + [1] * (layers - dense)
-    if depths != {0}:
-        model["mtp_num_layers"] = depths.pop()
     return model
 
 
-def model_of_checkpoint(path: str) -> Optional[Dict[str, Any]]:
-    """The model section of a checkpoint directory: ours (``METADATA``) or a Hugging Face one (``config.json``);
-    None when ``path`` holds neither."""
+# GLM-4.5 / 4.6 (transformers' Glm4MoeForCausalLM) ------------------------------------------------------------------
+# transformers' Glm4MoeConfig defaults (partial_rotary_factor: 0.5 when config.json gives none)
+_GLM4_MOE_DEFAULTS = {
+    "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+    "num_attention_heads": 96, "num_key_value_heads": 8, "hidden_act": "silu", "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
+    "moe_intermediate_size": 1408, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_routed_experts": 128,
+    "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+    "use_qk_norm": False,
+}
+_GLM4_MOE_FIELDS = set(_GLM4_MOE_DEFAULTS) | {"rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+                                              "head_dim", "num_nextn_predict_layers", "num_mtp_layers",
+                                              "quantization_config"}
+
+
+def _glm4_moe(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """Our model section of a GLM-4.5 ``config.json``, read as transformers' ``Glm4MoeForCausalLM`` does: grouped-query
+    attention with q/k/v biases (``attention_bias``, o_proj unbiased), optional per-head q/k RMSNorm before RoPE,
+    RoPE on the first ``partial_rotary_factor`` of each head's channels (rotate-half pairs), DeepSeek-V3's routing."""
+    for key in hf:
+        if key not in _BOOKKEEPING and key not in _GLM4_MOE_FIELDS:
+            raise _fail(key, hf[key], "ds_megatron does not know what this field changes in glm4_moe: remove it if it "
+                        "does not change the model")
+
+    def get(key):
+        return hf[key] if key in hf else _GLM4_MOE_DEFAULTS[key]
+
+    if hf.get("quantization_config"):
+        raise _fail("quantization_config", hf["quantization_config"], "quantized (FP8) weights are not converted: "
+                    "dequantize the checkpoint to bf16 or fp32 first")
+    if get("hidden_act") not in ("silu", "gelu"):
+        raise _fail("hidden_act", get("hidden_act"), "use silu (SwiGLU) or gelu")
+    depth = _mtp_depth(hf)
+    layers, h, n = (_int(k, get(k), 1) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+    head_dim = hf.get("head_dim") or h // n  # transformers' attention and RoPE both fall back to this
+    moe = _sigmoid_topk_moe(get, layers)
+    rope = _rope({**hf, "partial_rotary_factor": hf.get("partial_rotary_factor", 0.5)})
+    model: Dict[str, Any] = dict(
+        num_layers=layers, hidden_size=h, num_attention_heads=n,
+        num_query_groups=_int("num_key_value_heads", get("num_key_value_heads"), 1),
+        kv_channels=head_dim if head_dim * n != h else None,
+        ffn_hidden_size=_int("intermediate_size", get("intermediate_size"), 1),
+        seq_length=get("max_position_embeddings"), vocab_size=get("vocab_size"), hidden_dropout=0.0,
+        attention_dropout=float(get("attention_dropout") or 0.0), init_method_std=hf.get("initializer_range", 0.02),
+        norm_epsilon=float(get("rms_norm_eps")), position_embedding_type="rope", **rope, normalization="RMSNorm",
+        gated_linear_unit=True, activation=get("hidden_act"), add_bias_linear=False,
+        add_qkv_bias=bool(get("attention_bias")), qk_layernorm=bool(get("use_qk_norm")),
+        untie_embeddings_and_output_weights=not get("tie_word_embeddings"), **moe)
+    if depth:
+        model["mtp_num_layers"] = depth
+    return model
+
+
+def hf_tensor_names(path: str) -> Set[str]:
+    """The tensor names of a Hugging Face directory: its index's ``weight_map``, else ``model.safetensors``'s header
+    (no tensor read, no torch); empty when it has neither (the loader names what is missing)."""
+    index, single = os.path.join(path, "model.safetensors.index.json"), os.path.join(path, "model.safetensors")
+    try:
+        if os.path.isfile(index):
+            with open(index) as f:
+                return set(json.load(f).get("weight_map", {}))
+        if os.path.isfile(single):
+            with open(single, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                return set(json.loads(f.read(size))) - {"__metadata__"}
+    except (OSError, struct.error, ValueError) as e:
+        raise ConvertError(f"{path}: cannot read the tensor names ({e})") from None
+    return set()
+
+
+def resolve_mtp(model: Dict[str, Any], names: Set[str], requested: Optional[int], where: str) -> Optional[str]:
+    """Sets ``model["mtp_num_layers"]`` (``config.json``'s count) to what the checkpoint ``where`` with tensors
+    ``names`` gives, and returns the line to print when it differs from what ``config.json`` declares.
+
+    ``requested`` None: the declared layers when the files hold them; when they hold none (transformers declares one
+    and never saves it) MTP is off, as transformers runs the model: fresh layers would add a loss term the user did
+    not ask for.  0: off.  k > 0: the files must hold exactly those k layers."""
+    declared = model.get("mtp_num_layers") or 0
+    if requested is not None and (isinstance(requested, bool) or not isinstance(requested, int) or requested < 0):
+        raise ConvertError(f"mtp_num_layers={requested!r} is not an integer >= 0; use 0 (off) or leave it unset")
+    present = bool(declared) and any(n.startswith(f"model.layers.{model['num_layers']}.") for n in names)
+    if requested and not present:
+        raise ConvertError(f"mtp_num_layers={requested}: {where} declares {declared} multi-token-prediction layer(s) "
+                           "and its files hold none (transformers never saves them); use 0 or leave it unset (fresh "
+                           "MTP layers are not built)")
+    if requested and requested != declared:
+        raise ConvertError(f"mtp_num_layers={requested}: {where} holds {declared} multi-token-prediction layer(s); "
+                           f"use 0 (off), {declared} or leave it unset")
+    if requested == 0 or not present:
+        model.pop("mtp_num_layers", None)
+    if requested is None and declared and not present:
+        return (f"{where}: config.json declares {declared} multi-token-prediction layer(s) (num_nextn_predict_layers) "
+                "but the files hold none, as transformers saves them: loading the main model with MTP off, as "
+                "transformers runs it")
+    return None
+
+
+def model_of_checkpoint(path: str, mtp_num_layers: Optional[int] = None,
+                        notices: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
+    """The model section of a checkpoint directory: ours (``METADATA``) or a Hugging Face one (``config.json``, its
+    multi-token prediction by ``resolve_mtp``, whose line goes to ``notices``); None when ``path`` holds neither."""
     if os.path.isfile(os.path.join(path, METADATA)):
         with open(os.path.join(path, METADATA)) as f:
-            return dict(json.load(f)["model"])
+            model = dict(json.load(f)["model"])
+        if mtp_num_layers is not None and mtp_num_layers != (model.get("mtp_num_layers") or 0):
+            raise ConvertError(f"mtp_num_layers={mtp_num_layers}: {path} was converted with "
+                               f"{model.get('mtp_num_layers') or 0} multi-token-prediction layer(s); leave it unset "
+                               "(or export it to Hugging Face and load that)")
+        return model
     if os.path.isfile(os.path.join(path, "config.json")):
         with open(os.path.join(path, "config.json")) as f:
-            return model_from_hf(json.load(f))[1]
+            model = model_from_hf(json.load(f))[1]
+        notice = resolve_mtp(model, hf_tensor_names(path), mtp_num_layers, path)
+        if notice and notices is not None:
+            notices.append(notice)
+        return model
     return None
 
 
@@ -421,6 +550,8 @@ def hf_from_model(family: str, model: Dict[str, Any], base: Dict[str, Any]) -> D
         if key in ("seq_length", "attention_dropout", "hidden_dropout", "moe_aux_loss_coeff", "init_method_std",
                    "moe_router_dtype", "mtp_loss_scaling_factor"):
             continue  # training settings, not the architecture
+        if key == "mtp_num_layers" and not model.get(key):
+            continue  # MTP off: the declared layers absent from the files, as transformers saves them
         if model.get(key, value) != value:
             raise ConvertError(f"model.{key}={model.get(key)!r} differs from the Hugging Face model it came from "
                                f"({value!r}); export a model with the original architecture")

@@ -113,10 +113,13 @@ RUNTIME_MODEL_KEYS = ("seq_length", "hidden_dropout", "attention_dropout", "reco
 def model_from_checkpoint(path: str, section: Dict[str, Any], mcfg: MegatronConfig) -> GPTConfig:
     """The model section of a job that starts from ``path``: the checkpoint's architecture plus the job's runtime keys."""
     for key in section:
-        if key not in RUNTIME_MODEL_KEYS:
+        if key not in RUNTIME_MODEL_KEYS + ("mtp_num_layers",):
             raise ConfigError(f"{SECTION}.model.{key} is set but {SECTION}.train.load_hf={path!r} defines the "
-                              f"architecture; keep only {', '.join(RUNTIME_MODEL_KEYS)} in the model section")
-    model = model_of_checkpoint(path)
+                              f"architecture; keep only {', '.join(RUNTIME_MODEL_KEYS)} and mtp_num_layers in the "
+                              "model section")
+    # mtp_num_layers: the checkpoint's multi-token-prediction layers (unset), or none (0); see resolve_mtp
+    section = dict(section)
+    model = model_of_checkpoint(path, section.pop("mtp_num_layers", None), mcfg.notices)
     if model is None:
         raise ConfigError(f"{SECTION}.train.load_hf={path!r} has no config.json ({METADATA}); give a Hugging Face "
                           "checkpoint directory or one `ds-megatron convert` wrote")

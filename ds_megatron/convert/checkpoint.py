@@ -28,7 +28,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..config.hf_config import METADATA, hf_from_model, model_from_hf
+from ..config.hf_config import METADATA, hf_from_model, model_from_hf, resolve_mtp
 from ..config.model import GPTConfig
 from ..errors import ConfigError, ConvertError
 from .mapping import Layout, Mapping, Target
@@ -50,9 +50,12 @@ def is_our_dir(path: str) -> bool:
 
 
 class HFSource:
-    """A validated Hugging Face directory: its config mapped to ours and its tensor table (headers only)."""
+    """A validated Hugging Face directory: its config mapped to ours and its tensor table (headers only).
 
-    def __init__(self, hf_dir: str):
+    ``mtp_num_layers``: the multi-token-prediction layers to load (``config.hf_config.resolve_mtp``: None, those the
+    files hold; 0, none); ``notice`` the line saying that declared layers are absent and left off."""
+
+    def __init__(self, hf_dir: str, mtp_num_layers: Optional[int] = None):
         self.dir = hf_dir
         path = os.path.join(hf_dir, "config.json")
         try:
@@ -65,6 +68,8 @@ class HFSource:
         except ConvertError as e:
             raise ConvertError(f"{hf_dir}/{e}") from None
         self.table = tensor_table(hf_weight_files(hf_dir))
+        self.declared_mtp = self.model.get("mtp_num_layers") or 0
+        self.notice = resolve_mtp(self.model, set(self.table), mtp_num_layers, hf_dir)
 
     def gpt_config(self, **overrides) -> GPTConfig:
         return GPTConfig(**{**self.model, **overrides})
@@ -72,12 +77,17 @@ class HFSource:
     def validate(self, mapping: Mapping) -> None:
         """Every tensor the config implies is there with its shape, and nothing else is."""
         expected = mapping.hf_shapes()
+        copies = mapping.hf_copies()
+        # MTP layers left off (mtp_num_layers 0) that the files hold: not read
+        skipped = tuple(f"model.layers.{mapping.config.num_layers + k}." for k in range(mapping.mtp, self.declared_mtp))
         for name, shape in expected.items():
+            if name in copies and name not in self.table:
+                continue  # GLM-4.6's MTP layers lack the copies of the embedding and head
             if name not in self.table:
                 mtp = mapping.mtp and name.startswith(tuple(f"model.layers.{mapping.config.num_layers + k}."
                                                             for k in range(mapping.mtp)))
-                hint = (f" (config.json asks for {mapping.mtp} multi-token-prediction layer(s), which a checkpoint "
-                        "saved by transformers lacks: set num_nextn_predict_layers to 0 to convert the main model)"
+                hint = (f" (config.json asks for {mapping.mtp} multi-token-prediction layer(s) and the files hold "
+                        "only some of their tensors: complete the checkpoint, or load it with mtp_num_layers 0)"
                         if mtp else "")
                 raise ConvertError(f"{self.dir}: tensor {name} is missing from the checkpoint's files{hint}")
             path, _, found = self.table[name]
@@ -85,7 +95,8 @@ class HFSource:
                 raise ConvertError(f"{path}: tensor {name} has shape {list(found)} but config.json implies "
                                    f"{list(shape)}")
         for name, (path, _, _) in self.table.items():
-            if name not in expected and not name.endswith(_IGNORED_SUFFIXES):
+            if name not in expected and not name.endswith(_IGNORED_SUFFIXES) and not (skipped and
+                                                                                     name.startswith(skipped)):
                 raise ConvertError(f"{path}: unexpected tensor {name} (not part of a {self.family} model with this "
                                    "config.json); convert the model it belongs to")
 
@@ -93,6 +104,8 @@ class HFSource:
         """The tensors that repeat another (``Mapping.hf_copies``) equal it (in ``rows`` only, when given: a
         rank's vocab shard); our model keeps one weight for both, so a copy that differs is refused, not dropped."""
         for copy, original in mapping.hf_copies().items():
+            if copy not in self.table:
+                continue
             r = rows or (0, self.table[original][2][0])
             if not torch.equal(reader.read(self.table[copy][0], copy, r), reader.read(self.table[original][0],
                                                                                       original, r)):
@@ -157,6 +170,8 @@ def hf_to_ours(src: str, dst: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: O
                overrides: Optional[Dict] = None) -> str:
     """Import: Hugging Face directory ``src`` -> our directory ``dst`` at layout (tp, pp, ep, etp)."""
     source = HFSource(src)
+    if source.notice:
+        print(source.notice)
     config = source.gpt_config(**(overrides or {}))
     layout = Layout.uniform(config.num_layers, tp, pp, ep, etp)
     check_layout(config, layout)
@@ -253,7 +268,10 @@ def ours_to_hf(src: str, dst: str) -> str:
                     contributors[p.source].append((fname, t, offset, p))
                 offset += p.num_rows
     for copy, original in source.mapping.hf_copies().items():  # written from the one weight we keep
-        contributors[copy] = contributors[original]
+        if dtypes and copy not in dtypes:  # the source had no copy (GLM-4.6's MTP layers)
+            del shapes[copy], contributors[copy]
+        else:
+            contributors[copy] = contributors[original]
     order = sorted(shapes)
     out_dtypes = {}
     for name in order:

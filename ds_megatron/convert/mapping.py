@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..config.hf_config import MTP_FAMILIES
 from ..config.model import GPTConfig, pad_vocab_size
 from ..config.pipeline import stage_layer_counts, stage_layer_ranges
 from ..errors import ConvertError
@@ -97,7 +98,8 @@ class _Names:
         return self.layer(i, ("block_sparse_moe." if self.family == "mixtral" else "mlp.") + rest)
 
     def shared(self, i: int, rest: str) -> str:
-        return self.moe(i, ("shared_experts." if self.family == "deepseek_v3" else "shared_expert.") + rest)
+        plural = self.family in ("deepseek_v3", "glm4_moe")
+        return self.moe(i, ("shared_experts." if plural else "shared_expert.") + rest)
 
     def expert(self, i: int, e: int, which: str) -> str:
         if self.family == "mixtral":
@@ -127,9 +129,10 @@ class Mapping:
         self.names = _Names(family)
         self.padded_vocab = pad_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, layout.tp)
         self.mtp = config.mtp_num_layers or 0
-        if self.mtp and family != "deepseek_v3":
+        if self.mtp and family not in MTP_FAMILIES:
             raise ConvertError(f"model.mtp_num_layers={self.mtp}: {family} checkpoints have no multi-token-prediction "
-                               "layers (deepseek_v3's do); set mtp_num_layers to null to convert this model")
+                               f"layers ({', '.join(MTP_FAMILIES)}'s do); set mtp_num_layers to null to convert this "
+                               "model")
 
     # -- Hugging Face side ---------------------------------------------------------------------------
     def hf_shapes(self) -> Dict[str, Tuple[int, ...]]:
@@ -184,8 +187,9 @@ class Mapping:
         return out
 
     def hf_copies(self) -> Dict[str, str]:
-        """Hugging Face tensors that repeat another: DeepSeek-V3's MTP layers carry the embedding and the output
-        head they share with the main model.  Export writes them from the original; import checks they equal it."""
+        """Hugging Face tensors that repeat another: DeepSeek-V3's (and GLM-4.5's) MTP layers carry the embedding and
+        the output head they share with the main model.  Export writes them from the original (when the source had
+        them: GLM-4.6's lack them); import checks they equal it."""
         c, nm = self.config, self.names
         head = "lm_head.weight" if c.untie_embeddings_and_output_weights else "model.embed_tokens.weight"
         out = {}

@@ -89,6 +89,8 @@ def rank_targets(mapping: Mapping, parallel_state) -> List[Tuple[str, Target]]:
 
 def _check_same_model(config, model_config, where: str) -> None:
     for key, value in vars(config).items():
+        if key == "mtp_num_layers" and (value or 0) == (model_config.mtp_num_layers or 0):
+            continue  # null and 0 are both off
         if key not in RUNTIME_FIELDS and getattr(model_config, key) != value:
             raise ConvertError(f"{where}: the checkpoint has model.{key}={value!r} but the model being loaded has "
                                f"{getattr(model_config, key)!r}; build the model from the checkpoint's config")
@@ -99,7 +101,7 @@ def load_weights(model, path: str, parallel_state, stage_layers: Sequence[Sequen
     layout = rank_layout(parallel_state, stage_layers)
     config = model.config
     if is_hf_dir(path):
-        source = HFSource(path)
+        source = HFSource(path, mtp_num_layers=config.mtp_num_layers or 0)  # the model's MTP layers, or none
         _check_same_model(source.gpt_config(), config, path)
         mapping = Mapping(source.family, config, layout)
         source.validate(mapping)
@@ -148,7 +150,9 @@ def save_weights(model, directory: str, parallel_state, stage_layers: Sequence[S
     mapping = Mapping(family, model.config, layout)
     tensors = _file_tensors(model)
     s = parallel_state
-    by_file: Dict[str, List[Target]] = {}
+    # a pipeline stage of dense layers only still has its (empty) expert file, which the layout lists
+    by_file: Dict[str, List[Target]] = ({expert_file(s.pp.rank, s.ep.rank, s.etp.rank): []}
+                                        if model.config.num_experts else {})
     for fname, t in rank_targets(mapping, s):
         by_file.setdefault(fname, []).append(t)
     os.makedirs(directory, exist_ok=True)

@@ -14,7 +14,8 @@ naming config.json and the field.
 Multi-token prediction (``model.layers.{num_hidden_layers}``, which transformers neither builds nor runs): our loss
 equals DeepSeek's, built from transformers' own decoder layer and norms, to 1e-10 at TP=1 (from HF and from ours) and
 TP=2 with SP; HF -> ours (PP=2 x EP=2, the MTP layer on the last stage) -> HF bit-exact, the embedding and head
-copies included; a copy that differs from the main model's is refused.
+copies included; a copy that differs from the main model's is refused.  A directory transformers saved with its
+default config (one MTP layer declared, none saved) loads the main model with MTP off and says so in one line.
 
 The mapped model routes in fp32 (``moe_router_dtype``, as transformers does); the float64 runs set it to null.
 """
@@ -365,15 +366,32 @@ def test_the_mtp_layer_converts_and_gives_deepseeks_mtp_loss(deepseek_mtp):
     _assert_round_trip(hf_dir, _convert(hf_dir, str(tmp / "ours_pp2_ep2"), pp=2, ep=2), str(tmp / "back_pp2_ep2"))
 
 
-def test_transformers_default_of_one_mtp_layer_without_its_tensors_says_how_to_convert_the_main_model(deepseek, tmp_path):
-    hf_dir = deepseek[1]
-    lacking = tmp_path / "lacking"
-    lacking.mkdir()
-    os.symlink(os.path.join(hf_dir, "model.safetensors"), lacking / "model.safetensors")
-    (lacking / "config.json").write_text(json.dumps({**_config_json(hf_dir), "num_nextn_predict_layers": 1}))
-    with pytest.raises(ConvertError, match=r"tensor model.layers.2.\S+ is missing .* lacks: set "
-                                           r"num_nextn_predict_layers to 0 to convert the main model"):
-        hf_to_ours(str(lacking), str(tmp_path / "ours"))
+def test_a_directory_saved_by_transformers_with_its_default_mtp_config_loads_the_main_model(deepseek, tmp_path,
+                                                                                             capsys):
+    """transformers' DeepseekV3Config declares one MTP layer and save_pretrained writes none: the main model loads
+    with MTP off (one line says so), equals transformers, exports with config.json unchanged and loads in
+    transformers; mtp_num_layers 1 (fresh MTP layers) is refused in one line."""
+    import transformers as T
+    model, _, toks, ref, _ = deepseek
+    hf = hf_models.make_deepseek_v3(num_nextn_predict_layers=1)
+    hf_dir = hf_models.save(hf, str(tmp_path / "hf"))
+    assert _config_json(hf_dir)["num_nextn_predict_layers"] == 1
+    assert not any(n.startswith("model.layers.2.") for n in _tensors(hf_dir))
+    ours = ds_megatron.from_pretrained(hf_dir, dtype=torch.float64, seq_length=hf_models.SEQ, **F64).eval()
+    assert ours.config.mtp_num_layers is None
+    assert capsys.readouterr().out == (f"{hf_dir}: config.json declares 1 multi-token-prediction layer(s) "
+                                       "(num_nextn_predict_layers) but the files hold none, as transformers saves "
+                                       "them: loading the main model with MTP off, as transformers runs it\n")
+    with torch.no_grad():
+        assert hf_models.max_relative_error(ours(toks)[..., :hf_models.VOCAB], ref) < 1e-10
+    converted = _convert(hf_dir, str(tmp_path / "ours"))
+    _assert_round_trip(hf_dir, converted, str(tmp_path / "back"))
+    reloaded = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float64)
+    assert all(torch.equal(p, hf.state_dict()[n]) for n, p in reloaded.state_dict().items())
+    with pytest.raises(ConvertError, match=r"^mtp_num_layers=1: \S+ declares 1 multi-token-prediction layer\(s\) and "
+                                           r"its files hold none \(transformers never saves them\); use 0 or leave "
+                                           r"it unset \(fresh MTP layers are not built\)$"):
+        ds_megatron.from_pretrained(hf_dir, mtp_num_layers=1)
 
 
 def test_an_mtp_copy_that_differs_from_the_main_models_is_refused(deepseek_mtp, tmp_path):

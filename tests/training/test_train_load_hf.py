@@ -83,3 +83,37 @@ def test_architecture_keys_are_refused_with_load_hf(tmp_path):
     small = hf_models.save(hf_models.make_model("llama", dtype=torch.float32), str(tmp_path / "small"))
     with pytest.raises(ConfigError, match="vocab_size=100 but the byte tokenizer"):
         load_job(_config(str(tmp_path / "run"), small, 1e-3), 4)
+
+
+def test_glm4_moe_saved_by_transformers_trains_and_exports(tmp_path):
+    """GLM-4.5 as transformers saves it (one MTP layer declared, none saved): the job says MTP is off in one line,
+    trains at TP=2 + SP x PP=2 (our pipeline runtime) x EP=2, and the export (config.json as it came) loads in transformers
+    and generates."""
+    import json
+    import transformers
+    model = hf_models.make_glm4_moe(dtype=torch.float32, vocab_size=300)
+    hf_dir = hf_models.save(model, str(tmp_path / "hf"))
+    out = str(tmp_path / "run")
+    cfg = _config(out, hf_dir, 1e-2)
+    cfg["megatron"].update(expert_model_parallel_size=2, expert_tensor_parallel_size=1, sequence_parallel=True)
+    cfg["megatron"]["train"].update(train_iters=1, eval_interval=100)  # one step, no evaluation: cheap
+    assert [n for n in load_job(cfg, 4).megatron.notices if "multi-token-prediction" in n] == [
+        f"{hf_dir}: config.json declares 1 multi-token-prediction layer(s) (num_nextn_predict_layers) but the files "
+        "hold none, as transformers saves them: loading the main model with MTP off, as transformers runs it"]
+    cfg["megatron"]["model"]["mtp_num_layers"] = 0  # asked off: no line
+    assert not [n for n in load_job(cfg, 4).megatron.notices if "multi-token-prediction" in n]
+    losses = run_on_ranks(4, _train, cfg)[0]
+    assert sorted(losses) == [1]
+    exported = str(tmp_path / "exported")
+    assert cli_main(["convert", os.path.join(out, "iter_0000001", "ds_megatron_model"), exported]) == 0
+    before = _tensors(os.path.join(hf_dir, "model.safetensors"))
+    after = _tensors(os.path.join(exported, "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    assert all(not torch.equal(before[n], after[n]) for n in before if not n.endswith("e_score_correction_bias"))
+    with open(os.path.join(hf_dir, "config.json")) as a, open(os.path.join(exported, "config.json")) as b:
+        assert json.load(a) == json.load(b)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    again = hf_models.save(reloaded, str(tmp_path / "again"))  # transformers fuses the experts; saved one by one
+    assert all(torch.equal(t, after[n]) for n, t in _tensors(os.path.join(again, "model.safetensors")).items())
+    ids = torch.tensor([[1, 2, 3]])
+    assert reloaded.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 6)
