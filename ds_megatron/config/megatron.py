@@ -248,6 +248,12 @@ def _check_fp8_layout(model: Optional[GPTConfig], layout, data) -> None:
     gradients tile the tokens by 128, so under CP each zigzag chunk must hold whole tiles."""
     if model is None or model.fp8 is None:
         return
+    if not model.multi_latent_attention and model.query_groups < layout.tp:
+        # Fewer KV groups than TP ranks: each rank holds a copy of one group's KV projection, run apart from its
+        # query heads' (ReplicatedKV), where the one-rank model quantizes one fused QKV weight with one scale.
+        raise ConfigError(f"{SECTION}.model.fp8={model.fp8!r} with num_query_groups={model.query_groups} below "
+                          f"tensor_model_parallel_size={layout.tp}: the replicated KV projection has no fp8 GEMM; "
+                          "use a tensor_model_parallel_size that divides num_query_groups, or fp8 null")
     groups = layout.group_ranks()
     expert_groups = [set(g) for g in groups["etp-ep"]]
     if model.num_experts and not all(any(set(g) <= e for e in expert_groups) for g in groups["tp-cp"]):

@@ -25,6 +25,8 @@ def refused(config, world: int = 1) -> str:
 @pytest.mark.parametrize("config,world,names", [
     (job(bf16=False), 1, ("model.fp8", "bf16.enabled")),
     (job(cuda_graph={"impl": "local"}), 1, ("cuda_graph.impl", "\"none\"")),
+    (job(model={"num_query_groups": 1}, tensor_model_parallel_size=2), 2,
+     ("num_query_groups=1 below tensor_model_parallel_size=2", "replicated KV")),
     (job(model={"num_experts": 4}, pipeline_model_parallel_size=2, pipeline_schedule="zero_bubble"), 2,
      ("num_experts and pipeline_schedule \"zero_bubble\"", "\"interleaved_1f1b\"")),
     (job(model={"num_experts": 4, "fp8_recipe": "delayed"}), 1, ("fp8_recipe \"delayed\" with model.num_experts",
