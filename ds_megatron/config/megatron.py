@@ -150,7 +150,7 @@ class MegatronConfig:
                               "several documents per row, whose attention runs one kernel per document with boundaries "
                               "read on the host, which a captured graph cannot replay; set cuda_graph.impl \"none\"")
         _check_expert_bias(model, precision, nested["cuda_graph"])
-        _check_fp8(model, parallel, precision, nested["cuda_graph"])
+        _check_fp8(model, parallel, precision, nested["cuda_graph"], ddp)
         if not precision.owns_optimizer:
             notice = check_deepspeed_optimizer(
                 precision, deepspeed_section(ds_config, "zero_optimization").get("stage", 0),
@@ -224,10 +224,19 @@ def _check_expert_bias(model: Optional[GPTConfig], precision: PrecisionConfig, c
                           "checked under graph replay; turn cuda_graph off or the expert bias off")
 
 
-def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig, cuda_graph: CudaGraphConfig) -> None:
-    """FP8 GEMMs need bf16 training, and part of Megatron's fp8 compositions is not built yet: refused here."""
+def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig, cuda_graph: CudaGraphConfig,
+               ddp: DistributedDataParallelConfig) -> None:
+    """FP8 GEMMs need bf16 training, and part of Megatron's fp8 compositions is not built yet: refused here.
+    ``fp8_param_gather`` needs fp8 and casts weights by the tensorwise recipe."""
+    if ddp.fp8_param_gather and model is not None and model.fp8 is None:
+        raise ConfigError(f"{SECTION}.fp8_param_gather is true but {SECTION}.model.fp8 is null; there are no fp8 "
+                          "weights to gather: set model.fp8 or drop fp8_param_gather")
     if model is None or model.fp8 is None:
         return
+    if ddp.fp8_param_gather and model.fp8_recipe != "tensorwise":
+        raise ConfigError(f"{SECTION}.fp8_param_gather with model.fp8_recipe={model.fp8_recipe!r}: the weights are "
+                          "cast with one scale per weight (\"tensorwise\") only; set fp8_recipe \"tensorwise\" or "
+                          "drop fp8_param_gather")
     what = f"{SECTION}.model.fp8={model.fp8!r}"
     if precision.params_dtype != "bf16":
         raise ConfigError(f"{what} needs bf16 training (fp8 GEMMs on bf16 params with fp32 main params); set "

@@ -140,6 +140,34 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
     return norms + attention + h + (0 if mlp else mlp_activation_elements(cfg, layer, tp, etp))
 
 
+def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1) -> float:
+    """What an fp8 layer keeps beyond ``layer_activation_elements``'s 16-bit count, for ``tokens`` tokens: each
+    fp8 linear keeps fp8 copies of its input and weight (1 byte an element) instead of its 16-bit input, which
+    is then freed where nothing else keeps it (QKV's and fc1's inputs, the norms' outputs, gathered under
+    sequence parallelism; fc2's input, the activation's output; not the projection's, the core's output).  Tensorwise keeps a scalar scale per copy; blockwise tiles the input along the tokens
+    (an fp32 scale per 128) and the weight by 128x128 blocks.  MLP recomputed (selective ``mlp``, its tiles):
+    its linears keep nothing."""
+    if not cfg.fp8_layer(layer):
+        return 0
+    core, mlp = selective_recompute(cfg, cp)
+    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+    proj = cfg.num_attention_heads * cfg.head_dim
+    glu = 2 if cfg.gated_linear_unit else 1
+    # (input features per rank, output features per rank, 16-bit input freed); the projection's input is the
+    # core's output re-laid (measured: kept either way)
+    linears = [(h, qkv / tp, True), (proj / tp, h, False)]
+    if not mlp:
+        linears += [(h, glu * ffn / tp, True), (ffn / tp, h, True)]
+    blockwise = cfg.fp8_recipe == "blockwise"
+    total = 0.0
+    for k, n, freed in linears:
+        x = tokens * k * (1 + 4 / 128 if blockwise else 1)
+        w = n * k * (1 + 4 / 128 ** 2 if blockwise else 1)
+        total += x + w - (tokens * k * act if freed else 0) + (0 if blockwise else 8)
+    return total
+
+
 def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
     """The MLP's part of ``layer_activation_elements`` beyond its input, per token: a dense MLP's ffn-wide
     tensors, or an MoE layer's router input, routed tokens' expert tensors and shared expert."""
@@ -190,6 +218,11 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
     else:
         rerun = grads / 2
     mlp_phase = kept + (stream + rerun) * token
+    if cfg.fp8_layer(layer) and not mlp:
+        # fc1's weight gradient: its output gradient's fp8 copy and, on a CPU, torch._scaled_mm's fp32 copies of
+        # both operands (that and its input's fp8 copy, measured; a GPU's kernel reads the fp8 bytes)
+        ffn_rank = glu * cfg.ffn_hidden_size / tp
+        mlp_phase += (ffn_rank + 4 * (ffn_rank + h)) * s * b
     freed = (0 if mlp else mlp_tensors) + h + (h / tp if sp else h)
     qk, v = cfg.head_widths
     if cp > 1:
@@ -297,7 +330,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     if cfg.hidden_dropout > 0:
         extra += 2 * sbh / (tp if sp else 1)
     extra += context_parallel_saved_bytes(cfg, tp, micro_batch, params_dtype, cp)
-    per_layer = [layer_activation_elements(cfg, i, tp, etp, cp, b) * s * b * act + extra for i in layers]
+    per_layer = [layer_activation_elements(cfg, i, tp, etp, cp, b) * s * b * act + extra
+                 + fp8_layer_bytes(cfg, i, tp, s * b, act, cp) for i in layers]
     backward_start = weight_grad = 0
     if logits:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
@@ -319,7 +353,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         depths = cfg.mtp_num_layers or 0
         norm = h / tp if sp else h
         mtp = sum((3 * norm + 3 * h + layer_activation_elements(cfg, cfg.num_layers + k, tp, etp, cp, b)) * s * b * act
-                  + extra for k in range(depths))
+                  + extra + fp8_layer_bytes(cfg, cfg.num_layers + k, tp, s * b, act, cp) for k in range(depths))
         other_heads = 0 if tiled else depths * one_head * 4  # the loss keeps fp32 logits (16-bit ones freed)
         backward_start = head + mtp + other_heads + max(loss_phase, weight_phase)
     # Context parallelism: the core's score blocks, made in a layer's attention (the head's tensors gone by then
@@ -440,13 +474,43 @@ class RankMemory:
                 + self.optimizer_state_bytes + self.activation_bytes)
 
 
+def check_fp8_plannable(cfg, tp: int) -> None:
+    """The fp8 activations the plan counts: the tensorwise recipe without sequence parallelism (measured within
+    10%); refused otherwise, in one line, rather than planned wrong (measured: blockwise's fp32 emulation and
+    the sequence-parallel gathers put the peak 21% and 15% above the count)."""
+    if cfg.fp8 is None:
+        return
+    if cfg.fp8_recipe != "tensorwise":
+        raise ConfigError(f"model.fp8_recipe={cfg.fp8_recipe!r}: the plan counts the fp8 \"tensorwise\" recipe's "
+                          "activations only; plan with fp8_recipe \"tensorwise\" and measure this one")
+    if cfg.sequence_parallel and tp > 1:
+        raise ConfigError("model.fp8 with model.sequence_parallel at tensor_model_parallel_size > 1: the plan does "
+                          "not count that peak yet (measured 15% above it); plan without sequence_parallel")
+    if cfg.multi_latent_attention:
+        raise ConfigError("model.fp8 with model.multi_latent_attention: the plan does not count MLA's fp8 copies "
+                          "yet; plan with fp8 null and measure the job")
+
+
+def fp8_weight_elements(cfg, layers: Sequence[int], tp: int, last_stage: bool = True) -> int:
+    """Elements per TP rank of the weights that ``fp8_param_gather`` keeps as fp8 bytes: QKV, the projection,
+    fc1 and fc2 of every fp8 layer among ``layers`` (and the last stage's multi-token-prediction layers);
+    their biases, the norms, embeddings and output layer stay 16-bit."""
+    h, glu = cfg.hidden_size, 2 if cfg.gated_linear_unit else 1
+    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+    proj = cfg.num_attention_heads * cfg.head_dim
+    per_layer = h * (qkv + proj + glu * cfg.ffn_hidden_size + cfg.ffn_hidden_size) // tp
+    mtp = [cfg.num_layers + k for k in range(cfg.mtp_num_layers or 0)] if last_stage else []
+    return per_layer * sum(cfg.fp8_layer(i) for i in list(layers) + mtp)
+
+
 def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "adamw", momentum: float = 0.0,
                 micro_batch: int = 1, distributed_optimizer: bool = False, micro_batches: int = 1,
                 partition_method: str = "uniform", layers_per_stage: Optional[Sequence[int]] = None,
                 first: Optional[int] = None, last: Optional[int] = None, schedule: str = "1f1b",
                 num_model_chunks: int = 1, group_size: Optional[int] = None,
                 deepspeed_engine: bool = False, grad_reduce_in_fp32: Optional[bool] = None,
-                hierarchical_inner: Optional[int] = None, zero: Optional[ZeroPlan] = None) -> List[RankMemory]:
+                hierarchical_inner: Optional[int] = None, zero: Optional[ZeroPlan] = None,
+                fp8_param_gather: bool = False) -> List[RankMemory]:
     """One ``RankMemory`` per (pipeline stage, TP rank index): the ranks holding the same shards.
 
     ``distributed_optimizer``: fp32 main params, main grads and optimizer states
@@ -469,11 +533,9 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     runs on DeepSpeed's ``PipelineEngine`` (a ``GPTPipelineModule``: no chunk output kept beside the
     activations, no receive posted ahead) instead of our runtime.  ``zero``: DeepSpeed's optimizer path holds the
     params, gradients, fp32 copies and optimizer states as its ZeRO stage allocates them (``zero_state_bytes``).
+    ``fp8_param_gather``: the fp8 layers' weights are 1 byte each (``fp8_weight_elements``), the rest 16-bit.
     """
-    if cfg.fp8 is not None:
-        raise ConfigError(f"model.fp8={cfg.fp8!r}: the plan does not count fp8 training yet (each linear keeps fp8 "
-                          "copies of its input and weight for the backward instead of its 16-bit input); plan "
-                          "with fp8 null and measure the fp8 job")
+    check_fp8_plannable(cfg, layout.tp)
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
     pp, v = layout.pp, num_model_chunks
@@ -520,7 +582,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
             if zero is not None:
                 columns = zero_state_bytes(zero, n, dense_shard, expert_shard, params_dtype, state_per_param)
             else:
-                columns = (n * low, n * grad_elem, 4 * owned if mixed else 0,
+                fp8_weights = fp8_weight_elements(cfg, layers, layout.tp, stage == pp - 1) if fp8_param_gather else 0
+                columns = (n * low - fp8_weights * (low - 1), n * grad_elem, 4 * owned if mixed else 0,
                            4 * owned if mixed and grad_elem < 4 else 0, owned * state_per_param)
             plans.append(RankMemory(
                 role=role, ranks=ranks, params=n, params_sharded=counts.sharded,

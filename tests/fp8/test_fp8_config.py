@@ -58,8 +58,12 @@ def test_accepted_recipes_and_the_bf16_layers():
     assert split_config(job(model={"fp8": None}))[1].model.fp8_layer(1) is False
 
 
-def test_the_plan_refuses_fp8_in_one_line():
+def test_the_plan_refuses_the_fp8_activations_it_does_not_count_in_one_line():
     from ds_megatron.planning.report import plan_from_config
     with pytest.raises(ConfigError) as err:
-        plan_from_config(job(), 1)
-    assert "\n" not in str(err.value) and "model.fp8='e4m3'" in str(err.value) and "fp8 null" in str(err.value)
+        plan_from_config(job(model={"fp8_recipe": "blockwise"}), 1)
+    assert "\n" not in str(err.value) and "model.fp8_recipe='blockwise'" in str(err.value)
+    assert "\"tensorwise\"" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        plan_from_config(job(model={"sequence_parallel": True}, tensor_model_parallel_size=2), 2)
+    assert "\n" not in str(err.value) and "model.sequence_parallel" in str(err.value)

@@ -1,0 +1,173 @@
+"""``megatron.fp8_param_gather``: the fp8 layers' weights as fp8 bytes in a uint8 buffer, cast from the distributed
+optimizer's fp32 main params with a scale agreed over DP (and TP), all-gathered one byte a weight.
+
+References: the float64 quantization of the gathered main params, written here; the same training with
+fp8_param_gather off (the layer then quantizes its bf16 weight itself: the same bytes and scale, derived in
+``ds_megatron/fp8/param.py``, so the losses must be bit-identical); the plan's formulas.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import run_on_ranks
+
+import ds_megatron
+from ds_megatron.config import GPTConfig, split_config
+from ds_megatron.errors import ConfigError
+from ds_megatron.models.gpt import GPTModel
+from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
+from ds_megatron.utils.collectives import count_bytes
+
+# Three layers, so that one DP shard of the fp8 buffer ends inside a weight (layer 1's fc1): that weight's scale
+# needs both ranks' amaxes.
+MODEL = dict(num_layers=3, hidden_size=32, num_attention_heads=4, ffn_hidden_size=80, seq_length=16, vocab_size=64,
+             hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8, fp8="e4m3")
+B, STEPS = 2, 3
+E4M3_MAX = 448.0
+
+
+def _config(gather: bool, tp: int = 1):
+    return {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "steps_per_print": 10 ** 9, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+            "megatron": {"use_distributed_optimizer": True, "fp8_param_gather": gather,
+                         "tensor_model_parallel_size": tp}}
+
+
+def _train(gather: bool, tp: int = 1):
+    """STEPS steps; each step's loss and collectives, the fp8 weights' bytes and scales, the gathered main params,
+    the param buffers' sizes."""
+    cfg = _config(gather, tp)
+    state = ds_megatron.initialize_model_parallel(cfg)
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**MODEL), state,
+                     rng_tracker=model_parallel_seed(0, state.tp.rank, tracker=RNGStatesTracker()))
+    engine, optimizer, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
+    g = torch.Generator().manual_seed(10 + state.dp.rank)
+    losses, records = [], []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, MODEL["vocab_size"], (B, MODEL["seq_length"] + 1), generator=g)
+        with count_bytes() as counter:
+            loss = engine({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+        records.append([(r.op, r.group, r.payload_bytes, r.bus_bytes) for r in counter.records])
+    names = [n for n, _ in model.named_parameters()]
+    name_of = {p: n for n, p in model.named_parameters()}
+    _, with_main = optimizer.state_dict_params()  # the params of the saved main params, group by group
+    main = {name_of[p]: t for params, group in zip(with_main, optimizer.state_dict()["fp32_from_fp16_params"])
+            for p, t in zip(params, group)}
+    fp8 = {n: (p.detach().view(torch.uint8).clone(), p.fp8_scale_inv.clone())
+           for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    buffers = [(str(b.param_dtype), b.numel, sum(p.numel() for p in b.params), b.param_data.numel()
+                * b.param_data.element_size()) for b in engine.megatron.ddp.all_buffers]
+    out = {"losses": losses, "records": records, "names": names, "main": main, "fp8": fp8,
+           "buffers": buffers, "layout": state.layout, "tp_rank": state.tp.rank}
+    engine.megatron.destroy()
+    return out
+
+
+def _train_both(tp: int = 1):
+    return _train(False, tp), _train(True, tp)
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    return run_on_ranks(2, _train_both)
+
+
+def test_training_is_bit_identical_to_quantizing_the_bf16_weights_in_the_layer(dp2):
+    """The fp8 bytes and scale are those the layer makes from its bf16 weight, so forward, backward and every
+    step are the same arithmetic: the losses and the fp32 main params are equal to the bit."""
+    for off, on in dp2:
+        assert on["losses"] == off["losses"]
+        assert on["main"].keys() == off["main"].keys()
+        for name in on["main"]:
+            assert torch.equal(on["main"][name], off["main"][name]), name
+        assert len(set(off["losses"])) == STEPS  # it trained
+
+
+def _reference_bytes(main: torch.Tensor):
+    """float64: the main param rounded to bf16, the tensorwise scale from its amax (one fp32 division, as the
+    recipe's), the product rounded to fp32, then to E4M3 (saturating); (bytes, scale_inv)."""
+    w = main.to(torch.bfloat16).double()
+    scale = torch.tensor(E4M3_MAX / w.abs().max().item(), dtype=torch.float32)  # fp32(448 / amax): one rounding
+    product = (w * scale.double()).float()  # exact in float64, then rounded to fp32 as the fp32 multiply does
+    q = product.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), (1.0 / scale.double()).float()
+
+
+def test_every_ranks_fp8_weights_are_the_quantized_main_params_with_the_scale_agreed_over_dp(dp2):
+    ranks = [on for _, on in dp2]
+    names = set(ranks[0]["fp8"])
+    # the transformer layers' QKV, projection, fc1, fc2 weights; nothing else
+    assert names == {f"layers.{i}.{m}.weight" for i in range(MODEL["num_layers"]) for m in (
+        "self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")}, names
+    for name in names:
+        q_ref, scale_inv_ref = _reference_bytes(ranks[0]["main"][name])
+        for on in ranks:
+            q, scale_inv = on["fp8"][name]
+            assert torch.equal(q, q_ref.view(q.shape)), name
+            assert scale_inv.item() == scale_inv_ref.item(), name
+
+
+def test_the_all_gather_moves_one_byte_per_fp8_weight_as_the_plan_says(dp2):
+    from ds_megatron.planning.comm_volume import plan_comm_volume
+    from ds_megatron.planning.memory import fp8_weight_elements, plan_memory
+    cfg = GPTConfig(**MODEL)
+    for off, on in dp2:
+        layout = on["layout"]
+        fp8_weights = fp8_weight_elements(cfg, range(cfg.num_layers), 1)
+        assert fp8_weights == sum(q.numel() for q, _ in on["fp8"].values())
+        (fp8_dtype, fp8_numel, fp8_params, fp8_bytes), (bf16_dtype, bf16_numel, bf16_params, bf16_bytes) = \
+            sorted(on["buffers"], key=lambda b: b[0] != "torch.uint8")
+        assert (fp8_dtype, bf16_dtype) == ("torch.uint8", "torch.bfloat16") and fp8_params == fp8_weights
+        gathers = [(payload, bus) for op, group, payload, bus in on["records"][-1] if op == "all_gather"]
+        # one all-gather per buffer: the uint8 one moves its numel in bytes, the bf16 one two bytes an element
+        assert sorted(p for p, _ in gathers) == sorted([fp8_numel, 2 * bf16_numel])
+        # the plan's formula: (n-1)/n of (fp8 weights x 1 + the rest x 2) bytes, padding apart
+        planned, = plan_comm_volume(cfg, layout, "bf16", micro_batch=B, distributed_optimizer=True,
+                                    fp8_param_gather=True)
+        measured = {}
+        for op, group, payload, bus in on["records"][-1]:
+            kind = "optimizer" if (op, payload) == ("all_reduce", 8) else group
+            measured[kind] = measured.get(kind, 0.0) + bus
+        assert sorted(measured) == sorted(planned.bus_bytes)
+        padding = (fp8_numel - fp8_params) * (1 + 4) + (bf16_numel - bf16_params) * (2 + 4)
+        excess = measured["dp-cp"] - planned.bus_bytes["dp-cp"]
+        assert 0 <= excess <= padding / 2 + 1e-9, (measured, planned.bus_bytes)
+        for kind in planned.bus_bytes:
+            if kind != "dp-cp":
+                assert measured[kind] == planned.bus_bytes[kind], kind
+        # the memory plan: one byte per fp8 weight, two for the rest, as the param buffers hold (padding apart)
+        plan = plan_memory(cfg, layout, "bf16", "adamw", micro_batch=B, distributed_optimizer=True,
+                           fp8_param_gather=True)[0]
+        assert plan.model_param_bytes == fp8_params + 2 * bf16_params
+        assert fp8_bytes + bf16_bytes == plan.model_param_bytes + (fp8_numel - fp8_params) + 2 * (
+            bf16_numel - bf16_params)
+
+
+def _refused(config) -> str:
+    with pytest.raises(ConfigError) as err:
+        split_config(config)[1].layout(2)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def _job(fp8="e4m3", recipe="tensorwise", **megatron):
+    model = dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=128, fp8=fp8, fp8_recipe=recipe)
+    return {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+            "megatron": {"fp8_param_gather": True, "model": model, **megatron}}
+
+
+@pytest.mark.parametrize("config,names", [
+    (_job(), ("fp8_param_gather", "use_distributed_optimizer", "enable it")),
+    (_job(fp8=None, use_distributed_optimizer=True), ("fp8_param_gather", "model.fp8 is null")),
+    (_job(recipe="blockwise", use_distributed_optimizer=True), ("fp8_param_gather", "'blockwise'", "tensorwise")),
+])
+def test_refused_at_start_in_one_line(config, names):
+    message = _refused(config)
+    for name in names:
+        assert name in message, message
