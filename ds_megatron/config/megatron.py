@@ -158,6 +158,7 @@ class MegatronConfig:
                 bool(model is not None and model.num_experts) or parallel.expert_model_parallel_size > 1)
             notices += [notice] if notice else []
         _check_ckpt_format(nested["train"], precision)
+        _check_fp8_param_gather(ddp, nested["train"])
         train_keys = tuple(section.get("train", {})) if isinstance(section.get("train"), dict) else ()
         return cls(parallel=parallel, ddp=ddp, precision=precision, model=model, notices=notices,
                    train_keys_set=train_keys, deepspeed_batch=DeepSpeedBatchKeys.from_ds_config(ds_config), **nested)
@@ -295,6 +296,21 @@ def _check_ckpt_format(train: TrainConfig, precision: PrecisionConfig) -> None:
         raise ConfigError(f"{SECTION}.train.ckpt_format \"torch_dist\" with {SECTION}.optimizer_impl="
                           f"{precision.optimizer_impl!r}: the layout-independent checkpoint saves ds_megatron's "
                           "optimizers; set optimizer_impl \"megatron\" or ckpt_format \"deepspeed\"")
+
+
+def _check_fp8_param_gather(ddp: DistributedDataParallelConfig, train: TrainConfig) -> None:
+    """The fp8 weights are bytes and a scale: what writes the model's weights as they are is refused with them (the
+    ``torch_dist`` checkpoint writes their 16-bit values, rounded from the fp32 main params)."""
+    if not ddp.fp8_param_gather:
+        return
+    what = f"{SECTION}.fp8_param_gather"
+    if train.ckpt_format == "deepspeed":
+        raise ConfigError(f"{what} with {SECTION}.train.ckpt_format \"deepspeed\": that format writes the weights' "
+                          "fp8 bytes as the model's; use ckpt_format \"torch_dist\" or drop fp8_param_gather")
+    for key in ("load_hf", "export_hf_family"):
+        if getattr(train, key) is not None:
+            raise ConfigError(f"{what} with {SECTION}.train.{key}: the Hugging Face export written at each save "
+                              "reads the weights' fp8 bytes; drop one of them")
 
 
 def split_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Tuple[Dict[str, Any], MegatronConfig]:

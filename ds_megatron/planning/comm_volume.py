@@ -45,7 +45,7 @@ element in the params dtype):
   the tied embedding's gradient summed over the first and last stage once;
 * the optimizer: one float64 (inf flag and squared norm) over the ranks that
   hold different parts of the model;
-* fp8 (the tensorwise recipe): per fp8 linear and micro-batch the amaxes of its
+* fp8 (the tensorwise recipe; blockwise has no collective): per fp8 linear and micro-batch the amaxes of its
   input and weight all-reduced (MAX) over TP forward, its output gradient's
   backward; with ``fp8_param_gather`` the fp8 layers' weights all-gathered as
   one byte an element, the input's amax alone forward, and once per step the
@@ -103,9 +103,9 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     if cfg.num_experts:
         raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
                           "the communication plan covers dense models")
-    if cfg.fp8 is not None and cfg.fp8_recipe != "tensorwise":
-        raise ConfigError(f"model.fp8_recipe={cfg.fp8_recipe!r}: the communication plan counts the \"tensorwise\" "
-                          "recipe's amax reductions only")
+    if cfg.fp8 is not None and cfg.fp8_recipe == "delayed":
+        raise ConfigError("model.fp8_recipe \"delayed\": the communication plan does not count its once-per-step "
+                          "amax reductions yet")
     if cfg.fp8 is not None and (cfg.recompute_granularity is not None or cfg.mlp_sequence_tiles > 1):
         raise ConfigError("model.fp8 with recomputation: the communication plan does not count the rerun linears' "
                           "amax reductions yet")
@@ -142,7 +142,8 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         # Gradients and, with the distributed optimizer, params, over dp-cp (the buffers hold fp32 grads).
         grads = counts.total * F32
         mtp_layers = [cfg.num_layers + k for k in range(depths)] if last else []
-        fp8_linears = 4 * sum(cfg.fp8_layer(i) for i in layers + mtp_layers)
+        # blockwise scales need no collective
+        fp8_linears = 4 * sum(cfg.fp8_layer(i) for i in layers + mtp_layers) if cfg.fp8_recipe == "tensorwise" else 0
         fp8_weights = fp8_weight_elements(cfg, layers, t, last) if fp8_param_gather else 0
         if distributed_optimizer:
             params = (counts.total - fp8_weights) * a + fp8_weights  # fp8 weights: one byte each

@@ -168,6 +168,23 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     return total
 
 
+def fp8_backward_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1) -> float:
+    """What an fp8 layer's MLP backward holds beyond the 16-bit count, at its peak in fc2's backward: the output
+    gradient's fp8 copy and, in the weight-gradient GEMM (beside the input gradient), on a CPU torch._scaled_mm's
+    two fp32 copies of each operand ([T, h] and [T, ffn/tp]) and its fp32 and 16-bit outputs (measured; a GPU's
+    kernel reads the fp8 bytes: there the plan is above the need by that much).  A recomputed MLP (selective
+    ``mlp``, its tiles: one tile's tokens at a time) reruns its forward in its backward, where fc1's and fc2's
+    fp8 copies of their inputs and weights take the place of the 16-bit inputs the 16-bit count holds."""
+    if not cfg.fp8_layer(layer):
+        return 0
+    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size / tp
+    _, mlp = selective_recompute(cfg, cp)
+    tokens = -(-tokens // max(1, cfg.mlp_sequence_tiles))
+    glu = 2 if cfg.gated_linear_unit else 1
+    rerun = h * (glu + 1) * ffn - (act - 1) * tokens * (h + ffn) if mlp else 0
+    return rerun + (h + 8 * (h + ffn)) * tokens + (4 + act) * h * ffn
+
+
 def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
     """The MLP's part of ``layer_activation_elements`` beyond its input, per token: a dense MLP's ffn-wide
     tensors, or an MoE layer's router input, routed tokens' expert tensors and shared expert."""
@@ -218,11 +235,7 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
     else:
         rerun = grads / 2
     mlp_phase = kept + (stream + rerun) * token
-    if cfg.fp8_layer(layer) and not mlp:
-        # fc1's weight gradient: its output gradient's fp8 copy and, on a CPU, torch._scaled_mm's fp32 copies of
-        # both operands (that and its input's fp8 copy, measured; a GPU's kernel reads the fp8 bytes)
-        ffn_rank = glu * cfg.ffn_hidden_size / tp
-        mlp_phase += (ffn_rank + 4 * (ffn_rank + h)) * s * b
+    mlp_phase += fp8_backward_bytes(cfg, layer, tp, s * b, act, cp)
     freed = (0 if mlp else mlp_tensors) + h + (h / tp if sp else h)
     qk, v = cfg.head_widths
     if cp > 1:
@@ -373,7 +386,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     recomputed = [j for j in range(L) if cfg.recomputes_layer(j)]
     inputs = len(recomputed) * sbh / (tp if sp else 1) * act
     ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
-    one_layer = max(per_layer[j] for j in recomputed) + 2 * ffn / tp * s * b * act if recomputed else 0
+    one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp) for j in recomputed) \
+        + 2 * ffn / tp * s * b * act if recomputed else 0
     kept = sum(n for j, n in enumerate(per_layer) if j not in recomputed)
     if kept_only:
         return int(inputs + kept)
@@ -474,18 +488,15 @@ class RankMemory:
                 + self.optimizer_state_bytes + self.activation_bytes)
 
 
-def check_fp8_plannable(cfg, tp: int) -> None:
-    """The fp8 activations the plan counts: the tensorwise recipe without sequence parallelism (measured within
-    10%); refused otherwise, in one line, rather than planned wrong (measured: blockwise's fp32 emulation and
-    the sequence-parallel gathers put the peak 21% and 15% above the count)."""
+def check_fp8_plannable(cfg) -> None:
+    """The fp8 activations the plan counts (``fp8_layer_bytes``, ``fp8_backward_bytes``): the tensorwise and
+    blockwise recipes of a standard-attention model (measured within 10%); the rest is refused in one line rather
+    than planned wrong."""
     if cfg.fp8 is None:
         return
-    if cfg.fp8_recipe != "tensorwise":
-        raise ConfigError(f"model.fp8_recipe={cfg.fp8_recipe!r}: the plan counts the fp8 \"tensorwise\" recipe's "
-                          "activations only; plan with fp8_recipe \"tensorwise\" and measure this one")
-    if cfg.sequence_parallel and tp > 1:
-        raise ConfigError("model.fp8 with model.sequence_parallel at tensor_model_parallel_size > 1: the plan does "
-                          "not count that peak yet (measured 15% above it); plan without sequence_parallel")
+    if cfg.fp8_recipe == "delayed":
+        raise ConfigError("model.fp8_recipe=\"delayed\": the plan does not count its amax history yet; plan with "
+                          "fp8_recipe \"tensorwise\" and measure this one")
     if cfg.multi_latent_attention:
         raise ConfigError("model.fp8 with model.multi_latent_attention: the plan does not count MLA's fp8 copies "
                           "yet; plan with fp8 null and measure the job")
@@ -535,7 +546,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     params, gradients, fp32 copies and optimizer states as its ZeRO stage allocates them (``zero_state_bytes``).
     ``fp8_param_gather``: the fp8 layers' weights are 1 byte each (``fp8_weight_elements``), the rest 16-bit.
     """
-    check_fp8_plannable(cfg, layout.tp)
+    check_fp8_plannable(cfg)
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
     pp, v = layout.pp, num_model_chunks

@@ -35,24 +35,36 @@ def _config(gather: bool, tp: int = 1):
                          "tensor_model_parallel_size": tp}}
 
 
-def _train(gather: bool, tp: int = 1):
-    """STEPS steps; each step's loss and collectives, the fp8 weights' bytes and scales, the gathered main params,
-    the param buffers' sizes."""
+def _engine(gather: bool, tp: int):
     cfg = _config(gather, tp)
     state = ds_megatron.initialize_model_parallel(cfg)
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**MODEL), state,
                      rng_tracker=model_parallel_seed(0, state.tp.rank, tracker=RNGStatesTracker()))
     engine, optimizer, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
-    g = torch.Generator().manual_seed(10 + state.dp.rank)
+    return engine, optimizer, model, state
+
+
+def _step(engine, state, step: int) -> float:
+    g = torch.Generator().manual_seed(100 * step + state.dp.rank)
+    tokens = torch.randint(0, MODEL["vocab_size"], (B, MODEL["seq_length"] + 1), generator=g)
+    loss = engine({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _train(gather: bool, tp: int = 1, checkpoint_dir=None):
+    """STEPS steps; each step's loss and collectives, the fp8 weights' bytes and scales, the gathered main params,
+    the param buffers' sizes; with ``checkpoint_dir`` (a path every rank shares) saved before the last step, and
+    the last step's loss again from a fresh engine that loaded it."""
+    engine, optimizer, model, state = _engine(gather, tp)
     losses, records = [], []
-    for _ in range(STEPS):
-        tokens = torch.randint(0, MODEL["vocab_size"], (B, MODEL["seq_length"] + 1), generator=g)
+    for step in range(STEPS):
+        if checkpoint_dir is not None and step == STEPS - 1:
+            ds_megatron.save_dist_checkpoint(engine, checkpoint_dir)
         with count_bytes() as counter:
-            loss = engine({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
-            engine.backward(loss)
-            engine.step()
-        losses.append(loss.item())
+            losses.append(_step(engine, state, step))
         records.append([(r.op, r.group, r.payload_bytes, r.bus_bytes) for r in counter.records])
     names = [n for n, _ in model.named_parameters()]
     name_of = {p: n for n, p in model.named_parameters()}
@@ -66,16 +78,21 @@ def _train(gather: bool, tp: int = 1):
     out = {"losses": losses, "records": records, "names": names, "main": main, "fp8": fp8,
            "buffers": buffers, "layout": state.layout, "tp_rank": state.tp.rank}
     engine.megatron.destroy()
+    if checkpoint_dir is not None:
+        engine, _, _, state = _engine(gather, tp)
+        ds_megatron.load_dist_checkpoint(engine, checkpoint_dir)
+        out["resumed_loss"] = _step(engine, state, STEPS - 1)
+        engine.megatron.destroy()
     return out
 
 
-def _train_both(tp: int = 1):
-    return _train(False, tp), _train(True, tp)
+def _train_both(checkpoint_dir: str, tp: int = 1):
+    return _train(False, tp), _train(True, tp, checkpoint_dir)
 
 
 @pytest.fixture(scope="module")
-def dp2():
-    return run_on_ranks(2, _train_both)
+def dp2(tmp_path_factory):
+    return run_on_ranks(2, _train_both, str(tmp_path_factory.mktemp("fp8_param_gather")))
 
 
 def test_training_is_bit_identical_to_quantizing_the_bf16_weights_in_the_layer(dp2):
@@ -87,6 +104,11 @@ def test_training_is_bit_identical_to_quantizing_the_bf16_weights_in_the_layer(d
         for name in on["main"]:
             assert torch.equal(on["main"][name], off["main"][name]), name
         assert len(set(off["losses"])) == STEPS  # it trained
+
+
+def test_a_resume_rebuilds_the_fp8_weights_from_the_main_params_bit_exactly(dp2):
+    for _, on in dp2:
+        assert on["resumed_loss"] == on["losses"][-1]
 
 
 def _reference_bytes(main: torch.Tensor):
@@ -166,6 +188,10 @@ def _job(fp8="e4m3", recipe="tensorwise", **megatron):
     (_job(), ("fp8_param_gather", "use_distributed_optimizer", "enable it")),
     (_job(fp8=None, use_distributed_optimizer=True), ("fp8_param_gather", "model.fp8 is null")),
     (_job(recipe="blockwise", use_distributed_optimizer=True), ("fp8_param_gather", "'blockwise'", "tensorwise")),
+    (_job(use_distributed_optimizer=True, train={"ckpt_format": "deepspeed"}),
+     ("fp8_param_gather", "ckpt_format \"deepspeed\"", "\"torch_dist\"")),
+    (_job(use_distributed_optimizer=True, train={"export_hf_family": "llama"}),
+     ("fp8_param_gather", "train.export_hf_family")),
 ])
 def test_refused_at_start_in_one_line(config, names):
     message = _refused(config)
