@@ -55,6 +55,12 @@ forward to its backward, ZB-H1 keeps each deferred linear's input and output
 gradient from B to W (the experts' and the output layer's too), receive buffers posted ahead count until taken, and the
 peak of their sum is planned.
 
+FP8 layers (``model.fp8``, the tensorwise and blockwise recipes): each linear keeps fp8 copies of its input and
+weight (1 byte an element; blockwise's scales too) instead of its 16-bit input, which is freed where nothing else
+keeps it (``fp8_layer_bytes``, exact at TP 1); in fc2's backward a CPU's ``torch._scaled_mm`` makes fp32 copies of
+its operands (``fp8_backward_bytes``, the peak on a CPU, above a GPU's need).  With ``fp8_param_gather`` the fp8
+layers' weights are one byte each (``fp8_weight_elements``).
+
 MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
 split over ETP (no biases), plus a replicated router and, if configured, a
 TP-split shared-expert MLP.

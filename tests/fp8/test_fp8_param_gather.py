@@ -32,7 +32,8 @@ def _config(gather: bool, tp: int = 1):
             "steps_per_print": 10 ** 9, "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
             "megatron": {"use_distributed_optimizer": True, "fp8_param_gather": gather,
-                         "tensor_model_parallel_size": tp}}
+                         "tensor_model_parallel_size": tp, "overlap_grad_reduce": True, "overlap_param_gather": True,
+                         "bucket_size": 4000}}
 
 
 def _engine(gather: bool, tp: int):
@@ -45,11 +46,13 @@ def _engine(gather: bool, tp: int):
     return engine, optimizer, model, state
 
 
-def _step(engine, state, step: int) -> float:
+def _step(engine, state, step: int, started=None) -> float:
     g = torch.Generator().manual_seed(100 * step + state.dp.rank)
     tokens = torch.randint(0, MODEL["vocab_size"], (B, MODEL["seq_length"] + 1), generator=g)
     loss = engine({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
     engine.backward(loss)
+    if started is not None:  # which bucket groups' reductions backward started (overlap_grad_reduce)
+        started.extend(group.grad_reduce_handles is not None for group in engine.megatron.ddp.bucket_groups)
     engine.step()
     return loss.item()
 
@@ -59,12 +62,12 @@ def _train(gather: bool, tp: int = 1, checkpoint_dir=None):
     the param buffers' sizes; with ``checkpoint_dir`` (a path every rank shares) saved before the last step, and
     the last step's loss again from a fresh engine that loaded it."""
     engine, optimizer, model, state = _engine(gather, tp)
-    losses, records = [], []
+    losses, records, started = [], [], []
     for step in range(STEPS):
         if checkpoint_dir is not None and step == STEPS - 1:
             ds_megatron.save_dist_checkpoint(engine, checkpoint_dir)
         with count_bytes() as counter:
-            losses.append(_step(engine, state, step))
+            losses.append(_step(engine, state, step, started if step == STEPS - 1 else None))
         records.append([(r.op, r.group, r.payload_bytes, r.bus_bytes) for r in counter.records])
     names = [n for n, _ in model.named_parameters()]
     name_of = {p: n for n, p in model.named_parameters()}
@@ -75,8 +78,10 @@ def _train(gather: bool, tp: int = 1, checkpoint_dir=None):
            for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
     buffers = [(str(b.param_dtype), b.numel, sum(p.numel() for p in b.params), b.param_data.numel()
                 * b.param_data.element_size()) for b in engine.megatron.ddp.all_buffers]
-    out = {"losses": losses, "records": records, "names": names, "main": main, "fp8": fp8,
-           "buffers": buffers, "layout": state.layout, "tp_rank": state.tp.rank}
+    out = {"losses": losses, "records": records, "names": names, "main": main, "fp8": fp8, "started": started,
+           "buffers": buffers, "layout": state.layout, "tp_rank": state.tp.rank,
+           "groups": [sorted(str(b.param_data.dtype) for b in group.buckets)
+                      for group in engine.megatron.ddp.bucket_groups]}
     engine.megatron.destroy()
     if checkpoint_dir is not None:
         engine, _, _, state = _engine(gather, tp)
@@ -104,6 +109,17 @@ def test_training_is_bit_identical_to_quantizing_the_bf16_weights_in_the_layer(d
         for name in on["main"]:
             assert torch.equal(on["main"][name], off["main"][name]), name
         assert len(set(off["losses"])) == STEPS  # it trained
+
+
+def test_fp8_weight_gradients_start_their_buckets_reduction_in_backward_grouped_as_seed_004_says(dp2):
+    """The fp8 weights' gradients come into main_grad inside the GEMM's backward (no .grad): the buffer's hook still
+    marks them ready, so with overlap_grad_reduce every bucket group's reduce-scatter starts in backward.  One
+    group per fp8 bucket, the bf16 buckets in the last one."""
+    for _, on in dp2:
+        assert len(on["started"]) > 2 and all(on["started"]), on["started"]
+        groups = on["groups"]
+        assert all(g == ["torch.uint8"] for g in groups[:-1]), groups
+        assert groups[-1][-1] == "torch.uint8" and "torch.bfloat16" in groups[-1], groups
 
 
 def test_a_resume_rebuilds_the_fp8_weights_from_the_main_params_bit_exactly(dp2):
@@ -146,9 +162,9 @@ def test_the_all_gather_moves_one_byte_per_fp8_weight_as_the_plan_says(dp2):
         (fp8_dtype, fp8_numel, fp8_params, fp8_bytes), (bf16_dtype, bf16_numel, bf16_params, bf16_bytes) = \
             sorted(on["buffers"], key=lambda b: b[0] != "torch.uint8")
         assert (fp8_dtype, bf16_dtype) == ("torch.uint8", "torch.bfloat16") and fp8_params == fp8_weights
-        gathers = [(payload, bus) for op, group, payload, bus in on["records"][-1] if op == "all_gather"]
-        # one all-gather per buffer: the uint8 one moves its numel in bytes, the bf16 one two bytes an element
-        assert sorted(p for p, _ in gathers) == sorted([fp8_numel, 2 * bf16_numel])
+        gathers = [payload for op, group, payload, bus in on["records"][-1] if op == "all_gather"]
+        # one all-gather per bucket: the uint8 buffer's move its numel in bytes, the bf16 one's two bytes an element
+        assert sum(gathers) == fp8_numel + 2 * bf16_numel and len(gathers) > 2, gathers
         # the plan's formula: (n-1)/n of (fp8 weights x 1 + the rest x 2) bytes, padding apart
         planned, = plan_comm_volume(cfg, layout, "bf16", micro_batch=B, distributed_optimizer=True,
                                     fp8_param_gather=True)
