@@ -28,7 +28,9 @@ E4M3_MAX = 448.0
 
 
 def _config(gather: bool, tp: int = 1):
-    return {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+    # No clipping: its coefficient divides by the gradient norm, summed over the DP shards, which the fp8 buffer
+    # moves (the same terms in another order: the last bits differ).
+    return {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
             "steps_per_print": 10 ** 9, "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
             "megatron": {"use_distributed_optimizer": True, "fp8_param_gather": gather,
@@ -102,7 +104,8 @@ def dp2(tmp_path_factory):
 
 def test_training_is_bit_identical_to_quantizing_the_bf16_weights_in_the_layer(dp2):
     """The fp8 bytes and scale are those the layer makes from its bf16 weight, so forward, backward and every
-    step are the same arithmetic: the losses and the fp32 main params are equal to the bit."""
+    step are the same arithmetic (without clipping: see ``_config``): the losses and the fp32 main params are equal
+    to the bit."""
     for off, on in dp2:
         assert on["losses"] == off["losses"]
         assert on["main"].keys() == off["main"].keys()
