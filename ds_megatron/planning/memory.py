@@ -150,18 +150,18 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     """What an fp8 layer keeps beyond ``layer_activation_elements``'s 16-bit count, for ``tokens`` tokens: each
     fp8 linear keeps fp8 copies of its input and weight (1 byte an element) instead of its 16-bit input, which
     is then freed where nothing else keeps it (QKV's and fc1's inputs, the norms' outputs, gathered under
-    sequence parallelism; fc2's input, the activation's output; not the projection's, the core's output).  Tensorwise keeps a scalar scale per copy; blockwise tiles the input along the tokens
-    (an fp32 scale per 128) and the weight by 128x128 blocks.  MLP recomputed (selective ``mlp``, its tiles):
-    its linears keep nothing."""
+    sequence parallelism; fc2's input, the activation's output; not the projection's, the core's output: measured
+    kept either way).  Tensorwise keeps a scalar scale per copy; blockwise tiles the input along the tokens (an
+    fp32 scale per 128) and the weight by 128x128 blocks.  MLP recomputed (selective ``mlp``, its tiles): its
+    linears keep nothing."""
     if not cfg.fp8_layer(layer):
         return 0
-    core, mlp = selective_recompute(cfg, cp)
+    _, mlp = selective_recompute(cfg, cp)
     h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
     proj = cfg.num_attention_heads * cfg.head_dim
     glu = 2 if cfg.gated_linear_unit else 1
-    # (input features per rank, output features per rank, 16-bit input freed); the projection's input is the
-    # core's output re-laid (measured: kept either way)
+    # (input features per rank, output features per rank, 16-bit input freed)
     linears = [(h, qkv / tp, True), (proj / tp, h, False)]
     if not mlp:
         linears += [(h, glu * ffn / tp, True), (ffn / tp, h, True)]
