@@ -50,7 +50,9 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
                 if layout.pp > 1 else "")
     context = f" cp={layout.cp} (seq {job.model.seq_length // layout.cp} tokens per rank)" if layout.cp > 1 else ""
     header = (f"world size {world_size}: tp={layout.tp}{context}{pipeline} dp={layout.dp}{experts}; "
-              f"params {precision.params_dtype}, "
+              f"params {precision.params_dtype}"
+              f"{' (fp8 layers: ' + job.model.fp8_recipe + ' ' + job.model.fp8 + ')' if job.model.fp8 else ''}"
+              f"{', their weights fp8 bytes (fp8_param_gather)' if job.megatron.ddp.fp8_param_gather else ''}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
     if job.model.num_experts:

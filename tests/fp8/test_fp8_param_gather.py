@@ -216,3 +216,21 @@ def test_refused_at_start_in_one_line(config, names):
     message = _refused(config)
     for name in names:
         assert name in message, message
+
+
+def _build_without_fp8_layers() -> str:
+    cfg = _config(True)
+    state = ds_megatron.initialize_model_parallel(cfg)  # no model section: the model comes built
+    model = GPTModel(GPTConfig(**dict(MODEL, fp8=None)), state)
+    try:
+        ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
+    except ValueError as e:
+        return str(e)
+    finally:
+        state.destroy()
+    return "accepted"
+
+
+def test_a_built_model_without_fp8_layers_is_refused():
+    for message in run_on_ranks(2, _build_without_fp8_layers):
+        assert "fp8_param_gather" in message and "no fp8 linear layer" in message, message
