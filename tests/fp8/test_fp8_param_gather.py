@@ -59,28 +59,41 @@ def _step(engine, state, step: int, started=None) -> float:
     return loss.item()
 
 
+def _main_params(model, optimizer):
+    """The fp32 main params, gathered, by param name."""
+    name_of = {p: n for n, p in model.named_parameters()}
+    _, with_main = optimizer.state_dict_params()  # the params of the saved main params, group by group
+    return {name_of[p]: t for params, group in zip(with_main, optimizer.state_dict()["fp32_from_fp16_params"])
+            for p, t in zip(params, group)}
+
+
 def _train(gather: bool, tp: int = 1, checkpoint_dir=None):
     """STEPS steps; each step's loss and collectives, the fp8 weights' bytes and scales, the gathered main params,
     the param buffers' sizes; with ``checkpoint_dir`` (a path every rank shares) saved before the last step, and
     the last step's loss again from a fresh engine that loaded it."""
     engine, optimizer, model, state = _engine(gather, tp)
     losses, records, started = [], [], []
+    saved_main = None
     for step in range(STEPS):
         if checkpoint_dir is not None and step == STEPS - 1:
             ds_megatron.save_dist_checkpoint(engine, checkpoint_dir)
+            saved_main = _main_params(model, optimizer)
         with count_bytes() as counter:
             losses.append(_step(engine, state, step, started if step == STEPS - 1 else None))
         records.append([(r.op, r.group, r.payload_bytes, r.bus_bytes) for r in counter.records])
     names = [n for n, _ in model.named_parameters()]
-    name_of = {p: n for n, p in model.named_parameters()}
-    _, with_main = optimizer.state_dict_params()  # the params of the saved main params, group by group
-    main = {name_of[p]: t for params, group in zip(with_main, optimizer.state_dict()["fp32_from_fp16_params"])
-            for p, t in zip(params, group)}
+    main = _main_params(model, optimizer)
+    try:
+        optimizer.reload_model_params()  # the fp8 bytes are no source of main params
+        reload = "accepted"
+    except ValueError as e:
+        reload = str(e)
     fp8 = {n: (p.detach().view(torch.uint8).clone(), p.fp8_scale_inv.clone())
            for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
     buffers = [(str(b.param_dtype), b.numel, sum(p.numel() for p in b.params), b.param_data.numel()
                 * b.param_data.element_size()) for b in engine.megatron.ddp.all_buffers]
     out = {"losses": losses, "records": records, "names": names, "main": main, "fp8": fp8, "started": started,
+           "saved_main": saved_main, "reload": reload,
            "buffers": buffers, "layout": state.layout, "tp_rank": state.tp.rank,
            "groups": [sorted(str(b.param_data.dtype) for b in group.buckets)
                       for group in engine.megatron.ddp.bucket_groups]}
@@ -98,8 +111,13 @@ def _train_both(checkpoint_dir: str, tp: int = 1):
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
-    return run_on_ranks(2, _train_both, str(tmp_path_factory.mktemp("fp8_param_gather")))
+def checkpoint_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("fp8_param_gather"))
+
+
+@pytest.fixture(scope="module")
+def dp2(checkpoint_dir):
+    return run_on_ranks(2, _train_both, checkpoint_dir)
 
 
 def test_training_is_bit_identical_to_quantizing_the_bf16_weights_in_the_layer(dp2):
@@ -128,6 +146,16 @@ def test_fp8_weight_gradients_start_their_buckets_reduction_in_backward_grouped_
 def test_a_resume_rebuilds_the_fp8_weights_from_the_main_params_bit_exactly(dp2):
     for _, on in dp2:
         assert on["resumed_loss"] == on["losses"][-1]
+        assert "fp8_param_gather" in on["reload"] and "main params" in on["reload"], on["reload"]
+
+
+def test_the_checkpoint_holds_each_fp8_weights_bf16_value_not_its_bytes(dp2, checkpoint_dir):
+    """What export-fp32 (and a resume without fp8_param_gather) reads: the main params rounded to bf16."""
+    from ds_megatron.checkpointing.export_fp32 import consolidate
+    on = dp2[0][1]
+    saved = consolidate(checkpoint_dir)
+    for name in on["fp8"]:
+        assert torch.equal(saved[name], on["saved_main"][name].to(torch.bfloat16).float()), name
 
 
 def _reference_bytes(main: torch.Tensor):
