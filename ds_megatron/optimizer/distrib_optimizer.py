@@ -30,6 +30,10 @@ sum and the zero count are therefore reduced over the whole job (each element
 is owned by exactly one DP rank of its model-parallel coordinate, and TP
 duplicates are counted on TP rank 0 only).
 
+With ``fp8_param_gather`` the fp8 layers' weights are fp8 bytes in a uint8 buffer: their main params start
+from the 16-bit values they had (``fp8.param``), and after each step (and a load) this rank's main shards of them
+are cast into the buffer with each whole weight's scale, agreed over DP and TP, before the all-gather.
+
 Checkpoints: ``state_dict`` gathers the shards into the non-distributed
 format, full per-param tensors keyed by the param's position in the original
 param groups (what ``Float16OptimizerWithFloat16Params`` / ``FP32Optimizer``
@@ -238,6 +242,9 @@ class DistributedOptimizer(MegatronOptimizer):
                         setattr(shard_model_param, name, getattr(model_param, name))
                 if _has_main_param(model_param):
                     # An fp8 weight's main param starts from the 16-bit value it had before it became bytes.
+                    if is_fp8_param(model_param) and not hasattr(model_param, "fp8_init_value"):
+                        raise ValueError("an fp8 weight's 16-bit value went to an earlier DistributedOptimizer's "
+                                         "main params; build one optimizer over a fresh DistributedDataParallel")
                     value = model_param.fp8_init_value if is_fp8_param(model_param) else model_param.detach()
                     shard_main_param = value.reshape(-1)[r.start:r.end].clone().float()
                     for name in _PARAM_ATTRIBUTES:
