@@ -19,8 +19,8 @@ from ds_megatron.models.gpt import GPTModel
 from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
 from ds_megatron.utils.collectives import count_bytes
 
-# Three layers, so that one DP shard of the fp8 buffer ends inside a weight (layer 1's fc1): that weight's scale
-# needs both ranks' amaxes.
+# With buckets of 4000 elements (``_config``) the two DP shards of each layer's second fp8 bucket (its projection
+# and QKV weights) part inside the QKV weight: its scale needs both ranks' amaxes.
 MODEL = dict(num_layers=3, hidden_size=32, num_attention_heads=4, ffn_hidden_size=80, seq_length=16, vocab_size=64,
              hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=8, fp8="e4m3")
 B, STEPS = 2, 3
