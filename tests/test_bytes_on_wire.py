@@ -329,6 +329,13 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
                     {"mtp_num_layers": 1, "sequence_parallel": True}),
     "tp2-cp2-sp-dp": (4, {"tensor_model_parallel_size": 2, "context_parallel_size": 2, "sequence_parallel": True},
                       {}, {"sequence_parallel": True}),
+    # fp8 tensorwise: each linear's amaxes over TP (input and weight forward, output gradient backward); with
+    # fp8_param_gather the weights all-gathered one byte each, the input's amax alone forward, and once per step
+    # the fp8 weights' amaxes over dp-cp and TP.
+    "tp2-sp-fp8": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, BF16_ON,
+                   {"sequence_parallel": True, "fp8": "e4m3"}),
+    "tp2-dp2-fp8-param-gather": (4, {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True,
+                                     "fp8_param_gather": True}, BF16_ON, {"fp8": "e4m3"}),
 }
 
 
@@ -342,6 +349,7 @@ def test_the_plans_formula_is_what_a_step_moves(name):
     for records, info in run_on_ranks(ranks, _step_records, megatron, precision, model, m):
         planned, = plan_comm_volume(GPTConfig(**MODEL, **model), info["layout"], dtype, micro_batch=B,
                                     micro_batches=m, distributed_optimizer=distopt,
+                                    fp8_param_gather=megatron.get("fp8_param_gather", False),
                                     hierarchical_inner=(megatron.get("hierarchical_context_parallel_sizes")
                                                         or [None])[0])
         n = info["layout"].dp * info["layout"].cp

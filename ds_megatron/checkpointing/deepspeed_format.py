@@ -51,6 +51,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..fp8.param import is_fp8_param
 from ..integration.moe import moe_layers
 from ..integration.seams import expert_checkpoint_name, pipeline_layer_state_dicts
 from ..moe.moe_layer import BaseMoELayer
@@ -102,6 +103,9 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
                     save_latest: bool = True, **kwargs):
     """``engine.save_checkpoint`` plus our experts, their optimizer states and the gathered distributed-optimizer
     state (collective)."""
+    if any(is_fp8_param(p) for p in engine.module.parameters()):
+        raise ValueError("fp8_param_gather: DeepSpeed's checkpoint would write the weights' fp8 bytes as the model's "
+                         "weights; save with ds_megatron.save_dist_checkpoint (it writes their bf16 values)")
     state = engine.megatron.state
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     layers = checkpointed_moe_layers(engine.module)

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # annotations only: DCP itself is imported when used (see the
     from torch.distributed.checkpoint.planner import WriteItem
 
 from ..convert.model_io import model_tensors
+from ..fp8.param import is_fp8_param
 from ..integration.seams import engine_counters, set_engine_counters
 from ..models import GPTConfig
 from ..optimizer import MegatronOptimizer
@@ -213,12 +214,17 @@ def save(engine, directory: str, client_state: Dict[str, Any]) -> None:
     module, optimizer = engine.module, engine.optimizer
     by_param = _param_shards(module, engine.megatron.state)
     state: Dict[str, Any] = {}
-    for param, views in by_param.values():
-        _add_sharded(state, "model.", param, views)
-    state.update({key: bias.detach().clone() for key, bias in _expert_biases(module).items()})
-    state.update(scaling_tensors(module))  # the delayed fp8 recipe's, agreed over TP and dp-cp: replicated
     saved = optimizer.state_dict()  # the distributed optimizer gathers here (a collective)
     groups, float16_groups = optimizer.state_dict_params()
+    mains = saved.get("fp32_from_fp16_params", [[] for _ in float16_groups])
+    main_of = {id(p): main for params, group in zip(float16_groups, mains) for p, main in zip(params, group)}
+    for param, views in by_param.values():
+        # fp8_param_gather: a weight's fp8 bytes are not its value; its 16-bit value is its main param rounded
+        # (what the same run without fp8_param_gather holds), so the checkpoint does not depend on the setting.
+        value = main_of[id(param)].view(param.shape).to(param.fp8_model_dtype) if is_fp8_param(param) else param
+        _add_sharded(state, "model.", value, views)
+    state.update({key: bias.detach().clone() for key, bias in _expert_biases(module).items()})
+    state.update(scaling_tensors(module))  # the delayed fp8 recipe's, agreed over TP and dp-cp: replicated
     for index, param in enumerate(p for group in groups for p in group):
         views = by_param[id(param)][1]
         for name, value in saved["optimizer"]["state"].get(index, {}).items():
@@ -227,7 +233,6 @@ def save(engine, directory: str, client_state: Dict[str, Any]) -> None:
             else:  # the step count: the same for every tensor cut out of the param
                 for key in _names(views):
                     state[f"optimizer.state.{key}.{name}"] = value
-    mains = saved.get("fp32_from_fp16_params", [[] for _ in float16_groups])
     for params, group_mains in zip(float16_groups, mains):
         for param, main in zip(params, group_mains):
             _add_sharded(state, "optimizer.main.", main.view(param.shape), by_param[id(param)][1])
@@ -270,7 +275,9 @@ def load(engine, directory: str) -> Dict[str, Any]:
             expect(key, state[key].global_shape)
 
     for param, views in by_param.values():
-        add("model.", param, views)  # read straight into the parameters
+        # read straight into the parameters; an fp8 weight's 16-bit value is read aside (the optimizer's load casts
+        # its main params into the bytes)
+        add("model.", torch.empty(param.shape, dtype=param.fp8_model_dtype) if is_fp8_param(param) else param, views)
     biases = _expert_biases(module)
     for key, bias in biases.items():
         expect(key, bias.shape)

@@ -43,6 +43,9 @@ class DistributedDataParallelConfig:
     pad_buckets_for_high_nccl_busbw: bool = False
     # Average with the collective itself (ReduceOp.AVG) instead of pre-scaling by 1/DP.
     average_in_collective: bool = False
+    # (Distributed optimizer, model.fp8) keep the fp8 layers' weights as fp8 bytes cast from the fp32 main params
+    # after each step, and all-gather them in fp8 (Megatron's DistributedDataParallelConfig.fp8_param_gather).
+    fp8_param_gather: bool = False
 
     def __post_init__(self):
         if self.bucket_size is not None:
@@ -50,6 +53,10 @@ class DistributedDataParallelConfig:
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError(f"{SECTION}.overlap_param_gather is true but use_distributed_optimizer is false; params "
                               "are only all-gathered by the distributed optimizer: enable it or drop overlap_param_gather")
+        if self.fp8_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError(f"{SECTION}.fp8_param_gather is true but use_distributed_optimizer is false; the fp8 "
+                              "weights are cast from the distributed optimizer's fp32 main params: enable it or drop "
+                              "fp8_param_gather")
 
     def grad_dtype_is_fp32(self, params_are_16bit: bool) -> bool:
         """Whether the grad buffer of params of this kind holds fp32."""

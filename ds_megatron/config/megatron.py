@@ -151,7 +151,7 @@ class MegatronConfig:
                               "several documents per row, whose attention runs one kernel per document with boundaries "
                               "read on the host, which a captured graph cannot replay; set cuda_graph.impl \"none\"")
         _check_expert_bias(model, precision, nested["cuda_graph"])
-        _check_fp8(model, parallel, precision, nested["cuda_graph"])
+        _check_fp8(model, parallel, precision, nested["cuda_graph"], ddp)
         if not precision.owns_optimizer:
             notice = check_deepspeed_optimizer(
                 precision, deepspeed_section(ds_config, "zero_optimization").get("stage", 0),
@@ -159,6 +159,7 @@ class MegatronConfig:
                 bool(model is not None and model.num_experts) or parallel.expert_model_parallel_size > 1)
             notices += [notice] if notice else []
         _check_ckpt_format(nested["train"], precision)
+        _check_fp8_param_gather(ddp, nested["train"])
         train_keys = tuple(section.get("train", {})) if isinstance(section.get("train"), dict) else ()
         return cls(parallel=parallel, ddp=ddp, precision=precision, model=model, notices=notices,
                    train_keys_set=train_keys, deepspeed_batch=DeepSpeedBatchKeys.from_ds_config(ds_config), **nested)
@@ -225,10 +226,30 @@ def _check_expert_bias(model: Optional[GPTConfig], precision: PrecisionConfig, c
                           "checked under graph replay; turn cuda_graph off or the expert bias off")
 
 
-def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig, cuda_graph: CudaGraphConfig) -> None:
-    """FP8 GEMMs need bf16 training, and part of Megatron's fp8 compositions is not built yet: refused here."""
+def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig, cuda_graph: CudaGraphConfig,
+               ddp: DistributedDataParallelConfig) -> None:
+    """FP8 GEMMs need bf16 training, and part of Megatron's fp8 compositions is not built yet: refused here.
+    ``fp8_param_gather`` needs fp8 and casts weights by the tensorwise recipe."""
+    if ddp.fp8_param_gather and model is not None and model.fp8 is None:
+        raise ConfigError(f"{SECTION}.fp8_param_gather is true but {SECTION}.model.fp8 is null; there are no fp8 "
+                          "weights to gather: set model.fp8 or drop fp8_param_gather")
     if model is None or model.fp8 is None:
         return
+    if ddp.fp8_param_gather and model.fp8_recipe != "tensorwise":
+        raise ConfigError(f"{SECTION}.fp8_param_gather with model.fp8_recipe={model.fp8_recipe!r}: the weights are "
+                          "cast with one scale per weight (\"tensorwise\") only; set fp8_recipe \"tensorwise\" or "
+                          "drop fp8_param_gather")
+    if ddp.fp8_param_gather:
+        # Built and measured on dense models at TP / DP; the rest is not tested yet (zero-bubble's deferred W would
+        # bypass the fp8 weight's main_grad).
+        for untested, setting in ((parallel.pipeline_model_parallel_size > 1, "pipeline_model_parallel_size="
+                                   f"{parallel.pipeline_model_parallel_size}"),
+                                  (parallel.context_parallel_size > 1, "context_parallel_size="
+                                   f"{parallel.context_parallel_size}"),
+                                  (model.num_experts, f"model.num_experts={model.num_experts}")):
+            if untested:
+                raise ConfigError(f"{SECTION}.fp8_param_gather with {SECTION}.{setting}: fp8 parameters are not "
+                                  "built for it yet; drop fp8_param_gather (fp8 GEMMs still run)")
     what = f"{SECTION}.model.fp8={model.fp8!r}"
     if precision.params_dtype != "bf16":
         raise ConfigError(f"{what} needs bf16 training (fp8 GEMMs on bf16 params with fp32 main params); set "
@@ -321,6 +342,21 @@ def _check_ckpt_format(train: TrainConfig, precision: PrecisionConfig) -> None:
         raise ConfigError(f"{SECTION}.train.ckpt_format \"torch_dist\" with {SECTION}.optimizer_impl="
                           f"{precision.optimizer_impl!r}: the layout-independent checkpoint saves ds_megatron's "
                           "optimizers; set optimizer_impl \"megatron\" or ckpt_format \"deepspeed\"")
+
+
+def _check_fp8_param_gather(ddp: DistributedDataParallelConfig, train: TrainConfig) -> None:
+    """The fp8 weights are bytes and a scale: what writes the model's weights as they are is refused with them (the
+    ``torch_dist`` checkpoint writes their 16-bit values, rounded from the fp32 main params)."""
+    if not ddp.fp8_param_gather:
+        return
+    what = f"{SECTION}.fp8_param_gather"
+    if train.ckpt_format == "deepspeed":
+        raise ConfigError(f"{what} with {SECTION}.train.ckpt_format \"deepspeed\": that format writes the weights' "
+                          "fp8 bytes as the model's; use ckpt_format \"torch_dist\" or drop fp8_param_gather")
+    for key in ("load_hf", "export_hf_family"):
+        if getattr(train, key) is not None:
+            raise ConfigError(f"{what} with {SECTION}.train.{key}: the Hugging Face export written at each save "
+                              "reads the weights' fp8 bytes; drop one of them")
 
 
 def split_config(config: Union[str, os.PathLike, Dict[str, Any]]) -> Tuple[Dict[str, Any], MegatronConfig]:

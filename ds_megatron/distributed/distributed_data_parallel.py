@@ -16,6 +16,10 @@ updated params, started after the optimizer step, is waited for bucket group
 by bucket group in forward pre-hooks of the modules that own the params, and
 in a ``state_dict`` pre-hook (a checkpoint never reads half-gathered params).
 
+With ``fp8_param_gather`` (distributed optimizer) the weights of the fp8 linears live in a uint8 buffer of their
+own as fp8 bytes (``fp8.param``), grouped with the other buffers' buckets as seed 004 says
+(``bucket_group.partition_buckets``); their gradients are buffered as every other's.
+
 Expert params are recognized by their marks (``tensor_parallel.params.is_expert_param``).
 """
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 from ..config.ddp import DistributedDataParallelConfig, default_bucket_size
 from ..parallel_state import ParallelGroup, ParallelState
+from ..tensor_parallel.layers import fp8_weights
 from ..tensor_parallel.params import is_expert_param
 from .bucket_group import ParamAndGradBucketGroup, partition_buckets
 from .param_and_grad_buffer import ParamAndGradBuffer
@@ -60,6 +65,11 @@ class DistributedDataParallel(torch.nn.Module):
         self.bucket_size = bucket_size
 
         param_to_name = {p: n for n, p in module.named_parameters()}
+        # fp8_param_gather: the fp8 linears' weights go into a uint8 buffer as fp8 bytes (seed 004)
+        self.fp8_recipes = dict(fp8_weights(module)) if ddp_config.fp8_param_gather else {}
+        if ddp_config.fp8_param_gather and not self.fp8_recipes:
+            raise ValueError("fp8_param_gather is true but the model has no fp8 linear layer (model.fp8 null, or "
+                             "every layer kept in 16-bit); set model.fp8 or drop fp8_param_gather")
         dense: List[torch.nn.Parameter] = []
         experts: Dict[ParallelGroup, List[torch.nn.Parameter]] = {}
         for p in module.parameters():
@@ -120,23 +130,30 @@ class DistributedDataParallel(torch.nn.Module):
         count: Dict[torch.dtype, int] = {}
         for p in params:
             grad_dtype = torch.float32 if self.ddp_config.grad_dtype_is_fp32(p.dtype in _FLOAT16) else p.dtype
-            key = (p.dtype, grad_dtype)
+            if p in self.fp8_recipes and is_expert_param(p):
+                raise ValueError("fp8_param_gather met an fp8 expert weight; fp8 experts are not built")
+            # An fp8 param's index counts among the params of its 16-bit dtype (Megatron's, for checkpoints).
+            key = (torch.uint8 if p in self.fp8_recipes else p.dtype, grad_dtype)
             by_dtypes.setdefault(key, []).append(p)
             indices.setdefault(key, []).append(count.get(p.dtype, 0))
             count[p.dtype] = count.get(p.dtype, 0) + 1
         return [ParamAndGradBuffer(self.ddp_config, param_dtype, grad_dtype, ps, group, self.bucket_size,
-                                   gradient_scaling_factor, indices[(param_dtype, grad_dtype)], param_to_name)
+                                   gradient_scaling_factor, indices[(param_dtype, grad_dtype)], param_to_name,
+                                   self.fp8_recipes if param_dtype == torch.uint8 else None)
                 for (param_dtype, grad_dtype), ps in by_dtypes.items()]
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter):
         def hook(p: torch.Tensor) -> None:
             # Runs after autograd accumulated this backward's grad into p.grad.  Autograd also runs it when no
-            # gradient came (a linear whose weight gradient the zero-bubble schedule deferred): nothing arrived
-            # then, so nothing is ready.
-            if p.grad is None:
+            # gradient came: an fp8 param's came straight into main_grad (grad_added_to_main_grad), a linear's
+            # whose weight gradient the zero-bubble schedule deferred did not come (nothing is ready).
+            if p.grad is not None:
+                param.main_grad.add_(p.grad)
+                p.grad = None
+            elif getattr(param, "grad_added_to_main_grad", False):
+                param.grad_added_to_main_grad = False
+            else:
                 return
-            param.main_grad.add_(p.grad)
-            p.grad = None
             if self.ddp_config.overlap_grad_reduce:
                 self.param_to_bucket_group[param].register_grad_ready(param)
         return hook

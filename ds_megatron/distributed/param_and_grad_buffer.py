@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..config.ddp import DistributedDataParallelConfig
+from ..fp8.param import make_fp8_param
 from ..parallel_state import ParallelGroup
 from .buffer_layout import BufferLayout, Range, build_buffer_layout
 
@@ -65,7 +66,8 @@ class ParamAndGradBuffer:
     def __init__(self, ddp_config: DistributedDataParallelConfig, param_dtype: torch.dtype, grad_dtype: torch.dtype,
                  params: Sequence[torch.nn.Parameter], data_parallel_group: ParallelGroup,
                  bucket_size: Optional[int], gradient_scaling_factor: float,
-                 param_indices: Optional[Sequence[int]] = None, param_to_name: Optional[Dict] = None):
+                 param_indices: Optional[Sequence[int]] = None, param_to_name: Optional[Dict] = None,
+                 fp8_recipes: Optional[Dict] = None):
         self.ddp_config = ddp_config
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
@@ -78,8 +80,10 @@ class ParamAndGradBuffer:
         self.param_to_name = param_to_name or {}
         if len(set(map(id, self.params))) != len(self.params):
             raise ValueError("a param appears twice in the list given to ParamAndGradBuffer; pass each param once")
+        if (param_dtype == torch.uint8) != bool(fp8_recipes):
+            raise ValueError("a uint8 buffer holds fp8 params and needs their recipes (fp8_recipes), and only it")
         for p in self.params:
-            if p.dtype != param_dtype:
+            if p.dtype != param_dtype and not (fp8_recipes and p.dtype in (torch.float16, torch.bfloat16)):
                 raise ValueError(f"param {self.param_to_name.get(p, tuple(p.shape))} has dtype {p.dtype}, "
                                  f"this buffer holds {param_dtype}; group params by dtype first")
 
@@ -103,7 +107,12 @@ class ParamAndGradBuffer:
 
         for p in self.params:
             start, _, _ = self.param_index_map[p]
-            if self.param_data is not None:
+            if fp8_recipes:
+                if self.param_data is None:
+                    raise ValueError("fp8 params live in the distributed optimizer's param buffer; build the buffer "
+                                     "with use_distributed_optimizer=True")
+                make_fp8_param(p, self._get(p.shape, start, BufferType.PARAM), fp8_recipes[p])
+            elif self.param_data is not None:
                 old = p.data
                 p.data = self._get(old.shape, start, BufferType.PARAM)
                 p.data.copy_(old)

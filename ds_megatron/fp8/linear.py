@@ -4,7 +4,8 @@
 
 X and W are E4M3, dY is E4M3 or (``fp8 "hybrid"``) E5M2.  Tensorwise and delayed scaling quantize each tensor
 once and reuse its fp8 copy, transposed, in both GEMMs it feeds (only the fp8 copies are kept for backward, as
-Transformer Engine does).  Blockwise tiles each operand along its GEMM's reduction dimension, so X and dY are
+Transformer Engine does); with ``fp8_param_gather`` W arrives as fp8 bytes with its scale (``param``) and is
+used as it is.  Blockwise tiles each operand along its GEMM's reduction dimension, so X and dY are
 quantized once per GEMM (1x128 along features, then along tokens for the weight gradient, DeepSeek-V3's 128x1
 tiles); W's 128x128 blocks serve both of its GEMMs.
 
@@ -20,6 +21,7 @@ import torch
 
 from ..utils import collectives
 from .quantize import amax, cast, quantize_128x128, quantize_1x128, scale_from_amax, scaled_gemm
+from .param import FP8_PARAM_DTYPE
 from .recipe import BLOCK, FP8LinearState
 
 
@@ -59,6 +61,9 @@ class _FP8Linear(torch.autograd.Function):
             qx, sx = quantize_1x128(x2, r.dtype("input"), r.fp8_max("input"), r.margin)
             qw, sw = quantize_128x128(weight, r.dtype("weight"), r.fp8_max("weight"), r.margin)
             saved_x = _blockwise_tokens(state, x2, "input") if ctx.needs_input_grad[1] else (None, None)
+        elif weight.dtype == FP8_PARAM_DTYPE:  # fp8_param_gather: W comes quantized, with its scale
+            ((qx, sx),), qw, sw = _per_tensor(state, (x2,), ("input",), record), weight.detach(), weight.fp8_scale_inv
+            saved_x = (qx, sx)
         else:
             (qx, sx), (qw, sw) = _per_tensor(state, (x2, weight), ("input", "weight"), record)
             saved_x = (qx, sx)
@@ -67,6 +72,7 @@ class _FP8Linear(torch.autograd.Function):
             y = y + bias
         ctx.state, ctx.has_bias, ctx.x_shape, ctx.dtypes = state, bias is not None, x.shape, (x.dtype, weight.dtype)
         ctx.weight_grad = weight_grad
+        ctx.fp8_param = weight if weight.dtype == FP8_PARAM_DTYPE else None
         ctx.save_for_backward(saved_x[0], saved_x[1], qw, sw)
         return y.reshape(*x.shape[:-1], weight.size(0))
 
@@ -75,6 +81,7 @@ class _FP8Linear(torch.autograd.Function):
         state, r = ctx.state, ctx.state.recipe
         qx, sx, qw, sw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
+        w_dtype = x_dtype if ctx.fp8_param is not None else w_dtype
         dy = grad_output.reshape(-1, grad_output.size(-1))
         grad_input = grad_weight = grad_bias = None
         if r.recipe == "blockwise":
@@ -90,6 +97,11 @@ class _FP8Linear(torch.autograd.Function):
                 grad_input = scaled_gemm(qdy, sdy, qw.t(), sw, x_dtype)
             if ctx.needs_input_grad[1]:
                 grad_weight = ctx.weight_grad(lambda: scaled_gemm(qdy.t(), sdy, qx.t(), sx, w_dtype))
+        if ctx.fp8_param is not None and grad_weight is not None:
+            # An fp8 param's .grad would be fp8: the gradient goes into its buffer, and the buffer's hook is told.
+            ctx.fp8_param.main_grad.add_(grad_weight)
+            ctx.fp8_param.grad_added_to_main_grad = True
+            grad_weight = None
         if grad_input is not None:
             grad_input = grad_input.reshape(ctx.x_shape)
         if ctx.has_bias and ctx.needs_input_grad[2]:

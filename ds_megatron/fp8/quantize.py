@@ -37,7 +37,8 @@ def pow2_scale_from_amax(amax: torch.Tensor, fp8_max: float, margin: int = 0) ->
 def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``fp8(x * scale)`` saturated to the format's largest value (``float8_e4m3fn`` has no infinity)."""
     limit = torch.finfo(dtype).max
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+    # One fp32 copy, scaled and clamped in place: the cast's transient is 4 bytes an element (the plan counts it).
+    return x.to(torch.float32, copy=True).mul_(scale).clamp_(-limit, limit).to(dtype)
 
 
 def quantize_1x128(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int = 0

@@ -30,6 +30,10 @@ sum and the zero count are therefore reduced over the whole job (each element
 is owned by exactly one DP rank of its model-parallel coordinate, and TP
 duplicates are counted on TP rank 0 only).
 
+With ``fp8_param_gather`` the fp8 layers' weights are fp8 bytes in a uint8 buffer: their main params start
+from the 16-bit values they had (``fp8.param``), and after each step (and a load) this rank's main shards of them
+are cast into the buffer with each whole weight's scale, agreed over DP and TP, before the all-gather.
+
 Checkpoints: ``state_dict`` gathers the shards into the non-distributed
 format, full per-param tensors keyed by the param's position in the original
 param groups (what ``Float16OptimizerWithFloat16Params`` / ``FP32Optimizer``
@@ -47,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.buffer_layout import Range, bucket_shard_param_ranges
+from ..fp8.param import FP8_PARAM_DTYPE, cast_main_shards, is_fp8_param, release_init_value
 from ..parallel_state import ParallelGroup, ParallelState
 from ..tensor_parallel.params import param_is_not_tensor_parallel_duplicate
 from ..utils.collectives import all_gather_into, all_gather_object
@@ -55,6 +60,11 @@ from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import _FLOAT16, _PARAM_ATTRIBUTES, MegatronOptimizer
 
 MAIN_PARAM = "main_param"  # key of the fp32 main param among a param's gathered tensors
+
+
+def _has_main_param(param: torch.Tensor) -> bool:
+    """fp16 / bf16 params and fp8 ones (``fp8_param_gather``) have fp32 main params; fp32 params are their own."""
+    return param.dtype in _FLOAT16 or is_fp8_param(param)
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -118,15 +128,36 @@ class DistributedOptimizer(MegatronOptimizer):
         for model_param, shard in self._local_pairs():
             r = self._get_model_param_range_map(model_param)["param"]
             self._shard_grad_view[id(shard)] = model_param.main_grad.view(-1)[r.start:r.end]
+        # fp8_param_gather: every fp8 weight of the buffers (the same list on every rank), and this rank's main
+        # shards of them with their fp8 slots in the param buffer (the cast's amaxes are agreed over DP and TP).
+        self._fp8_params = [p for buffer in self.buffers if buffer.param_dtype == torch.uint8 for p in buffer.params]
+        fp8_index = {p: i for i, p in enumerate(self._fp8_params)}
+        self._fp8_owner: List[int] = []
+        self._fp8_mains: List[torch.Tensor] = []
+        self._fp8_outs: List[torch.Tensor] = []
         for model_group, shard_group in zip(self.model_float16_groups, self.shard_fp32_from_float16_groups):
             for model_param, shard_main_param in zip(model_group, shard_group):
                 world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
                 gbuf_index, _, bucket_index = self.model_param_gbuf_map[model_param]
                 bucket_param_data = self.buffers[gbuf_index].buckets[bucket_index].param_data
-                self._model_shard_views.append(bucket_param_data[world_range.start:world_range.end])
+                view = bucket_param_data[world_range.start:world_range.end]
+                if model_param in fp8_index:
+                    self._fp8_owner.append(fp8_index[model_param])
+                    self._fp8_mains.append(shard_main_param)
+                    self._fp8_outs.append(view.view(FP8_PARAM_DTYPE))
+                    continue
+                self._model_shard_views.append(view)
                 self._main_shards.append(shard_main_param)
                 r = self._get_model_param_range_map(model_param)["param"]
                 self._model_param_shard_views.append(model_param.detach().view(-1)[r.start:r.end])
+        if self._fp8_params:
+            # The 16-bit values are in the main params now; the first fp8 bytes and scales come from them.
+            for p in self._fp8_params:
+                release_init_value(p)
+            fp8_buffer = next(b for b in self.buffers if b.param_dtype == torch.uint8)
+            self._fp8_groups = [fp8_buffer.data_parallel_group, self.parallel_state.tp]
+            self._copy_main_params_to_model_params()
+            self.start_param_sync(force_sync=True)
 
     # -- construction --------------------------------------------------------------------------------
     def _check_params_match_buffers(self) -> None:
@@ -209,8 +240,13 @@ class DistributedOptimizer(MegatronOptimizer):
                 for name in _PARAM_ATTRIBUTES:
                     if hasattr(model_param, name):
                         setattr(shard_model_param, name, getattr(model_param, name))
-                if model_param.dtype in _FLOAT16:
-                    shard_main_param = shard_model_param.clone().float()
+                if _has_main_param(model_param):
+                    # An fp8 weight's main param starts from the 16-bit value it had before it became bytes.
+                    if is_fp8_param(model_param) and not hasattr(model_param, "fp8_init_value"):
+                        raise ValueError("an fp8 weight's 16-bit value went to an earlier DistributedOptimizer's "
+                                         "main params; build one optimizer over a fresh DistributedDataParallel")
+                    value = model_param.fp8_init_value if is_fp8_param(model_param) else model_param.detach()
+                    shard_main_param = value.reshape(-1)[r.start:r.end].clone().float()
                     for name in _PARAM_ATTRIBUTES:
                         if hasattr(model_param, name):
                             setattr(shard_main_param, name, getattr(model_param, name))
@@ -299,9 +335,13 @@ class DistributedOptimizer(MegatronOptimizer):
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
-        """Write the updated fp32 main shards of fp16/bf16 params into this rank's shard of the param buffer."""
+        """Write the updated fp32 main shards of fp16/bf16 params into this rank's shard of the param buffer; fp8
+        weights' shards are cast to fp8 with each whole weight's scale (``fp8.param.cast_main_shards``)."""
         if self._main_shards:
             torch._foreach_copy_(self._model_shard_views, self._main_shards)
+        if self._fp8_params:
+            cast_main_shards(self._fp8_params, self._fp8_owner, self._fp8_mains, self._fp8_outs,
+                             self._fp8_params[0].fp8_model_dtype, self._fp8_groups)
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """All-gather every bucket's updated shards (async with ``overlap_param_gather`` unless ``force_sync``)."""
@@ -322,13 +362,16 @@ class DistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Refresh the fp32 main shards from the model params (after loading model weights only)."""
+        if self._fp8_params:
+            raise ValueError("fp8_param_gather: the fp8 weights are casts of the fp32 main params, not their source; "
+                             "load the optimizer state with the weights (a full resume) or drop fp8_param_gather")
         if self._main_shards:
             torch._foreach_copy_(self._main_shards, self._model_param_shard_views)
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def state_dict_params(self) -> Tuple[List[torch.nn.Parameter], List[List[torch.nn.Parameter]]]:
         return ([list(group) for group in self.model_params_in_groups],
-                [[p for p in group if p.dtype in _FLOAT16] for group in self.model_params_in_groups])
+                [[p for p in group if _has_main_param(p)] for group in self.model_params_in_groups])
 
     def _flat_index(self) -> Dict[torch.nn.Parameter, int]:
         params = [p for group in self.model_params_in_groups for p in group]
@@ -355,7 +398,7 @@ class DistributedOptimizer(MegatronOptimizer):
                         scalars.setdefault(flat_index[param], {})[key] = value
         keys_and_scalars = all_gather_object((sorted(local_keys), scalars), group)
         keys = sorted(set().union(*(k for k, _ in keys_and_scalars)))
-        if buffer.param_dtype in _FLOAT16:
+        if buffer.param_dtype in _FLOAT16 or buffer.param_dtype == torch.uint8:
             keys = [MAIN_PARAM] + keys
         merged_scalars = {}
         for _, rank_scalars in keys_and_scalars:
@@ -420,8 +463,8 @@ class DistributedOptimizer(MegatronOptimizer):
             saved["params"] = [flat_index[p] for p in params]
             groups.append(saved)
         out: Dict[str, Any] = {"optimizer": {"state": state, "param_groups": groups}}
-        if any(p.dtype in _FLOAT16 for group in self.model_params_in_groups for p in group):
-            out["fp32_from_fp16_params"] = [[gathered[p][MAIN_PARAM] for p in group if p.dtype in _FLOAT16]
+        if any(_has_main_param(p) for group in self.model_params_in_groups for p in group):
+            out["fp32_from_fp16_params"] = [[gathered[p][MAIN_PARAM] for p in group if _has_main_param(p)]
                                             for group in self.model_params_in_groups]
         if self.grad_scaler is not None:
             out["grad_scaler"] = self.grad_scaler.state_dict()
@@ -445,7 +488,7 @@ class DistributedOptimizer(MegatronOptimizer):
             float16 = iter(main_saved[g]) if main_saved is not None else iter(())
             for index, param in zip(saved["params"], params):
                 saved_index[param] = index
-                if param.dtype in _FLOAT16:
+                if _has_main_param(param):
                     saved_main[param] = next(float16)
         for group, saved in zip(self.optimizer.param_groups, saved_groups):
             for key, value in saved.items():

@@ -44,7 +44,12 @@ element in the params dtype):
   W), and the mean loss our runtime reports (one float over dp, one over pp);
   the tied embedding's gradient summed over the first and last stage once;
 * the optimizer: one float64 (inf flag and squared norm) over the ranks that
-  hold different parts of the model.
+  hold different parts of the model;
+* fp8 (the tensorwise recipe; blockwise has no collective): per fp8 linear and micro-batch the amaxes of its
+  input and weight all-reduced (MAX) over TP forward, its output gradient's
+  backward; with ``fp8_param_gather`` the fp8 layers' weights all-gathered as
+  one byte an element, the input's amax alone forward, and once per step the
+  fp8 weights' amaxes (a float each) over dp-cp and TP.
 
 ``tests/test_bytes_on_wire.py`` counts the collectives of real steps and holds
 them to these figures; ``launch/bench/bench_vs_peers.py`` prints both.  MoE
@@ -57,7 +62,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..config.model import pad_vocab_size
 from ..errors import ConfigError
-from .memory import BYTES, kv_heads_per_rank
+from .memory import BYTES, fp8_weight_elements, kv_heads_per_rank
 from .param_counts import gpt_param_counts, layer_counts, mla_counts, norm_params, pipeline_rank_chunks
 
 F32, F64 = 4, 8
@@ -89,7 +94,8 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
                      distributed_optimizer: bool = False, partition_method: str = "uniform",
                      layers_per_stage: Optional[Sequence[int]] = None, first: Optional[int] = None,
                      last: Optional[int] = None, num_model_chunks: int = 1,
-                     deepspeed_engine: bool = False, hierarchical_inner: Optional[int] = None) -> List[StageComm]:
+                     deepspeed_engine: bool = False, hierarchical_inner: Optional[int] = None,
+                     fp8_param_gather: bool = False) -> List[StageComm]:
     """One ``StageComm`` per pipeline stage (the ranks of a stage all move the same bytes); ``first`` / ``last``:
     Megatron's ``decoder_first/last_pipeline_num_layers``; ``num_model_chunks``: v; ``deepspeed_engine``: the
     stages run on DeepSpeed's ``PipelineEngine`` (a ``GPTPipelineModule``) instead of our runtime;
@@ -97,6 +103,12 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     if cfg.num_experts:
         raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
                           "the communication plan covers dense models")
+    if cfg.fp8 is not None and cfg.fp8_recipe == "delayed":
+        raise ConfigError("model.fp8_recipe \"delayed\": the communication plan does not count its once-per-step "
+                          "amax reductions yet")
+    if cfg.fp8 is not None and (cfg.recompute_granularity is not None or cfg.mlp_sequence_tiles > 1):
+        raise ConfigError("model.fp8 with recomputation: the communication plan does not count the rerun linears' "
+                          "amax reductions yet")
     t, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
     a = BYTES[params_dtype]
     s, b, h, d = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.head_dim
@@ -129,10 +141,21 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
 
         # Gradients and, with the distributed optimizer, params, over dp-cp (the buffers hold fp32 grads).
         grads = counts.total * F32
+        mtp_layers = [cfg.num_layers + k for k in range(depths)] if last else []
+        # blockwise scales need no collective
+        fp8_linears = 4 * sum(cfg.fp8_layer(i) for i in layers + mtp_layers) if cfg.fp8_recipe == "tensorwise" else 0
+        fp8_weights = fp8_weight_elements(cfg, layers, t, last) if fp8_param_gather else 0
         if distributed_optimizer:
-            add("dp-cp", _gather_or_scatter(dp * cp, grads) + _gather_or_scatter(dp * cp, counts.total * a))
+            params = (counts.total - fp8_weights) * a + fp8_weights  # fp8 weights: one byte each
+            add("dp-cp", _gather_or_scatter(dp * cp, grads) + _gather_or_scatter(dp * cp, params))
         else:
             add("dp-cp", _all_reduce(dp * cp, grads))
+        if fp8_param_gather:  # the amax of each fp8 weight, agreed over its shards' ranks and TP once per step
+            add("dp-cp", _all_reduce(dp * cp, fp8_linears * F32))
+            add("tp", _all_reduce(t, fp8_linears * F32))
+        # fp8 tensorwise: each linear's amaxes over TP, forward (input and weight; the input's alone when the
+        # weight comes quantized) and backward (output gradient)
+        add("tp", m * fp8_linears * (_all_reduce(t, (1 if fp8_param_gather else 2) * F32) + _all_reduce(t, F32)))
         # Tensor parallel activations.  A layer's forward reduces twice (SP: gathers its attention and MLP inputs,
         # reduce-scatters their outputs), its backward as much again.  Full recomputation reruns the forward up to
         # the last tensor the backward needs (torch's early stop), the MLP's input: its first reduction (SP: two
@@ -154,7 +177,6 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         if last:  # the cross entropy: the max, then the target logit and the sum of exponentials, in fp32
             add("tp", m * (1 + depths) * loss_passes * _all_reduce(t, 3 * s * b * F32))
         # Replicated weights whose gradients are partial sums over TP, summed once per step (in fp32).
-        mtp_layers = [cfg.num_layers + k for k in range(depths)] if last else []
         all_layers = n_layers + len(mtp_layers)
         if sp:  # norms and row-parallel biases see this rank's tokens only (the q/k norms its heads)
             partial = (sum(layer_counts(cfg, i, t).replicated for i in layers + mtp_layers)

@@ -55,6 +55,12 @@ forward to its backward, ZB-H1 keeps each deferred linear's input and output
 gradient from B to W (the experts' and the output layer's too), receive buffers posted ahead count until taken, and the
 peak of their sum is planned.
 
+FP8 layers (``model.fp8``, the tensorwise and blockwise recipes): each linear keeps fp8 copies of its input and
+weight (1 byte an element; blockwise's scales too) instead of its 16-bit input, which is freed where nothing else
+keeps it (``fp8_layer_bytes``, exact at TP 1); in fc2's backward a CPU's ``torch._scaled_mm`` makes fp32 copies of
+its operands (``fp8_backward_bytes``, the peak on a CPU, above a GPU's need).  With ``fp8_param_gather`` the fp8
+layers' weights are one byte each (``fp8_weight_elements``).
+
 MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
 split over ETP (no biases), plus a replicated router and, if configured, a
 TP-split shared-expert MLP.
@@ -140,6 +146,51 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
     return norms + attention + h + (0 if mlp else mlp_activation_elements(cfg, layer, tp, etp))
 
 
+def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1) -> float:
+    """What an fp8 layer keeps beyond ``layer_activation_elements``'s 16-bit count, for ``tokens`` tokens: each
+    fp8 linear keeps fp8 copies of its input and weight (1 byte an element) instead of its 16-bit input, which
+    is then freed where nothing else keeps it (QKV's and fc1's inputs, the norms' outputs, gathered under
+    sequence parallelism; fc2's input, the activation's output; not the projection's, the core's output: measured
+    kept either way).  Tensorwise keeps a scalar scale per copy; blockwise tiles the input along the tokens (an
+    fp32 scale per 128) and the weight by 128x128 blocks.  MLP recomputed (selective ``mlp``, its tiles): its
+    linears keep nothing."""
+    if not cfg.fp8_layer(layer):
+        return 0
+    _, mlp = selective_recompute(cfg, cp)
+    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+    proj = cfg.num_attention_heads * cfg.head_dim
+    glu = 2 if cfg.gated_linear_unit else 1
+    # (input features per rank, output features per rank, 16-bit input freed)
+    linears = [(h, qkv / tp, True), (proj / tp, h, False)]
+    if not mlp:
+        linears += [(h, glu * ffn / tp, True), (ffn / tp, h, True)]
+    blockwise = cfg.fp8_recipe == "blockwise"
+    total = 0.0
+    for k, n, freed in linears:
+        x = tokens * k * (1 + 4 / 128 if blockwise else 1)
+        w = n * k * (1 + 4 / 128 ** 2 if blockwise else 1)
+        total += x + w - (tokens * k * act if freed else 0) + (0 if blockwise else 8)
+    return total
+
+
+def fp8_backward_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1) -> float:
+    """What an fp8 layer's MLP backward holds beyond the 16-bit count, at its peak in fc2's backward: the output
+    gradient's fp8 copy and, in the weight-gradient GEMM (beside the input gradient), on a CPU torch._scaled_mm's
+    two fp32 copies of each operand ([T, h] and [T, ffn/tp]) and its fp32 and 16-bit outputs (measured; a GPU's
+    kernel reads the fp8 bytes: there the plan is above the need by that much).  A recomputed MLP (selective
+    ``mlp``, its tiles: one tile's tokens at a time) reruns its forward in its backward, where fc1's and fc2's
+    fp8 copies of their inputs and weights take the place of the 16-bit inputs the 16-bit count holds."""
+    if not cfg.fp8_layer(layer):
+        return 0
+    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size / tp
+    _, mlp = selective_recompute(cfg, cp)
+    tokens = -(-tokens // max(1, cfg.mlp_sequence_tiles))
+    glu = 2 if cfg.gated_linear_unit else 1
+    rerun = h * (glu + 1) * ffn - (act - 1) * tokens * (h + ffn) if mlp else 0
+    return rerun + (h + 8 * (h + ffn)) * tokens + (4 + act) * h * ffn
+
+
 def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
     """The MLP's part of ``layer_activation_elements`` beyond its input, per token: a dense MLP's ffn-wide
     tensors, or an MoE layer's router input, routed tokens' expert tensors and shared expert."""
@@ -190,6 +241,7 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
     else:
         rerun = grads / 2
     mlp_phase = kept + (stream + rerun) * token
+    mlp_phase += fp8_backward_bytes(cfg, layer, tp, s * b, act, cp)
     freed = (0 if mlp else mlp_tensors) + h + (h / tp if sp else h)
     qk, v = cfg.head_widths
     if cp > 1:
@@ -297,7 +349,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     if cfg.hidden_dropout > 0:
         extra += 2 * sbh / (tp if sp else 1)
     extra += context_parallel_saved_bytes(cfg, tp, micro_batch, params_dtype, cp)
-    per_layer = [layer_activation_elements(cfg, i, tp, etp, cp, b) * s * b * act + extra for i in layers]
+    per_layer = [layer_activation_elements(cfg, i, tp, etp, cp, b) * s * b * act + extra
+                 + fp8_layer_bytes(cfg, i, tp, s * b, act, cp) for i in layers]
     backward_start = weight_grad = 0
     if logits:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
@@ -319,7 +372,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         depths = cfg.mtp_num_layers or 0
         norm = h / tp if sp else h
         mtp = sum((3 * norm + 3 * h + layer_activation_elements(cfg, cfg.num_layers + k, tp, etp, cp, b)) * s * b * act
-                  + extra for k in range(depths))
+                  + extra + fp8_layer_bytes(cfg, cfg.num_layers + k, tp, s * b, act, cp) for k in range(depths))
         other_heads = 0 if tiled else depths * one_head * 4  # the loss keeps fp32 logits (16-bit ones freed)
         backward_start = head + mtp + other_heads + max(loss_phase, weight_phase)
     # Context parallelism: the core's score blocks, made in a layer's attention (the head's tensors gone by then
@@ -339,7 +392,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     recomputed = [j for j in range(L) if cfg.recomputes_layer(j)]
     inputs = len(recomputed) * sbh / (tp if sp else 1) * act
     ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
-    one_layer = max(per_layer[j] for j in recomputed) + 2 * ffn / tp * s * b * act if recomputed else 0
+    one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp) for j in recomputed) \
+        + 2 * ffn / tp * s * b * act if recomputed else 0
     kept = sum(n for j, n in enumerate(per_layer) if j not in recomputed)
     if kept_only:
         return int(inputs + kept)
@@ -440,13 +494,40 @@ class RankMemory:
                 + self.optimizer_state_bytes + self.activation_bytes)
 
 
+def check_fp8_plannable(cfg) -> None:
+    """The fp8 activations the plan counts (``fp8_layer_bytes``, ``fp8_backward_bytes``): the tensorwise and
+    blockwise recipes of a standard-attention model (measured within 10%); the rest is refused in one line rather
+    than planned wrong."""
+    if cfg.fp8 is None:
+        return
+    if cfg.fp8_recipe == "delayed":
+        raise ConfigError("model.fp8_recipe=\"delayed\": the plan does not count its amax history yet; plan with "
+                          "fp8_recipe \"tensorwise\" and measure this one")
+    if cfg.multi_latent_attention:
+        raise ConfigError("model.fp8 with model.multi_latent_attention: the plan does not count MLA's fp8 copies "
+                          "yet; plan with fp8 null and measure the job")
+
+
+def fp8_weight_elements(cfg, layers: Sequence[int], tp: int, last_stage: bool = True) -> int:
+    """Elements per TP rank of the weights that ``fp8_param_gather`` keeps as fp8 bytes: QKV, the projection,
+    fc1 and fc2 of every fp8 layer among ``layers`` (and the last stage's multi-token-prediction layers);
+    their biases, the norms, embeddings and output layer stay 16-bit."""
+    h, glu = cfg.hidden_size, 2 if cfg.gated_linear_unit else 1
+    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+    proj = cfg.num_attention_heads * cfg.head_dim
+    per_layer = h * (qkv + proj + glu * cfg.ffn_hidden_size + cfg.ffn_hidden_size) // tp
+    mtp = [cfg.num_layers + k for k in range(cfg.mtp_num_layers or 0)] if last_stage else []
+    return per_layer * sum(cfg.fp8_layer(i) for i in list(layers) + mtp)
+
+
 def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "adamw", momentum: float = 0.0,
                 micro_batch: int = 1, distributed_optimizer: bool = False, micro_batches: int = 1,
                 partition_method: str = "uniform", layers_per_stage: Optional[Sequence[int]] = None,
                 first: Optional[int] = None, last: Optional[int] = None, schedule: str = "1f1b",
                 num_model_chunks: int = 1, group_size: Optional[int] = None,
                 deepspeed_engine: bool = False, grad_reduce_in_fp32: Optional[bool] = None,
-                hierarchical_inner: Optional[int] = None, zero: Optional[ZeroPlan] = None) -> List[RankMemory]:
+                hierarchical_inner: Optional[int] = None, zero: Optional[ZeroPlan] = None,
+                fp8_param_gather: bool = False) -> List[RankMemory]:
     """One ``RankMemory`` per (pipeline stage, TP rank index): the ranks holding the same shards.
 
     ``distributed_optimizer``: fp32 main params, main grads and optimizer states
@@ -469,11 +550,18 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     runs on DeepSpeed's ``PipelineEngine`` (a ``GPTPipelineModule``: no chunk output kept beside the
     activations, no receive posted ahead) instead of our runtime.  ``zero``: DeepSpeed's optimizer path holds the
     params, gradients, fp32 copies and optimizer states as its ZeRO stage allocates them (``zero_state_bytes``).
+    ``fp8_param_gather``: the fp8 layers' weights are 1 byte each (``fp8_weight_elements``), the rest 16-bit.
     """
+    check_fp8_plannable(cfg)
     if cfg.fp8 is not None:
-        raise ConfigError(f"model.fp8={cfg.fp8!r}: the plan does not count fp8 training yet (each linear keeps fp8 "
-                          "copies of its input and weight for the backward instead of its 16-bit input); plan "
-                          "with fp8 null and measure the fp8 job")
+        # Measured and counted: dense layers at TP / SP / DP with 1F1B-style schedules.  The experts' grouped
+        # fp8 copies (padded per expert), ZB-H1's kept fp8 dY and CP's chunks are not counted yet.
+        for unplanned, setting in ((cfg.num_experts, f"model.num_experts={cfg.num_experts}"),
+                                   (schedule == "zero_bubble", "pipeline_schedule \"zero_bubble\""),
+                                   (layout.cp > 1, f"context_parallel_size={layout.cp}")):
+            if unplanned:
+                raise ConfigError(f"model.fp8 with {setting}: the plan does not count its fp8 copies yet; plan with "
+                                  "fp8 null and measure the fp8 job")
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
     pp, v = layout.pp, num_model_chunks
@@ -520,7 +608,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
             if zero is not None:
                 columns = zero_state_bytes(zero, n, dense_shard, expert_shard, params_dtype, state_per_param)
             else:
-                columns = (n * low, n * grad_elem, 4 * owned if mixed else 0,
+                fp8_weights = fp8_weight_elements(cfg, layers, layout.tp, stage == pp - 1) if fp8_param_gather else 0
+                columns = (n * low - fp8_weights * (low - 1), n * grad_elem, 4 * owned if mixed else 0,
                            4 * owned if mixed and grad_elem < 4 else 0, owned * state_per_param)
             plans.append(RankMemory(
                 role=role, ranks=ranks, params=n, params_sharded=counts.sharded,

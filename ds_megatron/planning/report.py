@@ -41,7 +41,8 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
                         **uneven, schedule=schedule, num_model_chunks=vpp,
                         group_size=parallel.microbatch_group_size_per_vp_stage, deepspeed_engine=deepspeed_engine,
                         grad_reduce_in_fp32=job.megatron.ddp.grad_dtype_is_fp32(precision.params_dtype != "fp32"),
-                        hierarchical_inner=(parallel.hierarchical_context_parallel_sizes or [None])[0], zero=zero)
+                        hierarchical_inner=(parallel.hierarchical_context_parallel_sizes or [None])[0], zero=zero,
+                        fp8_param_gather=job.megatron.ddp.fp8_param_gather)
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
     chunks = f", {vpp} chunks per rank" if vpp > 1 else ""
     chunks += " on DeepSpeed's PipelineEngine" if deepspeed_engine else ""
@@ -49,7 +50,9 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
                 if layout.pp > 1 else "")
     context = f" cp={layout.cp} (seq {job.model.seq_length // layout.cp} tokens per rank)" if layout.cp > 1 else ""
     header = (f"world size {world_size}: tp={layout.tp}{context}{pipeline} dp={layout.dp}{experts}; "
-              f"params {precision.params_dtype}, "
+              f"params {precision.params_dtype}"
+              f"{' (fp8 layers: ' + job.model.fp8_recipe + ' ' + job.model.fp8 + ')' if job.model.fp8 else ''}"
+              f"{', their weights fp8 bytes (fp8_param_gather)' if job.megatron.ddp.fp8_param_gather else ''}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
               f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
     if job.model.num_experts:
@@ -68,7 +71,8 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
             comm = plan_comm_volume(job.model, layout, precision.params_dtype, mb, micro_batches, distributed,
                                     parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage,
                                     **uneven, num_model_chunks=vpp, deepspeed_engine=deepspeed_engine,
-                                    hierarchical_inner=(parallel.hierarchical_context_parallel_sizes or [None])[0])
+                                    hierarchical_inner=(parallel.hierarchical_context_parallel_sizes or [None])[0],
+                                    fp8_param_gather=job.megatron.ddp.fp8_param_gather)
         except ConfigError as e:
             comm = f"bytes on the wire: not planned ({e})"
     return header, plans, comm

@@ -213,6 +213,12 @@ def fp8_states(module: torch.nn.Module) -> List[FP8LinearState]:
     return states
 
 
+def fp8_weights(module: torch.nn.Module) -> List[Tuple[torch.nn.Parameter, FP8Recipe]]:
+    """(weight, recipe) of ``module``'s fp8 linears in module order: what ``fp8_param_gather`` keeps as fp8."""
+    return [(m.weight, m.fp8.recipe) for m in module.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.fp8 is not None]
+
+
 class VocabParallelEmbedding(torch.nn.Module):
     """Embedding table split by vocab rows: rank r owns ids ``[start_r, end_r)``.
 

@@ -85,11 +85,22 @@ def test_accepted_with_context_parallelism_and_experts(megatron):
     split_config(job(model=model, **megatron))[1].layout(2)
 
 
-def test_the_plan_refuses_fp8_in_one_line():
+def test_the_plan_refuses_the_fp8_activations_it_does_not_count_in_one_line():
     from ds_megatron.planning.report import plan_from_config
+    mla = {"multi_latent_attention": True, "position_embedding_type": "rope", "q_lora_rank": 64, "kv_lora_rank": 32,
+           "qk_head_dim": 32, "qk_pos_emb_head_dim": 16, "v_head_dim": 32}
     with pytest.raises(ConfigError) as err:
-        plan_from_config(job(), 1)
-    assert "\n" not in str(err.value) and "model.fp8='e4m3'" in str(err.value) and "fp8 null" in str(err.value)
+        plan_from_config(job(model=mla), 1)
+    assert "\n" not in str(err.value) and "model.multi_latent_attention" in str(err.value)
+    header, plans, comm = plan_from_config(job(model={"fp8_recipe": "blockwise"}), 1)
+    assert plans[0].activation_bytes > 0
+    for model, megatron, names in (({"num_experts": 4}, {}, "model.num_experts=4"),
+                                   ({"attention_dropout": 0.0}, {"context_parallel_size": 2}, "context_parallel_size=2"),
+                                   ({}, {"pipeline_model_parallel_size": 2, "pipeline_schedule": "zero_bubble"},
+                                    "\"zero_bubble\"")):
+        with pytest.raises(ConfigError) as err:
+            plan_from_config({**job(model=model, **megatron), "gradient_accumulation_steps": 4}, 2)
+        assert "\n" not in str(err.value) and names in str(err.value) and "fp8 null" in str(err.value)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b", "zero_bubble"])
