@@ -70,7 +70,7 @@ def test_histories_meet_a_job_of_another_recipe_as_decided(caplog):
     for s in fp8_states(saving):
         for role, t in s.step_amax.items():
             t.fill_(2.0 if role == "input" else 3.0)
-    update_delayed_scaling(fp8_states(saving), [])
+    update_delayed_scaling(fp8_states(saving), {"dense": []})
     saved = scaling_tensors(saving)
     assert len(saved) == 2 * 4 and all(k.startswith("fp8.layers.0.") for k in saved)
     assert not any("fp8" in k or "amax" in k for k in saving.state_dict())  # never model weights (HF export too)
