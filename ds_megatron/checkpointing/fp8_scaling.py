@@ -10,8 +10,8 @@ torch_dist format holds them as replicated tensors (an expert's on the ranks hol
 EP size finds each expert's; the DeepSpeed format in one file per pipeline rank for the dense linears
 (``fp8_scaling_pp_NN.pt``, written by its first tensor and dp-cp rank) and one per pipeline and expert-parallel
 rank for the experts (``fp8_scaling_pp_NN_ep_MM.pt``, by its first expert-tensor and expert-DP rank).  The step's
-running amaxes are not saved: a checkpoint is written after a step, when they are zero.  They are not model weights: the module's state dict, the Hugging Face export and
-``export-fp32`` never hold them.
+running amaxes are not saved: a checkpoint is written after a step, when they are zero.  They are not model
+weights: the module's state dict, the Hugging Face export and ``export-fp32`` never hold them.
 
 Resuming:
 

@@ -216,7 +216,7 @@ def save(engine, directory: str, client_state: Dict[str, Any]) -> None:
     for param, views in by_param.values():
         _add_sharded(state, "model.", param, views)
     state.update({key: bias.detach().clone() for key, bias in _expert_biases(module).items()})
-    state.update(scaling_tensors(module))  # the delayed fp8 recipe's, agreed over TP and dp-cp: replicated
+    state.update(scaling_tensors(module))  # the delayed fp8 recipe's, agreed by the weight's holders: replicated
     saved = optimizer.state_dict()  # the distributed optimizer gathers here (a collective)
     groups, float16_groups = optimizer.state_dict_params()
     for index, param in enumerate(p for group in groups for p in group):

@@ -48,8 +48,8 @@ RECIPES = {"tensorwise": dict(fp8="e4m3"), "delayed": dict(fp8="hybrid", fp8_rec
                                                            fp8_amax_history_len=2, fp8_amax_compute_algo="max")}
 
 
-@pytest.mark.parametrize("schedule,recipe,moe", [("interleaved", "tensorwise", False), ("zero_bubble", "delayed", False),
-                                                 ("zero_bubble", "delayed", True)])
+@pytest.mark.parametrize("schedule,recipe,moe", [("interleaved", "tensorwise", False),
+                                                 ("zero_bubble", "delayed", False), ("zero_bubble", "delayed", True)])
 def test_pipeline_schedules_with_fp8_equal_one_rank(schedule, recipe, moe):
     """``moe``: every layer's MLP 4 experts in fp8, their weight gradients deferred to ZB-H1's W as well."""
     pipeline = {"1f1b": ONE_CHUNK, "interleaved": V2, "zero_bubble": ZB}[schedule]
