@@ -101,11 +101,11 @@ def test_histories_meet_a_job_of_another_recipe_as_decided(caplog):
 
 
 def _experts_saved_at_ep2_load_at_ep1():
-    def build(ep):
+    def build(ep, grouped):
         state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), ep=ep))
         torch.manual_seed(0)
-        return GPTModel(GPTConfig(**{**MODEL, "num_layers": 1, **MOE}), state), state
-    model, state = build(2)
+        return GPTModel(GPTConfig(**{**MODEL, "num_layers": 1, **MOE, "moe_grouped_gemm": grouped}), state), state
+    model, state = build(2, False)
     for name, st in delayed_states(model).items():  # numbers of its own per weight, the same wherever it is held
         for role in ROLES:
             st.step_amax[role].fill_(float(zlib.crc32(f"{name}{role}".encode()) % 1000 + 1))
@@ -117,7 +117,7 @@ def _experts_saved_at_ep2_load_at_ep1():
     dist.all_gather_object(everyone, mine)
     saved = {k: v for d in everyone for k, v in d.items()}
     state.destroy()
-    model, state = build(1)  # every rank all 4 experts
+    model, state = build(1, True)  # every rank all 4 experts, stacked (GroupedMLP)
     load_scaling_tensors(model, saved, "ckpt")
     got = scaling_tensors(model)
     state.destroy()
@@ -126,5 +126,6 @@ def _experts_saved_at_ep2_load_at_ep1():
 
 def test_expert_histories_are_named_by_global_expert_and_load_at_another_ep():
     """What a checkpoint holds of the experts' histories (both formats: ``scaling_tensors``) is named by the global
-    expert, so EP 2's ranks' (experts 0-1 and 2-3) load into an EP 1 job's experts, each its own."""
+    expert, so EP 2's ranks' (experts 0-1 and 2-3) load into an EP 1 job's experts, each its own (whichever
+    experts class holds them)."""
     run_on_ranks(2, _experts_saved_at_ep2_load_at_ep1)
