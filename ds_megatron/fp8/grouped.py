@@ -99,8 +99,10 @@ class _FP8GroupedLinear(torch.autograd.Function):
         # Each expert's dY quantized for its two GEMMs (blockwise: 1x128 along the features for the data gradient,
         # along the tokens for the weight gradient), so that a deferred W holds fp8 copies only.
         if r.recipe == "blockwise":
-            qdys = [_tiles(r, dy, "grad_output") if c else None for dy, c in zip(dys, counts)]
-            qdyts = [_tiles(r, dy.t(), "grad_output") if c else None for dy, c in zip(dys, counts)]
+            qdys = [_tiles(r, dy, "grad_output") if c and ctx.needs_input_grad[0] else None
+                    for dy, c in zip(dys, counts)]
+            qdyts = [_tiles(r, dy.t(), "grad_output") if c and ctx.needs_input_grad[1] else None
+                     for dy, c in zip(dys, counts)]
             dgrad_w = [(q.t(), s.t()) for q, s in qw]
         else:
             qdys = [p[0] for p in _per_tensor(states, [(dy,) for dy in dys], ("grad_output",), True)]
