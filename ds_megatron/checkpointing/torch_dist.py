@@ -224,7 +224,7 @@ def save(engine, directory: str, client_state: Dict[str, Any]) -> None:
         value = main_of[id(param)].view(param.shape).to(param.fp8_model_dtype) if is_fp8_param(param) else param
         _add_sharded(state, "model.", value, views)
     state.update({key: bias.detach().clone() for key, bias in _expert_biases(module).items()})
-    state.update(scaling_tensors(module))  # the delayed fp8 recipe's, agreed over TP and dp-cp: replicated
+    state.update(scaling_tensors(module))  # the delayed fp8 recipe's, agreed by the weight's holders: replicated
     for index, param in enumerate(p for group in groups for p in group):
         views = by_param[id(param)][1]
         for name, value in saved["optimizer"]["state"].get(index, {}).items():

@@ -254,13 +254,9 @@ def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig,
     if precision.params_dtype != "bf16":
         raise ConfigError(f"{what} needs bf16 training (fp8 GEMMs on bf16 params with fp32 main params); set "
                           "bf16.enabled true")
-    refused = ((model.num_experts and parallel.pipeline_schedule == "zero_bubble",
-                f"{SECTION}.model.num_experts and pipeline_schedule \"zero_bubble\" (the experts' deferred fp8 "
-                "weight gradients)", "choose pipeline_schedule \"1f1b\" or \"interleaved_1f1b\""),
-               (cuda_graph.enabled, f"{SECTION}.cuda_graph.impl={cuda_graph.impl!r}", "set cuda_graph.impl \"none\""))
-    for bad, setting, fix in refused:
-        if bad:
-            raise ConfigError(f"{what} with {setting}: fp8 does not compose with it yet; {fix} or set model.fp8 null")
+    if cuda_graph.enabled:
+        raise ConfigError(f"{what} with {SECTION}.cuda_graph.impl={cuda_graph.impl!r}: fp8 does not compose with it "
+                          "yet; set cuda_graph.impl \"none\" or set model.fp8 null")
 
 
 def _check_fp8_layout(model: Optional[GPTConfig], layout, data) -> None:

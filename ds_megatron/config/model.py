@@ -265,11 +265,6 @@ class GPTConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ConfigError(f"model.{name} must be an integer >= {low}, got {v!r}")
-        if self.fp8_recipe == "delayed" and self.num_experts:
-            # An expert's weights differ across EP ranks: its history must be agreed over ETP and expert-DP only.
-            raise ConfigError("model.fp8_recipe \"delayed\" with model.num_experts: the experts' amax histories "
-                              "are not agreed over their own groups (ETP, expert-DP) by the step's update yet; use "
-                              "\"tensorwise\" or \"blockwise\"")
         if self.fp8_recipe == "blockwise":
             if self.multi_latent_attention:
                 raise ConfigError("model.fp8_recipe \"blockwise\" with model.multi_latent_attention: its "

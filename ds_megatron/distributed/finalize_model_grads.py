@@ -24,7 +24,8 @@ gradient, in this order:
    summed over the ranks routing for the same experts (``moe.router.update_expert_bias``: the
    sequence group, then dp), Megatron's place for it.
 5. the delayed fp8 recipe's amax histories and scales advance once (``fp8.update_delayed_scaling``: this step's
-   amaxes, MAX over TP, then over dp-cp, the ranks whose replicas saw other data), after the last micro-batch's
+   amaxes, MAX over TP, then over dp-cp, the ranks whose replicas saw other data; an expert's over ETP, then
+   expert-DP: ``fp8.delayed_scaling_groups``), after the last micro-batch's
    backward and before the next step's forward, so the scales stay the same for every micro-batch of a step.  It
    is the once-per-step model state next to the expert bias, and sits before the optimizer's inf/nan check: a
    skipped step advances the history too, as Transformer Engine's update knows nothing of the optimizer (an

@@ -9,10 +9,14 @@ Each expert's group of tokens is padded with zero rows to a multiple of ``alignm
 ``moe_router_padding_for_fp8`` and TE's ``Fp8Padding``: the weight gradient's reduction dimension is the tokens,
 and cuBLASLt's fp8 GEMM takes multiples of 16; 128 for blockwise, whose weight gradient tiles the tokens by 128).
 Zero rows change no amax and no product: their outputs are dropped, and their output gradients are zero.
+
+As in ``linear.py``: the delayed recipe records the amaxes of the passes that train only (not an evaluation under
+``no_grad``), and the experts' weight-gradient GEMMs can be deferred (ZB-H1's W pass, ``weight_grad``): they then
+run later on the fp8 copies of X and dY the B pass made.
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,10 +38,10 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
 
 
 def _per_tensor(states: Sequence[FP8LinearState], tensors: Sequence[Tuple[torch.Tensor, ...]],
-                roles: Tuple[str, ...]) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
+                roles: Tuple[str, ...], record: bool) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
     """Tensorwise or delayed: (fp8 copy, scale_inv) of each expert's tensors.  Tensorwise agrees on every
-    expert's amaxes in one all-reduce (MAX) over the amax group; delayed uses each state's scales and records
-    its amaxes for the step's update."""
+    expert's amaxes in one all-reduce (MAX) over the amax group; delayed uses each state's scales and, when
+    ``record``, folds its amaxes into the step's."""
     recipe = states[0].recipe
     amaxes = torch.stack([torch.stack([_amax(t) for t in ts]) for ts in tensors])  # [experts, roles]
     if recipe.recipe == "tensorwise":
@@ -48,7 +52,8 @@ def _per_tensor(states: Sequence[FP8LinearState], tensors: Sequence[Tuple[torch.
         for state, row in zip(states, amaxes):
             state.follow(row.device)
             for a, r in zip(row, roles):
-                state.record_amax(r, a)
+                if record:
+                    state.record_amax(r, a)
         scales = [[state.scale[r] for r in roles] for state in states]
     return [[(cast(t, s, recipe.dtype(r)), 1.0 / s) for t, s, r in zip(ts, row, roles)]
             for ts, row in zip(tensors, scales)]
@@ -63,7 +68,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
     group e's forward, data-gradient and weight-gradient GEMMs in fp8 by ``states[e]``."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, states):
+    def forward(ctx, x, weight, counts, states, record, weight_grad):
         r = states[0].recipe
         xs, ws = torch.split(x, counts), weight.unbind(0)
         if r.recipe == "blockwise":
@@ -72,12 +77,13 @@ class _FP8GroupedLinear(torch.autograd.Function):
             # The weight gradient reduces over the tokens: x tiled 1x128 along them (DeepSeek-V3's 128x1).
             saved_x = [_tiles(r, t.t(), "input") for t in xs] if ctx.needs_input_grad[1] else [(None, None)] * len(xs)
         else:
-            pairs = _per_tensor(states, list(zip(xs, ws)), ("input", "weight"))
+            pairs = _per_tensor(states, list(zip(xs, ws)), ("input", "weight"), record)
             qx, qw = [p[0] for p in pairs], [p[1] for p in pairs]
             saved_x = qx
         ys = [scaled_gemm(*a, *b, x.dtype) if c else x.new_zeros(0, weight.size(1))
               for a, b, c in zip(qx, qw, counts)]
         ctx.counts, ctx.states, ctx.dtypes, ctx.k = counts, states, (x.dtype, weight.dtype), x.size(1)
+        ctx.weight_grad = weight_grad
         ctx.save_for_backward(*(t for pair in saved_x + qw for t in pair))
         return torch.cat(ys) if ys else x.new_zeros(0, weight.size(1))
 
@@ -90,43 +96,56 @@ class _FP8GroupedLinear(torch.autograd.Function):
         qx = [(saved[2 * e], saved[2 * e + 1]) for e in range(L)]
         qw = [(saved[2 * (L + e)], saved[2 * (L + e) + 1]) for e in range(L)]
         dys = torch.split(grad_output.contiguous(), counts)
-        grad_x, grad_w = [], []
+        # Each expert's dY quantized for its two GEMMs (blockwise: 1x128 along the features for the data gradient,
+        # along the tokens for the weight gradient), so that a deferred W holds fp8 copies only.
         if r.recipe == "blockwise":
-            for dy, (qxt, sxt), (q, s), c in zip(dys, qx, qw, counts):
-                if ctx.needs_input_grad[0]:
-                    grad_x.append(scaled_gemm(*_tiles(r, dy, "grad_output"), q.t(), s.t(), x_dtype) if c
-                                  else dy.new_zeros(0, k, dtype=x_dtype))
-                if ctx.needs_input_grad[1]:
-                    grad_w.append(scaled_gemm(*_tiles(r, dy.t(), "grad_output"), qxt, sxt, w_dtype) if c
-                                  else dy.new_zeros(n, k, dtype=w_dtype))
+            qdys = [_tiles(r, dy, "grad_output") if c and ctx.needs_input_grad[0] else None
+                    for dy, c in zip(dys, counts)]
+            qdyts = [_tiles(r, dy.t(), "grad_output") if c and ctx.needs_input_grad[1] else None
+                     for dy, c in zip(dys, counts)]
+            dgrad_w = [(q.t(), s.t()) for q, s in qw]
         else:
-            qdys = [p[0] for p in _per_tensor(states, [(dy,) for dy in dys], ("grad_output",))]
-            for (qdy, sdy), (q, s), (qxe, sx), c in zip(qdys, qw, qx, counts):
-                if ctx.needs_input_grad[0]:
-                    grad_x.append(scaled_gemm(qdy, sdy, q.t(), s, x_dtype) if c
-                                  else qdy.new_zeros(0, k, dtype=x_dtype))
-                if ctx.needs_input_grad[1]:
-                    grad_w.append(scaled_gemm(qdy.t(), sdy, qxe.t(), sx, w_dtype) if c
-                                  else qdy.new_zeros(n, k, dtype=w_dtype))
-        return (torch.cat(grad_x) if grad_x else None, torch.stack(grad_w) if grad_w else None, None, None)
+            qdys = [p[0] for p in _per_tensor(states, [(dy,) for dy in dys], ("grad_output",), True)]
+            qdyts, dgrad_w = [(q.t(), s) for q, s in qdys], [(q.t(), s) for q, s in qw]
+            qx = [(q.t(), s) for q, s in qx]
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.cat([scaled_gemm(*qdy, *w, x_dtype) if c else grad_output.new_zeros(0, k, dtype=x_dtype)
+                                for qdy, w, c in zip(qdys, dgrad_w, counts)])
+        if ctx.needs_input_grad[1]:
+            def wgrad() -> torch.Tensor:
+                return torch.stack([scaled_gemm(*qdyt, *qxt, w_dtype) if c else
+                                    grad_output.new_zeros(n, k, dtype=w_dtype)
+                                    for qdyt, qxt, c in zip(qdyts, qx, counts)])
+            grad_w = ctx.weight_grad(wgrad)
+        return grad_x, grad_w, None, None, None, None
+
+
+def _now(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    return compute()
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: Sequence[int],
-                       states: Sequence[FP8LinearState]) -> torch.Tensor:
+                       states: Sequence[FP8LinearState],
+                       weight_grad: Optional[Callable[[Callable[[], torch.Tensor]], Optional[torch.Tensor]]] = None
+                       ) -> torch.Tensor:
     """``x [N, k]`` in expert-contiguous groups of ``tokens_per_expert`` rows times ``weight [L, n, k]`` (expert
     e's weight in ``F.linear``'s layout) -> ``[N, n]``, each expert's GEMMs in fp8 by ``states[e]``; the groups
-    are padded with zero rows to the recipe's alignment for the GEMMs and the padding's rows dropped after."""
+    are padded with zero rows to the recipe's alignment for the GEMMs and the padding's rows dropped after.
+    ``weight_grad`` is handed the experts' weight-gradient GEMMs (a closure over the fp8 copies giving
+    ``weight``'s gradient) and returns it, or None having deferred it; by default they run at once."""
+    record, weight_grad = torch.is_grad_enabled(), weight_grad or _now
     counts = [int(c) for c in tokens_per_expert]
     align = alignment(states[0].recipe)
     padded = [-(-c // align) * align for c in counts]
     if padded == counts:
-        return _FP8GroupedLinear.apply(x, weight, counts, tuple(states))
+        return _FP8GroupedLinear.apply(x, weight, counts, tuple(states), record, weight_grad)
     starts = [sum(padded[:e]) for e in range(len(counts))]
     rows = torch.cat([torch.arange(s, s + c, device=x.device) for s, c in zip(starts, counts)])
     # index_copy / index_select: x's gradient is read from the real rows only, and the rows dropped here
     # receive a zero gradient, so the padding adds nothing to the weight gradient nor to dY's amax.
     x_padded = x.new_zeros(sum(padded), x.size(1)).index_copy(0, rows, x)
-    return _FP8GroupedLinear.apply(x_padded, weight, padded, tuple(states)).index_select(0, rows)
+    return _FP8GroupedLinear.apply(x_padded, weight, padded, tuple(states), record, weight_grad).index_select(0, rows)
 
 
 __all__ = ["ALIGN", "alignment", "fp8_grouped_linear"]

@@ -7,15 +7,17 @@ Scales follow Transformer Engine's convention: a tensor is quantized as ``fp8(x 
   group (the ranks that split its tensors: TP, times CP in a model), so a split tensor gets the whole one's scale.
 * ``"delayed"``: one scale per tensor role (input, weight, output gradient) from the amax history of earlier
   optimizer steps; this step's amaxes are collected (MAX over micro-batches) and enter the history in
-  ``update_delayed_scaling``, reduced over TP and DP, once per optimizer step.  The scale of step t therefore
-  comes from the amaxes of steps < t; the first step uses scale 1.
+  ``update_delayed_scaling``, once per optimizer step, agreed over every rank holding the same weight: a dense
+  linear's over TP and dp-cp, an expert's over ETP and expert-DP (``delayed_scaling_groups``; never EP, whose
+  ranks hold other experts).  The scale of step t therefore comes from the amaxes of steps < t; the first step
+  uses scale 1.
 * ``"blockwise"`` (DeepSeek-V3): a power-of-two scale per 1x128 tile of activations and gradients (along the
   GEMM's reduction dimension) and per 128x128 block of weights; no collective needed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -29,6 +31,7 @@ FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "delayed", "blockwise")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 ROLES = ("input", "weight", "grad_output")
+KINDS = ("dense", "expert")  # a state's kind names the groups its delayed amaxes are agreed over
 
 
 @dataclass(frozen=True)
@@ -67,18 +70,21 @@ class FP8Recipe:
 
 class FP8LinearState:
     """The fp8 scaling state of one linear layer: its recipe, ``amax_group`` (the ranks its tensors are split over,
-    whose amaxes it agrees on: TP x CP for the transformer's linears, ETP for an expert's), and for the delayed
-    recipe each role's amax history, scale and this step's running amax."""
+    whose amaxes it agrees on: TP x CP for the transformer's linears, ETP for an expert's), ``kind`` ("dense" or
+    "expert": which ranks hold the same weight, see ``delayed_scaling_groups``), and for the delayed recipe each
+    role's amax history, scale and this step's running amax."""
 
     def __init__(self, recipe: FP8Recipe, amax_group: ParallelGroup, in_features: int, out_features: int,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, kind: str = "dense"):
+        if kind not in KINDS:
+            raise ValueError(f"FP8LinearState kind={kind!r} is unknown; use one of {', '.join(KINDS)}")
         if recipe.recipe == "blockwise":
             for name, size in (("input features per TP rank", in_features),
                                ("output features per TP rank", out_features)):
                 if size % BLOCK:
                     raise ValueError(f"fp8_recipe \"blockwise\" tiles by {BLOCK}, but this linear layer's {name} "
                                      f"is {size}; choose model sizes whose per-rank widths are multiples of {BLOCK}")
-        self.recipe, self.amax_group = recipe, amax_group
+        self.recipe, self.amax_group, self.kind = recipe, amax_group, kind
         if recipe.recipe == "delayed":
             n = recipe.amax_history_len
             self.amax_history = {r: torch.zeros(n, dtype=torch.float32, device=device) for r in ROLES}
@@ -96,8 +102,9 @@ class FP8LinearState:
         torch.maximum(self.step_amax[role], amax.detach().float(), out=self.step_amax[role])
 
     def advance(self, reduced_amax: dict) -> None:
-        """Delayed recipe: this step's amaxes (already agreed over TP and DP) enter the history; the scales of the
-        next step follow from it.  An amax of 0 or a non-finite one keeps the previous scale (Transformer Engine)."""
+        """Delayed recipe: this step's amaxes (already agreed over the state's groups) enter the history; the scales
+        of the next step follow from it.  An amax of 0 or a non-finite one keeps the previous scale (Transformer
+        Engine)."""
         r = self.recipe
         for role in ROLES:
             history = self.amax_history[role]
@@ -110,25 +117,30 @@ class FP8LinearState:
             self.step_amax[role].zero_()
 
 
-def delayed_scaling_groups(parallel_state: ParallelState) -> List[ParallelGroup]:
-    """The groups a step's delayed-recipe amaxes are agreed over (MAX), in order: TP, then dp-cp: every rank that
-    holds the same layer, whether it saw other tokens (DP, CP's other sequence chunks) or other columns (TP)."""
-    return [parallel_state.tp, parallel_state.dp_cp]
+def delayed_scaling_groups(parallel_state: ParallelState) -> Dict[str, List[ParallelGroup]]:
+    """Per kind of state, the groups a step's delayed-recipe amaxes are agreed over (MAX), in order: every rank
+    that holds the same weight, whether it saw other tokens or other columns.  A dense linear: TP, then dp-cp (DP
+    and CP's other sequence chunks).  An expert: ETP, then expert-DP (the ranks holding the same experts, CP's
+    included); never EP, whose ranks hold other experts."""
+    return {"dense": [parallel_state.tp, parallel_state.dp_cp], "expert": [parallel_state.etp, parallel_state.edp]}
 
 
-def update_delayed_scaling(states: Sequence[FP8LinearState], groups: Iterable[ParallelGroup]) -> None:
-    """Once per optimizer step: agree on every delayed state's step amaxes over ``groups`` (TP and DP; MAX, one
-    all-reduce per group for all layers) and advance their histories and scales.  Every rank passes its layers
-    in the same order."""
-    states = [s for s in states if s.recipe.recipe == "delayed"]
-    if not states:
-        return
-    amax = torch.stack([s.step_amax[r] for s in states for r in ROLES])
-    for group in groups:
-        collectives.all_reduce(amax, group, op=collectives.MAX)
-    for i, s in enumerate(states):
-        s.advance({r: amax[i * len(ROLES) + j] for j, r in enumerate(ROLES)})
+def update_delayed_scaling(states: Sequence[FP8LinearState],
+                           groups: Mapping[str, Sequence[ParallelGroup]]) -> None:
+    """Once per optimizer step: agree on every delayed state's step amaxes over its kind's ``groups``
+    (``delayed_scaling_groups``; MAX, one all-reduce per group for all states of a kind, dense then expert) and
+    advance their histories and scales.  Every rank of a group holds the same states of that kind and passes
+    them in the same order (its stage's, in module order)."""
+    for kind in KINDS:
+        mine = [s for s in states if s.recipe.recipe == "delayed" and s.kind == kind]
+        if not mine:
+            continue
+        amax = torch.stack([s.step_amax[r] for s in mine for r in ROLES])
+        for group in groups[kind]:
+            collectives.all_reduce(amax, group, op=collectives.MAX)
+        for i, s in enumerate(mine):
+            s.advance({r: amax[i * len(ROLES) + j] for j, r in enumerate(ROLES)})
 
 
-__all__ = ["AMAX_COMPUTE_ALGOS", "BLOCK", "E4M3_MAX", "E5M2_MAX", "FORMATS", "FP8LinearState", "FP8Recipe",
+__all__ = ["AMAX_COMPUTE_ALGOS", "BLOCK", "E4M3_MAX", "E5M2_MAX", "FORMATS", "FP8LinearState", "FP8Recipe", "KINDS",
            "RECIPES", "ROLES", "delayed_scaling_groups", "update_delayed_scaling"]

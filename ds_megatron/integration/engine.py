@@ -329,7 +329,7 @@ def clip_fp32_by_the_global_norm(engine, model: torch.nn.Module, state: Parallel
 
 def advance_delayed_fp8_after_each_step(engine, model: torch.nn.Module, state: ParallelState) -> None:
     """DeepSpeed's optimizer path: the delayed fp8 recipe's histories and scales advance after each optimizer step
-    (what ``finalize_model_grads`` does on ours), on every stage, over TP and dp-cp."""
+    (what ``finalize_model_grads`` does on ours), on every stage, over ``delayed_scaling_groups``."""
     states = [s for s in fp8_states(model) if s.recipe.recipe == "delayed"]
     if states and engine.optimizer is not None:  # an engine without an optimizer takes no step
         after_optimizer_step(engine, functools.partial(update_delayed_scaling, states,

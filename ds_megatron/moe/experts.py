@@ -20,7 +20,9 @@ compares them; ``moe_grouped_gemm`` null (the default) picks the faster one for
 the device: grouped with CUDA, sequential on CPU (see ``experts_class``).
 
 With an fp8 recipe (``set_fp8``, which the model's ``attach_fp8`` calls) each expert's fc1 and fc2 have their
-own scaling state and run their three GEMMs in fp8 (``fp8.grouped``), in both implementations.
+own scaling state (kind "expert": the delayed recipe agrees on it over ETP and expert-DP) and run their three GEMMs
+in fp8 (``fp8.grouped``), in both implementations; with a ``WeightGradStore`` (ZB-H1) their weight-gradient GEMMs
+are deferred on the fp8 copies of X and dY, as the 16-bit experts' are through ``deferrable``.
 
 Expert params carry the expert marks (``tensor_parallel.params.mark_expert_param``):
 their gradients are reduced over the expert-data-parallel group, not the
@@ -28,7 +30,8 @@ data-parallel one.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import functools
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -38,7 +41,7 @@ from ..parallel_state import ParallelGroup
 from ..tensor_parallel.init import InitMethod, init_method_normal
 from ..tensor_parallel.params import mark_expert_param
 from ..tensor_parallel.utils import divide
-from ..tensor_parallel.weight_grad_store import WeightGradStore, deferrable, linear
+from ..tensor_parallel.weight_grad_store import WeightGradStore, deferrable, linear, weight_grad_or_defer
 from ..transformer.mlp import activation_func
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -143,13 +146,15 @@ class _ExpertsBase(torch.nn.Module):
 
     def _fp8_states(self, recipe: FP8Recipe, fc1: torch.Tensor, fc2: torch.Tensor) -> Tuple[FP8LinearState, ...]:
         """fc1's and fc2's states of one expert (weights ``[out, in]``), their amaxes agreed over ETP."""
-        return tuple(FP8LinearState(recipe, self.etp, w.size(1), w.size(0), device=w.device) for w in (fc1, fc2))
+        return tuple(FP8LinearState(recipe, self.etp, w.size(1), w.size(0), device=w.device, kind="expert")
+                     for w in (fc1, fc2))
 
 
-def _no_deferred_fp8(store: Optional[WeightGradStore]) -> None:
-    if store is not None:
-        raise ValueError("fp8 experts were given a WeightGradStore: deferring fp8 weight gradients (pipeline_schedule "
-                         "\"zero_bubble\") is not built yet; use another schedule or fp8 null")
+def _fp8_weight_grad(store: Optional[WeightGradStore], param: torch.nn.Parameter,
+                     to_param: Callable[[torch.Tensor], torch.Tensor]):
+    """``fp8_grouped_linear``'s ``weight_grad`` for ``param`` given to it as a view (``to_param`` takes the view's
+    gradient back): deferred into ``store`` while it defers (None: no store, computed at once)."""
+    return None if store is None else functools.partial(weight_grad_or_defer, store, param, to_param=to_param)
 
 
 class _ExpertLinear(torch.nn.Module):
@@ -163,8 +168,8 @@ class _ExpertLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
-            _no_deferred_fp8(self.weight_grad_store)
-            return fp8_grouped_linear(x, self.weight.unsqueeze(0), [x.size(0)], [self.fp8])
+            return fp8_grouped_linear(x, self.weight.unsqueeze(0), [x.size(0)], [self.fp8],
+                                      _fp8_weight_grad(self.weight_grad_store, self.weight, lambda g: g.squeeze(0)))
         return linear(x, self.weight, None, self.weight_grad_store)
 
 
@@ -202,6 +207,11 @@ class SequentialMLP(_ExpertsBase):
         e = self.local_experts[local_index]
         return {"linear_fc1.weight": e.linear_fc1.weight, "linear_fc2.weight": e.linear_fc2.weight}
 
+    def expert_fp8_states(self, local_index: int):
+        """Local expert ``local_index``'s fp8 states by projection (``expert_weights``' names less ``.weight``)."""
+        e = self.local_experts[local_index]
+        return {} if e.linear_fc1.fp8 is None else {"linear_fc1": e.linear_fc1.fp8, "linear_fc2": e.linear_fc2.fp8}
+
 
 class GroupedMLP(_ExpertsBase):
     """Local experts as stacked weights, each projection one grouped GEMM over all of them.
@@ -236,12 +246,16 @@ class GroupedMLP(_ExpertsBase):
                 counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``counts``: ``tokens_per_expert`` as a device tensor, when the dispatcher has it (no host copy)."""
         if self.fp8 is not None:
-            _no_deferred_fp8(self.weight_grad_store)
-            L = self.num_local_experts
+            L, store = self.num_local_experts, self.weight_grad_store
+
+            def transposed(g: torch.Tensor) -> torch.Tensor:
+                return g.transpose(1, 2)
             # [L, in, out] -> [L, out, in], the layout the fp8 GEMMs take (a view; its gradient is transposed back)
-            intermediate = fp8_grouped_linear(x, self.weight1.transpose(1, 2), tokens_per_expert, self.fp8[:L])
+            intermediate = fp8_grouped_linear(x, self.weight1.transpose(1, 2), tokens_per_expert, self.fp8[:L],
+                                              _fp8_weight_grad(store, self.weight1, transposed))
             return fp8_grouped_linear(self._activation(intermediate, probs), self.weight2.transpose(1, 2),
-                                      tokens_per_expert, self.fp8[L:])
+                                      tokens_per_expert, self.fp8[L:],
+                                      _fp8_weight_grad(store, self.weight2, transposed))
 
         def gemm(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             return grouped_gemm(inputs, weights, tokens_per_expert, self.use_grouped_mm, counts)
@@ -251,3 +265,9 @@ class GroupedMLP(_ExpertsBase):
     def expert_weights(self, local_index: int):
         """Views of local expert ``local_index``'s weights in ``SequentialMLP``'s layout and names."""
         return {"linear_fc1.weight": self.weight1[local_index].t(), "linear_fc2.weight": self.weight2[local_index].t()}
+
+    def expert_fp8_states(self, local_index: int):
+        """Local expert ``local_index``'s fp8 states by projection (``expert_weights``' names less ``.weight``)."""
+        if self.fp8 is None:
+            return {}
+        return {"linear_fc1": self.fp8[local_index], "linear_fc2": self.fp8[self.num_local_experts + local_index]}

@@ -153,9 +153,10 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         if fp8_param_gather:  # the amax of each fp8 weight, agreed over its shards' ranks and TP once per step
             add("dp-cp", _all_reduce(dp * cp, fp8_linears * F32))
             add("tp", _all_reduce(t, fp8_linears * F32))
-        # fp8 tensorwise: each linear's amaxes over TP, forward (input and weight; the input's alone when the
-        # weight comes quantized) and backward (output gradient)
-        add("tp", m * fp8_linears * (_all_reduce(t, (1 if fp8_param_gather else 2) * F32) + _all_reduce(t, F32)))
+        # fp8 tensorwise: each linear's amaxes over its amax group (TP x CP: the plan refuses fp8 with CP, so the
+        # TP ranks), forward (input and weight; the input's alone when the weight comes quantized) and backward
+        # (output gradient)
+        add("tp-cp", m * fp8_linears * (_all_reduce(t, (1 if fp8_param_gather else 2) * F32) + _all_reduce(t, F32)))
         # Tensor parallel activations.  A layer's forward reduces twice (SP: gathers its attention and MLP inputs,
         # reduce-scatters their outputs), its backward as much again.  Full recomputation reruns the forward up to
         # the last tensor the backward needs (torch's early stop), the MLP's input: its first reduction (SP: two

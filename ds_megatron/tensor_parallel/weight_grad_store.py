@@ -8,7 +8,8 @@ store is deferring: then the GEMM is queued under the current key and runs when 
 ``run(key)``.  The deferred gradient is the same GEMM on the same tensors, so it is bit-identical to
 the undeferred one; it reaches the parameter through ``accumulate`` (the gradient buffers' own
 accumulation, which also tells a bucket its gradient is in).  An fp8 linear (``fp8.fp8_linear``)
-defers the same way: its queued GEMM holds the fp8 copies of X and dY that B made, not the 16-bit tensors.
+defers the same way: its queued GEMM holds the fp8 copies of X and dY that B made, not the 16-bit tensors; so do
+the fp8 experts' grouped GEMMs (``fp8.grouped``, from ``moe/experts.py``).
 
 Besides the plain linear: ``deferrable(fn, x, weight, store)`` splits any ``fn(x, weight)`` (the experts'
 grouped GEMM) the same way through autograd's own backward of ``fn``, asked first for the input gradient and,
@@ -71,10 +72,13 @@ class WeightGradStore:
 
 
 def weight_grad_or_defer(store: Optional[WeightGradStore], param: torch.nn.Parameter,
-                         compute: Callable[[], torch.Tensor]) -> Optional[torch.Tensor]:
-    """In a backward: ``compute()``, the gradient autograd hands ``param``; or, while ``store`` is deferring,
-    None, with ``accumulate(param, compute())`` queued for W."""
-    if store is not None and store.put(lambda: store.accumulate(param, compute())):
+                         compute: Callable[[], torch.Tensor],
+                         to_param: Callable[[torch.Tensor], torch.Tensor] = lambda grad: grad
+                         ) -> Optional[torch.Tensor]:
+    """In a backward: ``compute()``, the gradient autograd hands the op's weight (``param``, or a view of it); or,
+    while ``store`` is deferring, None, with ``accumulate(param, to_param(compute()))`` queued for W (``to_param``:
+    the view's gradient in ``param``'s layout, e.g. the fp8 experts' transposed weights)."""
+    if store is not None and store.put(lambda: store.accumulate(param, to_param(compute()))):
         return None
     return compute()
 

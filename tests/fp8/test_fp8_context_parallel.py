@@ -91,7 +91,7 @@ def _delayed_scales_at_cp2():
     labels = torch.roll(tokens, -1, 1)
     delayed = {**CFG, "fp8_recipe": "delayed", "fp8_amax_history_len": 2}
     scales = []
-    for layout_state, groups in ((None, []), (state, delayed_scaling_groups(state))):
+    for layout_state, groups in ((None, {"dense": []}), (state, delayed_scaling_groups(state))):
         torch.manual_seed(7)
         model = GPTModel(GPTConfig(**delayed), layout_state).double()
         _loss_and_grads(model, tokens, labels)

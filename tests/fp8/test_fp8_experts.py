@@ -15,8 +15,9 @@ from harness import run_on_ranks
 from moe_helpers import expert_grads, moe_config
 from test_fp8_linear import MAX, assert_matches, fp8_dtype, ref_gemm, ref_quantize
 
-from ds_megatron.fp8 import FP8LinearState, FP8Recipe, update_delayed_scaling
+from ds_megatron.fp8 import FP8LinearState, FP8Recipe, delayed_scaling_groups, update_delayed_scaling
 from ds_megatron.fp8 import grouped
+from ds_megatron.fp8.recipe import ROLES
 from ds_megatron.moe import MoELayer
 from ds_megatron.moe.experts import GroupedMLP, SequentialMLP
 from ds_megatron.parallel.layout import ParallelLayout
@@ -103,7 +104,7 @@ def test_grouped_fp8_gemms_equal_float64_emulation_per_expert(recipe, fmt):
                 for got, base in zip((torch.split(y, COUNTS)[e], torch.split(dx, COUNTS)[e], dw[e]), parts[e]):
                     rel = ((got.double() - base).norm() / base.norm()).item()
                     assert rel > 1e-2, f"expert {e}: fp8 within {rel:.1e} of bf16 (fp8 off?)"
-        update_delayed_scaling(states, [ONE])
+        update_delayed_scaling(states, {"dense": [ONE]})
 
 
 @pytest.mark.parametrize("recipe", ("tensorwise", "blockwise"))
@@ -127,7 +128,8 @@ def test_padding_rows_reach_the_gemms_as_zeros_and_are_dropped(recipe, monkeypat
     assert len(backward) == 2 * len(experts)
     for e, (a, _) in zip(experts, forward):  # x [padded tokens, K]
         assert a.size(0) == padded[e] and not a[COUNTS[e]:].float().any(), f"expert {e}: x's padding"
-    for e, (dgrad, wgrad) in zip(experts, zip(backward[::2], backward[1::2])):
+    # every expert's data-gradient GEMM, then every expert's weight-gradient GEMM (the W pass ZB-H1 may defer)
+    for e, (dgrad, wgrad) in zip(experts, zip(backward[:len(experts)], backward[len(experts):])):
         assert dgrad[0].size(0) == padded[e] and not dgrad[0][COUNTS[e]:].float().any(), f"expert {e}: dy's padding"
         for t in wgrad:  # dy^T and x^T [features, padded tokens]: the tokens are the reduction dimension
             assert t.size(1) == padded[e] and not t[:, COUNTS[e]:].float().any(), f"expert {e}: wgrad padding"
@@ -209,3 +211,111 @@ def _ep2_and_etp2():
 
 def test_expert_and_expert_tensor_parallel_equal_one_rank():
     run_on_ranks(2, _ep2_and_etp2)
+
+
+def _delayed_scales_agree_over_the_expert_holders(ep: int, etp: int):
+    """MoELayer (SequentialMLP, delayed hybrid, history 2 "max") at EP x ETP over 2 ranks, each rank its own tokens,
+    2 steps with an evaluation forward under no_grad between them.  Hooks on each expert's fc1 / fc2 take the amax
+    of every training pass's input, weight and output gradient; each rank's recorded step amaxes must be those, and
+    after the step's update every expert state's scale must be fp8_max / (the history's max of the MAX over every
+    rank holding that global expert: its ETP and expert-DP ranks, never EP's, which hold other experts)."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    state = ParallelState.build(ParallelLayout(world_size=world, ep=ep, etp=etp))
+    cfg = moe_config(moe_grouped_gemm=False, hidden_size=32, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.0)
+    fp8 = FP8Recipe("hybrid", "delayed", amax_history_len=2, amax_compute_algo="max")
+    torch.manual_seed(5)
+    layer = MoELayer(cfg, parallel_state=state)
+    attach_fp8(layer, fp8)
+    experts = layer.experts
+    seen = {}  # (global expert, projection) -> {role: this step's amax over the training passes, from the hooks}
+
+    def fold(key, role, t):
+        amax = t.detach().abs().amax().float() if t.numel() else torch.zeros(())
+        roles = seen.setdefault(key, {})
+        roles[role] = torch.maximum(roles.get(role, torch.zeros(())), amax)
+
+    def hook(key):
+        def forward(module, inputs, out):
+            if torch.is_grad_enabled():  # an evaluation forward records nothing
+                fold(key, "input", inputs[0])
+                fold(key, "weight", module.weight)
+                out.register_hook(lambda g: fold(key, "grad_output", g))
+        return forward
+    by_key = {}
+    for local, e in enumerate(experts.local_expert_indices):
+        for proj, st in experts.expert_fp8_states(local).items():
+            getattr(experts.local_experts[local], proj).register_forward_hook(hook((e, proj)))
+            by_key[(e, proj)] = st
+    history = {}
+    g = torch.Generator().manual_seed(21 + me)
+    for step in range(2):
+        seen.clear()
+        x = (torch.randn(8, 2, 32, generator=g) * (1 + me + 3 * step)).requires_grad_()
+        (layer(x) * torch.randn(8, 2, 32, generator=g)).sum().backward()
+        with torch.no_grad():
+            layer(x * 100)  # would dominate every amax if it were recorded
+        for key, st in by_key.items():
+            for r in ROLES:
+                assert torch.equal(st.step_amax[r], seen[key][r]), (step, key, r, "recorded amax")
+        everyone = [None] * world
+        dist.all_gather_object(everyone, {k: {r: float(v) for r, v in roles.items()} for k, roles in seen.items()})
+        update_delayed_scaling(fp8_states(layer), delayed_scaling_groups(state))
+        agreed = {}
+        for d in everyone:  # the MAX over the ranks holding the same global expert
+            for key, roles in d.items():
+                agreed[key] = {r: max(v, agreed.get(key, {}).get(r, 0.0)) for r, v in roles.items()}
+        for key, st in by_key.items():
+            for r in ROLES:
+                history[(key, r)] = [agreed[key][r]] + history.get((key, r), [])[:1]
+                want = torch.tensor(fp8.fp8_max(r)) / torch.tensor(max(history[(key, r)]))
+                assert torch.equal(st.scale[r], want), (ep, etp, step, key, r, float(st.scale[r]), float(want))
+        scales = [None] * world
+        dist.all_gather_object(scales, {k: [float(st.scale[r]) for r in ROLES] for k, st in by_key.items()})
+        for d in scales:  # identical on every rank holding the expert
+            assert all(d[k] == [float(by_key[k].scale[r]) for r in ROLES] for k in d if k in by_key)
+    state.destroy()
+
+
+def _delayed_layouts():
+    for ep, etp in ((2, 1), (1, 1), (1, 2)):  # experts split over EP; over expert-DP; over ETP
+        _delayed_scales_agree_over_the_expert_holders(ep, etp)
+
+
+def test_delayed_expert_scales_agree_over_etp_and_expert_dp_never_ep():
+    run_on_ranks(2, _delayed_layouts, timeout=120)
+
+
+@pytest.mark.parametrize("recipe", ("delayed", "blockwise"))
+@pytest.mark.parametrize("cls", (GroupedMLP, SequentialMLP))
+def test_deferred_expert_weight_gradients_equal_the_immediate_ones_bit_for_bit(cls, recipe):
+    """ZB-H1's W for fp8 experts: given a WeightGradStore that defers, backward leaves the expert weights without
+    gradients and the W pass (``run``) then gives exactly the gradients of the undeferred backward (from the fp8
+    copies B made); the input gradient is the same either way."""
+    from ds_megatron.tensor_parallel.layers import attach_weight_grad_store
+    from ds_megatron.tensor_parallel.weight_grad_store import WeightGradStore
+    torch.manual_seed(3)
+    experts = cls(len(COUNTS), K, N, ep=ParallelGroup.single("ep"), etp=ONE)
+    attach_fp8(experts, FP8Recipe("hybrid", recipe))
+    for st in fp8_states(experts) if recipe == "delayed" else ():  # scales of an earlier step, not 1
+        st.scale = {r: torch.tensor(2.0 ** (3 + i)) for i, r in enumerate(ROLES)}
+    x, _, _ = data(1)
+    probs = torch.rand(x.size(0), generator=torch.Generator().manual_seed(2))
+    dy = torch.randn(x.size(0), K, generator=torch.Generator().manual_seed(4))
+    params = [p for p in experts.parameters()]
+
+    def backward(xi):
+        experts(xi, COUNTS, probs).backward(dy)
+    xi = x.clone().requires_grad_()
+    backward(xi)
+    want = [p.grad.clone() for p in params], xi.grad
+    experts.zero_grad(set_to_none=True)
+    store = WeightGradStore()
+    assert attach_weight_grad_store(experts, store) > 0
+    xi = x.clone().requires_grad_()
+    with store.deferring("mb0"):
+        backward(xi)
+    assert all(p.grad is None for p in params) and store.pending == ["mb0"]
+    assert torch.equal(xi.grad, want[1])
+    store.run("mb0")
+    for p, w in zip(params, want[0]):
+        assert torch.equal(p.grad, w)

@@ -152,7 +152,7 @@ def check_column_and_row(tp: ParallelGroup, recipe: str, fmt: str, steps: int = 
                 for got, base in zip((y, dx, dw), bf16[name]):
                     rel = ((got - base).norm() / base.norm()).item()
                     assert rel > 1e-2, f"{name} {recipe} {fmt}: fp8 result within {rel:.1e} of bf16's (fp8 off?)"
-        update_delayed_scaling(fp8_states(col) + fp8_states(row), [tp])
+        update_delayed_scaling(fp8_states(col) + fp8_states(row), {"dense": [tp]})
 
 
 @pytest.mark.parametrize("recipe,fmt", CASES)

@@ -7,7 +7,8 @@ the same scales (tensorwise: the tensor's own amax; delayed: the step's scale, a
 same micro-batches, which no order changes), multiplies them in the same GEMMs and accumulates the micro-batches'
 weight gradients into the fp32 buffers in the same order (micro-batch 0 first on every chunk).  The one-rank run
 takes the same 8 micro-batches on one rank (data parallelism would sum the gradients in another grouping).  The
-deferred W of ZB-H1 must run on the fp8 copies of X and dY its B pass made to be the same numbers.  What differs
+deferred W of ZB-H1 must run on the fp8 copies of X and dY its B pass made to be the same numbers; so must the fp8
+MoE experts' (every layer MoE, 4 experts on each stage, their grouped weight-gradient GEMMs deferred too).  What differs
 is outside the fp8 layers: the tied word embedding's two copies have their gradients summed over the pipeline's
 ``embedding`` group instead of in one autograd accumulation, a float32 rounding (seen: 6.5e-8 in the weights
 after 3 steps, every fp8 linear within 1.2e-8); the tolerance is the fp32 one of ``test_pipeline_equivalence``
@@ -47,11 +48,13 @@ RECIPES = {"tensorwise": dict(fp8="e4m3"), "delayed": dict(fp8="hybrid", fp8_rec
                                                            fp8_amax_history_len=2, fp8_amax_compute_algo="max")}
 
 
-@pytest.mark.parametrize("schedule,recipe", [("interleaved", "tensorwise"), ("zero_bubble", "delayed")])
-def test_pipeline_schedules_with_fp8_equal_one_rank(schedule, recipe):
+@pytest.mark.parametrize("schedule,recipe,moe", [("interleaved", "tensorwise", False),
+                                                 ("zero_bubble", "delayed", False), ("zero_bubble", "delayed", True)])
+def test_pipeline_schedules_with_fp8_equal_one_rank(schedule, recipe, moe):
+    """``moe``: every layer's MLP 4 experts in fp8, their weight gradients deferred to ZB-H1's W as well."""
     pipeline = {"1f1b": ONE_CHUNK, "interleaved": V2, "zero_bubble": ZB}[schedule]
-    ref = run_on_ranks(1, _train, RECIPES[recipe], pp=1, tp=1, steps=2)[0]
-    got = run_on_ranks(2, _train, RECIPES[recipe], pp=2, tp=1, pipeline=pipeline, steps=2, timeout=300)[0]
+    ref = run_on_ranks(1, _train, RECIPES[recipe], pp=1, tp=1, moe=moe, steps=2)[0]
+    got = run_on_ranks(2, _train, RECIPES[recipe], pp=2, tp=1, pipeline=pipeline, moe=moe, steps=2, timeout=300)[0]
     (losses, norms, weights, _), (ref_losses, ref_norms, ref_weights, _) = got, ref
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=TOL, atol=TOL)
