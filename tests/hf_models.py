@@ -25,8 +25,20 @@ FAMILIES = {
     "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 16,
                    "norm_topk_prob": True}),
+    # Windows of 4 tokens in sequences of SEQ = 12, layer 0 sliding and layer 1 global, head_dim 16 != 32 / 4, a
+    # softmax scale of its own, soft-caps that bend (scores and logits reach a few units); Gemma 3: the global
+    # layers' RoPE scaled (linear, as Gemma 3 4B) on a base of their own, the local layers' plain on another.
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM,
+               {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+                "final_logit_softcapping": 3.0, "attn_implementation": "eager"}),
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM,
+               {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 24, "final_logit_softcapping": 3.0,
+                "layer_types": ["sliding_attention", "full_attention"], "attn_implementation": "eager",
+                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}}}),
 }
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+GEMMA = ("gemma2", "gemma3")
 # With theta 10000, 8 or 16 channels per head and an original context of 64, llama3 keeps, blends and divides
 # (wavelengths 6, 63, 628, ... against 16 and 64) and yarn ramps between pairs 0 and 2 or 3.
 ROPE_SCALINGS = {
@@ -42,6 +54,25 @@ VOCAB, SEQ = 100, 12
 
 def _rms_f64(self, x):
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _gemma_rms_f64(self, x):
+    """Gemma's RMSNorm, ``(1 + w)`` applied (transformers: in float32) in float64."""
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)) * (1 + self.weight)
+
+
+def _gemma_attention_f64(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                         **kwargs):
+    """transformers' Gemma eager attention with its float32 softmax in float64 (soft-cap, then the mask)."""
+    groups = module.num_key_value_groups
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
 def _router_f64(self, x):
@@ -73,10 +104,17 @@ def _deepseek_v3_router_f64(self, x):
 def float64_reference(model):
     """``model`` in float64, eval mode, norms and routers computing in float64."""
     model = model.double().eval()
+    if type(model).__name__ in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        import importlib
+        modeling = importlib.import_module(type(model).__module__)
+        modeling.eager_attention_forward = _gemma_attention_f64  # looked up there at every call
     for module in model.modules():
         name = type(module).__name__
+        if hasattr(module, "scalar_embed_scale"):  # sqrt(hidden) in the float64 model's dtype, as ours
+            module.embed_scale.fill_(module.scalar_embed_scale)
         if name.endswith("RMSNorm"):
-            module.forward = types.MethodType(_rms_f64, module)
+            gemma = not hasattr(module, "variance_epsilon")
+            module.forward = types.MethodType(_gemma_rms_f64 if gemma else _rms_f64, module)
         elif name.endswith("TopKRouter"):
             module.forward = types.MethodType(_router_f64, module)
         elif name == "DeepseekV3TopkRouter":

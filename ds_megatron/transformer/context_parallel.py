@@ -108,39 +108,46 @@ class Places:
 
     A leading member dimension holds one entry per member of a group (CP ranks, or the ring members of
     hierarchical CP); a batch dimension ``[..., b, n]`` appears when the rows' documents differ (packed
-    micro-batches, ``PackedSeqParams.cp_places``).  A query sees a key of its own document at or before it."""
+    micro-batches, ``PackedSeqParams.cp_places``).  A query sees a key of its own document at or before it, and
+    with a sliding ``window`` (Megatron's ``window_size[0]``) at most ``window`` positions before it."""
 
-    def __init__(self, index: torch.Tensor, segment: Optional[torch.Tensor] = None, batched: bool = False):
-        self.index, self.segment, self.batched = index, segment, batched
+    def __init__(self, index: torch.Tensor, segment: Optional[torch.Tensor] = None, batched: bool = False,
+                 window: Optional[int] = None):
+        self.index, self.segment, self.batched, self.window = index, segment, batched, window
 
     @classmethod
-    def zigzag(cls, seq_len: int, cp: int, device) -> "Places":
+    def zigzag(cls, seq_len: int, cp: int, device, window: Optional[int] = None) -> "Places":
         """Every CP rank's two zigzag chunks of one-document rows."""
-        return cls(torch.stack([zigzag_chunk_indices(seq_len, cp, r) for r in range(cp)]).to(device))
+        return cls(torch.stack([zigzag_chunk_indices(seq_len, cp, r) for r in range(cp)]).to(device), window=window)
+
+    def windowed(self, window: Optional[int]) -> "Places":
+        return Places(self.index, self.segment, self.batched, window)
 
     def member(self, m: int) -> "Places":
-        return Places(self.index[m], None if self.segment is None else self.segment[m], self.batched)
+        return Places(self.index[m], None if self.segment is None else self.segment[m], self.batched, self.window)
 
     def joined(self, members: Optional[Sequence[int]] = None) -> "Places":
         """The members' tokens one after the other (the order gathered or all-to-all'd keys arrive in)."""
         members = range(self.index.size(0)) if members is None else members
         index = torch.cat([self.index[m] for m in members], dim=-1)
         segment = None if self.segment is None else torch.cat([self.segment[m] for m in members], dim=-1)
-        return Places(index, segment, self.batched)
+        return Places(index, segment, self.batched, self.window)
 
     def grouped(self, groups: Sequence[Sequence[int]]) -> "Places":
         """A member dimension of ``groups`` (each the join of its members): a ring of all-to-all groups."""
         joined = [self.joined(g) for g in groups]
         segment = None if self.segment is None else torch.stack([j.segment for j in joined])
-        return Places(torch.stack([j.index for j in joined]), segment, self.batched)
+        return Places(torch.stack([j.index for j in joined]), segment, self.batched, self.window)
 
     def rows(self, start: int, stop: int) -> "Places":
         return Places(self.index[..., start:stop], None if self.segment is None else self.segment[..., start:stop],
-                      self.batched)
+                      self.batched, self.window)
 
     def allowed(self, keys: "Places") -> torch.Tensor:
         """Which of ``keys`` each of these query tokens sees: ``[nq, nk]``, or ``[b, 1, nq, nk]`` when batched."""
         allowed = keys.index.unsqueeze(-2) <= self.index.unsqueeze(-1)
+        if self.window is not None:  # Hugging Face's sliding_window w: i - j < w, i.e. window = w - 1
+            allowed = allowed & (keys.index.unsqueeze(-2) >= self.index.unsqueeze(-1) - self.window)
         if self.segment is not None:
             allowed = allowed & (keys.segment.unsqueeze(-2) == self.segment.unsqueeze(-1))
         return allowed.unsqueeze(-3) if self.batched else allowed
@@ -586,13 +593,14 @@ def _hierarchical_attention(q, k, v, cp_group: ParallelGroup, inner: ParallelGro
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: ParallelGroup,
                                comm_type: str = "p2p", causal: bool = True,
                                softmax_scale: Optional[float] = None, hierarchical=None,
-                               places: Optional[Places] = None) -> torch.Tensor:
+                               places: Optional[Places] = None, window: Optional[int] = None) -> torch.Tensor:
     """Attention of this CP rank's queries over the whole sequence; inputs and output in the zigzag layout.
 
     ``q [b, heads, s/cp, d]``, ``k [b, kv_heads, s/cp, d]``, ``v [b, kv_heads, s/cp, dv]`` with ``kv_heads``
     dividing ``heads``; the output is ``[b, heads, s/cp, dv]`` in q's dtype.  A group of one is plain attention.
     ``places``: where every CP rank's tokens sit (packed rows: ``PackedSeqParams.cp_places``, each document
-    zigzagged on its own); None: one document per row in the zigzag layout."""
+    zigzagged on its own); None: one document per row in the zigzag layout.  ``window``: a sliding window
+    (``Places``), exact in every comm type: the blocks are masked by the tokens' positions."""
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type {comm_type!r} is not one of {COMM_TYPES}")
     if q.size(1) % k.size(1) or k.shape[:-1] != v.shape[:-1] or k.size(-1) != q.size(-1):
@@ -604,6 +612,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(-1))
     if places is not None and not causal:
         raise ValueError("packed rows (places) are masked causally; call with causal=True")
+    if window is not None:
+        if not causal:
+            raise ValueError("a sliding window is masked causally; call with causal=True")
+        # the ring's zigzag pair shortcut knows no window: every comm type masks by places
+        places = (places if places is not None else Places.zigzag(q.size(2) * cp_group.size, cp_group.size,
+                                                                  q.device)).windowed(window)
     if comm_type == "p2p":  # without places the ring takes its zigzag pair shortcut
         return _RingAttention.apply(q, k, v, cp_group, causal, scale, places)
     places = places if places is not None else Places.zigzag(q.size(2) * cp_group.size, cp_group.size, q.device)
