@@ -34,6 +34,7 @@ FAMILIES = {
     "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM,
                {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 24, "final_logit_softcapping": 3.0,
                 "layer_types": ["sliding_attention", "full_attention"], "attn_implementation": "eager",
+                "tie_word_embeddings": True,  # Gemma's own default: the capped logits of the tied output layer
                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}}}),
 }
@@ -158,7 +159,8 @@ def make_model(family, seed=0, dtype=torch.float64, rope=None, **overrides):
     """A tiny random ``family`` model; ``rope``: a key of ``ROPE_SCALINGS`` (its context: 4x the original 64)."""
     cls_config, cls_model, extra = FAMILIES[family]
     kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, **extra)
+              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    kw.update(extra)
     if rope is not None:
         kw.update(rope_parameters=dict(ROPE_SCALINGS[rope]), max_position_embeddings=256)
     kw.update(overrides)
