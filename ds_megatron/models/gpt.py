@@ -44,6 +44,7 @@ from ..tensor_parallel.layers import attach_fp8
 from ..tensor_parallel.weight_grad_store import WeightGradStore, linear
 from ..transformer import ParallelTransformerLayer
 from ..transformer.context_parallel import zigzag_chunk_indices, zigzag_split
+from ..transformer.attention import soft_cap
 from ..transformer.layer import set_recompute_method
 from ..transformer.mlp import build_mlp
 from ..transformer.packed_seq_params import PackedSeqParams, shift_left
@@ -136,10 +137,9 @@ def embed(word_embeddings: torch.nn.Module, position_embeddings: PositionEmbeddi
 
 
 def softcap_logits(logits: torch.Tensor, config: GPTConfig) -> torch.Tensor:
-    """``final_logit_softcapping`` (Gemma 2): ``cap * tanh(logits / cap)``, per logit (so per vocab shard); the
+    """``final_logit_softcapping`` (Gemma): ``cap * tanh(logits / cap)``, per logit (so per vocab shard); the
     padded vocab's 0 stays 0 and is masked out of the softmax as before."""
-    cap = config.final_logit_softcapping
-    return logits if cap is None else torch.tanh(logits / cap) * cap
+    return soft_cap(logits, config.final_logit_softcapping)
 
 
 class OutputLayer(ColumnParallelLinear):
@@ -152,8 +152,7 @@ class OutputLayer(ColumnParallelLinear):
         self.softcap = softcap
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(hidden)[0]
-        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+        return soft_cap(super().forward(hidden)[0], self.softcap)
 
 
 def _output_layer_input(hidden: torch.Tensor, config: GPTConfig, tp: ParallelGroup) -> torch.Tensor:

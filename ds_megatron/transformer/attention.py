@@ -216,6 +216,11 @@ class ParallelAttention(torch.nn.Module):
         return out
 
 
+def soft_cap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """Gemma's soft-capping, ``cap * tanh(x / cap)`` (None: ``x``), of attention scores and of the final logits."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                          scale: Optional[float], cap: float, dropout_p: float = 0.0) -> torch.Tensor:
     """Gemma 2's core: ``softmax(mask(cap * tanh(q k^T scale / cap))) v`` (``q, k, v [b, heads, s, d]``, k and v
@@ -223,7 +228,7 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allo
     cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     scale = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
     scores = torch.matmul(q.to(cdt), k.to(cdt).transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    scores = soft_cap(scores, cap)
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
