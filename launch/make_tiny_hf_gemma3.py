@@ -1,4 +1,4 @@
-"""Write a tiny random Gemma 3 (text) in Hugging Face format, with its own BPE tokenizer, for trying the HF path offline.
+"""Write a tiny random Gemma 3 (text) in Hugging Face format, with its own BPE tokenizer, to try the HF path offline.
 
     python launch/make_tiny_hf_gemma3.py runs/hf/tiny-gemma3 [--seed 0]
 

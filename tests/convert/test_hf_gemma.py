@@ -106,7 +106,8 @@ def test_config_json_reads_as_transformers_builds_the_layers():
     ("gemma2", "hidden_activation", "gelu", "gelu_pytorch_tanh"),
     ("gemma2", "attention_bias", True, "attention_bias false"),
     ("gemma3", "rope_parameters", {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
-                                   "full_attention": {"rope_type": "default", "rope_theta": 1e6}}, "remove the scaling"),
+                                   "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+     "remove the scaling"),
     ("gemma2", "attention_multiplier", 0.5, "does not know what this field changes in gemma2"),
 ])
 def test_what_is_not_built_is_refused_naming_the_field(family, field, value, match):

@@ -1,6 +1,7 @@
 """Models imported from Hugging Face give transformers' logits (float64, 1e-10) at TP=1/2/4, SP, PP=2 and EP=2.
 
-Every family at every layout with plain RoPE (Gemma 2 / 3 at four of them); RoPE scaling (llama3, yarn, linear) at a few layouts each.
+Every family at every layout with plain RoPE (Gemma 2 / 3 at four of them); RoPE scaling (llama3, yarn, linear) at
+a few layouts each.
 
 Each rank builds our model from the converted config and loads its own shards,
 either straight from the Hugging Face directory (converted on the fly, as
