@@ -64,7 +64,8 @@ def _gemma_rms_f64(self, x):
 
 def _gemma_attention_f64(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                          **kwargs):
-    """transformers' Gemma eager attention with its float32 softmax in float64 (soft-cap, then the mask)."""
+    """transformers' Gemma eager attention (soft-cap, then the mask) with its float32 softmax in float64 for float64
+    inputs; other dtypes as transformers computes them, so the module-wide patch changes nothing else."""
     groups = module.num_key_value_groups
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
@@ -72,7 +73,9 @@ def _gemma_attention_f64(module, query, key, value, attention_mask, dropout=0.0,
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         scores = scores + attention_mask
-    weights = torch.softmax(scores, dim=-1)
+    wide = torch.float64 if query.dtype == torch.float64 else torch.float32
+    weights = torch.softmax(scores, dim=-1, dtype=wide).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
