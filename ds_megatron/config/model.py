@@ -659,10 +659,6 @@ class GPTConfig:
             raise ConfigError(f"model.cp_comm_type \"a2a\" splits each TP rank's {self.num_attention_heads // tp} "
                               f"attention heads over context_parallel_size={cp}, which must divide them; use "
                               "cp_comm_type \"p2p\" or a context_parallel_size that divides the heads")
-        if self.attn_logit_softcapping is not None:
-            raise ConfigError(f"model.attn_logit_softcapping={self.attn_logit_softcapping} with context_parallel_size="
-                              f"{cp}: the context-parallel cores' log-sum-exp merge has no soft-capping; use "
-                              "context_parallel_size 1")
         if self.attention_dropout > 0:
             raise ConfigError(f"model.attention_dropout={self.attention_dropout} with context_parallel_size={cp}: the "
                               "context-parallel attention has no dropout; set model.attention_dropout to 0")
