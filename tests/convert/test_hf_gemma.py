@@ -1,6 +1,6 @@
 """Gemma 2 / Gemma 3 beyond the shared logits tests (``test_hf_logits.py``, ``test_hf_packed.py``,
-``test_convert_files.py``): context parallelism (windows exact in every comm type; Gemma 2's soft-capped
-attention refused), config.json read as transformers reads it (its older form too), refusals in one line, the
+``test_convert_files.py``): context parallelism (windows and Gemma 2's soft-capped scores exact in every comm
+type), config.json read as transformers reads it (its older form too), refusals in one line, the
 (1 + w) RMSNorm against transformers' in bf16 and against autograd in float64, the embedding scale rounded as
 transformers rounds it, recomputation, and ``plan``'s parameter count."""
 import json
