@@ -421,6 +421,14 @@ class GPTConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ConfigError(f"model.{name} must be a number > 0 or null, got {v!r}")
+        if self.multi_latent_attention:
+            for name in ("softmax_scale", "attn_logit_softcapping"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"model.{name}={getattr(self, name)!r} with model.multi_latent_attention: its "
+                                      "core scales by its own head widths and has no soft-cap; set it to null")
+        if self.local_rotary_base is not None and self.position_embedding_type != "rope":
+            raise ConfigError(f"model.local_rotary_base={self.local_rotary_base!r} but model.position_embedding_type="
+                              f"{self.position_embedding_type!r}; it is RoPE's base: set \"rope\" or remove it")
         window, skip = self.window_size, self.window_attn_skip_freq
         if isinstance(window, tuple):
             self.window_size = window = list(window)

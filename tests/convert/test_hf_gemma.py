@@ -12,6 +12,7 @@ import transformers as T
 
 import hf_models
 from harness import run_on_ranks
+from ds_megatron.config import ConfigError
 from ds_megatron.config.hf_config import model_from_hf
 from ds_megatron.config.model import GPTConfig
 from ds_megatron.convert.checkpoint import HFSource
@@ -110,6 +111,22 @@ def test_what_is_not_built_is_refused_naming_the_field(family, field, value, mat
     with pytest.raises(ConvertError, match=match) as e:
         model_from_hf(hf)
     assert str(e.value).startswith(f"config.json: {field}") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("keys,match", [
+    (dict(window_size=[3, 1]), r"model.window_size=\[3, 1\]: keys after the query"),
+    (dict(window_size=[3, 0], window_attn_skip_freq=[1, 0, 1]), "must be a list of 2 \\(num_layers\\)"),
+    (dict(window_attn_skip_freq=2), "model.window_attn_skip_freq is set but model.window_size is null"),
+    (dict(local_rotary_base=100.0, position_embedding_type="learned_absolute"), "it is RoPE's base"),
+    (dict(layernorm_zero_centered_gamma=True, normalization="LayerNorm"), "RMSNorm only"),
+    (dict(softmax_scale=0.0), "model.softmax_scale must be a number > 0"),
+])
+def test_model_keys_that_do_not_fit_are_refused_in_one_line(keys, match):
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, position_embedding_type="rope",
+                normalization="RMSNorm")
+    with pytest.raises(ConfigError, match=match) as e:
+        GPTConfig(**{**base, **keys})
+    assert "\n" not in str(e.value)
 
 
 def test_zero_centered_rmsnorm_is_transformers_in_bf16_and_its_backward_autograds_in_float64():
