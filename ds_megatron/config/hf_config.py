@@ -446,6 +446,9 @@ def _gemma_rope(family: str, hf: Dict[str, Any]) -> Dict[str, Any]:
         raise _fail("rope_parameters.sliding_attention", local, "ds_megatron turns the windowed layers by plain "
                     "RoPE of their own base: remove the scaling")
     rope = _rope({"rope_parameters": full, "max_position_embeddings": hf.get("max_position_embeddings")})
+    if rope["rotary_percent"] != 1.0:  # the sliding layers would turn only as many channels
+        raise _fail("rope_parameters.full_attention.partial_rotary_factor", rope["rotary_percent"], "Gemma 3 turns "
+                    "every channel: remove it")
     rope["local_rotary_base"] = float(local["rope_theta"])
     return rope
 

@@ -103,6 +103,9 @@ def test_config_json_reads_as_transformers_builds_the_layers():
     ("gemma3", "rope_parameters", {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
      "remove the scaling"),
+    ("gemma3", "rope_parameters", {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 1e6,
+                                                      "partial_rotary_factor": 0.5}}, "turns every channel"),
     ("gemma2", "attention_multiplier", 0.5, "does not know what this field changes in gemma2"),
 ])
 def test_what_is_not_built_is_refused_naming_the_field(family, field, value, match):
