@@ -198,10 +198,14 @@ def _block_backward(q, k, v, dout, lse, delta, score, allowed):
     ke, ve = _expand_kv(k, heads), _expand_kv(v, heads)
     s = _scores(q, ke, score, allowed)
     p = torch.exp(s - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+    # the cap's derivative d(c tanh(x / c))/dx = 1 - (capped / c)^2, made in the scores' storage (masked entries:
+    # ds = 0 there anyway); without a cap the scores go now, as the planned peak has it
+    through_cap = None if score.cap is None else s.nan_to_num_(neginf=0.0).div_(score.cap).pow_(2).neg_().add_(1)
+    del s
     dv = torch.matmul(p.transpose(-1, -2), dout)
     ds = p * (torch.matmul(dout, ve.transpose(-1, -2)) - delta.unsqueeze(-1))
-    if score.cap is not None:  # through the cap: d(c tanh(x / c))/dx = 1 - (capped / c)^2 (masked entries: ds = 0)
-        ds = ds * (1 - (torch.where(torch.isfinite(s), s, torch.zeros_like(s)) / score.cap) ** 2)
+    if through_cap is not None:
+        ds.mul_(through_cap)
     dq = torch.matmul(ds, ke) * score.scale
     dk = torch.matmul(ds.transpose(-1, -2), q) * score.scale
     return dq, _fold_kv_grad(dk, kv_heads), _fold_kv_grad(dv, kv_heads)
