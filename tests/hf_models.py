@@ -25,8 +25,21 @@ FAMILIES = {
     "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 16,
                    "norm_topk_prob": True}),
+    # Windows of 4 tokens in sequences of SEQ = 12, layer 0 sliding and layer 1 global, head_dim 16 != 32 / 4, a
+    # softmax scale of its own, soft-caps that bend (scores and logits reach a few units); Gemma 3: the global
+    # layers' RoPE scaled (linear, as Gemma 3 4B) on a base of their own, the local layers' plain on another.
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM,
+               {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+                "final_logit_softcapping": 3.0, "attn_implementation": "eager"}),
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM,
+               {"head_dim": 16, "sliding_window": 4, "query_pre_attn_scalar": 24, "final_logit_softcapping": 3.0,
+                "layer_types": ["sliding_attention", "full_attention"], "attn_implementation": "eager",
+                "tie_word_embeddings": True,  # Gemma's own default: the capped logits of the tied output layer
+                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0}}}),
 }
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+GEMMA = ("gemma2", "gemma3")
 # With theta 10000, 8 or 16 channels per head and an original context of 64, llama3 keeps, blends and divides
 # (wavelengths 6, 63, 628, ... against 16 and 64) and yarn ramps between pairs 0 and 2 or 3.
 ROPE_SCALINGS = {
@@ -42,6 +55,28 @@ VOCAB, SEQ = 100, 12
 
 def _rms_f64(self, x):
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _gemma_rms_f64(self, x):
+    """Gemma's RMSNorm, ``(1 + w)`` applied (transformers: in float32) in float64."""
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)) * (1 + self.weight)
+
+
+def _gemma_attention_f64(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                         **kwargs):
+    """transformers' Gemma eager attention (soft-cap, then the mask) with its float32 softmax in float64 for float64
+    inputs; other dtypes as transformers computes them, so the module-wide patch changes nothing else."""
+    groups = module.num_key_value_groups
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    wide = torch.float64 if query.dtype == torch.float64 else torch.float32
+    weights = torch.softmax(scores, dim=-1, dtype=wide).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
 def _router_f64(self, x):
@@ -73,10 +108,17 @@ def _deepseek_v3_router_f64(self, x):
 def float64_reference(model):
     """``model`` in float64, eval mode, norms and routers computing in float64."""
     model = model.double().eval()
+    if type(model).__name__ in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        import importlib
+        modeling = importlib.import_module(type(model).__module__)
+        modeling.eager_attention_forward = _gemma_attention_f64  # looked up there at every call
     for module in model.modules():
         name = type(module).__name__
+        if hasattr(module, "scalar_embed_scale"):  # sqrt(hidden) in the float64 model's dtype, as ours
+            module.embed_scale.fill_(module.scalar_embed_scale)
         if name.endswith("RMSNorm"):
-            module.forward = types.MethodType(_rms_f64, module)
+            gemma = not hasattr(module, "variance_epsilon")
+            module.forward = types.MethodType(_gemma_rms_f64 if gemma else _rms_f64, module)
         elif name.endswith("TopKRouter"):
             module.forward = types.MethodType(_router_f64, module)
         elif name in ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter"):  # the same router
@@ -148,7 +190,8 @@ def make_model(family, seed=0, dtype=torch.float64, rope=None, **overrides):
     """A tiny random ``family`` model; ``rope``: a key of ``ROPE_SCALINGS`` (its context: 4x the original 64)."""
     cls_config, cls_model, extra = FAMILIES[family]
     kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, **extra)
+              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    kw.update(extra)
     if rope is not None:
         kw.update(rope_parameters=dict(ROPE_SCALINGS[rope]), max_position_embeddings=256)
     kw.update(overrides)

@@ -3,7 +3,8 @@ losses of steps 2 and 3 show the updates the first two made.
 
 A config that continues a Hugging Face model (``train.load_hf``) gets the tiny
 model the commands of docs/huggingface.md make (``launch/make_tiny_hf_llama.py``, or for
-``runs/hf/tiny-deepseek-v3`` ``launch/make_tiny_hf_deepseek_v3.py``), written to a
+``runs/hf/tiny-deepseek-v3`` / ``runs/hf/tiny-gemma3`` ``launch/make_tiny_hf_deepseek_v3.py`` /
+``launch/make_tiny_hf_gemma3.py``), written to a
 temporary directory that replaces its ``load_hf`` and ``data.tokenizer`` paths; a fine-tuning config
 (``runs/hf/tiny-chat`` and a ``data_path``) gets docs/finetuning.md's tiny chat model and its chat data packed
 by ``preprocess --sft``.
@@ -33,7 +34,7 @@ WORLD = {"gpt_tp2_pp2_dp2.json": 8}  # 3D: tp 2 x pp 2 x dp 2; every other confi
 SHRINK = {"gpt_cuda_graphs.json": {"num_layers": 2, "seq_length": 64}}
 # The maker of each tiny Hugging Face model a config's load_hf names (by its directory's name).
 MAKERS = {"tiny-llama": "make_tiny_hf_llama", "tiny-deepseek-v3": "make_tiny_hf_deepseek_v3",
-          "tiny-chat": "make_tiny_chat_model"}
+          "tiny-gemma3": "make_tiny_hf_gemma3", "tiny-chat": "make_tiny_chat_model"}
 
 
 def _few_steps(path, out_dir, steps=3):

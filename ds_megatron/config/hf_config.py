@@ -36,6 +36,8 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # Kimi K2 too (model_type kimi_k2, the same architecture)
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5, GLM-4.5-Air, GLM-4.6
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",  # the text model (model_type gemma3_text)
 }
 ARCHITECTURES = {family: arch for arch, family in FAMILIES.items()}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe")
@@ -173,6 +175,8 @@ def model_from_hf(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
         return family, _deepseek_v3(hf)
     if family == "glm4_moe":
         return family, _glm4_moe(hf)
+    if family in GEMMA_FAMILIES:
+        return family, _gemma(family, hf)
     for key in hf:
         if key not in _NEUTRAL:
             raise _fail(key, hf[key], "ds_megatron does not know what this field changes: remove it if it does not "
@@ -516,6 +520,122 @@ def resolve_mtp(model: Dict[str, Any], names: Set[str], requested: Optional[int]
                 "but the files hold none, as transformers saves them: loading the main model with MTP off, as "
                 "transformers runs it")
     return None
+
+
+# Gemma 2 and Gemma 3 text (transformers' Gemma2ForCausalLM, Gemma3ForCausalLM) ------------------------------------
+GEMMA_FAMILIES = ("gemma2", "gemma3")
+# transformers' Gemma2Config / Gemma3TextConfig defaults: a field config.json leaves out is read as transformers does
+_GEMMA_DEFAULTS = {
+    "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False,
+    "attention_dropout": 0.0, "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0, "use_bidirectional_attention": None,
+}
+_GEMMA3_DEFAULTS = dict(_GEMMA_DEFAULTS, vocab_size=262208, max_position_embeddings=131072,
+                        final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False)
+_GEMMA_FIELDS = {"rope_theta", "rope_scaling", "rope_parameters", "layer_types", "hidden_act",
+                 "cache_implementation", "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq"}
+
+
+def _gemma_rope(family: str, hf: Dict[str, Any]) -> Dict[str, Any]:
+    """RoPE of the global layers (``rotary_*``, its scaling) and Gemma 3's local base (``local_rotary_base``): from
+    ``rope_parameters`` per layer type (transformers 5), or the older ``rope_theta`` / ``rope_scaling`` /
+    ``rope_local_base_freq``."""
+    params = hf.get("rope_parameters") or {}
+    per_type = isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params)
+    if family == "gemma2":
+        if per_type:
+            raise _fail("rope_parameters", params, "Gemma 2 turns every layer alike: give one rope_parameters")
+        return _rope(hf)
+    theta = {"full_attention": hf.get("rope_theta", 1_000_000.0),
+             "sliding_attention": hf.get("rope_local_base_freq", 10_000.0)}
+    if per_type:
+        for key in params:
+            if key not in theta:
+                raise _fail(f"rope_parameters.{key}", params[key], "Gemma 3 has full_attention and "
+                            "sliding_attention layers: remove it")
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:
+        full, local = dict(hf.get("rope_scaling") or params or {}), {}
+    full.setdefault("rope_theta", theta["full_attention"])
+    local.setdefault("rope_theta", theta["sliding_attention"])
+    if local.get("rope_type", local.get("type", "default")) != "default" or set(local) - {"rope_type", "type",
+                                                                                           "rope_theta"}:
+        raise _fail("rope_parameters.sliding_attention", local, "ds_megatron turns the windowed layers by plain "
+                    "RoPE of their own base: remove the scaling")
+    rope = _rope({"rope_parameters": full, "max_position_embeddings": hf.get("max_position_embeddings")})
+    if rope["rotary_percent"] != 1.0:  # the sliding layers would turn only as many channels
+        raise _fail("rope_parameters.full_attention.partial_rotary_factor", rope["rotary_percent"], "Gemma 3 turns "
+                    "every channel: remove it")
+    rope["local_rotary_base"] = float(local["rope_theta"])
+    return rope
+
+
+def _gemma(family: str, hf: Dict[str, Any]) -> Dict[str, Any]:
+    """Our model section of a Gemma 2 / Gemma 3 text ``config.json``, read as transformers reads it: (1 + w)
+    RMSNorms before and after attention and MLP, embeddings x sqrt(hidden), GeGLU with tanh GELU, softmax scale
+    1 / sqrt(query_pre_attn_scalar), sliding windows by ``layer_types``, soft-capping, Gemma 3's QK norm and local
+    RoPE base."""
+    defaults = _GEMMA_DEFAULTS if family == "gemma2" else _GEMMA3_DEFAULTS
+    for key in hf:
+        if key not in _BOOKKEEPING and key not in defaults and key not in _GEMMA_FIELDS:
+            raise _fail(key, hf[key], f"ds_megatron does not know what this field changes in {family}: remove it if "
+                        "it does not change the model")
+
+    def get(key):
+        return hf[key] if key in hf else defaults[key]
+
+    if get("hidden_activation") != "gelu_pytorch_tanh":
+        raise _fail("hidden_activation", get("hidden_activation"), f"{family}'s GeGLU is built with "
+                    "gelu_pytorch_tanh: convert a model with it")
+    if hf.get("hidden_act") not in (None, "gelu_pytorch_tanh"):  # transformers reads hidden_activation only
+        raise _fail("hidden_act", hf["hidden_act"], "transformers ignores it for hidden_activation: remove it")
+    if get("attention_bias"):
+        raise _fail("attention_bias", get("attention_bias"), f"{family} with attention_bias biases the attention "
+                    "without the MLP, which ds_megatron does not express: convert a model with attention_bias false")
+    if get("use_bidirectional_attention"):
+        raise _fail("use_bidirectional_attention", get("use_bidirectional_attention"), "ds_megatron trains causal "
+                    "language models: convert a model with it false")
+    if family == "gemma3" and get("attn_logit_softcapping") is not None:
+        # transformers' Gemma 3 attention never passes it on: the model it runs has none
+        raise _fail("attn_logit_softcapping", get("attn_logit_softcapping"), "transformers' Gemma 3 ignores it: "
+                    "set it to null")
+    layers, h, n = (_int(k, get(k), 1) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+    types = hf.get("layer_types")
+    if types is None:  # transformers' default: Gemma 2 alternates from a sliding layer, Gemma 3 by its pattern
+        every = 2 if family == "gemma2" else hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in ("sliding_attention", "full_attention") for t in types)):
+        raise _fail("layer_types", types, f"give {layers} (num_hidden_layers) of sliding_attention / full_attention")
+    head_dim = _int("head_dim", get("head_dim"), 1)
+    scalar = get("query_pre_attn_scalar")
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not scalar > 0:
+        raise _fail("query_pre_attn_scalar", scalar, "use a number > 0 (the softmax scale is its inverse root)")
+    model: Dict[str, Any] = dict(
+        num_layers=layers, hidden_size=h, num_attention_heads=n,
+        num_query_groups=_int("num_key_value_heads", get("num_key_value_heads"), 1),
+        kv_channels=head_dim if head_dim * n != h else None,
+        ffn_hidden_size=_int("intermediate_size", get("intermediate_size"), 1),
+        seq_length=get("max_position_embeddings"), vocab_size=get("vocab_size"), hidden_dropout=0.0,
+        attention_dropout=float(get("attention_dropout") or 0.0), init_method_std=hf.get("initializer_range", 0.02),
+        norm_epsilon=float(get("rms_norm_eps")), position_embedding_type="rope", **_gemma_rope(family, hf),
+        normalization="RMSNorm", layernorm_zero_centered_gamma=True, post_sublayer_norms=True,
+        apply_embedding_scaling=True, gated_linear_unit=True, activation="gelu_tanh", add_bias_linear=False,
+        add_qkv_bias=False, untie_embeddings_and_output_weights=not get("tie_word_embeddings"),
+        qk_layernorm=family == "gemma3", softmax_scale=float(scalar) ** -0.5)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if get(key) is not None:
+            model[key] = float(get(key))
+    if "sliding_attention" in types:
+        window = _int("sliding_window", get("sliding_window"), 1)
+        model["window_size"] = [window - 1, 0]  # transformers: key j visible from query i iff i - j < sliding_window
+        if "full_attention" in types:
+            model["window_attn_skip_freq"] = [int(t == "sliding_attention") for t in types]
+    else:
+        model.pop("local_rotary_base", None)
+    return model
 
 
 def model_of_checkpoint(path: str, mtp_num_layers: Optional[int] = None,

@@ -100,13 +100,28 @@ class GPTConfig:
     yarn_correction_range_round_to_int: bool = True  # transformers' rope_parameters.truncate
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
     gated_linear_unit: bool = False  # fc1 -> [gate; up], act(gate) * up (SwiGLU with activation "silu")
-    activation: str = "gelu"  # gelu | silu
+    activation: str = "gelu"  # gelu | silu | gelu_tanh (GELU's tanh approximation; GeGLU of Gemma)
     num_query_groups: Optional[int] = None  # grouped-query attention; None: num_attention_heads (MHA)
     kv_channels: Optional[int] = None  # per-head width; None: hidden_size / num_attention_heads
     add_bias_linear: bool = True  # biases of every linear layer (QKV, attention output, MLP)
     add_qkv_bias: bool = False  # biases of QKV alone (Qwen2); QKV has a bias when either is set
     untie_embeddings_and_output_weights: bool = False  # a separate output layer instead of the word embedding
     qk_layernorm: bool = False  # a norm (of `normalization`) over each head's query and key
+    # Gemma 2 / 3 (transformer/attention.py, norm.py, layer.py; Megatron's names where it has them):
+    # every norm's weight applied as (1 + w), the product in float32 before the cast back (Megatron's switch)
+    layernorm_zero_centered_gamma: bool = False
+    post_sublayer_norms: bool = False  # a norm on the attention's and the MLP's outputs before each residual add
+    apply_embedding_scaling: bool = False  # word embeddings x sqrt(hidden_size), rounded to their dtype first
+    softmax_scale: Optional[float] = None  # the attention scores' scale; None: 1 / sqrt(head_dim)
+    attn_logit_softcapping: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the mask and softmax
+    final_logit_softcapping: Optional[float] = None  # the logits -> cap * tanh(logits / cap)
+    # Sliding-window attention (Megatron's names): window_size [left, right], query i sees key j iff
+    # i - left <= j <= i + right (right 0: causal; Hugging Face's sliding_window w is left = w - 1), in the layers
+    # window_attn_skip_freq picks: an int N, every layer but each N-th (1-based) one; a list, 1 per windowed layer.
+    # None: every layer windowed.
+    window_size: Optional[List[int]] = None
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = None
+    local_rotary_base: Optional[float] = None  # RoPE base of the windowed layers, unscaled (Gemma 3's local base)
     # Multi-latent attention (DeepSeek-V2/V3; megatron-core's names; transformer/multi_latent_attention.py): q from
     # h -> q_lora_rank -> norm -> heads x (qk_head_dim + qk_pos_emb_head_dim) (null q_lora_rank: one projection), k and
     # v from h -> kv_lora_rank -> norm -> heads x (qk_head_dim + v_head_dim), plus a qk_pos_emb_head_dim RoPE key
@@ -186,6 +201,7 @@ class GPTConfig:
         self._check_mla()
         self._check_architecture()
         self._check_rope_scaling()
+        self._check_windows()
         if self.recompute_granularity and self.num_experts:
             # The MoE layer keeps its routing losses from the forward; a recomputed forward would replace them.
             raise ConfigError("model.recompute_granularity is set together with model.num_experts; activation "
@@ -365,7 +381,7 @@ class GPTConfig:
 
     def _check_architecture(self) -> None:
         choices = {"position_embedding_type": ("learned_absolute", "rope", "none"),
-                   "normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "silu")}
+                   "normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "silu", "gelu_tanh")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} is unknown; use one of {', '.join(allowed)}")
@@ -379,6 +395,9 @@ class GPTConfig:
                               "of heads: pick a divisor of num_attention_heads")
         if self.norm_epsilon <= 0:
             raise ConfigError(f"model.norm_epsilon must be > 0, got {self.norm_epsilon!r}")
+        if self.layernorm_zero_centered_gamma and self.normalization != "RMSNorm":
+            raise ConfigError("model.layernorm_zero_centered_gamma is built for RMSNorm only (Gemma's); set "
+                              "normalization \"RMSNorm\" or turn it off")
         if self.position_embedding_type == "rope":
             if not 0.0 < self.rotary_percent <= 1.0:
                 raise ConfigError(f"model.rotary_percent={self.rotary_percent!r} is outside (0, 1]; it is the "
@@ -389,6 +408,57 @@ class GPTConfig:
                 raise ConfigError(f"model.rotary_percent={self.rotary_percent} of head_dim={self.head_dim} rotates "
                                   f"{self.rotary_dim} channels; RoPE rotates pairs: choose sizes that make "
                                   "head_dim * rotary_percent an even number >= 2")
+
+    def _check_windows(self) -> None:
+        for name in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping", "local_rotary_base"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                raise ConfigError(f"model.{name} must be a number > 0 or null, got {v!r}")
+        if self.multi_latent_attention:
+            for name in ("softmax_scale", "attn_logit_softcapping"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"model.{name}={getattr(self, name)!r} with model.multi_latent_attention: its "
+                                      "core scales by its own head widths and has no soft-cap; set it to null")
+        if self.local_rotary_base is not None and self.position_embedding_type != "rope":
+            raise ConfigError(f"model.local_rotary_base={self.local_rotary_base!r} but model.position_embedding_type="
+                              f"{self.position_embedding_type!r}; it is RoPE's base: set \"rope\" or remove it")
+        window, skip = self.window_size, self.window_attn_skip_freq
+        if isinstance(window, tuple):
+            self.window_size = window = list(window)
+        if window is None:
+            if skip is not None or self.local_rotary_base is not None:
+                name = "window_attn_skip_freq" if skip is not None else "local_rotary_base"
+                raise ConfigError(f"model.{name} is set but model.window_size is null; it is only read with "
+                                  "sliding-window attention: set window_size or remove it")
+            return
+        if (not isinstance(window, list) or len(window) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in window) or window[0] < 0):
+            raise ConfigError(f"model.window_size={window!r} must be [left, right] with left an integer >= 0")
+        if window[1] != 0:
+            raise ConfigError(f"model.window_size={window!r}: keys after the query (right={window[1]}) break causal "
+                              "language modelling; set right to 0")
+        if isinstance(skip, tuple):
+            self.window_attn_skip_freq = skip = list(skip)
+        if isinstance(skip, list):
+            if len(skip) != self.num_layers or any(isinstance(v, bool) or v not in (0, 1) for v in skip):
+                raise ConfigError(f"model.window_attn_skip_freq={skip!r} must be a list of {self.num_layers} "
+                                  "(num_layers) 0s and 1s, 1 where the layer is windowed; fix its length or values")
+        elif skip is not None and (isinstance(skip, bool) or not isinstance(skip, int) or skip < 1):
+            raise ConfigError(f"model.window_attn_skip_freq={skip!r} must be a positive integer, a 0/1 list or null")
+        if self.multi_latent_attention:
+            raise ConfigError("model.window_size with model.multi_latent_attention is not built; set window_size "
+                              "to null")
+
+    def attention_window(self, layer_index: int) -> Optional[int]:
+        """How many earlier keys (``window_size[0]``) the queries of layer ``layer_index`` (0-based, of the whole
+        model) see besides their own, or None for full causal attention (Megatron's is_layer_window_attention).
+        Multi-token-prediction layers are of the decoder's last layer's kind."""
+        if self.window_size is None:
+            return None
+        i = min(layer_index, self.num_layers - 1)
+        skip = self.window_attn_skip_freq
+        windowed = (skip is None or (bool(skip[i]) if isinstance(skip, list) else (i + 1) % skip != 0))
+        return self.window_size[0] if windowed else None
 
     # RoPE scaling: which fields each type reads (a field set for a type that ignores it is refused).
     _ROPE_SCALING_FIELDS = {

@@ -146,6 +146,9 @@ class Mapping:
             att = lambda rest: nm.layer(i, "self_attn." + rest)  # noqa: E731
             out[nm.layer(i, "input_layernorm.weight")] = (h,)
             out[nm.layer(i, "post_attention_layernorm.weight")] = (h,)
+            if c.post_sublayer_norms:  # Gemma: the MLP's input norm is pre_feedforward_layernorm
+                out[nm.layer(i, "pre_feedforward_layernorm.weight")] = (h,)
+                out[nm.layer(i, "post_feedforward_layernorm.weight")] = (h,)
             if c.multi_latent_attention:
                 out.update({att(name): shape for name, shape in self._mla_shapes().items()})
             else:
@@ -320,8 +323,16 @@ class Mapping:
         layer = layer_name(c, i)
         out = [self._whole(f"{layer}.input_layernorm.weight", nm.layer(i, "input_layernorm.weight"), (h,))]
         out += self._attention(i, t, layer)
-        out.append(self._whole(f"{layer}.post_attention_layernorm.weight",
-                               nm.layer(i, "post_attention_layernorm.weight"), (h,)))
+        if c.post_sublayer_norms:
+            # Gemma's post_attention_layernorm normalizes the attention's output; our post_attention_layernorm
+            # (Megatron's name) is the MLP's input norm, its pre_feedforward_layernorm
+            out += [self._whole(f"{layer}.post_self_attn_layernorm.weight",
+                                nm.layer(i, "post_attention_layernorm.weight"), (h,)),
+                    self._whole(f"{layer}.post_attention_layernorm.weight",
+                                nm.layer(i, "pre_feedforward_layernorm.weight"), (h,))]
+        else:
+            out.append(self._whole(f"{layer}.post_attention_layernorm.weight",
+                                   nm.layer(i, "post_attention_layernorm.weight"), (h,)))
         if c.is_moe_layer(i):
             ours = f"{layer}.mlp."
             out.append(self._whole(ours + "router.weight", nm.moe(i, "gate.weight"), (c.num_experts, h)))
@@ -340,6 +351,9 @@ class Mapping:
             biases = tuple(mlp(f"{x}_proj.bias") for x in ("gate", "up", "down")) if c.add_bias_linear else None
             out += self._mlp(f"{layer}.mlp.", mlp("gate_proj.weight"), mlp("up_proj.weight"),
                              mlp("down_proj.weight"), c.ffn_hidden_size, t, biases)
+        if c.post_sublayer_norms:
+            out.append(self._whole(f"{layer}.post_mlp_layernorm.weight",
+                                   nm.layer(i, "post_feedforward_layernorm.weight"), (h,)))
         return out
 
     def _mtp(self, k: int, t: int) -> List[Target]:

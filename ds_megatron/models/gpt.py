@@ -44,6 +44,7 @@ from ..tensor_parallel.layers import attach_fp8
 from ..tensor_parallel.weight_grad_store import WeightGradStore, linear
 from ..transformer import ParallelTransformerLayer
 from ..transformer.context_parallel import zigzag_chunk_indices, zigzag_split
+from ..transformer.attention import soft_cap
 from ..transformer.layer import set_recompute_method
 from ..transformer.mlp import build_mlp
 from ..transformer.packed_seq_params import PackedSeqParams, shift_left
@@ -82,6 +83,10 @@ class PositionEmbedding(torch.nn.Module):
         s = word_embedded.size(1) * self.cp.size  # with CP: this rank's two zigzag chunks of s tokens
         if s > self.config.seq_length:
             raise ValueError(f"input has {s} tokens but model.seq_length is {self.config.seq_length}")
+        if self.config.apply_embedding_scaling:
+            # Gemma: sqrt(hidden) rounded to the embedding's dtype first, as transformers does
+            word_embedded = word_embedded * torch.tensor(self.config.hidden_size ** 0.5, dtype=word_embedded.dtype,
+                                                         device=word_embedded.device)
         if packed_seq_params is not None:
             if self.weight is not None:
                 word_embedded = word_embedded + self.weight[packed_seq_params.local_position_ids]
@@ -131,12 +136,23 @@ def embed(word_embeddings: torch.nn.Module, position_embeddings: PositionEmbeddi
     return position_embeddings(words, packed_seq_params)
 
 
+def softcap_logits(logits: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """``final_logit_softcapping`` (Gemma): ``cap * tanh(logits / cap)``, per logit (so per vocab shard); the
+    padded vocab's 0 stays 0 and is masked out of the softmax as before."""
+    return soft_cap(logits, config.final_logit_softcapping)
+
+
 class OutputLayer(ColumnParallelLinear):
     """The untied output layer (``untie_embeddings_and_output_weights``): column-parallel over the padded vocab,
-    no bias; ``forward(hidden [s(/tp), b, h])`` -> this rank's vocab-parallel logits [s, b, V/tp]."""
+    no bias; ``forward(hidden [s(/tp), b, h])`` -> this rank's vocab-parallel logits [s, b, V/tp] (soft-capped by
+    ``softcap``: ``final_logit_softcapping``)."""
+
+    def __init__(self, *args, softcap: Optional[float] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.softcap = softcap
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().forward(hidden)[0]
+        return soft_cap(super().forward(hidden)[0], self.softcap)
 
 
 def _output_layer_input(hidden: torch.Tensor, config: GPTConfig, tp: ParallelGroup) -> torch.Tensor:
@@ -149,8 +165,9 @@ def _output_layer_input(hidden: torch.Tensor, config: GPTConfig, tp: ParallelGro
 def output_logits(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, config: GPTConfig,
                   tp: ParallelGroup, weight_grad_store: Optional[WeightGradStore] = None) -> torch.Tensor:
     """Final hidden states [s(/tp), b, h] -> this rank's vocab-parallel logits [s, b, V/tp] (the tied output layer;
-    the zero-bubble schedule's ``weight_grad_store`` may defer its weight gradient)."""
-    return linear(_output_layer_input(hidden, config, tp), word_embeddings_weight, None, weight_grad_store)
+    the zero-bubble schedule's ``weight_grad_store`` may defer its weight gradient), soft-capped when configured."""
+    return softcap_logits(linear(_output_layer_input(hidden, config, tp), word_embeddings_weight, None,
+                                 weight_grad_store), config)
 
 
 def output_layer_loss(hidden: torch.Tensor, word_embeddings_weight: torch.Tensor, labels: torch.Tensor,
@@ -204,7 +221,7 @@ def tiled_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     bounds = torch.tensor_split(torch.arange(x.size(0)), min(config.loss_sequence_tiles, x.size(0)))
 
     def tile_losses(x_tile: torch.Tensor, w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        logits = F.linear(x_tile, w)  # [tile, b, V/tp]
+        logits = softcap_logits(F.linear(x_tile, w), config)  # [tile, b, V/tp]
         return vocab_parallel_cross_entropy(logits, labels[:, start:stop].transpose(0, 1), tp,
                                             label_smoothing=config.label_smoothing, vocab_size=config.vocab_size,
                                             inplace=True)
@@ -289,16 +306,17 @@ def build_gpt_modules(config: GPTConfig, parallel_state: ParallelState, rng_trac
     for i in range(config.num_layers):
         layer = ParallelTransformerLayer(config, tp=tp, build_mlp=functools.partial(mlp, i), init_method=init,
                                          output_init_method=out_init, rng_tracker=rng_tracker, cp=parallel_state.cp,
-                                         hierarchical_cp=hcp)
+                                         hierarchical_cp=hcp, layer_number=i)
         attach_fp8(layer, fp8 if config.fp8_layer(i) else None, amax_group)
         yield f"layers.{i}", layer
     yield "final_layernorm", build_norm(config, config.hidden_size, sequence_parallel=config.sequence_parallel)
     if config.untie_embeddings_and_output_weights:
         yield "output_layer", OutputLayer(config.hidden_size, padded_vocab_size, tp=tp, bias=False,
-                                          init_method=embedding_init, sequence_parallel=config.sequence_parallel)
+                                          init_method=embedding_init, sequence_parallel=config.sequence_parallel,
+                                          softcap=config.final_logit_softcapping)
     for k in range(config.mtp_num_layers or 0):
         mtp = MultiTokenPredictionLayer(config, parallel_state, rng_tracker, init, out_init,
-                                        functools.partial(mlp, config.num_layers + k), hcp)
+                                        functools.partial(mlp, config.num_layers + k), hcp, config.num_layers + k)
         # eh_proj stays 16-bit
         attach_fp8(mtp.layer, fp8 if config.fp8_layer(config.num_layers + k) else None, amax_group)
         yield f"mtp.{k}", mtp
@@ -314,7 +332,7 @@ class MultiTokenPredictionLayer(torch.nn.Module):
     and labels k ahead are shifted whole and then cut into the rank's zigzag chunks, like the main model's."""
 
     def __init__(self, config: GPTConfig, state: ParallelState, rng_tracker, init, out_init, build_mlp,
-                 hierarchical_cp=None):
+                 hierarchical_cp=None, layer_number: int = 0):
         super().__init__()
         h, sp = config.hidden_size, config.sequence_parallel
         self.tp, self.sequence_parallel = state.tp, sp and state.tp.size > 1
@@ -325,7 +343,7 @@ class MultiTokenPredictionLayer(torch.nn.Module):
                                             sequence_parallel=sp)
         self.layer = ParallelTransformerLayer(config, tp=state.tp, build_mlp=build_mlp, init_method=init,
                                               output_init_method=out_init, rng_tracker=rng_tracker, cp=state.cp,
-                                              hierarchical_cp=hierarchical_cp)
+                                              hierarchical_cp=hierarchical_cp, layer_number=layer_number)
         self.final_layernorm = build_norm(config, h, sequence_parallel=sp)
 
     def forward(self, embedded: torch.Tensor, hidden: torch.Tensor,
@@ -358,7 +376,8 @@ def language_model_head(hidden: torch.Tensor, word_embeddings_weight: torch.Tens
     if labels is not None and config.loss_sequence_tiles > 1 and torch.is_grad_enabled():
         return tiled_loss(hidden, weight if output_layer is None else output_layer.weight, labels, loss_mask, config,
                           tp, cp, packed_seq_params)
-    if (labels is not None and output_layer is None and weight.dtype in (torch.float32, torch.float64)):
+    if (labels is not None and output_layer is None and weight.dtype in (torch.float32, torch.float64)
+            and config.final_logit_softcapping is None):  # the fused loss takes the output GEMM's logits as they are
         # 16-bit weights keep the separate GEMM below: the fused loss would add a 16-bit gradient to its
         # fp32 logits.  On a CPU, fp32 logits of 32 MiB or more go into a buffer kept across steps: glibc
         # maps buffers that large anew on every allocation (a page fault per page, every step).  A GPU's

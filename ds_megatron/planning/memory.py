@@ -118,9 +118,10 @@ def selective_recompute(cfg, cp: int = 1) -> Tuple[bool, bool]:
 def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 1,
                               micro_batch: Optional[int] = None) -> float:
     """What one transformer layer keeps for backward, in elements per token of the micro-batch (see the
-    module docstring), by the layer's own widths: the two norms' inputs; attention's input (gathered under
-    sequence parallelism) and, per head on this rank, q, k and v (GQA's k and v repeated to every head), the
-    core's output and its re-layout, or MLA's latents, its q, k, v and output (``qk_head_dim +
+    module docstring), by the layer's own widths: the two norms' inputs (four with post_sublayer_norms);
+    attention's input (gathered under sequence parallelism) and, per head on this rank, q, k and v (GQA's k and
+    v repeated to every head), the core's output and its re-layout (the soft-capped core: its s x s scores and
+    probabilities too), or MLA's latents, its q, k, v and output (``qk_head_dim +
     qk_pos_emb_head_dim`` wide: v padded to it) and the re-layout (``v_head_dim``); the MLP's input and its
     ``ffn``-wide tensors (GELU: fc1's output and the activation's; gated: fc1's two halves, act(gate) and the
     product); an MoE layer's router input and, per routed token (``moe_router_topk`` per token under balanced
@@ -133,7 +134,7 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
     core, mlp = selective_recompute(cfg, cp)
     h = cfg.hidden_size
     sp = cfg.sequence_parallel and tp > 1
-    norms = 2 * (h / tp if sp else h)
+    norms = (4 if cfg.post_sublayer_norms else 2) * (h / tp if sp else h)  # Gemma: the sublayers' outputs too
     if cfg.multi_latent_attention:
         q_latent = 2 * cfg.q_lora_rank if cfg.q_lora_rank else 0
         qk, v = cfg.head_widths
@@ -143,6 +144,9 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
     else:
         shared = micro_batch == 1 and cp == 1 and cfg.attention_dropout == 0  # re-layout: a view of the output
         attention = h + (4 if core or shared else 5) * cfg.num_attention_heads * cfg.head_dim / tp
+        if cfg.attn_logit_softcapping is not None and not core:
+            # the soft-capped core is not fused: its capped scores and probabilities, [b, heads/tp, s, s] each
+            attention += 2 * cfg.num_attention_heads / tp * cfg.seq_length
     return norms + attention + h + (0 if mlp else mlp_activation_elements(cfg, layer, tp, etp))
 
 

@@ -63,7 +63,7 @@ def layer_counts(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> ParamCo
     h, d, n, g = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
     qkv_rows = (n // tp + 2 * max(g // tp, 1)) * d  # KV heads split over TP, or one group's replicated
     sharded = qkv_rows * (h + int(cfg.qkv_bias)) + h * (n * d // tp)  # QKV (weight + bias), output projection
-    replicated = (2 * norm_params(cfg) + (h if cfg.add_bias_linear else 0)
+    replicated = ((4 if cfg.post_sublayer_norms else 2) * norm_params(cfg) + (h if cfg.add_bias_linear else 0)
                   + (2 * norm_params(cfg, d) if cfg.qk_layernorm else 0))
     if cfg.multi_latent_attention:  # its projections instead of QKV and dense; the two layer norms as before
         mla = mla_counts(cfg, tp)

@@ -27,6 +27,7 @@ so every TP size holds the same model.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Optional
 
 import torch
@@ -38,7 +39,7 @@ from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_
                                set_tensor_model_parallel_attributes)
 from ..tensor_parallel.random import checkpoint
 from ..tensor_parallel.utils import divide
-from .context_parallel import context_parallel_attention, rank_positions
+from .context_parallel import Places, context_parallel_attention, rank_positions
 from .norm import build_norm
 from .packed_seq_params import PackedSeqParams, document_attention
 from .rotary import RotaryEmbedding
@@ -68,10 +69,11 @@ class ParallelAttention(torch.nn.Module):
     """``config``: a ``GPTConfig`` (heads, query groups, kv_channels, biases, RoPE, qk norm, dropout, SP)."""
 
     def __init__(self, config, *, tp: ParallelGroup, init_method, output_init_method, rng_tracker=None,
-                 cp: Optional[ParallelGroup] = None, hierarchical_cp=None):
+                 cp: Optional[ParallelGroup] = None, hierarchical_cp=None, layer_number: int = 0):
         """``cp``: the context-parallel group; with more than one rank the hidden states hold this rank's
         zigzag chunks of the sequence and the core attention is ``context_parallel_attention``.
-        ``hierarchical_cp``: its (a2a, ring) groups for ``cp_comm_type "a2a+p2p"``."""
+        ``hierarchical_cp``: its (a2a, ring) groups for ``cp_comm_type "a2a+p2p"``.  ``layer_number``: the
+        layer's index in the whole model (0-based), which decides its sliding window and RoPE base."""
         super().__init__()
         self.cp = cp if cp is not None else ParallelGroup.single("cp")
         self.hierarchical_cp = hierarchical_cp
@@ -84,6 +86,8 @@ class ParallelAttention(torch.nn.Module):
         self.replicas = tp.size // g if tp.size > g else 1
         self.groups_per_partition = max(g // tp.size, 1)
         self.attention_dropout = config.attention_dropout
+        self.window = config.attention_window(layer_number)  # None: full causal attention
+        self.softmax_scale, self.softcap = config.softmax_scale, config.attn_logit_softcapping
         self.rng_tracker = rng_tracker
         # Selective recomputation of the core (softmax(QK^T)V and its dropout).  Not under context parallelism,
         # whose cores keep only their output and log-sum-exp already (a rerun would repeat their exchange).
@@ -118,7 +122,12 @@ class ParallelAttention(torch.nn.Module):
                 # Shared by all heads, each TP rank sees only its heads: the gradient is a partial sum over TP.
                 mark_sequence_parallel(self.q_layernorm)
                 mark_sequence_parallel(self.k_layernorm)
-        self.rotary = RotaryEmbedding.from_config(config) if config.position_embedding_type == "rope" else None
+        self.rotary = None
+        if config.position_embedding_type == "rope":
+            local = self.window is not None and config.local_rotary_base is not None
+            # Gemma 3: the windowed layers turn by a base of their own, without the global layers' scaling
+            self.rotary = (RotaryEmbedding(config.rotary_dim, config.local_rotary_base) if local
+                           else RotaryEmbedding.from_config(config))
         self.dense = RowParallelLinear(n * d, h, tp=tp, bias=config.add_bias_linear, input_is_parallel=True,
                                        init_method=output_init_method, sequence_parallel=config.sequence_parallel)
 
@@ -160,8 +169,9 @@ class ParallelAttention(torch.nn.Module):
             v = v.contiguous()
         if self.cp.size > 1:
             # GQA-aware: only the kv heads travel; no attention dropout here (refused at config time).
-            ctx = context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, hierarchical=self.hierarchical_cp,
-                                             places=None if packed is None else packed.cp_places)
+            ctx = context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, softmax_scale=self.softmax_scale,
+                                             hierarchical=self.hierarchical_cp, window=self.window,
+                                             softcap=self.softcap, places=None if packed is None else packed.cp_places)
             return self._output(ctx)
         heads_per_kv = q.size(1) // k.size(1)
         if heads_per_kv > 1:
@@ -178,9 +188,25 @@ class ParallelAttention(torch.nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (dropout > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
         with fork:
+            if self.window is not None or self.softcap is not None:
+                allowed = self._allowed(q.size(0), q.size(2), packed, q.device)
+                if self.softcap is None:
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
+                                                          scale=self.softmax_scale)
+                return softcapped_attention(q, k, v, allowed, self.softmax_scale, self.softcap, dropout)
             if packed is not None:
-                return document_attention(q, k, v, packed, dropout_p=dropout)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+                return document_attention(q, k, v, packed, scale=self.softmax_scale, dropout_p=dropout)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale)
+
+    def _allowed(self, batch: int, s: int, packed: Optional[PackedSeqParams], device) -> torch.Tensor:
+        """Which keys each query sees (``Places.allowed``, the one masking rule of every core): causal, within its
+        document when packed, within the layer's window."""
+        index = torch.arange(s, device=device)
+        if packed is None:
+            places = Places(index, window=self.window)
+        else:
+            places = Places(index.expand(batch, s), packed.segment_ids, batched=True, window=self.window)
+        return places.allowed(places)
 
     def _output(self, ctx: torch.Tensor) -> torch.Tensor:
         """``ctx [b, heads, s, d]`` -> the row-parallel output projection, [s(/tp), b, h]."""
@@ -188,3 +214,22 @@ class ParallelAttention(torch.nn.Module):
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_per_partition * self.head_dim)
         out, _ = self.dense(ctx)
         return out
+
+
+def soft_cap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """Gemma's soft-capping, ``cap * tanh(x / cap)`` (None: ``x``), of attention scores and of the final logits."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                         scale: Optional[float], cap: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Gemma 2's core: ``softmax(mask(cap * tanh(q k^T scale / cap))) v`` (``q, k, v [b, heads, s, d]``, k and v
+    with q's heads; ``allowed`` the mask).  The scores in float32 for 16-bit inputs, else in the inputs' dtype."""
+    cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
+    scores = torch.matmul(q.to(cdt), k.to(cdt).transpose(-1, -2)) * scale
+    scores = soft_cap(scores, cap)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs.to(v.dtype), v)

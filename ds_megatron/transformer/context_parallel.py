@@ -108,39 +108,46 @@ class Places:
 
     A leading member dimension holds one entry per member of a group (CP ranks, or the ring members of
     hierarchical CP); a batch dimension ``[..., b, n]`` appears when the rows' documents differ (packed
-    micro-batches, ``PackedSeqParams.cp_places``).  A query sees a key of its own document at or before it."""
+    micro-batches, ``PackedSeqParams.cp_places``).  A query sees a key of its own document at or before it, and
+    with a sliding ``window`` (Megatron's ``window_size[0]``) at most ``window`` positions before it."""
 
-    def __init__(self, index: torch.Tensor, segment: Optional[torch.Tensor] = None, batched: bool = False):
-        self.index, self.segment, self.batched = index, segment, batched
+    def __init__(self, index: torch.Tensor, segment: Optional[torch.Tensor] = None, batched: bool = False,
+                 window: Optional[int] = None):
+        self.index, self.segment, self.batched, self.window = index, segment, batched, window
 
     @classmethod
-    def zigzag(cls, seq_len: int, cp: int, device) -> "Places":
+    def zigzag(cls, seq_len: int, cp: int, device, window: Optional[int] = None) -> "Places":
         """Every CP rank's two zigzag chunks of one-document rows."""
-        return cls(torch.stack([zigzag_chunk_indices(seq_len, cp, r) for r in range(cp)]).to(device))
+        return cls(torch.stack([zigzag_chunk_indices(seq_len, cp, r) for r in range(cp)]).to(device), window=window)
+
+    def windowed(self, window: Optional[int]) -> "Places":
+        return Places(self.index, self.segment, self.batched, window)
 
     def member(self, m: int) -> "Places":
-        return Places(self.index[m], None if self.segment is None else self.segment[m], self.batched)
+        return Places(self.index[m], None if self.segment is None else self.segment[m], self.batched, self.window)
 
     def joined(self, members: Optional[Sequence[int]] = None) -> "Places":
         """The members' tokens one after the other (the order gathered or all-to-all'd keys arrive in)."""
         members = range(self.index.size(0)) if members is None else members
         index = torch.cat([self.index[m] for m in members], dim=-1)
         segment = None if self.segment is None else torch.cat([self.segment[m] for m in members], dim=-1)
-        return Places(index, segment, self.batched)
+        return Places(index, segment, self.batched, self.window)
 
     def grouped(self, groups: Sequence[Sequence[int]]) -> "Places":
         """A member dimension of ``groups`` (each the join of its members): a ring of all-to-all groups."""
         joined = [self.joined(g) for g in groups]
         segment = None if self.segment is None else torch.stack([j.segment for j in joined])
-        return Places(torch.stack([j.index for j in joined]), segment, self.batched)
+        return Places(torch.stack([j.index for j in joined]), segment, self.batched, self.window)
 
     def rows(self, start: int, stop: int) -> "Places":
         return Places(self.index[..., start:stop], None if self.segment is None else self.segment[..., start:stop],
-                      self.batched)
+                      self.batched, self.window)
 
     def allowed(self, keys: "Places") -> torch.Tensor:
         """Which of ``keys`` each of these query tokens sees: ``[nq, nk]``, or ``[b, 1, nq, nk]`` when batched."""
         allowed = keys.index.unsqueeze(-2) <= self.index.unsqueeze(-1)
+        if self.window is not None:  # Hugging Face's sliding_window w: i - j < w, i.e. window = w - 1
+            allowed = allowed & (keys.index.unsqueeze(-2) >= self.index.unsqueeze(-1) - self.window)
         if self.segment is not None:
             allowed = allowed & (keys.segment.unsqueeze(-2) == self.segment.unsqueeze(-1))
         return allowed.unsqueeze(-3) if self.batched else allowed
@@ -163,27 +170,44 @@ def _fold_kv_grad(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, n, d).sum(2)
 
 
-def _scores(q, k, scale, allowed):
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+class Score:
+    """What the scores ``q k^T`` go through before the mask: x ``scale``, then, with ``cap``, Gemma 2's soft-cap
+    ``cap * tanh(s / cap)``."""
+
+    def __init__(self, scale: float, cap: Optional[float] = None):
+        self.scale, self.cap = scale, cap
+
+
+def _scores(q, k, score: Score, allowed):
+    s = torch.matmul(q, k.transpose(-1, -2)) * score.scale
+    if score.cap is not None:
+        s = torch.tanh(s / score.cap) * score.cap
     return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
 
 
-def _block_forward(q, k, v, scale, allowed):
+def _block_forward(q, k, v, score, allowed):
     """Softmax attention of q against one K/V block: output normalised within the block, and per-row lse."""
-    s = _scores(q, _expand_kv(k, q.size(1)), scale, allowed)
+    s = _scores(q, _expand_kv(k, q.size(1)), score, allowed)
     lse = torch.logsumexp(s, dim=-1)
     return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _expand_kv(v, q.size(1))), lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale, allowed):
+def _block_backward(q, k, v, dout, lse, delta, score, allowed):
     """dq, dk, dv of one block given the final lse and delta = rowsum(dout * out) (flash-attention's backward)."""
     heads, kv_heads = q.size(1), k.size(1)
     ke, ve = _expand_kv(k, heads), _expand_kv(v, heads)
-    p = torch.exp(_scores(q, ke, scale, allowed) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+    s = _scores(q, ke, score, allowed)
+    p = torch.exp(s - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+    # the cap's derivative d(c tanh(x / c))/dx = 1 - (capped / c)^2, made in the scores' storage (masked entries:
+    # ds = 0 there anyway); without a cap the scores go now, as the planned peak has it
+    through_cap = None if score.cap is None else s.nan_to_num_(neginf=0.0).div_(score.cap).pow_(2).neg_().add_(1)
+    del s
     dv = torch.matmul(p.transpose(-1, -2), dout)
     ds = p * (torch.matmul(dout, ve.transpose(-1, -2)) - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, ke) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q) * scale
+    if through_cap is not None:
+        ds.mul_(through_cap)
+    dq = torch.matmul(ds, ke) * score.scale
+    dk = torch.matmul(ds.transpose(-1, -2), q) * score.scale
     return dq, _fold_kv_grad(dk, kv_heads), _fold_kv_grad(dv, kv_heads)
 
 
@@ -235,9 +259,9 @@ def _merge_rows(out, lse, block_out, block_lse) -> None:
     lse.copy_(new)
 
 
-def _block_forward_rows(q, k, v, scale, allowed):
+def _block_forward_rows(q, k, v, score, allowed):
     """``_block_forward`` where a query row may see no key of the block: its output 0, its lse -inf."""
-    s = _scores(q, _expand_kv(k, q.size(1)), scale, allowed)
+    s = _scores(q, _expand_kv(k, q.size(1)), score, allowed)
     lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     return torch.matmul(torch.exp(s - safe.unsqueeze(-1)), _expand_kv(v, q.size(1))), lse
@@ -256,9 +280,9 @@ class _RingAttention(torch.autograd.Function):
     tokens at ``places.member(r)`` and each block is masked by their places."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float, places=None):
+    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, score: Score, places=None):
         if places is not None:
-            return _RingAttention._forward_places(ctx, q, k, v, cp_group, causal, scale, places)
+            return _RingAttention._forward_places(ctx, q, k, v, cp_group, causal, score, places)
         cdt = _compute_dtype(q.dtype)
         qc, kv = q.to(cdt), _pack(k, v)  # K and V travel as one message, in their own dtype
         c = q.size(2) // 2
@@ -275,14 +299,14 @@ class _RingAttention(torch.autograd.Function):
             block_k, block_v = _unpack(kv.to(cdt), k.size(-1))
             k_h, v_h = _halves(block_k), _halves(block_v)
             for qi, ki, kind in _chunk_pairs(cp, rank, src, causal):
-                o, l = _block_forward(q_h[qi], k_h[ki], v_h[ki], scale, diagonal if kind == "diagonal" else None)
+                o, l = _block_forward(q_h[qi], k_h[ki], v_h[ki], score, diagonal if kind == "diagonal" else None)
                 _merge(out_h[qi], lse_h[qi], o, l)
             if step + 1 < cp:
                 for w in works:
                     w.wait()
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.causal, ctx.scale, ctx.places = cp_group, causal, scale, None
+        ctx.cp_group, ctx.causal, ctx.score, ctx.places = cp_group, causal, score, None
         return out.to(q.dtype)
 
     @staticmethod
@@ -292,7 +316,7 @@ class _RingAttention(torch.autograd.Function):
         return places.member(rank).allowed(places.member(src))
 
     @staticmethod
-    def _forward_places(ctx, q, k, v, cp_group, causal, scale, places):
+    def _forward_places(ctx, q, k, v, cp_group, causal, score, places):
         cdt = _compute_dtype(q.dtype)
         qc, kv = q.to(cdt), _pack(k, v)
         out = qc.new_zeros(q.shape[:3] + (v.size(-1),))  # V's width (MLA's is narrower than K's)
@@ -307,7 +331,7 @@ class _RingAttention(torch.autograd.Function):
             if allowed is None or bool(allowed.any()):
                 block_k, block_v = _unpack(kv.to(cdt), k.size(-1))
                 for r0, r1 in _row_tiles(q.size(2)):  # a position-masked block is a whole [local, local] square
-                    o, l = _block_forward_rows(qc[:, :, r0:r1], block_k, block_v, scale,
+                    o, l = _block_forward_rows(qc[:, :, r0:r1], block_k, block_v, score,
                                                None if allowed is None else allowed[..., r0:r1, :])
                     _merge_rows(out[:, :, r0:r1], lse[:, :, r0:r1], o, l)
             if step + 1 < cp:
@@ -315,13 +339,13 @@ class _RingAttention(torch.autograd.Function):
                     w.wait()
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp_group, ctx.causal, ctx.scale, ctx.places = cp_group, causal, scale, places
+        ctx.cp_group, ctx.causal, ctx.score, ctx.places = cp_group, causal, score, places
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp_group, causal, scale = ctx.cp_group, ctx.causal, ctx.scale
+        cp_group, causal, score = ctx.cp_group, ctx.causal, ctx.score
         if ctx.places is not None:
             return _RingAttention._backward_places(ctx, q, k, v, out, lse, dout)
         cdt = out.dtype
@@ -348,7 +372,7 @@ class _RingAttention(torch.autograd.Function):
             contribution = torch.zeros_like(block)  # dK and dV side by side, as K and V travel
             dk_h, dv_h = (_halves(t) for t in _unpack(contribution, k.size(-1)))
             for qi, ki, kind in _chunk_pairs(cp, rank, src, causal):
-                g_q, g_k, g_v = _block_backward(q_h[qi], k_h[ki], v_h[ki], do_h[qi], lse_h[qi], delta_h[qi], scale,
+                g_q, g_k, g_v = _block_backward(q_h[qi], k_h[ki], v_h[ki], do_h[qi], lse_h[qi], delta_h[qi], score,
                                                 diagonal if kind == "diagonal" else None)
                 dq_h[qi].add_(g_q)
                 dk_h[ki].add_(g_k)
@@ -375,7 +399,7 @@ class _RingAttention(torch.autograd.Function):
     def _backward_places(ctx, q, k, v, out, lse, dout):
         """As ``backward``, each block masked by the tokens' places, a tile of query rows at a time (the accumulators travel
         the same way)."""
-        cp_group, causal, scale, places = ctx.cp_group, ctx.causal, ctx.scale, ctx.places
+        cp_group, causal, score, places = ctx.cp_group, ctx.causal, ctx.score, ctx.places
         cdt = out.dtype
         qc, kv, dout = q.to(cdt), _pack(k, v), dout.to(cdt)
         delta = (dout * out).sum(-1)
@@ -395,7 +419,7 @@ class _RingAttention(torch.autograd.Function):
             if allowed is None or bool(allowed.any()):
                 for r0, r1 in _row_tiles(q.size(2)):
                     g_q, g_k, g_v = _block_backward(qc[:, :, r0:r1], block_k, block_v, dout[:, :, r0:r1],
-                                                    lse[:, :, r0:r1], delta[:, :, r0:r1], scale,
+                                                    lse[:, :, r0:r1], delta[:, :, r0:r1], score,
                                                     None if allowed is None else allowed[..., r0:r1, :])
                     dq[:, :, r0:r1].add_(g_q)
                     contribution_k.add_(g_k)
@@ -423,7 +447,7 @@ class _RingAttention(torch.autograd.Function):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, scale: float, places: Places):
+    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, score: Score, places: Places):
         cdt = _compute_dtype(q.dtype)
         cp, local = cp_group.size, q.size(2)
         kv = _pack(k, v)  # [b, kv_heads, s/cp, dk + dv], gathered in the input dtype
@@ -433,9 +457,9 @@ class _AllGatherAttention(torch.autograd.Function):
         full = gathered.permute(1, 2, 0, 3, 4).reshape(b, kv_heads, cp * local, width).to(cdt)
         full_k, full_v = _unpack(full, k.size(-1))
         allowed = places.member(cp_group.rank).allowed(places.joined()) if causal else None
-        out, lse = _block_forward(q.to(cdt), full_k, full_v, scale, allowed)
+        out, lse = _block_forward(q.to(cdt), full_k, full_v, score, allowed)
         ctx.save_for_backward(q, full_k, full_v, out, lse, allowed if allowed is not None else torch.empty(0))
-        ctx.cp_group, ctx.causal, ctx.scale, ctx.kv_dtypes = cp_group, causal, scale, (k.dtype, v.dtype)
+        ctx.cp_group, ctx.causal, ctx.score, ctx.kv_dtypes = cp_group, causal, score, (k.dtype, v.dtype)
         return out.to(q.dtype)
 
     @staticmethod
@@ -444,7 +468,7 @@ class _AllGatherAttention(torch.autograd.Function):
         allowed = allowed if ctx.causal else None
         cp_group = ctx.cp_group
         dout = dout.to(out.dtype)
-        dq, dk, dv = _block_backward(q.to(out.dtype), full_k, full_v, dout, lse, (dout * out).sum(-1), ctx.scale,
+        dq, dk, dv = _block_backward(q.to(out.dtype), full_k, full_v, dout, lse, (dout * out).sum(-1), ctx.score,
                                      allowed)
         cp, local = cp_group.size, q.size(2)
         b, kv_heads, _, _ = dk.shape
@@ -504,7 +528,7 @@ class _SequenceToHeads(torch.autograd.Function):
         return _heads_to_sequence(grad.contiguous(), ctx.cp_group), None
 
 
-def _all_to_all_attention(q, k, v, cp_group: ParallelGroup, causal: bool, scale: float,
+def _all_to_all_attention(q, k, v, cp_group: ParallelGroup, causal: bool, score: Score,
                           places: Places) -> torch.Tensor:
     cp, heads = cp_group.size, q.size(1)
     if heads % cp:
@@ -513,7 +537,7 @@ def _all_to_all_attention(q, k, v, cp_group: ParallelGroup, causal: bool, scale:
         k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     qs, ks, vs = (_HeadsToSequence.apply(t, cp_group) for t in (q, k, v))
     whole = places.joined() if causal else None  # the keys (and queries) arrive in rank order
-    return _SequenceToHeads.apply(_WholeSequenceAttention.apply(qs, ks, vs, whole, scale, cp), cp_group)
+    return _SequenceToHeads.apply(_WholeSequenceAttention.apply(qs, ks, vs, whole, score, cp), cp_group)
 
 
 class _WholeSequenceAttention(torch.autograd.Function):
@@ -532,18 +556,18 @@ class _WholeSequenceAttention(torch.autograd.Function):
         return None if places is None else places.rows(i0, i1).allowed(places)
 
     @staticmethod
-    def forward(ctx, q, k, v, places: Optional[Places], scale: float, cp: int):
+    def forward(ctx, q, k, v, places: Optional[Places], score: Score, cp: int):
         """``places``: of the whole sequence's tokens in rank order (None: not causal)."""
         cdt = _compute_dtype(q.dtype)
         qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
         outs, lses = [], []
         for i0, i1 in _WholeSequenceAttention._tiles(q.size(2), cp):
-            o, lse = _block_forward(qc[:, :, i0:i1], kc, vc, scale, _WholeSequenceAttention._allowed(places, i0, i1))
+            o, lse = _block_forward(qc[:, :, i0:i1], kc, vc, score, _WholeSequenceAttention._allowed(places, i0, i1))
             outs.append(o)
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.places, ctx.scale, ctx.cp = places, scale, cp
+        ctx.places, ctx.score, ctx.cp = places, score, cp
         return out.to(q.dtype)
 
     @staticmethod
@@ -558,7 +582,7 @@ class _WholeSequenceAttention(torch.autograd.Function):
         dv = torch.zeros_like(vc)
         for i0, i1 in _WholeSequenceAttention._tiles(q.size(2), ctx.cp):
             dq[:, :, i0:i1], dk_t, dv_t = _block_backward(
-                qc[:, :, i0:i1], kc, vc, dout[:, :, i0:i1], lse[..., i0:i1], delta[..., i0:i1], ctx.scale,
+                qc[:, :, i0:i1], kc, vc, dout[:, :, i0:i1], lse[..., i0:i1], delta[..., i0:i1], ctx.score,
                 _WholeSequenceAttention._allowed(ctx.places, i0, i1))
             dk += dk_t
             dv += dv_t
@@ -566,7 +590,7 @@ class _WholeSequenceAttention(torch.autograd.Function):
 
 
 def _hierarchical_attention(q, k, v, cp_group: ParallelGroup, inner: ParallelGroup, outer: ParallelGroup,
-                            causal: bool, scale: float, places: Places) -> torch.Tensor:
+                            causal: bool, score: Score, places: Places) -> torch.Tensor:
     """``"a2a+p2p"``: the all-to-all inside ``inner`` (consecutive CP ranks) gives each rank its a2a group's
     tokens of ``heads / inner`` heads, the ring across ``outer`` runs attention over the whole sequence with
     each block masked by its tokens' places, and the all-to-all back."""
@@ -579,20 +603,23 @@ def _hierarchical_attention(q, k, v, cp_group: ParallelGroup, inner: ParallelGro
     # Ring member j holds the tokens of CP ranks j * inner + i, i in inner-rank order.
     ring = places.grouped([[j * inner.size + i for i in range(inner.size)] for j in range(outer.size)])
     qs, ks, vs = (_HeadsToSequence.apply(t, inner) for t in (q, k, v))
-    out = _RingAttention.apply(qs, ks, vs, outer, causal, scale, ring)
+    out = _RingAttention.apply(qs, ks, vs, outer, causal, score, ring)
     return _SequenceToHeads.apply(out, inner)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: ParallelGroup,
                                comm_type: str = "p2p", causal: bool = True,
                                softmax_scale: Optional[float] = None, hierarchical=None,
-                               places: Optional[Places] = None) -> torch.Tensor:
+                               places: Optional[Places] = None, window: Optional[int] = None,
+                               softcap: Optional[float] = None) -> torch.Tensor:
     """Attention of this CP rank's queries over the whole sequence; inputs and output in the zigzag layout.
 
     ``q [b, heads, s/cp, d]``, ``k [b, kv_heads, s/cp, d]``, ``v [b, kv_heads, s/cp, dv]`` with ``kv_heads``
     dividing ``heads``; the output is ``[b, heads, s/cp, dv]`` in q's dtype.  A group of one is plain attention.
     ``places``: where every CP rank's tokens sit (packed rows: ``PackedSeqParams.cp_places``, each document
-    zigzagged on its own); None: one document per row in the zigzag layout."""
+    zigzagged on its own); None: one document per row in the zigzag layout.  ``window``: a sliding window
+    (``Places``), exact in every comm type: the blocks are masked by the tokens' positions.  ``softcap``: Gemma 2's
+    ``cap * tanh(s / cap)`` of the scaled scores, forward and backward."""
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type {comm_type!r} is not one of {COMM_TYPES}")
     if q.size(1) % k.size(1) or k.shape[:-1] != v.shape[:-1] or k.size(-1) != q.size(-1):
@@ -601,17 +628,23 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.size(2) % 2:
         raise ValueError(f"each CP rank holds two equal chunks; local sequence length {q.size(2)} is odd")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(-1))
+    score = Score(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.size(-1)), softcap)
     if places is not None and not causal:
         raise ValueError("packed rows (places) are masked causally; call with causal=True")
+    if window is not None:
+        if not causal:
+            raise ValueError("a sliding window is masked causally; call with causal=True")
+        # the ring's zigzag pair shortcut knows no window: every comm type masks by places
+        places = (places if places is not None else Places.zigzag(q.size(2) * cp_group.size, cp_group.size,
+                                                                  q.device)).windowed(window)
     if comm_type == "p2p":  # without places the ring takes its zigzag pair shortcut
-        return _RingAttention.apply(q, k, v, cp_group, causal, scale, places)
+        return _RingAttention.apply(q, k, v, cp_group, causal, score, places)
     places = places if places is not None else Places.zigzag(q.size(2) * cp_group.size, cp_group.size, q.device)
     if comm_type == "a2a":
-        return _all_to_all_attention(q, k, v, cp_group, causal, scale, places)
+        return _all_to_all_attention(q, k, v, cp_group, causal, score, places)
     if comm_type == "a2a+p2p":
         if hierarchical is None:
             raise ValueError("cp_comm_type \"a2a+p2p\" needs the hierarchical CP groups (ParallelState."
                              "build_hierarchical_context_parallel, from megatron.hierarchical_context_parallel_sizes)")
-        return _hierarchical_attention(q, k, v, cp_group, *hierarchical, causal, scale, places)
-    return _AllGatherAttention.apply(q, k, v, cp_group, causal, scale, places)
+        return _hierarchical_attention(q, k, v, cp_group, *hierarchical, causal, score, places)
+    return _AllGatherAttention.apply(q, k, v, cp_group, causal, score, places)

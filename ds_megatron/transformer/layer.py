@@ -1,5 +1,8 @@
 """One pre-LayerNorm transformer layer: x + attn(ln(x)), then x + mlp(ln(x)).
 
+With ``post_sublayer_norms`` (Gemma 2 / 3) the attention's and the MLP's outputs are normalized too before
+their residual adds: x + ln(attn(ln(x))), then x + ln(mlp(ln(x))).
+
 Under sequence parallelism the LayerNorms, dropouts and residual adds run on
 this rank's slice of the sequence ([s/tp, b, h]); their dropout therefore
 uses the model-parallel RNG (different slices, different masks), and the
@@ -61,10 +64,12 @@ class GraphableLayer(torch.nn.Module):
 class ParallelTransformerLayer(GraphableLayer):
     """``config``: a ``GPTConfig``; ``tp``: the tensor-parallel group; ``build_mlp``: makes the layer's MLP
     (a ``ParallelMLP``, or an MoE layer on the expert groups; the model that owns the layer decides), called
-    after attention so that weights are drawn in Megatron's order whatever the MLP is."""
+    after attention so that weights are drawn in Megatron's order whatever the MLP is.  ``layer_number``: the
+    layer's index in the whole model (0-based; its attention window and RoPE base follow it)."""
 
     def __init__(self, config, *, tp: ParallelGroup, build_mlp: Callable[[], torch.nn.Module], init_method,
-                 output_init_method, rng_tracker=None, cp: Optional[ParallelGroup] = None, hierarchical_cp=None):
+                 output_init_method, rng_tracker=None, cp: Optional[ParallelGroup] = None, hierarchical_cp=None,
+                 layer_number: int = 0):
         super().__init__()
         h = config.hidden_size
         sp = config.sequence_parallel
@@ -79,12 +84,20 @@ class ParallelTransformerLayer(GraphableLayer):
         self.recompute_mlp, self.recompute_layernorm = "mlp" in modules, "layernorm" in modules
         self.mlp_sequence_tiles = config.mlp_sequence_tiles
         self.input_layernorm = build_norm(config, h, sequence_parallel=sp)
-        attention = MLASelfAttention if config.multi_latent_attention else ParallelAttention
+        if config.multi_latent_attention:
+            attention = MLASelfAttention
+        else:
+            attention = functools.partial(ParallelAttention, layer_number=layer_number)
         self.self_attention = attention(config, tp=tp, init_method=init_method,
                                         output_init_method=output_init_method, rng_tracker=rng_tracker, cp=cp,
                                         hierarchical_cp=hierarchical_cp)
-        self.post_attention_layernorm = build_norm(config, h, sequence_parallel=sp)
+        self.post_self_attn_layernorm = self.post_mlp_layernorm = None
+        if config.post_sublayer_norms:
+            self.post_self_attn_layernorm = build_norm(config, h, sequence_parallel=sp)
+        self.post_attention_layernorm = build_norm(config, h, sequence_parallel=sp)  # the MLP's input norm
         self.mlp = build_mlp()
+        if config.post_sublayer_norms:
+            self.post_mlp_layernorm = build_norm(config, h, sequence_parallel=sp)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0:
@@ -102,12 +115,17 @@ class ParallelTransformerLayer(GraphableLayer):
     def forward_attention(self, hidden: torch.Tensor,
                           packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:
         normed = self._selective(self.recompute_layernorm, self.input_layernorm, hidden)
-        return hidden + self._dropout(self.self_attention(normed, packed_seq_params))
+        out = self.self_attention(normed, packed_seq_params)
+        if self.post_self_attn_layernorm is not None:
+            out = self._selective(self.recompute_layernorm, self.post_self_attn_layernorm, out)
+        return hidden + self._dropout(out)
 
     def pre_mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._selective(self.recompute_layernorm, self.post_attention_layernorm, hidden)
 
     def post_mlp(self, hidden: torch.Tensor, mlp_output: torch.Tensor) -> torch.Tensor:
+        if self.post_mlp_layernorm is not None:
+            mlp_output = self._selective(self.recompute_layernorm, self.post_mlp_layernorm, mlp_output)
         return hidden + self._dropout(mlp_output)
 
     def forward(self, hidden: torch.Tensor, packed_seq_params: Optional[PackedSeqParams] = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ the first GEMM produces ``[gate; up]`` and the activation is
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from ..parallel_state import ParallelGroup
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu}
+ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 def gated_rows_per_rank(master: torch.Tensor, parts: int) -> torch.Tensor:

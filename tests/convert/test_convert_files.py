@@ -25,7 +25,8 @@ def _tensors(directory):
     ("llama", dict(tp=2, pp=2), torch.float32, None), ("mistral", dict(tp=4), torch.bfloat16, None),
     ("qwen2", dict(tp=2, pp=2), torch.float32, None), ("mixtral", dict(tp=2, ep=2, etp=1), torch.bfloat16, None),
     ("qwen2_moe", dict(tp=4, pp=2, ep=2), torch.float32, None), ("qwen3_moe", dict(tp=4, ep=4), torch.float32, None),
-    ("qwen3", dict(tp=2, pp=2), torch.bfloat16, "yarn_mscale"), ("llama", dict(pp=2), torch.float32, "llama3")])
+    ("qwen3", dict(tp=2, pp=2), torch.bfloat16, "yarn_mscale"), ("llama", dict(pp=2), torch.float32, "llama3"),
+    ("gemma2", dict(tp=2, pp=2), torch.bfloat16, None), ("gemma3", dict(tp=2, pp=2), torch.float32, None)])
 def test_round_trip_is_bit_exact(tmp_path, family, layout, dtype, rope):
     model = hf_models.make_model(family, dtype=dtype, rope=rope)
     src = hf_models.save(model, str(tmp_path / "hf"))

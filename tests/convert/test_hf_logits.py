@@ -1,6 +1,7 @@
 """Models imported from Hugging Face give transformers' logits (float64, 1e-10) at TP=1/2/4, SP, PP=2 and EP=2.
 
-Every family at every layout with plain RoPE; RoPE scaling (llama3, yarn, linear) at a few layouts each.
+Every family at every layout with plain RoPE (Gemma 2 / 3 at four of them); RoPE scaling (llama3, yarn, linear) at
+a few layouts each.
 
 Each rank builds our model from the converted config and loads its own shards,
 either straight from the Hugging Face directory (converted on the fly, as
@@ -80,7 +81,10 @@ LAYOUTS = [  # tp, pp, ep, sequence parallel, load from
     (4, 1, 1, True, "ours"), (2, 2, 1, False, "hf"), (1, 2, 1, False, "ours"),
 ]
 MOE_LAYOUTS = [(1, 1, 2, False, "hf"), (2, 1, 2, True, "ours"), (1, 2, 2, False, "hf")]
-CASES = [(f, *lay) for f in hf_models.FAMILIES for lay in LAYOUTS + (MOE_LAYOUTS if f in hf_models.MOE else [])]
+# Gemma (sliding windows by layer, soft-capping, four norms a layer): one rank, TP 2 with SP, TP 2 x PP 2, PP 2
+GEMMA_LAYOUTS = [(1, 1, 1, False, "hf"), (2, 1, 1, True, "hf"), (2, 2, 1, False, "hf"), (1, 2, 1, False, "ours")]
+CASES = [(f, *lay) for f in hf_models.FAMILIES
+         for lay in (GEMMA_LAYOUTS if f in hf_models.GEMMA else LAYOUTS + (MOE_LAYOUTS if f in hf_models.MOE else []))]
 
 
 # family, hf_models.ROPE_SCALINGS key, layout: each type at a few layouts, not the cross product

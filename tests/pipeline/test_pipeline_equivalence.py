@@ -26,6 +26,14 @@ from ds_megatron.pipeline_parallel.schedule_table import get_order, rank_operati
 MODEL = dict(num_layers=4, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, seq_length=8, vocab_size=60,
              hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=4)
 MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+# Gemma's pieces: windows of 3 in layers 0, 2, 3 (layer 1 global: with v = 2 rank 1 holds layers 1 and 3, so a window
+# read from a chunk's own layer count would be wrong), its own softmax scale, both soft-caps, the local RoPE base,
+# (1 + w) norms, four a layer, scaled embeddings, GeGLU with tanh GELU, QK norm, head_dim != hidden / heads.
+GEMMA = dict(position_embedding_type="rope", normalization="RMSNorm", layernorm_zero_centered_gamma=True,
+             post_sublayer_norms=True, apply_embedding_scaling=True, gated_linear_unit=True, activation="gelu_tanh",
+             add_bias_linear=False, qk_layernorm=True, kv_channels=12, num_query_groups=1, softmax_scale=0.2,
+             attn_logit_softcapping=2.0, final_logit_softcapping=3.0, window_size=[2, 0],
+             window_attn_skip_freq=[1, 0, 1, 1], local_rotary_base=100.0)
 # 3 steps: the second and third take Adam's moments and the clipped norm of a step the pipeline computed, and the
 # third sees the first step's batch again (its loss must have fallen).
 GLOBAL, MBS, STEPS = 16, 2, 3
@@ -100,17 +108,19 @@ def _gathered_weights(named_params, state):
 
 
 def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1, impl="megatron", recompute=False,
-           clip=CLIP, pipeline=None, layers=None, record_order=False, cp=1, steps=STEPS, mtp=None, untied=False):
+           clip=CLIP, pipeline=None, layers=None, record_order=False, cp=1, steps=STEPS, mtp=None, untied=False,
+           gemma=False):
     """``pipeline``: the schedule's keys of the "megatron" section (ours with ``pipeline_schedule``
     "interleaved_1f1b", the default with v > 1); ``layers``: num_layers instead of MODEL's; ``mtp``:
-    mtp_num_layers (on the last stage, with copies of the word and position embeddings there)."""
+    mtp_num_layers (on the last stage, with copies of the word and position embeddings there); ``gemma``: GEMMA's
+    architecture."""
     world = dist.get_world_size()
     dp = world // (pp * tp * cp)
     cfg = _config(pp, tp, dp, precision, distopt, sp, moe, ep, impl, clip,
                   dict(pipeline or {}, context_parallel_size=cp))
     state = ds_megatron.initialize_model_parallel(cfg)
     model_args = dict(MODEL, num_layers=layers or MODEL["num_layers"])
-    config = GPTConfig(**model_args, **(MOE if moe else {}), sequence_parallel=sp,
+    config = GPTConfig(**model_args, **(MOE if moe else {}), **(GEMMA if gemma else {}), sequence_parallel=sp,
                        recompute_granularity="full" if recompute else None, mtp_num_layers=mtp,
                        untie_embeddings_and_output_weights=untied)
     torch.manual_seed(7)
@@ -247,6 +257,7 @@ CASES = {
     "ours-pp2-zb-mtp-tp2-sp": (4, dict(pp=2, tp=2, sp=True, mtp=1, pipeline=ZB), dict(pp=1, tp=2, sp=True, mtp=1),
                                1e-5),
     "ours-pp2-v2-recompute": (2, dict(pp=2, tp=1, pipeline=V2, recompute=True), dict(pp=1, tp=1), 1e-5),
+    "ours-pp2-v2-gemma": (2, dict(pp=2, tp=1, pipeline=V2, gemma=True), dict(pp=1, tp=1, gemma=True), 1e-5),
     "ours-pp2-uneven": (2, dict(pp=2, tp=1, pipeline=dict(ONE_CHUNK, decoder_first_pipeline_num_layers=1)),
                         dict(pp=1, tp=1), 1e-5),
     "ours-pp2-v2-uneven": (2, dict(pp=2, tp=1, layers=6, pipeline=dict(V2, decoder_last_pipeline_num_layers=2)),

@@ -144,6 +144,59 @@ def test_bfloat16_inputs_match_dense_attention_to_bfloat16_rounding(attention, c
         assert _rel(got, expected[i]) < 2 ** -7, (name, _rel(got, expected[i]))
 
 
+WINDOW, CAP, SCALE = 5, 1.5, 0.3  # a window over zigzag chunks of 8 tokens; a cap the scores (a few units) bend at
+
+
+def _gemma_dense(q, k, v, dout):
+    """Gemma 2's core on one rank: ``softmax(mask(CAP tanh(q k^T SCALE / CAP))) v``, key j seen from query i iff
+    ``i - WINDOW <= j <= i``; output and input grads by autograd."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    rep = q.size(1) // k.size(1)
+    ke, ve = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.tanh(q @ ke.transpose(-1, -2) * SCALE / CAP) * CAP
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    out = torch.softmax(scores.masked_fill((j > i) | (j < i - WINDOW), float("-inf")), dim=-1) @ ve
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _cp_rank_windowed(names):
+    import torch.distributed as dist
+    from ds_megatron.parallel import ParallelLayout
+    from ds_megatron.parallel_state import ParallelState
+    cp = dist.get_world_size()
+    state = ParallelState.build(ParallelLayout(world_size=cp, cp=cp))
+    try:
+        results = []
+        for name in names:
+            hierarchical = None
+            if name.startswith("a2a+p2p"):
+                name, inner = name.split(":")
+                state.build_hierarchical_context_parallel(int(inner))
+                hierarchical = state.hierarchical_context_parallel
+            q, k, v, dout = (zigzag_split(t, cp, state.cp.rank, seq_dim=2) for t in _inputs(2))
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            out = context_parallel_attention(q, k, v, state.cp, comm_type=name, softmax_scale=SCALE,
+                                             hierarchical=hierarchical, window=WINDOW, softcap=CAP)
+            out.backward(dout)
+            results.append((out.detach(), q.grad, k.grad, v.grad))
+        return results
+    finally:
+        state.destroy()
+
+
+def test_sliding_window_and_soft_cap_match_dense_attention():
+    """Gemma's cores under CP: every comm type masks its blocks by the window and soft-caps the scores before the
+    log-sum-exp merge, forward and backward (the cap's derivative in the flash-style backward)."""
+    names = ["p2p", "all_gather", "a2a", "a2a+p2p:2"]
+    expected = _gemma_dense(*_inputs(2))
+    per_rank = run_on_ranks(2, _cp_rank_windowed, names, timeout=120)
+    for j, name in enumerate(names):
+        for grad, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
+            got = zigzag_unsplit([r[j][i] for r in per_rank], seq_dim=2)
+            assert _rel(got, expected[i]) < TOL, (name, grad, _rel(got, expected[i]))
+
+
 def test_one_rank_group_is_dense_attention():
     from ds_megatron.parallel_state import ParallelGroup
     q, k, v, dout = _inputs(2)
