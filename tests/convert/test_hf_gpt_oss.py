@@ -109,8 +109,9 @@ def test_unsupported_fields_are_refused_in_one_line(overrides, match):
 def test_one_rank_equals_transformers_and_round_trips(gpt_oss):
     hf_model, hf_dir, toks, ref, tmp = gpt_oss
     ours = hf_to_ours(hf_dir, str(tmp / "ours_tp1"))
-    for path in (hf_dir, ours):
-        model = ds_megatron.from_pretrained(path, dtype=torch.float64, seq_length=SEQ).eval()
+    for path, grouped in ((hf_dir, True), (ours, False)):  # both experts classes (their biases)
+        model = ds_megatron.from_pretrained(path, dtype=torch.float64, seq_length=SEQ,
+                                            moe_grouped_gemm=grouped).eval()
         with torch.no_grad():
             assert hf_models.max_relative_error(model(toks)[..., :VOCAB], ref) < 1e-10, path
     # the plan counts what the model holds (sinks, router and expert biases)
