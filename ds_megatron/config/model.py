@@ -390,9 +390,8 @@ class GPTConfig:
 
     def _check_architecture(self) -> None:
         choices = {"position_embedding_type": ("learned_absolute", "rope", "none"),
-                   "normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "silu", "gelu_tanh",
-                                                                                 "quick_gelu"),
-                   "softmax_type": ("vanilla", "learnable")}
+                   "normalization": ("LayerNorm", "RMSNorm"),
+                   "activation": ("gelu", "silu", "gelu_tanh", "quick_gelu"), "softmax_type": ("vanilla", "learnable")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} is unknown; use one of {', '.join(allowed)}")

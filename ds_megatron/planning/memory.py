@@ -124,7 +124,8 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
     probabilities too), or MLA's latents, its q, k, v and output (``qk_head_dim +
     qk_pos_emb_head_dim`` wide: v padded to it) and the re-layout (``v_head_dim``); the attention sinks' core: its
     ``s x (s + 1)`` probabilities too; the MLP's input and its ``ffn``-wide tensors (GELU: fc1's output and the
-    activation's; gated: fc1's two halves, act(gate) and the product; gpt-oss's clamped quick-GELU GLU three more); an MoE layer's router input and, per routed token (``moe_router_topk`` per token under balanced
+    activation's; gated: fc1's two halves, act(gate) and the product; gpt-oss's clamped quick-GELU GLU three
+    more); an MoE layer's router input and, per routed token (``moe_router_topk`` per token under balanced
     routing, /tp with sequence parallelism), the permuted input, the experts' ffn-wide tensors (one more: the
     routing weight's product) and the output before the combining sum, plus a shared expert as a dense MLP.
     At micro-batch 1 (no CP, no attention dropout) the re-layout is a view of the core's output (the fused

@@ -4,7 +4,8 @@ Megatron's layouts as arithmetic: the TP-split weights (QKV with KV heads split
 over TP or, with fewer KV groups than TP ranks, one group replicated per rank;
 the output projection; the MLP), the replicated ones (norms, row-parallel
 biases, the router and its bias), the attention sinks (split by heads), and the experts
-(``num_experts / EP`` per rank, each split over ETP; their biases with ``moe_add_bias_linear``).  ``planning.memory`` turns the counts into bytes,
+(``num_experts / EP`` per rank, each split over ETP; their biases with ``moe_add_bias_linear``).
+``planning.memory`` turns the counts into bytes,
 ``planning.comm_volume`` into gradient traffic, and the pipeline split by
 parameters (``pipeline_stage_layers``, used by ``integration.pipeline`` as
 well) weighs each layer by them; ``tests/optimizer/test_planning.py`` holds
