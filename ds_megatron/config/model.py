@@ -689,9 +689,6 @@ class GPTConfig:
             raise ConfigError(f"model.cp_comm_type \"a2a\" splits each TP rank's {self.num_attention_heads // tp} "
                               f"attention heads over context_parallel_size={cp}, which must divide them; use "
                               "cp_comm_type \"p2p\" or a context_parallel_size that divides the heads")
-        if self.softmax_type != "vanilla":
-            raise ConfigError(f"model.softmax_type={self.softmax_type!r} with context_parallel_size={cp}: the "
-                              "context-parallel cores do not carry the sinks' logit yet; use context_parallel_size 1")
         if self.attention_dropout > 0:
             raise ConfigError(f"model.attention_dropout={self.attention_dropout} with context_parallel_size={cp}: the "
                               "context-parallel attention has no dropout; set model.attention_dropout to 0")

@@ -148,8 +148,8 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
         if cfg.attn_logit_softcapping is not None and not core:
             # the soft-capped core is not fused: its capped scores and probabilities, [b, heads/tp, s, s] each
             attention += 2 * cfg.num_attention_heads / tp * cfg.seq_length
-        elif cfg.softmax_type == "learnable" and not core:
-            # the sinks' core is not fused: its probabilities with the sink's column, [b, heads/tp, s, s + 1]
+        elif cfg.softmax_type == "learnable" and not core and cp == 1:
+            # the sinks' core (the CP cores keep their rows' log-sum-exp only) is not fused: its probabilities with the sink's column, [b, heads/tp, s, s + 1]
             attention += cfg.num_attention_heads / tp * (cfg.seq_length + 1)
     return norms + attention + h + (0 if mlp else mlp_activation_elements(cfg, layer, tp, etp))
 

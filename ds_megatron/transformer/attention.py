@@ -176,7 +176,8 @@ class ParallelAttention(torch.nn.Module):
             # GQA-aware: only the kv heads travel; no attention dropout here (refused at config time).
             ctx = context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, softmax_scale=self.softmax_scale,
                                              hierarchical=self.hierarchical_cp, window=self.window,
-                                             softcap=self.softcap, places=None if packed is None else packed.cp_places)
+                                             softcap=self.softcap, places=None if packed is None else packed.cp_places,
+                                             sinks=self.sinks)
             return self._output(ctx)
         heads_per_kv = q.size(1) // k.size(1)
         if heads_per_kv > 1:

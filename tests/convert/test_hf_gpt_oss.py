@@ -4,8 +4,8 @@ One tiny random model per module (``hf_models.make_gpt_oss``: every parameter re
 included; windows of 4 in sequences of 12, layer 0 sliding and layer 1 full; gpt-oss's default yarn RoPE;
 swiglu_limit 0.3, which the gate and up values cross).  Our logits equal transformers' float64 logits to 1e-10 at
 one rank (``from_pretrained`` of its directory and of our converted one) and, in one 2-rank job, at TP=2 with SP,
-PP=2 and EP=2; HF -> ours -> HF is bit-exact with config.json unchanged.  Context parallelism is refused in one
-line (the sinks).  MXFP4 experts: hand-made blocks and scales dequantize as transformers'
+PP=2, EP=2 and CP=2 in each exchange (the ring, all-gather, all-to-all), where the sinks' and the router bias's
+gradients equal transformers' too; HF -> ours -> HF is bit-exact with config.json unchanged.  MXFP4 experts: hand-made blocks and scales dequantize as transformers'
 ``_convert_moe_packed_tensors`` does, and a directory holding them loads with transformers' logits of the
 dequantized model, and exports in the model's dtype without the quantization_config.  The plan counts the model's
 parameters.
@@ -32,6 +32,7 @@ from ds_megatron.errors import ConvertError
 from ds_megatron.models import GPTModel
 from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.parallel_state import ParallelState
+from ds_megatron.transformer.context_parallel import zigzag_unsplit
 
 VOCAB, SEQ = hf_models.VOCAB, hf_models.SEQ
 
@@ -139,21 +140,23 @@ def test_the_attention_sinks_gradient_equals_transformers(gpt_oss):
         assert float((layer.mlp.router.bias.grad - bias).abs().max() / bias.abs().max()) < 1e-10, i
 
 
-def test_context_parallelism_is_refused_in_one_line(gpt_oss):
+def test_expert_tensor_parallelism_is_refused_in_one_line(gpt_oss):
     config = HFSource(gpt_oss[1]).gpt_config(seq_length=SEQ)
-    with pytest.raises(ConfigError, match=r"^model.softmax_type='learnable' with context_parallel_size=2: the "
-                                          r"context-parallel cores do not carry the sinks' logit yet; use "
-                                          r"context_parallel_size 1$"):
-        config.check_context_parallel(2, 1)
     with pytest.raises(ConfigError, match=r"^model.moe_add_bias_linear with megatron.expert_tensor_parallel_size=2"):
         config.check_expert_parallel(1, 2)
 
 
-# tp, pp, ep, sequence parallel, read from
-LAYOUTS = [(2, 1, 1, True, "hf"), (1, 2, 1, False, "ours"), (1, 1, 2, False, "ours"), (1, 1, 2, False, "hf")]
+# tp, pp, ep, sequence parallel, context parallel (its exchange), read from
+LAYOUTS = [(2, 1, 1, True, None, "hf"), (1, 2, 1, False, None, "ours"), (1, 1, 2, False, None, "ours"),
+           (1, 1, 2, False, None, "hf"), (1, 1, 1, False, "p2p", "hf"), (1, 1, 1, False, "all_gather", "hf"),
+           (1, 1, 1, False, "a2a", "hf")]
 
 
 def _gather_vocab(logits, state):
+    if state.cp.size > 1:  # this rank's zigzag chunks -> the whole sequence
+        parts = [torch.empty_like(logits) for _ in range(state.cp.size)]
+        dist.all_gather(parts, logits.contiguous(), group=state.cp.group)
+        logits = zigzag_unsplit(parts, seq_dim=1)
     if state.tp.size > 1:
         parts = [torch.empty_like(logits) for _ in range(state.tp.size)]
         dist.all_gather(parts, logits.contiguous(), group=state.tp.group)
@@ -162,14 +165,27 @@ def _gather_vocab(logits, state):
 
 
 def _logits_of_layouts(cases, hf_dir, toks):
-    """Our logits at each (layout, path) of ``cases`` in this job: on the last stage's ranks, None on the others."""
+    """Our logits at each (layout, path) of ``cases`` in this job: on the last stage's ranks, None on the others;
+    under CP with the sinks' and router biases' gradients of the logits' sum of squares, summed over CP."""
     out = []
-    for (tp, pp, ep, sp, _), path in cases:
-        state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep, etp=1))
-        config = HFSource(hf_dir).gpt_config(sequence_parallel=sp, seq_length=SEQ)
+    for (tp, pp, ep, sp, cp, _), path in cases:
+        state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep, etp=1,
+                                                   cp=2 if cp else 1))
+        config = HFSource(hf_dir).gpt_config(sequence_parallel=sp, seq_length=SEQ, cp_comm_type=cp or "p2p")
         stages = [list(r) for r in stage_layer_ranges(stage_layer_counts(config.num_layers, pp, "uniform", None,
                                                                          None))]
         try:
+            if cp:
+                model = GPTModel(config, state).double().eval()
+                load_weights(model, path, state, stages)
+                logits = model(toks)
+                logits[..., :VOCAB].square().sum().backward()
+                grads = [p.grad for layer in model.layers
+                         for p in (layer.self_attention.sinks, layer.mlp.router.bias)]
+                for g in grads:
+                    dist.all_reduce(g, group=state.cp.group)
+                out.append((_gather_vocab(logits.detach(), state), grads))
+                continue
             if pp == 1:
                 model = GPTModel(config, state).double().eval()
                 load_weights(model, path, state, stages)
@@ -197,10 +213,14 @@ def _logits_of_layouts(cases, hf_dir, toks):
 
 
 def test_every_layout_equals_transformers_and_round_trips(gpt_oss):
-    _, hf_dir, toks, ref, tmp = gpt_oss
+    hf_model, hf_dir, toks, ref, tmp = gpt_oss
+    reference = hf_models.float64_reference(hf_model)
+    reference.zero_grad()
+    reference(toks).logits.square().sum().backward()
+    want = [p.grad for layer in reference.model.layers for p in (layer.self_attn.sinks, layer.mlp.router.bias)]
     cases = []
     for i, lay in enumerate(LAYOUTS):
-        tp, pp, ep, _, via = lay
+        tp, pp, ep, _, _, via = lay
         ours = str(tmp / f"ours_{i}")
         cases.append((lay, hf_to_ours(hf_dir, ours, tp=tp, pp=pp, ep=ep, etp=1) if via == "ours" else hf_dir))
     per_rank = run_on_ranks(2, _logits_of_layouts, cases, hf_dir, toks)
@@ -208,6 +228,10 @@ def test_every_layout_equals_transformers_and_round_trips(gpt_oss):
         results = [r[i] for r in per_rank if r[i] is not None]
         assert results
         for got in results:
+            if isinstance(got, tuple):  # CP: the gradients too
+                got, grads = got
+                for g, w in zip(grads, want):
+                    assert hf_models.max_relative_error(g, w) < 1e-10, lay
             err = hf_models.max_relative_error(got, ref)
             assert err < 1e-10, (lay, err)
         if path != hf_dir:
