@@ -119,7 +119,7 @@ def float64_reference(model):
         if name.endswith("RMSNorm"):
             gemma = not hasattr(module, "variance_epsilon")
             module.forward = types.MethodType(_gemma_rms_f64 if gemma else _rms_f64, module)
-        elif name.endswith("TopKRouter"):
+        elif name.endswith("TopKRouter") and name != "GptOssTopKRouter":  # gpt-oss's computes in the model's dtype
             module.forward = types.MethodType(_router_f64, module)
         elif name in ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter"):  # the same router
             module.forward = types.MethodType(_deepseek_v3_router_f64, module)
@@ -183,6 +183,30 @@ def make_glm4_moe(seed=0, dtype=torch.float64, **overrides):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn(b.shape, generator=g))
+    return model.to(dtype).eval()
+
+
+# A tiny gpt-oss: head_dim 16 (not hidden / heads), 2 query groups, windows of 4 tokens in sequences of SEQ = 12
+# (layer 0 sliding, layer 1 full), gpt-oss's default yarn RoPE (truncate false), 4 experts (top 2), swiglu_limit 0.3,
+# below the gate and up values' spread so that the clamp bites; every weight and bias random, the sinks of the size
+# of the scores so that they take a visible share of each row's softmax.
+GPT_OSS = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+               swiglu_limit=0.3, tie_word_embeddings=False, attn_implementation="eager")
+
+
+def make_gpt_oss(seed=0, dtype=torch.float64, **overrides):
+    """A tiny random ``GptOssForCausalLM`` (``GPT_OSS`` with ``overrides``): every parameter re-drawn, sinks and
+    biases included."""
+    config = T.GptOssConfig(**{**GPT_OSS, **overrides})
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = T.GptOssForCausalLM(config)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name else noise if name.endswith("sinks") else 0.05 * noise)
     return model.to(dtype).eval()
 
 

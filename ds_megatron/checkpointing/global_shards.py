@@ -19,7 +19,9 @@ The layouts (Megatron's, see ``transformer/attention.py``, ``transformer/mlp.py`
   blocks of the whole ``[gate; up]``; without it one block;
 * multi-latent attention's up-projections (``q_proj`` / ``q_b_proj``, ``kv_b_proj``): whole heads, a block of rows;
 * row-parallel weights (attention ``dense`` or ``o_proj``, fc2, the experts' fc2): a block of columns;
-* experts: global expert index in the name, fc1 / fc2 split over the expert-tensor ranks;
+* the attention sinks (gpt-oss): the rank's heads, a block;
+* experts: global expert index in the name, fc1 / fc2 split over the expert-tensor ranks (fc1's bias as fc1,
+  fc2's whole);
 * everything else (norms, biases of row-parallel layers, position embeddings, the router,
   the shared-expert gate) whole on every rank that holds it.
 
@@ -35,7 +37,8 @@ from typing import List, Tuple
 
 from ..config.model import GPTConfig, pad_vocab_size
 
-_EXPERT = re.compile(r"^((?:layers\.\d+|mtp\.\d+\.layer)\.mlp\.experts)\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_EXPERT = re.compile(r"^((?:layers\.\d+|mtp\.\d+\.layer)\.mlp\.experts)\.(\d+)\.(linear_fc1|linear_fc2)\."
+                     r"(weight|bias)$")
 _ROW_PARALLEL = (".self_attention.dense.weight", ".self_attention.o_proj.weight", ".mlp.dense_4h_to_h.weight", ".shared_experts.dense_4h_to_h.weight")
 # multi-latent attention's column-parallel up-projections: whole heads per rank, one block of rows
 _MLA_UP = (".self_attention.q_proj.weight", ".self_attention.q_b_proj.weight", ".self_attention.kv_b_proj.weight")
@@ -100,10 +103,10 @@ def global_shards(config: GPTConfig, name: str, shape: Tuple[int, ...], tensor_p
     tp, t = rank.tp, rank.tp_rank
     expert = _EXPERT.match(name)
     if expert:
-        prefix, e, which = expert.groups()
-        full = f"{prefix}.local_experts.{e}.{which}.weight"  # SequentialMLP's name in the one-rank model
-        if which == "linear_fc2":
-            return _columns(full, shape, rank.etp, rank.etp_rank)
+        prefix, e, which, kind = expert.groups()
+        full = f"{prefix}.local_experts.{e}.{which}.{kind}"  # SequentialMLP's name in the one-rank model
+        if which == "linear_fc2":  # its bias (gpt-oss) whole
+            return _columns(full, shape, rank.etp, rank.etp_rank) if kind == "weight" else _block(full, shape, 1, 0)
         split = _gated if config.gated_linear_unit else _block
         return split(full, shape, rank.etp, rank.etp_rank)
     if name in ("word_embeddings.weight", "output_layer.weight"):
@@ -125,7 +128,7 @@ def global_shards(config: GPTConfig, name: str, shape: Tuple[int, ...], tensor_p
         start = group * group_rows + (copy * shape[0] if which == "linear_q" else per_group * d)
         return [GlobalShard(f"{prefix}query_key_value.{kind}", (g * group_rows,) + shape[1:], (0, shape[0]),
                             (start,) + (0,) * (len(shape) - 1))]
-    if name.endswith(_MLA_UP):
+    if name.endswith(_MLA_UP) or name.endswith(".self_attention.sinks"):  # whole heads per rank
         return _block(name, shape, tp, t)
     if name.endswith(".eh_proj.weight"):  # multi-token prediction's column-parallel projection
         return _block(name, shape, tp, t)

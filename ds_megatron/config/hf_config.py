@@ -1,7 +1,8 @@
 """Hugging Face ``config.json`` <-> our ``model`` section (pure Python, no torch).
 
 ``model_from_hf(hf)`` returns ``(family, GPTConfig keyword arguments)`` for the
-families we reproduce exactly (``FAMILIES``; DeepSeek-V3 by ``_deepseek_v3``, GLM-4.5 by ``_glm4_moe``), RoPE scaling
+families we reproduce exactly (``FAMILIES``; DeepSeek-V3 by ``_deepseek_v3``, GLM-4.5 by ``_glm4_moe``, gpt-oss by
+``_gpt_oss``), RoPE scaling
 of types default, linear, llama3 and yarn included; anything that would change the model's
 arithmetic in a way we do not implement (other RoPE scalings, sliding windows
 shorter than the sequence, an unknown field)
@@ -38,9 +39,10 @@ FAMILIES = {
     "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5, GLM-4.5-Air, GLM-4.6
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",  # the text model (model_type gemma3_text)
+    "GptOssForCausalLM": "gpt_oss",
 }
 ARCHITECTURES = {family: arch for arch, family in FAMILIES.items()}
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 # Families whose checkpoints may hold multi-token-prediction layers (model.layers.{num_hidden_layers + k})
 MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
 
@@ -177,6 +179,8 @@ def model_from_hf(hf: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
         return family, _glm4_moe(hf)
     if family in GEMMA_FAMILIES:
         return family, _gemma(family, hf)
+    if family == "gpt_oss":
+        return family, _gpt_oss(hf)
     for key in hf:
         if key not in _NEUTRAL:
             raise _fail(key, hf[key], "ds_megatron does not know what this field changes: remove it if it does not "
@@ -638,6 +642,84 @@ def _gemma(family: str, hf: Dict[str, Any]) -> Dict[str, Any]:
     return model
 
 
+# gpt-oss (transformers' GptOssForCausalLM) ------------------------------------------------------------------------
+# transformers' GptOssConfig defaults: a field config.json leaves out is read as transformers reads it
+_GPT_OSS_DEFAULTS = {
+    "num_hidden_layers": 36, "num_local_experts": 128, "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "sliding_window": 128, "tie_word_embeddings": False, "hidden_act": "silu", "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "attention_dropout": 0.0, "num_experts_per_tok": 4, "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0, "router_aux_loss_coef": 0.001, "attention_bias": True,
+}
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+_GPT_OSS_FIELDS = set(_GPT_OSS_DEFAULTS) | {"rope_theta", "rope_scaling", "rope_parameters", "layer_types",
+                                            "quantization_config"}
+
+
+def _gpt_oss(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """Our model section of a gpt-oss ``config.json``, read as transformers' ``GptOssForCausalLM`` does: attention
+    sinks, sliding (``sliding_window``) and full layers by ``layer_types``, q/k/v/o biases (``attention_bias``),
+    yarn RoPE, a biased router (top-k, then softmax over the k), biased experts with the clamped GLU
+    ``(up.clamp(-limit, limit) + 1) * quick_gelu(gate.clamp(max=limit))``.  MXFP4 expert weights
+    (``quantization_config`` quant_method mxfp4) are dequantized on load (``convert.fused_experts``)."""
+    for key in hf:
+        if key not in _BOOKKEEPING and key not in _GPT_OSS_FIELDS:
+            raise _fail(key, hf[key], "ds_megatron does not know what this field changes in gpt_oss: remove it if it "
+                        "does not change the model")
+
+    def get(key):
+        return hf[key] if key in hf else _GPT_OSS_DEFAULTS[key]
+
+    quant = hf.get("quantization_config")
+    if quant and (not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4"):
+        raise _fail("quantization_config", quant, "only gpt-oss's MXFP4 experts are dequantized on load: convert a "
+                    "checkpoint in bf16 / fp32 or with quant_method mxfp4")
+    if get("hidden_act") != "silu":  # transformers' gpt-oss never reads it: a different value is likely a mistake
+        raise _fail("hidden_act", get("hidden_act"), "gpt-oss's experts use swiglu_alpha, not hidden_act: set silu")
+    if get("swiglu_alpha") != 1.702:
+        raise _fail("swiglu_alpha", get("swiglu_alpha"), "ds_megatron builds gpt-oss's gate activation "
+                    "x * sigmoid(1.702 x) (Megatron's quick_gelu): convert a model with swiglu_alpha 1.702")
+    limit = get("swiglu_limit")
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
+        raise _fail("swiglu_limit", limit, "use a number > 0")
+    layers, h, n = (_int(k, get(k), 1) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+    types = hf.get("layer_types")
+    if types is None:  # transformers' default: alternating, from a sliding layer
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in ("sliding_attention", "full_attention") for t in types)):
+        raise _fail("layer_types", types, f"give {layers} (num_hidden_layers) of sliding_attention / full_attention")
+    rope_hf = dict(hf)
+    if not hf.get("rope_parameters") and not hf.get("rope_scaling"):
+        rope_hf["rope_parameters"] = dict(_GPT_OSS_ROPE)
+    params = rope_hf.get("rope_scaling") or rope_hf["rope_parameters"]
+    rope_hf["rope_theta"] = params.get("rope_theta", hf.get("rope_theta", 150000.0))  # gpt-oss's default base
+    head_dim = _int("head_dim", get("head_dim"), 1)
+    bias = bool(get("attention_bias"))
+    model: Dict[str, Any] = dict(
+        num_layers=layers, hidden_size=h, num_attention_heads=n,
+        num_query_groups=_int("num_key_value_heads", get("num_key_value_heads"), 1),
+        kv_channels=head_dim if head_dim * n != h else None,
+        ffn_hidden_size=_int("intermediate_size", get("intermediate_size"), 1),
+        seq_length=get("max_position_embeddings"), vocab_size=get("vocab_size"), hidden_dropout=0.0,
+        attention_dropout=float(get("attention_dropout") or 0.0), init_method_std=hf.get("initializer_range", 0.02),
+        norm_epsilon=float(get("rms_norm_eps")), position_embedding_type="rope", **_rope(rope_hf),
+        normalization="RMSNorm", gated_linear_unit=True, activation="quick_gelu",
+        activation_func_clamp_value=float(limit), glu_linear_offset=1.0, softmax_type="learnable",
+        add_bias_linear=bias, add_qkv_bias=bias, untie_embeddings_and_output_weights=not get("tie_word_embeddings"),
+        num_experts=_int("num_local_experts", get("num_local_experts"), 1),
+        moe_router_topk=_int("num_experts_per_tok", get("num_experts_per_tok"), 1),
+        moe_ffn_hidden_size=get("intermediate_size"), moe_router_pre_softmax=False, moe_add_bias_linear=True,
+        moe_aux_loss_coeff=float(get("router_aux_loss_coef") or 0.0))
+    if "sliding_attention" in types:
+        window = _int("sliding_window", get("sliding_window"), 1)
+        model["window_size"] = [window - 1, 0]  # transformers: key j visible from query i iff i - j < sliding_window
+        if "full_attention" in types:
+            model["window_attn_skip_freq"] = [int(t == "sliding_attention") for t in types]
+    return model
+
+
 def model_of_checkpoint(path: str, mtp_num_layers: Optional[int] = None,
                         notices: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
     """The model section of a checkpoint directory: ours (``METADATA``) or a Hugging Face one (``config.json``, its
@@ -677,7 +759,10 @@ def hf_from_model(family: str, model: Dict[str, Any], base: Dict[str, Any]) -> D
                                f"({value!r}); export a model with the original architecture")
     if ARCHITECTURES.get(family) != (base.get("architectures") or [None])[0]:
         raise ConvertError(f"family {family!r} does not match config.json architectures {base.get('architectures')}")
-    return dict(base)
+    out = dict(base)
+    if family == "gpt_oss":
+        out.pop("quantization_config", None)  # MXFP4 experts were dequantized on load; exported in the model's dtype
+    return out
 
 
 # Families a job trained from scratch may be exported as (train.export_hf_family): the dense ones.

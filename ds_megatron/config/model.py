@@ -100,7 +100,10 @@ class GPTConfig:
     yarn_correction_range_round_to_int: bool = True  # transformers' rope_parameters.truncate
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
     gated_linear_unit: bool = False  # fc1 -> [gate; up], act(gate) * up (SwiGLU with activation "silu")
-    activation: str = "gelu"  # gelu | silu | gelu_tanh (GELU's tanh approximation; GeGLU of Gemma)
+    activation: str = "gelu"  # gelu | silu | gelu_tanh (GELU's tanh approximation; GeGLU of Gemma) | quick_gelu
+    # gpt-oss's clamped GLU (Megatron's names): gate.clamp(max=v) and up.clamp(-v, v) before act(gate) * (up + offset)
+    activation_func_clamp_value: Optional[float] = None
+    glu_linear_offset: float = 0.0
     num_query_groups: Optional[int] = None  # grouped-query attention; None: num_attention_heads (MHA)
     kv_channels: Optional[int] = None  # per-head width; None: hidden_size / num_attention_heads
     add_bias_linear: bool = True  # biases of every linear layer (QKV, attention output, MLP)
@@ -113,6 +116,9 @@ class GPTConfig:
     post_sublayer_norms: bool = False  # a norm on the attention's and the MLP's outputs before each residual add
     apply_embedding_scaling: bool = False  # word embeddings x sqrt(hidden_size), rounded to their dtype first
     softmax_scale: Optional[float] = None  # the attention scores' scale; None: 1 / sqrt(head_dim)
+    # Megatron's softmax_type: "vanilla", or "learnable" (gpt-oss's attention sinks: one learned logit per head in
+    # the softmax's denominator, taking probability from the keys and adding nothing to the output)
+    softmax_type: str = "vanilla"
     attn_logit_softcapping: Optional[float] = None  # scores -> cap * tanh(scores / cap) before the mask and softmax
     final_logit_softcapping: Optional[float] = None  # the logits -> cap * tanh(logits / cap)
     # Sliding-window attention (Megatron's names): window_size [left, right], query i sees key j iff
@@ -151,6 +157,9 @@ class GPTConfig:
     moe_router_group_topk: Optional[int] = None  # ... of which this many are kept per token
     moe_router_topk_scaling_factor: Optional[float] = None  # the chosen weights x this
     moe_router_dtype: Optional[str] = None  # null (the activations') | fp32 | fp64: the router's logits and scores
+    # biases of the MoE layers' router and experts' fc1 and fc2 (gpt-oss; Megatron ties them to add_bias_linear,
+    # which here leaves the experts bias-free as before)
+    moe_add_bias_linear: bool = False
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
     moe_capacity_factor: Optional[float] = None  # None: no token dropping
@@ -381,7 +390,8 @@ class GPTConfig:
 
     def _check_architecture(self) -> None:
         choices = {"position_embedding_type": ("learned_absolute", "rope", "none"),
-                   "normalization": ("LayerNorm", "RMSNorm"), "activation": ("gelu", "silu", "gelu_tanh")}
+                   "normalization": ("LayerNorm", "RMSNorm"),
+                   "activation": ("gelu", "silu", "gelu_tanh", "quick_gelu"), "softmax_type": ("vanilla", "learnable")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} is unknown; use one of {', '.join(allowed)}")
@@ -395,6 +405,15 @@ class GPTConfig:
                               "of heads: pick a divisor of num_attention_heads")
         if self.norm_epsilon <= 0:
             raise ConfigError(f"model.norm_epsilon must be > 0, got {self.norm_epsilon!r}")
+        v = self.activation_func_clamp_value
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+            raise ConfigError(f"model.activation_func_clamp_value must be a number > 0 or null, got {v!r}")
+        if (v is not None or self.glu_linear_offset) and not self.gated_linear_unit:
+            raise ConfigError("model.activation_func_clamp_value / glu_linear_offset shape a gated linear unit; set "
+                              "gated_linear_unit true or remove them")
+        if self.softmax_type == "learnable" and (self.multi_latent_attention or self.attn_logit_softcapping):
+            raise ConfigError("model.softmax_type \"learnable\" is built for the plain attention core; set it to "
+                              "\"vanilla\" with multi_latent_attention or attn_logit_softcapping")
         if self.layernorm_zero_centered_gamma and self.normalization != "RMSNorm":
             raise ConfigError("model.layernorm_zero_centered_gamma is built for RMSNorm only (Gemma's); set "
                               "normalization \"RMSNorm\" or turn it off")
@@ -547,6 +566,9 @@ class GPTConfig:
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ConfigError("model.moe_shared_expert_gate is true but model.moe_shared_expert_intermediate_size is "
                               "not set; the gate scales the shared expert: set its size or turn the gate off")
+        if self.moe_add_bias_linear and self.fp8 is not None:
+            raise ConfigError("model.moe_add_bias_linear with model.fp8: the fp8 expert GEMMs are built without "
+                              "biases; set fp8 null or moe_add_bias_linear false")
         if self.moe_pad_expert_input_to_capacity and self.moe_capacity_factor is None:
             raise ConfigError("model.moe_pad_expert_input_to_capacity is true but model.moe_capacity_factor is null; "
                               "padding fills experts to their capacity: set a capacity factor or turn padding off")
@@ -640,6 +662,9 @@ class GPTConfig:
             raise ConfigError(f"model.num_experts={self.num_experts} is not divisible by "
                               f"megatron.expert_model_parallel_size={ep}; each EP rank must hold the same number "
                               "of experts: change one of them")
+        if self.moe_add_bias_linear and etp > 1:
+            raise ConfigError(f"model.moe_add_bias_linear with megatron.expert_tensor_parallel_size={etp}: expert "
+                              "biases are built without expert tensor parallelism; set expert_tensor_parallel_size 1")
         if self.moe_ffn_hidden_size % etp:
             raise ConfigError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} is not divisible by "
                               f"megatron.expert_tensor_parallel_size={etp}; choose an ETP size that divides it")

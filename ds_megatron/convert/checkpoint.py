@@ -31,6 +31,7 @@ import torch
 from ..config.hf_config import METADATA, hf_from_model, model_from_hf, resolve_mtp
 from ..config.model import GPTConfig
 from ..errors import ConfigError, ConvertError
+from .fused_experts import FusedExperts, fuse, fused_shapes
 from .mapping import Layout, Mapping, Target
 from .safetensors_io import (DTYPES, TORCH_DTYPES, SliceReader, StreamingWriter, hf_weight_files, read_header,
                              tensor_table)
@@ -68,6 +69,14 @@ class HFSource:
         except ConvertError as e:
             raise ConvertError(f"{hf_dir}/{e}") from None
         self.table = tensor_table(hf_weight_files(hf_dir))
+        # gpt-oss: its fused (or MXFP4) experts as the per-expert tensors the mapping names
+        self.fused = None
+        if self.family == "gpt_oss":
+            try:
+                self.fused = FusedExperts(self.table)
+            except ConvertError as e:
+                raise ConvertError(f"{hf_dir}: {e}") from None
+            self.table = self.fused.table
         self.declared_mtp = self.model.get("mtp_num_layers") or 0
         self.notice = resolve_mtp(self.model, set(self.table), mtp_num_layers, hf_dir)
 
@@ -107,10 +116,16 @@ class HFSource:
             if copy not in self.table:
                 continue
             r = rows or (0, self.table[original][2][0])
-            if not torch.equal(reader.read(self.table[copy][0], copy, r), reader.read(self.table[original][0],
-                                                                                      original, r)):
+            if not torch.equal(self.read(reader, copy, r), self.read(reader, original, r)):
                 raise ConvertError(f"{self.table[copy][0]}: tensor {copy} differs from {original}, which ds_megatron's "
                                    "multi-token-prediction layer shares with the main model; make them equal")
+
+    def read(self, reader: SliceReader, name: str, rows: Optional[Tuple[int, int]] = None,
+             cols: Optional[Tuple[int, int]] = None) -> torch.Tensor:
+        """Rows (and columns) of Hugging Face tensor ``name`` (gpt-oss's per-expert views included)."""
+        if self.fused is not None and self.fused.is_view(name):
+            return self.fused.read(reader, name, rows, cols)
+        return reader.read(self.table[name][0], name, rows, cols)
 
     def dtype_of(self, target: Target) -> torch.dtype:
         dtypes = {self.table[p.source or p.like][1] for p in target.pieces}
@@ -127,7 +142,7 @@ class HFSource:
             if p.source is None:
                 blocks.append(torch.zeros((p.num_rows,) + tuple(target.shape[1:]), dtype=dtype))
             else:
-                blocks.append(reader.read(self.table[p.source][0], p.source, p.rows, p.cols).to(dtype))
+                blocks.append(self.read(reader, p.source, p.rows, p.cols).to(dtype))
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
@@ -272,19 +287,28 @@ def ours_to_hf(src: str, dst: str) -> str:
             del shapes[copy], contributors[copy]
         else:
             contributors[copy] = contributors[original]
-    order = sorted(shapes)
     out_dtypes = {}
-    for name in order:
+    for name in shapes:
         fname, t, _, _ = contributors[name][0]
         out_dtypes[name] = TORCH_DTYPES[dtypes[name]] if name in dtypes else \
             TORCH_DTYPES[read_header(os.path.join(src, fname))[t.name]["dtype"]]
+    # gpt-oss: the per-expert tensors go back into transformers' fused ones, in their dtype (MXFP4 is not written)
+    fused = fused_shapes(shapes) if source.family == "gpt_oss" else {}
+    written = {n: s for n, s in shapes.items() if n not in {p for _, parts in fused.values() for p in parts}}
+    written.update({n: shape for n, (shape, _) in fused.items()})
+    out_dtypes.update({n: out_dtypes[parts[0]] for n, (_, parts) in fused.items()})
+    order = sorted(written)
     tmp = _fresh_destination(dst)
     try:
         reader = SliceReader()
         writer = StreamingWriter(os.path.join(tmp, "model.safetensors"),
-                                 [(n, out_dtypes[n], shapes[n]) for n in order], {"format": "pt"})
+                                 [(n, out_dtypes[n], written[n]) for n in order], {"format": "pt"})
+
+        def assemble(name):
+            return _assemble(src, name, shapes[name], out_dtypes[name], contributors[name], reader)
         for name in order:
-            writer.write(name, _assemble(src, name, shapes[name], out_dtypes[name], contributors[name], reader))
+            writer.write(name, fuse(name, *fused[name], assemble, out_dtypes[name]) if name in fused
+                         else assemble(name))
         writer.close()
         reader.close()
         with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -17,8 +17,10 @@ QKV per query group ``[q heads, k, v]``, groups split over TP (or, when TP excee
 the groups, ``linear_q`` split and ``linear_kv`` the rank's group); multi-latent
 attention's up-projections by whole heads, its down-projections and latent norms
 whole; fc1 ``[gate; up]`` rows per rank; row-parallel weights by columns; the vocab
-by rows, padded with zeros to the padded vocab; norms, the router, its expert bias
-(a buffer: DeepSeek-V3's ``gate.e_score_correction_bias``) and the shared-expert gate whole.
+by rows, padded with zeros to the padded vocab; gpt-oss's attention sinks by heads; norms, the router (gpt-oss's
+with its bias), its expert bias (a buffer: DeepSeek-V3's ``gate.e_score_correction_bias``) and the shared-expert
+gate whole; experts' biases (gpt-oss, ETP 1) whole.  gpt-oss's fused experts are named here per expert
+(``convert.fused_experts`` reads and writes the fused tensors).
 """
 from __future__ import annotations
 
@@ -101,10 +103,15 @@ class _Names:
         plural = self.family in ("deepseek_v3", "glm4_moe")
         return self.moe(i, ("shared_experts." if plural else "shared_expert.") + rest)
 
-    def expert(self, i: int, e: int, which: str) -> str:
+    def router(self, i: int, rest: str) -> str:
+        return self.moe(i, ("router." if self.family == "gpt_oss" else "gate.") + rest)
+
+    def expert(self, i: int, e: int, which: str, kind: str = "weight") -> str:
+        """Expert e's ``which`` (gate, up, down) projection; gpt-oss's are the per-expert views of its fused
+        tensors (``convert.fused_experts``)."""
         if self.family == "mixtral":
             return self.moe(i, f"experts.{e}.{ {'gate': 'w1', 'up': 'w3', 'down': 'w2'}[which]}.weight")
-        return self.moe(i, f"experts.{e}.{which}_proj.weight")
+        return self.moe(i, f"experts.{e}.{which}_proj.{kind}")
 
 
 def layer_name(config: GPTConfig, i: int) -> str:
@@ -161,14 +168,21 @@ class Mapping:
                     out[att("o_proj.bias")] = (h,)
             if c.qk_layernorm:
                 out.update({att("q_norm.weight"): (d,), att("k_norm.weight"): (d,)})
+            if c.softmax_type == "learnable":
+                out[att("sinks")] = (n,)
             if c.is_moe_layer(i):
                 f = c.moe_ffn_hidden_size
-                out[nm.moe(i, "gate.weight")] = (c.num_experts, h)
+                out[nm.router(i, "weight")] = (c.num_experts, h)
+                if c.moe_add_bias_linear:
+                    out[nm.router(i, "bias")] = (c.num_experts,)
                 if c.moe_router_enable_expert_bias:
                     out[nm.moe(i, "gate.e_score_correction_bias")] = (c.num_experts,)
                 for e in range(c.num_experts):
                     out.update({nm.expert(i, e, "gate"): (f, h), nm.expert(i, e, "up"): (f, h),
                                 nm.expert(i, e, "down"): (h, f)})
+                    if c.moe_add_bias_linear:
+                        out.update({nm.expert(i, e, "gate", "bias"): (f,), nm.expert(i, e, "up", "bias"): (f,),
+                                    nm.expert(i, e, "down", "bias"): (h,)})
                 if c.moe_shared_expert_intermediate_size:
                     s = c.moe_shared_expert_intermediate_size
                     out.update({nm.shared(i, "gate_proj.weight"): (s, h), nm.shared(i, "up_proj.weight"): (s, h),
@@ -303,6 +317,8 @@ class Mapping:
         if c.qk_layernorm:
             out += [self._whole(ours + "q_layernorm.weight", att("q_norm.weight"), (d,)),
                     self._whole(ours + "k_layernorm.weight", att("k_norm.weight"), (d,))]
+        if c.softmax_type == "learnable":  # the sinks of this rank's heads
+            out.append(self._column(ours + "sinks", (att("sinks"),), n, tp, t, 0, bias=True))
         out.append(self._row_parallel(ours + "dense.weight", att("o_proj.weight"), h, n * d, tp, t))
         if c.add_bias_linear:
             out.append(self._whole(ours + "dense.bias", att("o_proj.bias"), (h,)))
@@ -335,7 +351,9 @@ class Mapping:
                                    nm.layer(i, "post_attention_layernorm.weight"), (h,)))
         if c.is_moe_layer(i):
             ours = f"{layer}.mlp."
-            out.append(self._whole(ours + "router.weight", nm.moe(i, "gate.weight"), (c.num_experts, h)))
+            out.append(self._whole(ours + "router.weight", nm.router(i, "weight"), (c.num_experts, h)))
+            if c.moe_add_bias_linear:
+                out.append(self._whole(ours + "router.bias", nm.router(i, "bias"), (c.num_experts,)))
             if c.moe_router_enable_expert_bias:  # the router's fp32 buffer, whole on every rank of the stage
                 out.append(self._whole(ours + "router.expert_bias", nm.moe(i, "gate.e_score_correction_bias"),
                                        (c.num_experts,)))
@@ -399,4 +417,9 @@ class Mapping:
                                         f, lay.etp, etp_rank, h))
                 out.append(self._row_parallel(ours + "linear_fc2.weight", nm.expert(i, e, "down"), h, f, lay.etp,
                                               etp_rank))
+                if c.moe_add_bias_linear:  # (ETP 1)
+                    out += [self._column(ours + "linear_fc1.bias", (nm.expert(i, e, "gate", "bias"),
+                                                                    nm.expert(i, e, "up", "bias")), f, 1, 0, 0,
+                                         bias=True),
+                            self._whole(ours + "linear_fc2.bias", nm.expert(i, e, "down", "bias"), (h,))]
         return out

@@ -1,7 +1,9 @@
 """The local experts of one MoE layer: ``SequentialMLP`` (one MLP per expert) and ``GroupedMLP``.
 
-Each expert is ``fc2(act(fc1(x)) * prob)`` without biases (the routing weight
-is applied before the second GEMM, so un-permuting is a plain sum); with
+Each expert is ``fc2(act(fc1(x)) * prob)`` (the routing weight is applied before the
+second GEMM, so un-permuting is a plain sum); with ``bias`` (gpt-oss) fc1 adds its bias and
+fc2 adds ``prob x`` its bias, so the weighted sum is transformers' ``prob x (fc2(...) + b)``
+(biases start at zero; ETP 1 and no fp8, refused at config time otherwise); with
 ``gated_linear_unit`` fc1 gives ``[gate; up]`` and ``act`` is ``act(gate) * up``
 (SwiGLU for Mixtral and Qwen-MoE), each ETP rank holding its gate and up rows.  Weights
 are split over the expert-tensor-parallel (ETP) group like a column-parallel
@@ -119,9 +121,11 @@ class _ExpertsBase(torch.nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, ep: ParallelGroup,
                  etp: ParallelGroup, init_method: Optional[InitMethod] = None,
                  output_init_method: Optional[InitMethod] = None, params_dtype: torch.dtype = torch.float32,
-                 gated_linear_unit: bool = False, activation: str = "gelu"):
+                 gated_linear_unit: bool = False, activation: str = "gelu", bias: bool = False,
+                 clamp: Optional[float] = None, offset: float = 0.0):
         super().__init__()
-        self.activation_func = activation_func(activation, gated_linear_unit)
+        self.activation_func = activation_func(activation, gated_linear_unit, clamp, offset)
+        self.has_bias = bias
         ep_size, ep_rank, etp_size, etp_rank = ep.size, ep.rank, etp.size, etp.rank
         self.num_experts = num_experts
         self.num_local_experts = divide(num_experts, ep_size, what="num_experts")
@@ -144,6 +148,11 @@ class _ExpertsBase(torch.nn.Module):
     def _activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         return self.activation_func(intermediate) * probs.unsqueeze(-1).to(intermediate.dtype)
 
+    def _new_bias(self, *shape: int) -> torch.nn.Parameter:
+        bias = torch.nn.Parameter(torch.zeros(*shape, dtype=self.params_dtype))
+        mark_expert_param(bias, self.ep_size, 0)
+        return bias
+
     def _fp8_states(self, recipe: FP8Recipe, fc1: torch.Tensor, fc2: torch.Tensor) -> Tuple[FP8LinearState, ...]:
         """fc1's and fc2's states of one expert (weights ``[out, in]``), their amaxes agreed over ETP."""
         return tuple(FP8LinearState(recipe, self.etp, w.size(1), w.size(0), device=w.device, kind="expert")
@@ -158,11 +167,13 @@ def _fp8_weight_grad(store: Optional[WeightGradStore], param: torch.nn.Parameter
 
 
 class _ExpertLinear(torch.nn.Module):
-    """A bias-free linear holding a given weight (``torch.nn.Linear`` would draw its own init from the RNG)."""
+    """A linear holding a given weight (``torch.nn.Linear`` would draw its own init from the RNG); its ``bias``
+    (None, or set by the experts) is added by the experts, fc2's scaled by the routing weight."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = torch.nn.Parameter(weight)
+        self.bias: Optional[torch.nn.Parameter] = None
         self.weight_grad_store: Optional[WeightGradStore] = None  # the zero-bubble schedule's deferred W
         self.fp8: Optional[FP8LinearState] = None  # set by the experts' set_fp8: the three GEMMs in fp8
 
@@ -185,6 +196,9 @@ class SequentialMLP(_ExpertsBase):
             expert.linear_fc2 = _ExpertLinear(fc2.to(self.params_dtype))
             mark_expert_param(expert.linear_fc1.weight, self.ep_size, 0)
             mark_expert_param(expert.linear_fc2.weight, self.ep_size, 1)
+            if self.has_bias:
+                expert.linear_fc1.bias = self._new_bias(fc1.size(0))
+                expert.linear_fc2.bias = self._new_bias(fc2.size(0))
             self.local_experts.append(expert)
         del self._local_masters
 
@@ -200,12 +214,18 @@ class SequentialMLP(_ExpertsBase):
         outputs = []
         for expert, tokens, p in zip(self.local_experts, torch.split(x, list(tokens_per_expert)),
                                      torch.split(probs, list(tokens_per_expert))):
-            outputs.append(expert.linear_fc2(self._activation(expert.linear_fc1(tokens), p)))
+            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+            intermediate = fc1(tokens) if fc1.bias is None else fc1(tokens) + fc1.bias
+            out = fc2(self._activation(intermediate, p))
+            outputs.append(out if fc2.bias is None else out + p.unsqueeze(-1).to(out.dtype) * fc2.bias)
         return torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, x.size(-1))
 
     def expert_weights(self, local_index: int):
         e = self.local_experts[local_index]
-        return {"linear_fc1.weight": e.linear_fc1.weight, "linear_fc2.weight": e.linear_fc2.weight}
+        out = {"linear_fc1.weight": e.linear_fc1.weight, "linear_fc2.weight": e.linear_fc2.weight}
+        if self.has_bias:
+            out.update({"linear_fc1.bias": e.linear_fc1.bias, "linear_fc2.bias": e.linear_fc2.bias})
+        return out
 
     def expert_fp8_states(self, local_index: int):
         """Local expert ``local_index``'s fp8 states by projection (``expert_weights``' names less ``.weight``)."""
@@ -226,6 +246,9 @@ class GroupedMLP(_ExpertsBase):
         self.weight2 = torch.nn.Parameter(torch.stack([fc2.t() for _, fc2 in self._local_masters]).to(self.params_dtype))
         mark_expert_param(self.weight1, self.ep_size, 2)
         mark_expert_param(self.weight2, self.ep_size, 1)
+        # [L, fc1 rows] and [L, h]: each local expert's biases (with ``bias``)
+        self.bias1 = self._new_bias(self.weight1.size(0), self.weight1.size(2)) if self.has_bias else None
+        self.bias2 = self._new_bias(self.weight2.size(0), self.weight2.size(2)) if self.has_bias else None
         del self._local_masters
         self.weight_grad_store: Optional[WeightGradStore] = None  # the zero-bubble schedule's deferred W
         # set_fp8: every expert's fc1 state, then every expert's fc2 state
@@ -260,11 +283,22 @@ class GroupedMLP(_ExpertsBase):
         def gemm(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             return grouped_gemm(inputs, weights, tokens_per_expert, self.use_grouped_mm, counts)
         intermediate = deferrable(gemm, x, self.weight1, self.weight_grad_store)
-        return deferrable(gemm, self._activation(intermediate, probs), self.weight2, self.weight_grad_store)
+        if self.bias1 is None:
+            return deferrable(gemm, self._activation(intermediate, probs), self.weight2, self.weight_grad_store)
+        if counts is None:
+            counts = torch.tensor(list(tokens_per_expert), device=x.device)
+        expert_of_row = torch.repeat_interleave(torch.arange(len(tokens_per_expert), device=x.device), counts,
+                                                output_size=x.size(0))
+        out = deferrable(gemm, self._activation(intermediate + self.bias1[expert_of_row], probs), self.weight2,
+                         self.weight_grad_store)
+        return out + probs.unsqueeze(-1).to(out.dtype) * self.bias2[expert_of_row]
 
     def expert_weights(self, local_index: int):
         """Views of local expert ``local_index``'s weights in ``SequentialMLP``'s layout and names."""
-        return {"linear_fc1.weight": self.weight1[local_index].t(), "linear_fc2.weight": self.weight2[local_index].t()}
+        out = {"linear_fc1.weight": self.weight1[local_index].t(), "linear_fc2.weight": self.weight2[local_index].t()}
+        if self.has_bias:
+            out.update({"linear_fc1.bias": self.bias1[local_index], "linear_fc2.bias": self.bias2[local_index]})
+        return out
 
     def expert_fp8_states(self, local_index: int):
         """Local expert ``local_index``'s fp8 states by projection (``expert_weights``' names less ``.weight``)."""

@@ -105,7 +105,8 @@ class SharedExpertMLP(ParallelMLP):
         super().__init__(config.hidden_size, config.moe_shared_expert_intermediate_size, tp=tp,
                          init_method=init_method, output_init_method=output_init_method,
                          sequence_parallel=sequence_parallel, gated_linear_unit=config.gated_linear_unit,
-                         activation=config.activation, bias=config.add_bias_linear)
+                         activation=config.activation, bias=config.add_bias_linear,
+                         clamp=config.activation_func_clamp_value, offset=config.glu_linear_offset)
         self.gate_weight = None
         if config.moe_shared_expert_gate:
             self.gate_weight = torch.nn.Parameter(torch.empty(1, config.hidden_size))
@@ -159,12 +160,15 @@ class MoELayer(BaseMoELayer):
             enable_expert_bias=config.moe_router_enable_expert_bias,
             bias_update_rate=config.moe_router_bias_update_rate, num_groups=config.moe_router_num_groups,
             group_topk=config.moe_router_group_topk, topk_scaling_factor=config.moe_router_topk_scaling_factor,
-            router_dtype=config.moe_router_dtype, dp=state.dp, grad_scale=state.cp.size)
+            router_dtype=config.moe_router_dtype, dp=state.dp, grad_scale=state.cp.size,
+            bias=config.moe_add_bias_linear)
         experts_cls = experts_class(config.moe_grouped_gemm)
         self.experts = experts_cls(config.num_experts, config.hidden_size, config.moe_ffn_hidden_size,
                                    ep=state.ep, etp=state.etp, init_method=init_method,
                                    output_init_method=output_init_method,
-                                   gated_linear_unit=config.gated_linear_unit, activation=config.activation)
+                                   gated_linear_unit=config.gated_linear_unit, activation=config.activation,
+                                   bias=config.moe_add_bias_linear, clamp=config.activation_func_clamp_value,
+                                   offset=config.glu_linear_offset)
         dispatch_kwargs = dict(ep=state.ep, etp=state.etp, router_topk=config.moe_router_topk,
                                capacity_factor=config.moe_capacity_factor,
                                pad_to_capacity=config.moe_pad_expert_input_to_capacity)

@@ -266,7 +266,7 @@ class TopKRouter(torch.nn.Module):
                  enable_expert_bias: bool = False, bias_update_rate: float = 1e-3,
                  num_groups: Optional[int] = None, group_topk: Optional[int] = None,
                  topk_scaling_factor: Optional[float] = None, router_dtype: Optional[str] = None,
-                 dp: Optional[ParallelGroup] = None, grad_scale: float = 1.0):
+                 dp: Optional[ParallelGroup] = None, grad_scale: float = 1.0, bias: bool = False):
         super().__init__()
         if not 1 <= topk <= num_experts:
             raise ValueError(f"moe_router_topk={topk} must be in [1, num_experts={num_experts}]")
@@ -310,6 +310,10 @@ class TopKRouter(torch.nn.Module):
         # Under sequence parallelism this rank sees only its tokens: the gradient is a partial
         # sum that the model adds up over TP (see GPTModel's sequence-parallel grad hook).
         self.weight.sequence_parallel = sequence_parallel
+        # gpt-oss's logits bias (a parameter, unlike the expert bias buffer below); starts at zero
+        self.bias = torch.nn.Parameter(torch.zeros(num_experts, dtype=params_dtype)) if bias else None
+        if bias:
+            self.bias.sequence_parallel = sequence_parallel
         self.enable_expert_bias, self.bias_update_rate = enable_expert_bias, float(bias_update_rate)
         if enable_expert_bias:
             # Buffers, not parameters: no optimizer sees them.  The bias is checkpointed; the counts are per step.
@@ -333,7 +337,8 @@ class TopKRouter(torch.nn.Module):
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.router_dtype or x.dtype
-        return torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype))
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
 
     def _total_tokens(self, num_local: int) -> int:
         return num_local * self.tp_cp.size

@@ -122,9 +122,10 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
     attention's input (gathered under sequence parallelism) and, per head on this rank, q, k and v (GQA's k and
     v repeated to every head), the core's output and its re-layout (the soft-capped core: its s x s scores and
     probabilities too), or MLA's latents, its q, k, v and output (``qk_head_dim +
-    qk_pos_emb_head_dim`` wide: v padded to it) and the re-layout (``v_head_dim``); the MLP's input and its
-    ``ffn``-wide tensors (GELU: fc1's output and the activation's; gated: fc1's two halves, act(gate) and the
-    product); an MoE layer's router input and, per routed token (``moe_router_topk`` per token under balanced
+    qk_pos_emb_head_dim`` wide: v padded to it) and the re-layout (``v_head_dim``); the attention sinks' core: its
+    ``s x (s + 1)`` probabilities too; the MLP's input and its ``ffn``-wide tensors (GELU: fc1's output and the
+    activation's; gated: fc1's two halves, act(gate) and the product; gpt-oss's clamped quick-GELU GLU three
+    more); an MoE layer's router input and, per routed token (``moe_router_topk`` per token under balanced
     routing, /tp with sequence parallelism), the permuted input, the experts' ffn-wide tensors (one more: the
     routing weight's product) and the output before the combining sum, plus a shared expert as a dense MLP.
     At micro-batch 1 (no CP, no attention dropout) the re-layout is a view of the core's output (the fused
@@ -147,6 +148,9 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
         if cfg.attn_logit_softcapping is not None and not core:
             # the soft-capped core is not fused: its capped scores and probabilities, [b, heads/tp, s, s] each
             attention += 2 * cfg.num_attention_heads / tp * cfg.seq_length
+        elif cfg.softmax_type == "learnable" and not core and cp == 1:
+            # the sinks' core (the CP cores keep their rows' log-sum-exp only) is not fused: its probabilities with the sink's column, [b, heads/tp, s, s + 1]
+            attention += cfg.num_attention_heads / tp * (cfg.seq_length + 1)
     return norms + attention + h + (0 if mlp else mlp_activation_elements(cfg, layer, tp, etp))
 
 
@@ -201,6 +205,9 @@ def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
     h = cfg.hidden_size
     sp = cfg.sequence_parallel and tp > 1
     ffn_tensors = 4 if cfg.gated_linear_unit else 2
+    if cfg.gated_linear_unit:  # measured: quick_gelu keeps its sigmoid; the clamps and offset their new gate / up
+        clamp = cfg.activation_func_clamp_value is not None
+        ffn_tensors += int(cfg.activation == "quick_gelu") + int(clamp) + int(clamp or bool(cfg.glu_linear_offset))
     if not cfg.is_moe_layer(layer):
         return ffn_tensors * cfg.ffn_hidden_size / tp
     routed = cfg.moe_router_topk / (tp if sp else 1)

@@ -3,8 +3,9 @@
 Megatron's layouts as arithmetic: the TP-split weights (QKV with KV heads split
 over TP or, with fewer KV groups than TP ranks, one group replicated per rank;
 the output projection; the MLP), the replicated ones (norms, row-parallel
-biases, the router), and the experts (``num_experts / EP`` per rank, each split
-over ETP, no biases).  ``planning.memory`` turns the counts into bytes,
+biases, the router and its bias), the attention sinks (split by heads), and the experts
+(``num_experts / EP`` per rank, each split over ETP; their biases with ``moe_add_bias_linear``).
+``planning.memory`` turns the counts into bytes,
 ``planning.comm_volume`` into gradient traffic, and the pipeline split by
 parameters (``pipeline_stage_layers``, used by ``integration.pipeline`` as
 well) weighs each layer by them; ``tests/optimizer/test_planning.py`` holds
@@ -63,6 +64,7 @@ def layer_counts(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> ParamCo
     h, d, n, g = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.query_groups
     qkv_rows = (n // tp + 2 * max(g // tp, 1)) * d  # KV heads split over TP, or one group's replicated
     sharded = qkv_rows * (h + int(cfg.qkv_bias)) + h * (n * d // tp)  # QKV (weight + bias), output projection
+    sharded += n // tp if cfg.softmax_type == "learnable" else 0  # the attention sinks of the rank's heads
     replicated = ((4 if cfg.post_sublayer_norms else 2) * norm_params(cfg) + (h if cfg.add_bias_linear else 0)
                   + (2 * norm_params(cfg, d) if cfg.qk_layernorm else 0))
     if cfg.multi_latent_attention:  # its projections instead of QKV and dense; the two layer norms as before
@@ -70,9 +72,11 @@ def layer_counts(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> ParamCo
         sharded, replicated = mla.sharded, 2 * norm_params(cfg) + mla.replicated
     expert = 0
     if cfg.is_moe_layer(layer):
-        replicated += cfg.num_experts * h  # router
+        replicated += cfg.num_experts * (h + int(cfg.moe_add_bias_linear))  # router
         fc1 = 2 if cfg.gated_linear_unit else 1
-        expert += (cfg.num_experts // ep) * (fc1 + 1) * h * (cfg.moe_ffn_hidden_size // etp)  # bias-free fc1, fc2
+        expert += (cfg.num_experts // ep) * (fc1 + 1) * h * (cfg.moe_ffn_hidden_size // etp)  # fc1, fc2
+        if cfg.moe_add_bias_linear:  # (ETP 1)
+            expert += (cfg.num_experts // ep) * (fc1 * cfg.moe_ffn_hidden_size + h)
         if cfg.moe_shared_expert_intermediate_size:
             shared = _mlp_counts(h, cfg.moe_shared_expert_intermediate_size, tp, cfg.gated_linear_unit,
                                  cfg.add_bias_linear)

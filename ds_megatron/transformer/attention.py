@@ -128,6 +128,11 @@ class ParallelAttention(torch.nn.Module):
             # Gemma 3: the windowed layers turn by a base of their own, without the global layers' scaling
             self.rotary = (RotaryEmbedding(config.rotary_dim, config.local_rotary_base) if local
                            else RotaryEmbedding.from_config(config))
+        self.sinks = None
+        if config.softmax_type == "learnable":
+            # gpt-oss's attention sinks: this rank's heads' logits (zeros, so the draws above do not move)
+            self.sinks = torch.nn.Parameter(torch.zeros(self.num_heads_per_partition))
+            set_tensor_model_parallel_attributes(self.sinks, True, 0)
         self.dense = RowParallelLinear(n * d, h, tp=tp, bias=config.add_bias_linear, input_is_parallel=True,
                                        init_method=output_init_method, sequence_parallel=config.sequence_parallel)
 
@@ -171,7 +176,8 @@ class ParallelAttention(torch.nn.Module):
             # GQA-aware: only the kv heads travel; no attention dropout here (refused at config time).
             ctx = context_parallel_attention(q, k, v, self.cp, self.cp_comm_type, softmax_scale=self.softmax_scale,
                                              hierarchical=self.hierarchical_cp, window=self.window,
-                                             softcap=self.softcap, places=None if packed is None else packed.cp_places)
+                                             softcap=self.softcap, places=None if packed is None else packed.cp_places,
+                                             sinks=self.sinks)
             return self._output(ctx)
         heads_per_kv = q.size(1) // k.size(1)
         if heads_per_kv > 1:
@@ -188,8 +194,10 @@ class ParallelAttention(torch.nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         fork = self.rng_tracker.fork() if (dropout > 0 and self.rng_tracker is not None) else contextlib.nullcontext()
         with fork:
-            if self.window is not None or self.softcap is not None:
+            if self.window is not None or self.softcap is not None or self.sinks is not None:
                 allowed = self._allowed(q.size(0), q.size(2), packed, q.device)
+                if self.sinks is not None:
+                    return sink_attention(q, k, v, allowed, self.softmax_scale, self.sinks, dropout)
                 if self.softcap is None:
                     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
                                                           scale=self.softmax_scale)
@@ -219,6 +227,21 @@ class ParallelAttention(torch.nn.Module):
 def soft_cap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     """Gemma's soft-capping, ``cap * tanh(x / cap)`` (None: ``x``), of attention scores and of the final logits."""
     return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                   scale: Optional[float], sinks: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """gpt-oss's core: the softmax over ``[mask(q k^T scale), sink of the head]`` without the sink's column, times
+    ``v`` (``q, k, v [b, heads, s, d]``, k and v with q's heads; ``sinks [heads]``).  The scores in float32 for
+    16-bit inputs, else in the inputs' dtype."""
+    cdt = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.size(-1))
+    scores = (torch.matmul(q.to(cdt), k.to(cdt).transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(cdt).view(1, -1, 1, 1).expand(scores.size(0), -1, scores.size(2), 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,

@@ -218,6 +218,25 @@ def _merge(out, lse, block_out, block_lse) -> None:
     lse.copy_(new)
 
 
+def _sink_forward(out, lse, sinks):
+    """gpt-oss's attention sinks, one more logit per query row (``sinks [heads]``, None: none), entered once into
+    the merged rows: ``out`` rescaled and ``lse`` raised in place; returns them."""
+    if sinks is not None:
+        merged = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+        out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+        lse.copy_(merged)
+    return out, lse
+
+
+def _sink_backward(sinks, lse, delta):
+    """The sinks' gradient, ``-sum over rows of p_sink * delta`` (a row's sink probability ``exp(sink - lse)``, the
+    sink's value 0), from the final ``lse`` and ``delta = rowsum(dout * out)``; None without sinks."""
+    if sinks is None:
+        return None
+    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+
+
 def _chunk_pairs(cp: int, rank: int, src: int, causal: bool):
     """(query chunk slot, key chunk slot, allowed-mask kind) for rank's queries against src's keys.
 
@@ -280,9 +299,10 @@ class _RingAttention(torch.autograd.Function):
     tokens at ``places.member(r)`` and each block is masked by their places."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, score: Score, places=None):
+    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, score: Score, places=None, sinks=None):
+        ctx.has_sinks = sinks is not None
         if places is not None:
-            return _RingAttention._forward_places(ctx, q, k, v, cp_group, causal, score, places)
+            return _RingAttention._forward_places(ctx, q, k, v, cp_group, causal, score, places, sinks)
         cdt = _compute_dtype(q.dtype)
         qc, kv = q.to(cdt), _pack(k, v)  # K and V travel as one message, in their own dtype
         c = q.size(2) // 2
@@ -305,7 +325,8 @@ class _RingAttention(torch.autograd.Function):
                 for w in works:
                     w.wait()
                 kv = incoming
-        ctx.save_for_backward(q, k, v, out, lse)
+        _sink_forward(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cp_group, ctx.causal, ctx.score, ctx.places = cp_group, causal, score, None
         return out.to(q.dtype)
 
@@ -316,7 +337,7 @@ class _RingAttention(torch.autograd.Function):
         return places.member(rank).allowed(places.member(src))
 
     @staticmethod
-    def _forward_places(ctx, q, k, v, cp_group, causal, score, places):
+    def _forward_places(ctx, q, k, v, cp_group, causal, score, places, sinks):
         cdt = _compute_dtype(q.dtype)
         qc, kv = q.to(cdt), _pack(k, v)
         out = qc.new_zeros(q.shape[:3] + (v.size(-1),))  # V's width (MLA's is narrower than K's)
@@ -338,16 +359,18 @@ class _RingAttention(torch.autograd.Function):
                 for w in works:
                     w.wait()
                 kv = incoming
-        ctx.save_for_backward(q, k, v, out, lse)
+        _sink_forward(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cp_group, ctx.causal, ctx.score, ctx.places = cp_group, causal, score, places
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        sinks = sinks if ctx.has_sinks else None
         cp_group, causal, score = ctx.cp_group, ctx.causal, ctx.score
         if ctx.places is not None:
-            return _RingAttention._backward_places(ctx, q, k, v, out, lse, dout)
+            return _RingAttention._backward_places(ctx, q, k, v, out, lse, dout, sinks)
         cdt = out.dtype
         qc, kv, dout = q.to(cdt), _pack(k, v), dout.to(cdt)
         delta = (dout * out).sum(-1)
@@ -393,10 +416,11 @@ class _RingAttention(torch.autograd.Function):
             w.wait()
         dkv = own if dkv_in is None else own.add_(dkv_in)
         dk, dv = _unpack(dkv, k.size(-1))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None,
+                _sink_backward(sinks, lse, delta))
 
     @staticmethod
-    def _backward_places(ctx, q, k, v, out, lse, dout):
+    def _backward_places(ctx, q, k, v, out, lse, dout, sinks):
         """As ``backward``, each block masked by the tokens' places, a tile of query rows at a time (the accumulators travel
         the same way)."""
         cp_group, causal, score, places = ctx.cp_group, ctx.causal, ctx.score, ctx.places
@@ -440,14 +464,15 @@ class _RingAttention(torch.autograd.Function):
             w.wait()
         dkv = own if dkv_in is None else own.add_(dkv_in)
         dk, dv = _unpack(dkv, k.size(-1))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None,
+                _sink_backward(sinks, lse, delta))
 
 
 # ---------------------------------------------------------------- all-gather
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, score: Score, places: Places):
+    def forward(ctx, q, k, v, cp_group: ParallelGroup, causal: bool, score: Score, places: Places, sinks=None):
         cdt = _compute_dtype(q.dtype)
         cp, local = cp_group.size, q.size(2)
         kv = _pack(k, v)  # [b, kv_heads, s/cp, dk + dv], gathered in the input dtype
@@ -457,19 +482,20 @@ class _AllGatherAttention(torch.autograd.Function):
         full = gathered.permute(1, 2, 0, 3, 4).reshape(b, kv_heads, cp * local, width).to(cdt)
         full_k, full_v = _unpack(full, k.size(-1))
         allowed = places.member(cp_group.rank).allowed(places.joined()) if causal else None
-        out, lse = _block_forward(q.to(cdt), full_k, full_v, score, allowed)
-        ctx.save_for_backward(q, full_k, full_v, out, lse, allowed if allowed is not None else torch.empty(0))
+        out, lse = _sink_forward(*_block_forward(q.to(cdt), full_k, full_v, score, allowed), sinks)
+        ctx.has_sinks = sinks is not None
+        ctx.save_for_backward(q, full_k, full_v, out, lse, allowed if allowed is not None else torch.empty(0), sinks)
         ctx.cp_group, ctx.causal, ctx.score, ctx.kv_dtypes = cp_group, causal, score, (k.dtype, v.dtype)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, full_k, full_v, out, lse, allowed = ctx.saved_tensors
+        q, full_k, full_v, out, lse, allowed, sinks = ctx.saved_tensors
         allowed = allowed if ctx.causal else None
         cp_group = ctx.cp_group
         dout = dout.to(out.dtype)
-        dq, dk, dv = _block_backward(q.to(out.dtype), full_k, full_v, dout, lse, (dout * out).sum(-1), ctx.score,
-                                     allowed)
+        delta = (dout * out).sum(-1)
+        dq, dk, dv = _block_backward(q.to(out.dtype), full_k, full_v, dout, lse, delta, ctx.score, allowed)
         cp, local = cp_group.size, q.size(2)
         b, kv_heads, _, _ = dk.shape
         # [b, kvh, cp * local, dk + dv] -> per-rank blocks on dim 0, summed back to their owners.
@@ -480,7 +506,8 @@ class _AllGatherAttention(torch.autograd.Function):
         reduce_scatter_into(mine, dkv.view((cp * b, kv_heads, local, width)), cp_group)
         k_dtype, v_dtype = ctx.kv_dtypes
         mine_k, mine_v = _unpack(mine, full_k.size(-1))
-        return dq.to(q.dtype), mine_k.to(k_dtype), mine_v.to(v_dtype), None, None, None, None
+        return (dq.to(q.dtype), mine_k.to(k_dtype), mine_v.to(v_dtype), None, None, None, None,
+                _sink_backward(sinks if ctx.has_sinks else None, lse, delta))
 
 
 # ---------------------------------------------------------------- all-to-all (Ulysses)
@@ -528,8 +555,13 @@ class _SequenceToHeads(torch.autograd.Function):
         return _heads_to_sequence(grad.contiguous(), ctx.cp_group), None
 
 
+def _head_group(sinks: Optional[torch.Tensor], group: ParallelGroup) -> Optional[torch.Tensor]:
+    """The sinks of the heads ``_heads_to_sequence`` gives this rank of ``group`` (its head group)."""
+    return None if sinks is None else sinks.chunk(group.size)[group.rank]
+
+
 def _all_to_all_attention(q, k, v, cp_group: ParallelGroup, causal: bool, score: Score,
-                          places: Places) -> torch.Tensor:
+                          places: Places, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     cp, heads = cp_group.size, q.size(1)
     if heads % cp:
         raise ValueError(f"cp_comm_type \"a2a\" splits the {heads} heads of a TP rank over cp={cp}; they must divide")
@@ -537,7 +569,8 @@ def _all_to_all_attention(q, k, v, cp_group: ParallelGroup, causal: bool, score:
         k, v = _expand_kv(k, heads), _expand_kv(v, heads)
     qs, ks, vs = (_HeadsToSequence.apply(t, cp_group) for t in (q, k, v))
     whole = places.joined() if causal else None  # the keys (and queries) arrive in rank order
-    return _SequenceToHeads.apply(_WholeSequenceAttention.apply(qs, ks, vs, whole, score, cp), cp_group)
+    return _SequenceToHeads.apply(_WholeSequenceAttention.apply(qs, ks, vs, whole, score, cp,
+                                                                _head_group(sinks, cp_group)), cp_group)
 
 
 class _WholeSequenceAttention(torch.autograd.Function):
@@ -556,7 +589,7 @@ class _WholeSequenceAttention(torch.autograd.Function):
         return None if places is None else places.rows(i0, i1).allowed(places)
 
     @staticmethod
-    def forward(ctx, q, k, v, places: Optional[Places], score: Score, cp: int):
+    def forward(ctx, q, k, v, places: Optional[Places], score: Score, cp: int, sinks=None):
         """``places``: of the whole sequence's tokens in rank order (None: not causal)."""
         cdt = _compute_dtype(q.dtype)
         qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
@@ -565,14 +598,15 @@ class _WholeSequenceAttention(torch.autograd.Function):
             o, lse = _block_forward(qc[:, :, i0:i1], kc, vc, score, _WholeSequenceAttention._allowed(places, i0, i1))
             outs.append(o)
             lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = _sink_forward(torch.cat(outs, dim=2), torch.cat(lses, dim=-1), sinks)
+        ctx.has_sinks = sinks is not None
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.places, ctx.score, ctx.cp = places, score, cp
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         cdt = out.dtype
         dout = dout.to(cdt)
         qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
@@ -586,11 +620,13 @@ class _WholeSequenceAttention(torch.autograd.Function):
                 _WholeSequenceAttention._allowed(ctx.places, i0, i1))
             dk += dk_t
             dv += dv_t
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None,
+                _sink_backward(sinks if ctx.has_sinks else None, lse, delta))
 
 
 def _hierarchical_attention(q, k, v, cp_group: ParallelGroup, inner: ParallelGroup, outer: ParallelGroup,
-                            causal: bool, score: Score, places: Places) -> torch.Tensor:
+                            causal: bool, score: Score, places: Places,
+                            sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``"a2a+p2p"``: the all-to-all inside ``inner`` (consecutive CP ranks) gives each rank its a2a group's
     tokens of ``heads / inner`` heads, the ring across ``outer`` runs attention over the whole sequence with
     each block masked by its tokens' places, and the all-to-all back."""
@@ -603,7 +639,7 @@ def _hierarchical_attention(q, k, v, cp_group: ParallelGroup, inner: ParallelGro
     # Ring member j holds the tokens of CP ranks j * inner + i, i in inner-rank order.
     ring = places.grouped([[j * inner.size + i for i in range(inner.size)] for j in range(outer.size)])
     qs, ks, vs = (_HeadsToSequence.apply(t, inner) for t in (q, k, v))
-    out = _RingAttention.apply(qs, ks, vs, outer, causal, score, ring)
+    out = _RingAttention.apply(qs, ks, vs, outer, causal, score, ring, _head_group(sinks, inner))
     return _SequenceToHeads.apply(out, inner)
 
 
@@ -611,7 +647,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                comm_type: str = "p2p", causal: bool = True,
                                softmax_scale: Optional[float] = None, hierarchical=None,
                                places: Optional[Places] = None, window: Optional[int] = None,
-                               softcap: Optional[float] = None) -> torch.Tensor:
+                               softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of this CP rank's queries over the whole sequence; inputs and output in the zigzag layout.
 
     ``q [b, heads, s/cp, d]``, ``k [b, kv_heads, s/cp, d]``, ``v [b, kv_heads, s/cp, dv]`` with ``kv_heads``
@@ -619,7 +655,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ``places``: where every CP rank's tokens sit (packed rows: ``PackedSeqParams.cp_places``, each document
     zigzagged on its own); None: one document per row in the zigzag layout.  ``window``: a sliding window
     (``Places``), exact in every comm type: the blocks are masked by the tokens' positions.  ``softcap``: Gemma 2's
-    ``cap * tanh(s / cap)`` of the scaled scores, forward and backward."""
+    ``cap * tanh(s / cap)`` of the scaled scores, forward and backward.  ``sinks [heads]``: gpt-oss's attention sinks,
+    one more logit per query row entered once into the merged rows (the output rescaled, the log-sum-exp raised),
+    the sinks' gradient from the final rows."""
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type {comm_type!r} is not one of {COMM_TYPES}")
     if q.size(1) % k.size(1) or k.shape[:-1] != v.shape[:-1] or k.size(-1) != q.size(-1):
@@ -638,13 +676,13 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         places = (places if places is not None else Places.zigzag(q.size(2) * cp_group.size, cp_group.size,
                                                                   q.device)).windowed(window)
     if comm_type == "p2p":  # without places the ring takes its zigzag pair shortcut
-        return _RingAttention.apply(q, k, v, cp_group, causal, score, places)
+        return _RingAttention.apply(q, k, v, cp_group, causal, score, places, sinks)
     places = places if places is not None else Places.zigzag(q.size(2) * cp_group.size, cp_group.size, q.device)
     if comm_type == "a2a":
-        return _all_to_all_attention(q, k, v, cp_group, causal, score, places)
+        return _all_to_all_attention(q, k, v, cp_group, causal, score, places, sinks)
     if comm_type == "a2a+p2p":
         if hierarchical is None:
             raise ValueError("cp_comm_type \"a2a+p2p\" needs the hierarchical CP groups (ParallelState."
                              "build_hierarchical_context_parallel, from megatron.hierarchical_context_parallel_sizes)")
-        return _hierarchical_attention(q, k, v, cp_group, *hierarchical, causal, score, places)
-    return _AllGatherAttention.apply(q, k, v, cp_group, causal, score, places)
+        return _hierarchical_attention(q, k, v, cp_group, *hierarchical, causal, score, places, sinks)
+    return _AllGatherAttention.apply(q, k, v, cp_group, causal, score, places, sinks)

@@ -21,7 +21,15 @@ import torch.nn.functional as F
 from ..parallel_state import ParallelGroup
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(1.702 x)`` (Megatron's quick_gelu; gpt-oss's gate activation with its swiglu_alpha 1.702)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {"gelu": F.gelu, "silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+               "quick_gelu": quick_gelu}
 
 
 def gated_rows_per_rank(master: torch.Tensor, parts: int) -> torch.Tensor:
@@ -31,22 +39,25 @@ def gated_rows_per_rank(master: torch.Tensor, parts: int) -> torch.Tensor:
     return torch.cat([torch.cat(pair) for pair in zip(gate.chunk(parts), up.chunk(parts))])
 
 
-def activation_func(activation: str, gated: bool):
-    """The MLP's activation on the first GEMM's output (``[gate; up]`` halves along the last dim when gated)."""
+def activation_func(activation: str, gated: bool, clamp: Optional[float] = None, offset: float = 0.0):
+    """The MLP's activation on the first GEMM's output (``[gate; up]`` halves along the last dim when gated);
+    ``clamp`` (gpt-oss): gate clamped above and up on both sides at it first; ``offset`` added to up."""
     act = ACTIVATIONS[activation]
     if not gated:
         return act
 
     def glu(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
-        return act(gate) * up
+        if clamp is not None:
+            gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+        return act(gate) * (up + offset if offset else up)
     return glu
 
 
 class ParallelMLP(torch.nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, *, tp: ParallelGroup, init_method, output_init_method,
                  sequence_parallel: bool = False, gated_linear_unit: bool = False, activation: str = "gelu",
-                 bias: bool = True):
+                 bias: bool = True, clamp: Optional[float] = None, offset: float = 0.0):
         super().__init__()
         fc1_init: Optional[object] = init_method
         if gated_linear_unit:
@@ -60,7 +71,7 @@ class ParallelMLP(torch.nn.Module):
         self.dense_4h_to_h = RowParallelLinear(ffn_hidden_size, hidden_size, tp=tp, bias=bias,
                                                input_is_parallel=True, init_method=output_init_method,
                                                sequence_parallel=sequence_parallel)
-        self.activation_func = activation_func(activation, gated_linear_unit)
+        self.activation_func = activation_func(activation, gated_linear_unit, clamp, offset)
 
     def forward(self, hidden: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
         """``packed_seq_params``: taken as every MLP of a layer takes it; a dense MLP acts per token."""
@@ -75,4 +86,5 @@ def build_mlp(config, hidden_size: int, ffn_hidden_size: int, *, tp: ParallelGro
     return ParallelMLP(hidden_size, ffn_hidden_size, tp=tp, init_method=init_method,
                        output_init_method=output_init_method, sequence_parallel=sequence_parallel,
                        gated_linear_unit=config.gated_linear_unit, activation=config.activation,
-                       bias=config.add_bias_linear)
+                       bias=config.add_bias_linear, clamp=config.activation_func_clamp_value,
+                       offset=config.glu_linear_offset)

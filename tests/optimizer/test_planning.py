@@ -229,6 +229,10 @@ LEAN = dict(recompute_granularity="selective", recompute_modules=["core_attn", "
 MLA = dict(position_embedding_type="rope", multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
            qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48)
+# gpt-oss's layer: attention sinks (an unfused core), windows, the clamped quick-GELU GLU with +1, biased experts
+GPT_OSS = dict(MOE, gated_linear_unit=True, activation="quick_gelu", activation_func_clamp_value=0.3,
+               glu_linear_offset=1.0, softmax_type="learnable", moe_add_bias_linear=True, window_size=[7, 0],
+               window_attn_skip_freq=[1, 0])
 FP8 = dict(fp8="e4m3")
 
 
@@ -274,7 +278,7 @@ def _measured_activations(tp, extra, dtype_name, cp=1, inner=None):
     (2, {}, "fp32"), (2, {"sequence_parallel": True}, "fp32"),
     (1, SWIGLU, "fp32"), (1, MLA, "fp32"), (2, dict(MLA, sequence_parallel=True), "fp32"),
     (1, dict(MOE, gated_linear_unit=True, activation="silu", moe_shared_expert_intermediate_size=96), "fp32"),
-    (2, MOE, "fp32"), (1, {"mtp_num_layers": 2}, "fp32"),
+    (2, MOE, "fp32"), (1, GPT_OSS, "fp32"), (1, {"mtp_num_layers": 2}, "fp32"),
     (2, {"mtp_num_layers": 2, "sequence_parallel": True}, "fp32"), (1, {"mtp_num_layers": 2}, "bf16"),
     (1, {"vocab_size": 8192, "loss_sequence_tiles": 2}, "fp32"),
     (1, {"vocab_size": 8192, "loss_sequence_tiles": 4}, "bf16"),
@@ -295,7 +299,8 @@ def _measured_activations(tp, extra, dtype_name, cp=1, inner=None):
     (1, dict(FP8, recompute_granularity="full"), "bf16"),
     (1, dict(FP8, fp8_recipe="blockwise", hidden_size=128, ffn_hidden_size=512, seq_length=128), "bf16")],
     ids=["fp32", "bf16", "dropout", "recompute", "recompute-block", "loss-tiles", "tp2", "tp2-sp",
-         "swiglu-ffn176", "mla", "tp2-sp-mla", "moe-swiglu-shared", "tp2-moe-etp2", "mtp2", "tp2-sp-mtp2", "bf16-mtp2",
+         "swiglu-ffn176", "mla", "tp2-sp-mla", "moe-swiglu-shared", "tp2-moe-etp2", "gpt-oss", "mtp2",
+         "tp2-sp-mtp2", "bf16-mtp2",
          "vocab8192-loss-tiles2", "bf16-vocab8192-loss-tiles4", "selective-core-dropout", "selective-all-dropout",
          "selective-mlp", "selective-layernorm", "selective-core-mlp-layernorm", "mlp-tiles4",
          "tp2-sp-selective-core-mlp", "fp8", "fp8-tp2-sp", "fp8-hybrid-gqa-swiglu-selective-mlp", "fp8-recompute",

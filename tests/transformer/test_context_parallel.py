@@ -197,6 +197,63 @@ def test_sliding_window_and_soft_cap_match_dense_attention():
             assert _rel(got, expected[i]) < TOL, (name, grad, _rel(got, expected[i]))
 
 
+SINKS = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)  # a logit per head, of the scores' size
+
+
+def _sinks_dense(q, k, v, dout, window):
+    """gpt-oss's core on one rank, written here: the softmax over ``[masked q k^T SCALE, the head's sink]`` less
+    the sink's column, times v; output and the grads of q, k, v and the sinks by autograd."""
+    q, k, v, sinks = (t.clone().requires_grad_() for t in (q, k, v, SINKS))
+    rep = q.size(1) // k.size(1)
+    ke, ve = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    hidden = (j > i) | (j < i - window) if window is not None else j > i
+    scores = (q @ ke.transpose(-1, -2) * SCALE).masked_fill(hidden, float("-inf"))
+    column = sinks.view(1, -1, 1, 1).expand(B, -1, S, 1)
+    out = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1] @ ve
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad, sinks.grad
+
+
+def _cp_rank_sinks(names, window):
+    import torch.distributed as dist
+    from ds_megatron.parallel import ParallelLayout
+    from ds_megatron.parallel_state import ParallelState
+    cp = dist.get_world_size()
+    state = ParallelState.build(ParallelLayout(world_size=cp, cp=cp))
+    try:
+        results = []
+        for name in names:
+            hierarchical = None
+            if name.startswith("a2a+p2p"):
+                name, inner = name.split(":")
+                state.build_hierarchical_context_parallel(int(inner))
+                hierarchical = state.hierarchical_context_parallel
+            q, k, v, dout = (zigzag_split(t, cp, state.cp.rank, seq_dim=2) for t in _inputs(2))
+            q, k, v, sinks = (t.clone().requires_grad_() for t in (q, k, v, SINKS))
+            out = context_parallel_attention(q, k, v, state.cp, comm_type=name, softmax_scale=SCALE,
+                                             hierarchical=hierarchical, window=window, sinks=sinks)
+            out.backward(dout)
+            results.append((out.detach(), q.grad, k.grad, v.grad, sinks.grad))
+        return results
+    finally:
+        state.destroy()
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_attention_sinks_match_dense_attention(window):
+    """gpt-oss's sinks under CP: every comm type enters the sink once into each query row's merged log-sum-exp,
+    forward and backward; the sinks' gradient, summed over the CP ranks, is the dense one."""
+    names = ["p2p", "all_gather", "a2a", "a2a+p2p:2"]
+    expected = _sinks_dense(*_inputs(2), window)
+    per_rank = run_on_ranks(2, _cp_rank_sinks, names, window, timeout=120)
+    for j, name in enumerate(names):
+        for grad, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
+            got = zigzag_unsplit([r[j][i] for r in per_rank], seq_dim=2)
+            assert _rel(got, expected[i]) < TOL, (name, grad, _rel(got, expected[i]))
+        assert _rel(sum(r[j][4] for r in per_rank), expected[4]) < TOL, (name, "dsinks")
+
+
 def test_one_rank_group_is_dense_attention():
     from ds_megatron.parallel_state import ParallelGroup
     q, k, v, dout = _inputs(2)
