@@ -15,7 +15,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from ..errors import ConfigError
-from .hardware import Hardware
+from .hardware import Hardware, load_hardware
 
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
 MESSAGE_ELEMENTS = (256, 1 << 20)  # fp32: 1 KiB (latency) and 4 MiB (bandwidth)
@@ -115,8 +115,7 @@ def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
            "source": f"ds-megatron plan --calibrate, {ranks} gloo ranks, {time.strftime('%Y-%m-%d %H:%M')}"}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
-    from .hardware import load_hardware  # read back as --hardware will, so a bad profile fails here
-    return load_hardware(path)
+    return load_hardware(path)  # read back as --hardware will, so a bad profile fails here
 
 
 def _rank_main(rank: int, ranks: int, port: int, queue) -> None:

@@ -16,7 +16,8 @@ tokens, forward:
   its ``eh_proj`` (``2 s 2h h``), layer and output layer.
 
 A step is forward + backward = 3x the forward (the backward's input- and weight-gradient GEMMs each match the
-forward's); recomputation's extra forward is not model work (``planning.step_time`` charges its time).  For a dense GPT-3 layer this is the
+forward's); recomputation's extra forward is not model work (``planning.step_time`` charges its time).  For a
+dense GPT-3 layer this is the
 ``24 s h^2 + 4 s^2 h`` of Narayanan et al., whose full-recomputation count ``narayanan_flops`` is kept as the
 published formula.
 """

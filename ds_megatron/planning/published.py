@@ -22,7 +22,7 @@ from ..config.job import parse_job_config
 from ..errors import ConfigError
 from .flops import narayanan_flops
 from .hardware import A100
-from .report import plan_from_config, run_from_job
+from .job_plan import plan_from_config, run_from_job
 from .step_time import plan_step_time
 
 A100_2021 = dataclasses.replace(A100, name="a100 (2021 kernels)", attention_kernel="materialized")

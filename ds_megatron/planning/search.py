@@ -12,8 +12,8 @@ Pruning keeps the answer exact for the layouts returned: a group whose first ran
 best (``_memory_floor``) is dropped; a group's time bound is its compute per rank
 without bubble, communication after the backward or stage imbalance (the model's work over ``pp`` stages), below
 every variant's step.  Groups are visited in the order of their bound and the search stops planning when the
-bound reaches the ``limit``-th best step found.  Not enumerated: hierarchical CP (``a2a+p2p``), PP sizes whose layers split neither uniformly
-nor with the uneven ends, the rank order (the config's).
+bound reaches the ``limit``-th best step found.  Not enumerated: hierarchical CP (``a2a+p2p``), PP sizes that
+do not divide the layers, the rank order (the config's).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from .hardware import GIB, Hardware
 from .memory import BYTES, activation_bytes, optimizer_state_bytes_per_param
 from .param_counts import gpt_param_counts
-from .report import plan_from_config, run_from_job
+from .job_plan import plan_from_config, run_from_job
 from ..parallel.layout import ParallelLayout
 from .step_time import Run, _Pricer, plan_step_time, stage_phases
 
