@@ -1,7 +1,8 @@
 """``ds-megatron plan --calibrate OUT.json``: this box measured into a ``planning.hardware`` profile named ``cpu``.
 
 The one planning module that loads torch (inside its functions; ``plan`` stays torch-free otherwise): fp32 GEMM
-rates by shape (``torch.mm``, one thread as each rank runs), the bandwidth a copy streams through memory, and
+rates by shape (``torch.mm``, one thread per rank, every rank computing at once as in training, so ranks that
+share the cores measure what each gets), the bandwidth a copy streams through memory (likewise), and
 gloo's all-reduce, all-gather, reduce-scatter, all-to-all and send/recv between local ranks, each fitted to
 ``latency + bus bytes / bus bandwidth`` from a small and a large message (bus bytes as ``comm_volume`` counts them).
 The file is what ``--hardware`` reads; the figures hold for this box at this load.
@@ -124,8 +125,11 @@ def _rank_main(rank: int, ranks: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
     result = measure_collectives()
+    # Every rank computes at once, as in training: ranks sharing cores see each other's load.
+    dist.barrier()
+    gemms, bandwidth = measure_gemms(), measure_memory_bandwidth()
     if rank == 0:
-        queue.put((result, measure_gemms(), measure_memory_bandwidth()))
+        queue.put((result, gemms, bandwidth))
     dist.barrier()
     dist.destroy_process_group()
 
