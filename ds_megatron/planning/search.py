@@ -166,7 +166,7 @@ def _variants(group: Dict, num_layers: int) -> Iterator[Dict]:
             yield dict(group, vpp=vpp, schedule=schedule, first=first, last=last, distributed_optimizer=distributed)
 
 
-def _group_run(job, group: Dict, world: int, global_batch: int, layouts: Dict) -> Run:
+def _group_run(job, base: Run, group: Dict, world: int, global_batch: int, layouts: Dict) -> Run:
     """The group's plain variant (one chunk, 1F1B, uniform stages, no distributed optimizer) as a ``Run``, through
     the model's and the layout's own rules (ConfigError or ValueError when they refuse it); the whole config's
     rules are checked for each variant planned in full."""
@@ -184,7 +184,6 @@ def _group_run(job, group: Dict, world: int, global_batch: int, layouts: Dict) -
     model.check_layout(layout)
     if model.num_layers % layout.pp:
         raise ConfigError("uneven stages: planned as variants of the group of a uniform split")
-    base = run_from_job(job, world)
     return dataclasses.replace(base, model=model, layout=layout, micro_batch=group["micro_batch"],
                                micro_batches=global_batch // (layout.dp * group["micro_batch"]), schedule="1f1b",
                                vpp=1, partition_method="uniform", layers_per_stage=None, first=None, last=None,
@@ -235,9 +234,10 @@ def search_layouts(config, world_size: int, hw: Hardware, gpus_per_node: Optiona
         raise ConfigError(f"--global-batch-size {global_batch} must be a positive number of samples")
     bounded: List[Tuple[float, int, Dict, Run, _Pricer]] = []
     layouts: Dict = {}
+    base_run = run_from_job(job, world_size)  # the job's own settings (dtype, optimizer, overlap), read once
     for n, group in enumerate(_groups(job, world_size, gpn, global_batch)):
         try:
-            run = _group_run(job, group, world_size, global_batch, layouts)
+            run = _group_run(job, base_run, group, world_size, global_batch, layouts)
         except ValueError:  # ConfigError too: the model or the layout refuses the group
             continue
         if _memory_floor(run) <= hw.memory_bytes:
