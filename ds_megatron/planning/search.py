@@ -285,8 +285,8 @@ def _evaluate(base: Dict, choice: Dict, world: int, hw: Hardware, global_batch: 
     peak = max(p.total_bytes for p in plans)
     if peak > hw.memory_bytes:
         return None
-    lay = job.megatron.layout(world)
-    return Layout(lay.tp, lay.pp, choice["vpp"], lay.cp, choice["cp_comm_type"], lay.ep, lay.etp, lay.dp,
+    return Layout(choice["tp"], choice["pp"], choice["vpp"], choice["cp"], choice["cp_comm_type"], choice["ep"],
+                  choice["tp"] if choice["etp"] is None else choice["etp"], choice["dp"],
                   choice["micro_batch"], choice["recompute"], choice["distributed_optimizer"], choice["schedule"],
                   choice["first"], choice["last"], step.step_time_s, step.model_tflops_per_gpu, step.mfu,
                   peak / GIB)
