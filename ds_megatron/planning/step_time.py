@@ -451,5 +451,6 @@ def format_step_time(step: StepTime, hw: Hardware) -> str:
     parts = ", ".join(f"{k[:-2].replace('_', ' ')} {s * 1e3:,.1f}" for k, s in
                       sorted(step.breakdown.items(), key=lambda kv: -kv[1]))
     return (f"predicted step on {hw.name}: {step.step_time_s:,.3f} s, {step.model_tflops_per_gpu:,.1f} model "
-            f"TFLOP/s per GPU, MFU {step.mfu:.1%} (causal attention counted in full, as the published tables)\n"
+            f"TFLOP/s per GPU, MFU {step.mfu:.1%} (causal attention counted in full, as the published tables "
+            "count it)\n"
             f"  slowest rank (stage {step.stage}), ms: {parts}")
