@@ -24,6 +24,7 @@ gives the step time and bubble of each schedule.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -243,6 +244,13 @@ def channel_messages(operations: Sequence[Operation], rank: int, pipeline_parall
 
 
 def zero_bubble_orders(num_microbatches: int, pipeline_parallel_size: int) -> List[List[Operation]]:
+    """Every rank's order of ZB-H1 (``_zero_bubble_orders``, made once per size: the plan's search and memory walk
+    ask for every rank of the same pipeline many times)."""
+    return [list(ops) for ops in _zero_bubble_orders(num_microbatches, pipeline_parallel_size)]
+
+
+@functools.lru_cache(maxsize=32)
+def _zero_bubble_orders(num_microbatches: int, pipeline_parallel_size: int) -> Tuple[Tuple[Operation, ...], ...]:
     """Every rank's order of ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), one chunk each.
 
     Each backward is split into B (the input gradient, which the previous stage waits for) and W (the
@@ -304,15 +312,17 @@ def zero_bubble_orders(num_microbatches: int, pipeline_parallel_size: int) -> Li
             break
         if not progressed:
             raise ValueError("the zero-bubble orders deadlock")
-    return out
+    return tuple(tuple(ops) for ops in out)
 
 
 @dataclass(frozen=True)
 class PipelineTiming:
-    """``simulate_pipeline``'s result: the step's length and, per rank, the time it computed."""
+    """``simulate_pipeline``'s result: the step's length and, per rank, the time it computed and when it
+    finished its last operation."""
 
     step_time: float
     busy: Tuple[float, ...]
+    finish: Tuple[float, ...] = ()
 
     @property
     def bubble(self) -> float:
@@ -322,15 +332,21 @@ class PipelineTiming:
 
 def simulate_pipeline(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int,
                       microbatch_group_size_per_vp_stage: Optional[int] = None, forward_time: float = 1.0,
-                      backward_time: float = 2.0, schedule: str = "interleaved_1f1b") -> PipelineTiming:
-    """Every rank runs its order; an operation starts when the rank is free and its input has arrived (free
-    communication).  ValueError if the orders deadlock.  ``forward_time`` / ``backward_time``: one chunk's
-    (the zero-bubble schedule's B and W take half of ``backward_time`` each)."""
+                      backward_time: float = 2.0, schedule: str = "interleaved_1f1b",
+                      costs: Optional[Sequence[Sequence[Tuple[float, float, float]]]] = None,
+                      message_time: float = 0.0) -> PipelineTiming:
+    """Every rank runs its order; an operation starts when the rank is free and its input has arrived
+    ``message_time`` after it was sent (the sender goes on meanwhile).  ValueError if the orders deadlock.
+    ``forward_time`` / ``backward_time``: one chunk's (the zero-bubble schedule's B and W take half of
+    ``backward_time`` each); ``costs[rank][chunk]``, when given, each chunk's own (forward, B, W) instead (a
+    full backward is B + W): uneven stages and the real split of a backward."""
     p, v = pipeline_parallel_size, num_model_chunks
     ops = [rank_operations(num_microbatches, v, pipeline_parallel_size=p, pipeline_parallel_rank=r,
                            microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
                            schedule=schedule)
            for r in range(p)]
+    if costs is None:
+        costs = [[(forward_time, backward_time / 2, backward_time / 2)] * v for _ in range(p)]
     arrived: Dict[Tuple[str, int, int], float] = {}
     clock, busy, position = [0.0] * p, [0.0] * p, [0] * p
     while any(position[r] < len(ops[r]) for r in range(p)):
@@ -342,18 +358,19 @@ def simulate_pipeline(num_microbatches: int, num_model_chunks: int, pipeline_par
                 if needed is not None and needed[1] not in arrived:
                     break
                 start = max(clock[r], arrived[needed[1]] if needed is not None else 0.0)
-                cost = forward_time if op.forward else backward_time if op.part == "full" else backward_time / 2
+                f, b, w = costs[r][op.chunk]
+                cost = f if op.forward else b + w if op.part == "full" else b if op.part == "input" else w
                 clock[r] = start + cost
                 busy[r] += cost
                 sent = sends_of(op, r, p, v)
                 if sent is not None:
-                    arrived[sent[1]] = clock[r]
+                    arrived[sent[1]] = clock[r] + message_time
                 position[r] += 1
                 progressed = True
         if not progressed:
             stuck = {r: ops[r][position[r]] for r in range(p) if position[r] < len(ops[r])}
             raise ValueError(f"the pipeline orders deadlock: ranks wait at {stuck}")
-    return PipelineTiming(max(clock), tuple(busy))
+    return PipelineTiming(max(clock), tuple(busy), tuple(clock))
 
 
 def interleaved_bubble(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int) -> float:

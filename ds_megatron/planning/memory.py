@@ -611,9 +611,9 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         activations, in_flight = schedule_peak_activations(per_chunk, micro_batches, pp, stage, schedule,
                                                            group_size, message if ours else 0, deferred)
         activations += transient
+        stage_ranks = {p[stage] for p in groups["pp"]}  # once per stage: thousands of groups at 16,384 ranks
         for tp_rank in range(layout.tp):
-            ranks = sorted(g[tp_rank] for g in groups["tp"] if g[tp_rank] in
-                           {p[stage] for p in groups["pp"]})
+            ranks = sorted(g[tp_rank] for g in groups["tp"] if g[tp_rank] in stage_ranks)
             role = f"stage {stage} tp rank {tp_rank}" if pp > 1 else f"tp rank {tp_rank}"
             state_per_param = optimizer_state_bytes_per_param(optimizer_type, momentum)
             if zero is not None:

@@ -1,0 +1,154 @@
+"""``ds-megatron plan --calibrate OUT.json``: this box measured into a ``planning.hardware`` profile named ``cpu``.
+
+The one planning module that loads torch (inside its functions; ``plan`` stays torch-free otherwise): fp32 GEMM
+rates by shape (``torch.mm``, one thread per rank, every rank computing at once as in training, so ranks that
+share the cores measure what each gets), the bandwidth a copy streams through memory (likewise), and
+gloo's all-reduce, all-gather, reduce-scatter, all-to-all and send/recv between local ranks, each fitted to
+``latency + bus bytes / bus bandwidth`` from a small and a large message (bus bytes as ``comm_volume`` counts them).
+The file is what ``--hardware`` reads; the figures hold for this box at this load.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Dict, List, Optional, Sequence
+
+from ..errors import ConfigError
+from .hardware import Hardware, load_hardware
+
+GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
+MESSAGE_ELEMENTS = (256, 1 << 20)  # fp32: 1 KiB (latency) and 4 MiB (bandwidth)
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+def _best_of(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls (the box's other load only slows a call down)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_gemms(sizes: Sequence[int] = GEMM_SIZES, repeats: int = 5) -> List[List[float]]:
+    """``[m, n, k, flop/s]`` of fp32 ``torch.mm`` at each cube size, and the thin shapes of a layer's GEMMs."""
+    import torch  # the measurement needs torch; the rest of planning does not
+    rows = []
+    shapes = [(s, s, s) for s in sizes] + [(4 * s, s, s) for s in sizes[:-1]]
+    for m, n, k in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        torch.mm(a, b)
+        seconds = _best_of(lambda: torch.mm(a, b), repeats)
+        rows.append([m, n, k, 2.0 * m * n * k / seconds])
+    return rows
+
+
+def measure_memory_bandwidth(elements: int = 1 << 24, repeats: int = 5) -> float:
+    """Bytes per second a copy streams (read and written counted)."""
+    import torch  # as measure_gemms
+    src, dst = torch.randn(elements), torch.empty(elements)
+    dst.copy_(src)
+    return 2 * 4 * elements / _best_of(lambda: dst.copy_(src), repeats)
+
+
+def _bus_bytes(kind: str, n: int, nbytes: float) -> float:
+    """nccl-tests' bus bytes of a collective over ``n`` ranks on a ``nbytes`` tensor (the whole one for the
+    gathers, scatters and all-to-all, the message for send/recv)."""
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * nbytes
+    return nbytes if kind == "send_recv" else (n - 1) / n * nbytes
+
+
+def measure_collectives(sizes: Sequence[int] = MESSAGE_ELEMENTS, repeats: int = 5) -> Dict[str, Dict[str, float]]:
+    """On every rank of the default (gloo) group: each collective's latency and bus bandwidth, fitted from a small
+    and a large message; rank 0's figures are the ones to keep (every rank returns its own)."""
+    import torch  # as measure_gemms
+    import torch.distributed as dist
+    n, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for kind in KINDS:
+        points = []
+        for elements in sizes:
+            elements -= elements % n
+            whole = torch.ones(elements)
+            part = torch.ones(elements // n)
+
+            def once():
+                if kind == "all_reduce":
+                    dist.all_reduce(whole)
+                elif kind == "all_gather":
+                    dist.all_gather_into_tensor(whole, part)
+                elif kind == "reduce_scatter":
+                    dist.reduce_scatter_tensor(part, whole)
+                elif kind == "all_to_all":
+                    dist.all_to_all_single(whole.clone(), whole)
+                elif rank < 2:  # send/recv between ranks 0 and 1, a round trip halved
+                    if rank == 0:
+                        dist.send(whole, 1)
+                        dist.recv(whole, 1)
+                    else:
+                        dist.recv(whole, 0)
+                        dist.send(whole, 0)
+                dist.barrier()
+
+            once()
+            seconds = _best_of(once, repeats) / (2 if kind == "send_recv" else 1)
+            points.append((_bus_bytes(kind, n, 4 * elements), seconds))
+        (small, t_small), (large, t_large) = points
+        bandwidth = (large - small) / max(t_large - t_small, 1e-9)
+        out[kind] = {"latency_s": max(t_small - small / bandwidth, 0.0), "bus_bytes_per_s": bandwidth}
+    return out
+
+
+def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
+                  collectives: Dict[str, Dict[str, float]], ranks: int) -> Hardware:
+    """The ``cpu`` profile of these measurements, written to ``path`` as ``--hardware`` reads it."""
+    peak = max(row[3] for row in gemms)
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
+    doc = {"name": "cpu", "peak_flops": {"fp32": peak}, "hbm_bytes_per_s": memory_bandwidth,
+           "memory_bytes": pages / ranks, "nvlink_bytes_per_s": collectives["all_reduce"]["bus_bytes_per_s"],
+           "network_bytes_per_s": collectives["all_reduce"]["bus_bytes_per_s"], "gpus_per_node": 1 << 20,
+           "sms": 1, "gemm_efficiency": 1.0, "gemm_table": gemms, "collectives": {"intra": collectives},
+           "kernel_launch_s": 0.0, "attention_kernel": "materialized",
+           "source": f"ds-megatron plan --calibrate, {ranks} gloo ranks, {time.strftime('%Y-%m-%d %H:%M')}"}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+    return load_hardware(path)  # read back as --hardware will, so a bad profile fails here
+
+
+def _rank_main(rank: int, ranks: int, port: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    result = measure_collectives()
+    # Every rank computes at once, as in training: ranks sharing cores see each other's load.
+    dist.barrier()
+    gemms, bandwidth = measure_gemms(), measure_memory_bandwidth()
+    if rank == 0:
+        queue.put((result, gemms, bandwidth))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def calibrate(path: str, ranks: int = 4, port: Optional[int] = None) -> Hardware:
+    """Measure this box with ``ranks`` local gloo ranks and write the profile to ``path``."""
+    import torch.multiprocessing as mp
+    if not 2 <= ranks <= 4:
+        raise ConfigError(f"--calibrate-ranks {ranks}: measure with 2 to 4 local ranks")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, queue)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    collectives, gemms, bandwidth = queue.get(timeout=600)
+    for p in procs:
+        p.join()
+    return write_profile(path, gemms, bandwidth, collectives, ranks)

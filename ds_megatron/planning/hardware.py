@@ -1,0 +1,180 @@
+"""The machine a plan's clock runs on, as data: peak rates, memory, links (``ds-megatron plan --hardware``).
+
+Four built-in GPUs from NVIDIA's published datasheets, or any JSON file with the same fields (``cpu``: the one
+``ds-megatron plan --calibrate`` writes after measuring this box).  Every rate is in bytes or FLOP per second;
+link bandwidths are per GPU and per direction (a datasheet's bidirectional NVLink figure halved).
+
+What a program achieves of a peak is a physical constant of the kernels, named here once, not per job:
+
+* ``gemm_efficiency``: the share of the dense tensor-core peak cuBLAS sustains on large, well-shaped GEMMs;
+  smaller GEMMs lose more to wave quantization (``TILE``: tiles of 128 x 256 outputs, one per SM per wave,
+  NVIDIA's "Matrix Multiplication Background" guide) and to the HBM roofline;
+* ``HBM_EFFICIENCY``: the share of the HBM bandwidth streaming kernels reach (STREAM / BabelStream);
+* ``LINK_EFFICIENCY``: the share of a link's bandwidth NCCL's ring collectives reach as bus bandwidth
+  (nccl-tests' busbw against the wire rate);
+* ``FLASH_ATTENTION_EFFICIENCY``: FlashAttention-2's share of the peak, forward and backward (Dao 2023,
+  head dim 128).
+
+A measured profile (``cpu``) replaces the curve by its table of GEMM rates by shape and the ring constants by
+measured latency and bus bandwidth per collective.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+from ..errors import ConfigError
+
+TILE = (128, 256)  # outputs per CTA tile of cuBLAS's large-GEMM kernels (Ampere / Hopper / Blackwell)
+HBM_EFFICIENCY = 0.85  # BabelStream triad on A100 80GB: ~1.73 of 2.04 TB/s
+LINK_EFFICIENCY = 0.8  # nccl-tests all-reduce busbw: ~230-240 GB/s of NVLink3's 300 GB/s per direction on DGX A100
+FLASH_ATTENTION_EFFICIENCY = (0.70, 0.55)  # FlashAttention-2 on A100, head dim 128: forward, backward
+KERNEL_LAUNCH_S = 4e-6  # one CUDA kernel's launch and tail, the floor of a small GEMM
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class CollectiveRate:
+    """A measured collective: time = ``latency_s`` + bus bytes / ``bus_bytes_per_s``."""
+
+    latency_s: float
+    bus_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and its links.  ``peak_flops``: dense peak per dtype (``bf16``, ``fp16``, ``fp8``,
+    ``fp32``); ``gemm_table``: measured ``[m, n, k, flop/s]`` rows replacing the wave-quantization curve;
+    ``collectives``: measured rates by link (``"intra"`` / ``"inter"``) and kind (``all_reduce``,
+    ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``send_recv``), replacing the ring model."""
+
+    name: str
+    peak_flops: Dict[str, float]
+    hbm_bytes_per_s: float
+    memory_bytes: float
+    nvlink_bytes_per_s: float  # per GPU, per direction
+    network_bytes_per_s: float  # per GPU, per direction (the node's NICs / its GPUs)
+    gpus_per_node: int = 8
+    sms: int = 108
+    gemm_efficiency: float = 0.8
+    hop_latency_s: Dict[str, float] = field(default_factory=lambda: {"intra": 2e-6, "inter": 5e-6})
+    gemm_table: Optional[List[List[float]]] = None
+    collectives: Optional[Dict[str, Dict[str, CollectiveRate]]] = None
+    kernel_launch_s: float = KERNEL_LAUNCH_S
+    attention_kernel: str = "flash"  # "flash" (causal blocks skipped) or "materialized" (scores through memory)
+    source: str = ""
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops or not self.peak_flops[dtype]:
+            raise ConfigError(f"--hardware {self.name} has no {dtype} peak (peak_flops has "
+                              f"{sorted(k for k, v in self.peak_flops.items() if v)}); choose another params dtype "
+                              "or hardware")
+        return self.peak_flops[dtype]
+
+    def gemm_time(self, m: float, n: float, k: float, dtype: str, batch: float = 1) -> float:
+        """Seconds of ``batch`` GEMMs of [m, k] x [k, n] in ``dtype``."""
+        if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
+            return 0.0
+        flops = 2.0 * m * n * k * batch
+        if self.gemm_table:
+            return flops / self._table_rate(m, n, k) + self.kernel_launch_s
+        tiles = math.ceil(m / TILE[0]) * math.ceil(n / TILE[1]) * batch
+        waves = math.ceil(tiles / self.sms)
+        compute = flops / (self.peak(dtype) * self.gemm_efficiency * tiles / (waves * self.sms))
+        size = 1 if dtype == "fp8" else 4 if dtype == "fp32" else 2
+        memory = (m * k + k * n + m * n) * batch * size / (self.hbm_bytes_per_s * HBM_EFFICIENCY)
+        return max(compute, memory) + self.kernel_launch_s
+
+    def _table_rate(self, m: float, n: float, k: float) -> float:
+        """The measured rate at the nearest size (geometric mean of the three sides, on a log scale),
+        interpolated between the two measured sizes around it."""
+        size = math.log((m * n * k) ** (1 / 3))
+        rows = sorted((math.log((r[0] * r[1] * r[2]) ** (1 / 3)), r[3]) for r in self.gemm_table)
+        if size <= rows[0][0]:
+            return rows[0][1]
+        for (x0, y0), (x1, y1) in zip(rows, rows[1:]):
+            if size <= x1:
+                return y0 + (y1 - y0) * (size - x0) / (x1 - x0) if x1 > x0 else y1
+        return rows[-1][1]
+
+    def memory_time(self, nbytes: float) -> float:
+        """Seconds to stream ``nbytes`` through HBM (read and written bytes counted apart)."""
+        return nbytes / (self.hbm_bytes_per_s * HBM_EFFICIENCY)
+
+    def collective_time(self, kind: str, n: int, bus_bytes: float, inter_node: bool) -> float:
+        """Seconds of one collective of ``kind`` over ``n`` ranks moving ``bus_bytes`` (nccl-tests bus bytes,
+        as ``planning.comm_volume`` counts them): the latency of its steps plus the bytes at the bus bandwidth
+        of the link it crosses."""
+        if n <= 1 or bus_bytes <= 0:
+            return 0.0
+        link = "inter" if inter_node else "intra"
+        if self.collectives:
+            rates = self.collectives.get(link) or self.collectives["intra"]
+            rate = rates.get(kind) or rates["all_reduce"]
+            return rate.latency_s + bus_bytes / rate.bus_bytes_per_s
+        steps = {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(kind, n - 1)
+        bandwidth = (self.network_bytes_per_s if inter_node else self.nvlink_bytes_per_s) * LINK_EFFICIENCY
+        return steps * self.hop_latency_s[link] + bus_bytes / bandwidth
+
+    def to_json(self) -> Dict:
+        return asdict(self)
+
+
+TB, GB = 1e12, 1e9
+
+# NVIDIA A100 Tensor Core GPU datasheet (2021, SXM4 80GB): BF16/FP16 312 TFLOPS dense, FP32 19.5, HBM2e
+# 2,039 GB/s, NVLink 3 600 GB/s (bidirectional), 108 SMs; DGX A100: eight 200 Gb/s HDR InfiniBand NICs for eight
+# GPUs (25 GB/s each).  cuBLAS reaches ~0.8 of the peak on large bf16 GEMMs.
+A100 = Hardware("a100", {"bf16": 312 * TB, "fp16": 312 * TB, "fp32": 19.5 * TB}, 2039 * GB, 80 * GIB, 300 * GB,
+                25 * GB, sms=108, gemm_efficiency=0.8, source="NVIDIA A100 datasheet; DGX A100 user guide")
+# NVIDIA H100 datasheet (SXM5): BF16 989 TFLOPS dense, FP8 1,979 dense, FP32 67, HBM3 3.35 TB/s, NVLink 4
+# 900 GB/s, 132 SMs; DGX H100: eight 400 Gb/s ConnectX-7 NICs (50 GB/s per GPU).  cuBLAS: ~0.7 of the peak.
+H100 = Hardware("h100", {"bf16": 989 * TB, "fp16": 989 * TB, "fp8": 1979 * TB, "fp32": 67 * TB}, 3350 * GB,
+                80 * GIB, 450 * GB, 50 * GB, sms=132, gemm_efficiency=0.7,
+                source="NVIDIA H100 datasheet; DGX H100 user guide")
+# NVIDIA H200 datasheet (SXM): H100's compute, HBM3e 4.8 TB/s and 141 GB, NVLink 900 GB/s; DGX H200: 400 Gb/s
+# per GPU.
+H200 = Hardware("h200", {"bf16": 989 * TB, "fp16": 989 * TB, "fp8": 1979 * TB, "fp32": 67 * TB}, 4800 * GB,
+                141 * GB, 450 * GB, 50 * GB, sms=132, gemm_efficiency=0.7,
+                source="NVIDIA H200 datasheet; DGX H200 user guide")
+# NVIDIA HGX B200 / DGX B200 datasheet: per GPU BF16 2.25 PFLOPS dense, FP8 4.5 dense, HBM3e 8 TB/s and 180 GB,
+# NVLink 5 1.8 TB/s, 148 SMs; DGX B200: eight 400 Gb/s ConnectX-7 NICs.
+B200 = Hardware("b200", {"bf16": 2250 * TB, "fp16": 2250 * TB, "fp8": 4500 * TB, "fp32": 80 * TB}, 8000 * GB,
+                180 * GB, 900 * GB, 50 * GB, sms=148, gemm_efficiency=0.7,
+                source="NVIDIA DGX B200 / HGX B200 datasheets")
+
+BUILT_IN = {h.name: h for h in (A100, H100, H200, B200)}
+
+
+def hardware_from_dict(doc: Dict, where: str = "hardware") -> Hardware:
+    """A ``Hardware`` from its JSON form (``to_json``); ConfigError naming the field on a bad one."""
+    names = {f for f in Hardware.__dataclass_fields__}
+    unknown = sorted(set(doc) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field {unknown[0]!r}; the fields are {', '.join(sorted(names))}")
+    doc = dict(doc)
+    if doc.get("collectives"):
+        doc["collectives"] = {link: {kind: CollectiveRate(**rate) for kind, rate in kinds.items()}
+                              for link, kinds in doc["collectives"].items()}
+    if doc.get("attention_kernel", "flash") not in ("flash", "materialized"):
+        raise ConfigError(f"{where}: attention_kernel={doc['attention_kernel']!r} is unknown; use \"flash\" or "
+                          "\"materialized\"")
+    try:
+        return Hardware(**doc)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}; give every field of a built-in profile (ds-megatron plan --calibrate "
+                          "writes one)") from None
+
+
+def load_hardware(spec: str) -> Hardware:
+    """A built-in name (``a100``, ``h100``, ``h200``, ``b200``) or a JSON file."""
+    if spec.lower() in BUILT_IN:
+        return BUILT_IN[spec.lower()]
+    if not os.path.exists(spec):
+        raise ConfigError(f"--hardware {spec!r} is neither a built-in profile ({', '.join(BUILT_IN)}) nor a file; "
+                          "give one of them, or write a profile with ds-megatron plan --calibrate")
+    with open(spec, encoding="utf-8") as f:
+        return hardware_from_dict(json.load(f), where=f"--hardware {spec}")

@@ -1,0 +1,456 @@
+"""The predicted time of one training step (``ds-megatron plan --hardware``), from the config alone (pure, no torch).
+
+Each rank's work per micro-batch and model chunk is priced on a ``planning.hardware`` profile:
+
+* GEMMs at the profile's rate for their shape and dtype (forward; backward's input-gradient GEMM, which the
+  previous stage waits for, B; its weight-gradient GEMM, W): QKV (or MLA's projections), the attention output
+  projection, the MLP (an MoE layer: the router, its local experts' grouped GEMMs under balanced routing, the
+  shared expert), the output layer;
+* the attention core: a flash kernel does half the ``s x s`` work of causal attention, at FlashAttention-2's
+  efficiency (backward 2.5x the forward's FLOPs); a ``"materialized"`` kernel (Megatron-LM 2021's, the CPU's)
+  runs ``Q K^T`` and ``P V`` as batched GEMMs in full and streams the scores through memory (softmax, dropout);
+* memory-bound work at HBM bandwidth: norms, bias-dropout-residual adds, the activation, RoPE, MoE's permutes,
+  the embedding, the cross entropy's fp32 logits (backward: ``ELEMENTWISE_BACKWARD`` x the forward's bytes);
+* collectives at the latency and bus bandwidth of the link their group crosses (inside a node or between nodes,
+  from the rank order and ``gpus_per_node``), with ``planning.comm_volume``'s bus bytes: TP's reductions (sequence
+  parallel: gathers and scatters), exposed; the CP ring's K/V, hidden behind the attention core but for what
+  exceeds it, the all-gather and all-to-all variants exposed; MoE's all-to-all, exposed; each pipeline message
+  delays its receiver;
+* recomputation's extra forward: a ``"full"`` layer's forward up to the MLP's input (torch's checkpoint stops
+  there; ``recompute_whole_layer``: Megatron-LM 2021's reentrant checkpoint reruns all of it), selective
+  ``core_attn`` the core, ``mlp`` the MLP;
+* the pipeline: every rank's order of the schedule table (``pipeline_parallel.schedule_table``: 1F1B,
+  interleaved, ZB-H1; uneven stages by their own costs) run against the data dependencies
+  (``simulate_pipeline``); the idle time on the slowest rank is the bubble;
+* after the last backward: the gradient reduction over ``dp-cp`` (fp32 buffers; a reduce-scatter with the
+  distributed optimizer), with ``overlap_grad_reduce`` hidden behind the last micro-batch's backward but for its
+  last bucket; the tied embedding's all-reduce; the optimizer step (``OPTIMIZER_BYTES`` per owned parameter
+  through HBM); the distributed optimizer's parameter all-gather, behind the next forward with
+  ``overlap_param_gather``.
+
+The step is the slowest rank's; the breakdown is that rank's, its parts adding up to the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..config.model import pad_vocab_size
+from ..pipeline_parallel.schedule_table import simulate_pipeline
+from .comm_volume import _all_reduce, _gather_or_scatter
+from .flops import model_flops
+from .hardware import FLASH_ATTENTION_EFFICIENCY, Hardware
+from .memory import BYTES, kv_heads_per_rank, selective_recompute
+from .param_counts import gpt_param_counts, pipeline_rank_chunks
+
+ELEMENTWISE_BACKWARD = 2.0  # a memory-bound op's backward reads its saved input and the incoming gradient, writes one
+FLASH_BACKWARD_FLOPS = 2.5  # FlashAttention's backward: five GEMMs of the forward's two, per block
+# Adam's step per owned parameter: the fp32 param and both moments read and written (24), the fp32 grad read (4),
+# the 16-bit param written (2), the grad read again for the global norm (4).  SGD: param, grad, momentum.
+OPTIMIZER_BYTES = {"adam": 34, "adamw": 34, "sgd": 20}
+PARTS = ("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "moe_comm", "recompute")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the clock reads of a job: the model, the layout and how a step runs it (``report.run_from_job``)."""
+
+    model: object  # GPTConfig
+    layout: object  # ParallelLayout
+    params_dtype: str = "bf16"
+    micro_batch: int = 1
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    vpp: int = 1
+    partition_method: str = "uniform"
+    layers_per_stage: Optional[Sequence[int]] = None
+    first: Optional[int] = None
+    last: Optional[int] = None
+    group_size: Optional[int] = None
+    distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    grad_fp32: bool = True
+    optimizer_type: str = "adamw"
+    bucket_size: Optional[int] = None
+    hierarchical_inner: Optional[int] = None
+    recompute_whole_layer: bool = False
+
+
+@dataclass
+class Cost:
+    """Seconds by part (``PARTS``) of one phase: a chunk's forward, its B or its W, per micro-batch."""
+
+    parts: Dict[str, float] = field(default_factory=dict)
+
+    def add(self, part: str, seconds: float) -> None:
+        if seconds:
+            self.parts[part] = self.parts.get(part, 0.0) + seconds
+
+    def merge(self, other: "Cost", scale: float = 1.0, as_part: Optional[str] = None) -> None:
+        for part, seconds in other.parts.items():
+            self.add(as_part or part, seconds * scale)
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The predicted step: its length, the job's model FLOPs (causal attention in full), and the slowest rank's
+    breakdown in seconds (its parts add up to ``step_time_s``)."""
+
+    step_time_s: float
+    model_flops: float
+    world_size: int
+    peak_flops: float
+    breakdown: Dict[str, float]
+    stage: int
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        return self.model_flops / (self.step_time_s * self.world_size) / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.step_time_s * self.world_size * self.peak_flops)
+
+    def to_json(self) -> Dict:
+        return {"step_time_s": self.step_time_s, "model_tflops_per_gpu": self.model_tflops_per_gpu,
+                "mfu": self.mfu, "flop_convention": "causal attention counted in full (the published tables')",
+                "critical_stage": self.stage, "breakdown": self.breakdown}
+
+
+def group_spans_nodes(layout, token: str, gpus_per_node: int, expert: bool = False) -> bool:
+    """Whether the group of ``token`` (``"tp"``, ``"dp-cp"``, ``"pp"``, ...) holding rank 0 spans more than one
+    node: its ranks from the rank order's strides (the first dimension fastest)."""
+    generator = layout.expert_generator() if expert else layout.dense_generator()
+    order = generator.order.split("-")
+    sizes = dict(zip(order, generator.ordered_size))
+    wanted = token.split("-")
+    stride, span = 1, 0
+    for dim in order:
+        if dim in wanted:
+            span += stride * (sizes[dim] - 1)
+        stride *= sizes[dim]
+    return span >= gpus_per_node
+
+
+class _Pricer:
+    """Prices one run's work on one hardware profile (the links each group crosses decided once)."""
+
+    def __init__(self, run: Run, hw: Hardware, gpus_per_node: int):
+        self.run, self.hw, self.cfg, self.layout = run, hw, run.model, run.layout
+        lay = self.layout
+        self.inter = {kind: group_spans_nodes(lay, kind, gpus_per_node) for kind in ("tp", "cp", "dp-cp", "pp")}
+        self.inter["ep"] = group_spans_nodes(lay, "ep", gpus_per_node, expert=True)
+        self.inter["edp"] = group_spans_nodes(lay, "dp", gpus_per_node, expert=True)
+        self.act = BYTES[run.params_dtype]
+        self.tokens = run.micro_batch * self.cfg.seq_length / lay.cp  # this rank's tokens of a micro-batch
+        self.sp = self.cfg.sequence_parallel and lay.tp > 1
+        self.layers: Dict[Tuple[bool, bool, bool], Tuple[Cost, Cost, Cost]] = {}  # by what a layer's price reads
+
+    def coll(self, kind: str, group: str, n: int, bus: float) -> float:
+        return self.hw.collective_time(kind, n, bus, self.inter[group])
+
+    def gemm(self, fwd: Cost, b: Cost, w: Cost, m: float, n: float, k: float, dtype: str, batch: float = 1,
+             weight: bool = True) -> float:
+        """A linear layer's forward GEMM [m, k] x [k, n] and its backward: the input gradient (B) and, for a
+        weight, the weight gradient (W).  Returns the forward's seconds."""
+        t = self.hw.gemm_time(m, n, k, dtype, batch)
+        fwd.add("gemm", t)
+        b.add("gemm", self.hw.gemm_time(m, k, n, dtype, batch))
+        if weight:
+            w.add("gemm", self.hw.gemm_time(n, k, m, dtype, batch))
+        return t
+
+    def layer(self, index: int, recomputed: bool) -> Tuple[Cost, Cost, Cost]:
+        """(forward, B, W) of transformer layer ``index`` for one micro-batch on one rank (priced once per kind:
+        dense or MoE, fp8 or not, recomputed or not)."""
+        key = (self.cfg.is_moe_layer(index), self.cfg.fp8_layer(index), recomputed)
+        if key not in self.layers:
+            self.layers[key] = self._layer(index, recomputed)
+        return self.layers[key]
+
+    def _layer(self, index: int, recomputed: bool) -> Tuple[Cost, Cost, Cost]:
+        cfg, run, hw, lay = self.cfg, self.run, self.hw, self.layout
+        t, cp, T, a = lay.tp, lay.cp, self.tokens, self.act
+        h, n = cfg.hidden_size, cfg.num_attention_heads
+        heads = n // t
+        qk, v = cfg.head_widths
+        dtype = "fp8" if cfg.fp8_layer(index) else run.params_dtype
+        fwd, b, w = Cost(), Cost(), Cost()
+        # Attention projections.
+        if cfg.multi_latent_attention:
+            q_in = h if cfg.q_lora_rank is None else cfg.q_lora_rank
+            if cfg.q_lora_rank:
+                self.gemm(fwd, b, w, T, cfg.q_lora_rank, h, dtype)
+            self.gemm(fwd, b, w, T, cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, h, dtype)
+            self.gemm(fwd, b, w, T, heads * qk, q_in, dtype)
+            self.gemm(fwd, b, w, T, heads * (cfg.qk_head_dim + v), cfg.kv_lora_rank, dtype)
+        else:
+            kv = kv_heads_per_rank(cfg, t)
+            self.gemm(fwd, b, w, T, (heads + 2 * kv) * cfg.head_dim, h, dtype)
+        self.gemm(fwd, b, w, T, h, heads * v, dtype)
+        core_fwd, core_bwd = self.attention(fwd, b)
+        # The MLP (dense, or MoE's router, experts and shared expert).
+        ffn_fwd = Cost()
+        gated = 2 if cfg.gated_linear_unit else 1
+        if cfg.is_moe_layer(index):
+            self.gemm(ffn_fwd, b, w, T / t if self.sp else T, cfg.num_experts, h, run.params_dtype)
+            local = cfg.num_experts // lay.ep
+            routed = T * cfg.moe_router_topk * lay.etp / t  # balanced routing: the stage's work evenly spread
+            width = cfg.moe_ffn_hidden_size // lay.etp
+            self.gemm(ffn_fwd, b, w, routed / local, gated * width, h, dtype, batch=local)
+            fc2 = Cost()
+            self.gemm(fc2, b, w, routed / local, h, width, dtype, batch=local)
+            moved = _gather_or_scatter(lay.ep, routed * h * a)  # dispatched and combined, each way
+            a2a = 2 * self.coll("all_to_all", "ep", lay.ep, moved)
+            fwd.add("moe_comm", a2a)
+            b.add("moe_comm", a2a)
+            elementwise = routed * (gated + 1) * width * a + 4 * routed * h * a  # activation, permutes
+            if cfg.moe_shared_expert_intermediate_size:
+                shared = cfg.moe_shared_expert_intermediate_size // t
+                self.gemm(ffn_fwd, b, w, T, gated * shared, h, dtype)
+                self.gemm(fc2, b, w, T, h, shared, dtype)
+                elementwise += T * (gated + 1) * shared * a
+        else:
+            ffn = cfg.ffn_hidden_size // t
+            self.gemm(ffn_fwd, b, w, T, gated * ffn, h, dtype)
+            fc2 = Cost()
+            self.gemm(fc2, b, w, T, h, ffn, dtype)
+            elementwise = T * (gated + 1) * ffn * a  # the fused bias-activation: read fc1's output, write its own
+        ffn_fwd.add("elementwise", hw.memory_time(elementwise))
+        fwd.merge(ffn_fwd)
+        fwd.merge(fc2)
+        # Norms, bias-dropout-residual adds (this rank's slice of the sequence with SP), RoPE.
+        rows = T / t if self.sp else T
+        mask = h if cfg.hidden_dropout > 0 else 0
+        tail = rows * (3 * h * a + mask)  # the MLP's bias-dropout-add, after which the checkpoint stops
+        other = rows * 2 * 2 * h * a + rows * (3 * h * a + mask)
+        if cfg.position_embedding_type == "rope":
+            other += T * 2 * (heads + kv_heads_per_rank(cfg, t)) * qk * a
+        fwd.add("elementwise", hw.memory_time(other + tail))
+        b.add("elementwise", ELEMENTWISE_BACKWARD * hw.memory_time(other + tail + elementwise))
+        # Tensor parallelism: two reductions forward (SP: two gathers, two scatters), as many backward.
+        tp_one = self.tp_collective()
+        fwd.add("tp_comm", 4 * tp_one if self.sp else 2 * tp_one)
+        b.add("tp_comm", 4 * tp_one if self.sp else 2 * tp_one)
+        # Recomputation's extra forward, charged to B (it runs right before the layer's backward).
+        core, mlp = selective_recompute(cfg, cp)
+        if recomputed:
+            rerun = Cost()
+            rerun.merge(fwd)
+            if not run.recompute_whole_layer:  # torch's checkpoint stops at the MLP's input... of fc2
+                rerun.merge(fc2, -1.0)
+                rerun.add("elementwise", -hw.memory_time(tail))
+                rerun.parts["tp_comm"] = 3 * tp_one if self.sp else tp_one
+            b.add("recompute", rerun.total)
+        else:
+            b.add("recompute", (core_fwd if core else 0.0) + (ffn_fwd.total if mlp else 0.0))
+        return fwd, b, w
+
+    def tp_collective(self) -> float:
+        """One of a layer's TP reductions (SP: one gather or scatter) of the rank's [s, b, h]."""
+        t = self.layout.tp
+        nbytes = self.tokens * self.cfg.hidden_size * self.act
+        if self.sp:
+            return self.coll("all_gather", "tp", t, _gather_or_scatter(t, nbytes))
+        return self.coll("all_reduce", "tp", t, _all_reduce(t, nbytes))
+
+    def attention(self, fwd: Cost, b: Cost) -> Tuple[float, float]:
+        """The core's forward and backward seconds (added to ``fwd`` and ``b``), with the context-parallel
+        exchange that is not hidden behind it."""
+        cfg, hw, lay, a = self.cfg, self.hw, self.layout, self.act
+        t, cp = lay.tp, lay.cp
+        heads = cfg.num_attention_heads // t
+        qk, v = cfg.head_widths
+        bsz, sq, sk = self.run.micro_batch, cfg.seq_length / cp, cfg.seq_length
+        if hw.attention_kernel == "flash":
+            flops = 2 * bsz * heads * sq * sk * (qk + v) / 2  # causal: the kernel skips the masked half
+            peak = hw.peak(self.run.params_dtype)
+            forward = flops / (peak * FLASH_ATTENTION_EFFICIENCY[0])
+            backward = FLASH_BACKWARD_FLOPS * flops / (peak * FLASH_ATTENTION_EFFICIENCY[1])
+        else:
+            dtype, batch = self.run.params_dtype, bsz * heads
+            forward = hw.gemm_time(sq, sk, qk, dtype, batch) + hw.gemm_time(sq, v, sk, dtype, batch)
+            backward = (hw.gemm_time(sq, qk, sk, dtype, batch) + hw.gemm_time(sk, qk, sq, dtype, batch)
+                        + hw.gemm_time(sq, sk, v, dtype, batch) + hw.gemm_time(sk, v, sq, dtype, batch))
+            scores = batch * sq * sk
+            streamed = 2 * scores * a + (2 * scores * a + scores if cfg.attention_dropout > 0 else 0)
+            forward += hw.memory_time(streamed)
+            backward += ELEMENTWISE_BACKWARD * hw.memory_time(streamed)
+        fwd.add("attention", forward)
+        b.add("attention", backward)
+        if cp > 1:
+            ring_fwd, ring_bwd = self.context_parallel_exchange()
+            if cfg.cp_comm_type == "p2p":  # the ring's next block travels while this one is computed
+                fwd.add("cp_comm", max(0.0, ring_fwd - forward))
+                b.add("cp_comm", max(0.0, ring_bwd - backward))
+            else:
+                fwd.add("cp_comm", ring_fwd)
+                b.add("cp_comm", ring_bwd)
+        return forward, backward
+
+    def context_parallel_exchange(self) -> Tuple[float, float]:
+        """Seconds of a layer's CP traffic forward and backward (``comm_volume``'s bytes for each type)."""
+        cfg, lay, a = self.cfg, self.layout, self.act
+        t, cp = lay.tp, lay.cp
+        qk, v = cfg.head_widths
+        pair = self.tokens * (qk + v)
+        kv = kv_heads_per_rank(cfg, t) * pair
+        acc = max(a, 4)
+        kind = cfg.cp_comm_type
+        if kind in ("a2a", "a2a+p2p"):
+            inner = (self.run.hierarchical_inner or cp) if kind == "a2a+p2p" else cp
+            heads = cfg.num_attention_heads // t
+            kv_heads = kv_heads_per_rank(cfg, t)
+            moved = (heads + (kv_heads if kv_heads % inner == 0 else heads)) * pair * a
+            one = self.coll("all_to_all", "cp", inner, _gather_or_scatter(inner, moved))
+            ring = 0.0
+            if kind == "a2a+p2p" and cp // inner > 1:
+                message = (kv_heads if kv_heads % inner == 0 else heads) * pair * a
+                ring = (cp // inner - 1) * self.coll("send_recv", "cp", 2, message)
+            return one + ring, one + 2 * ring
+        if kind == "all_gather":
+            gather = self.coll("all_gather", "cp", cp, _gather_or_scatter(cp, cp * kv * a))
+            return gather, self.coll("reduce_scatter", "cp", cp, _gather_or_scatter(cp, cp * kv * acc))
+        step_fwd = self.coll("send_recv", "cp", 2, kv * a)
+        step_bwd = self.coll("send_recv", "cp", 2, kv * (a + acc))
+        return (cp - 1) * step_fwd, (cp - 1) * step_bwd
+
+    def head(self) -> Tuple[Cost, Cost, Cost]:
+        """The output layer and the cross entropy (last virtual stage), per micro-batch."""
+        cfg, lay, T, a = self.cfg, self.layout, self.tokens, self.act
+        vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, lay.tp) // lay.tp
+        fwd, b, w = Cost(), Cost(), Cost()
+        self.gemm(fwd, b, w, T, vocab, cfg.hidden_size, self.run.params_dtype)
+        logits = T * vocab * 4 * 3  # fp32: max, exp-sum, target pass
+        fwd.add("elementwise", self.hw.memory_time(logits + 2 * T * cfg.hidden_size * a))
+        b.add("elementwise", ELEMENTWISE_BACKWARD * self.hw.memory_time(logits / 3))
+        one = self.tp_collective()
+        fwd.add("tp_comm", one)
+        b.add("tp_comm", one)
+        return fwd, b, w
+
+    def embedding(self) -> Tuple[Cost, Cost, Cost]:
+        fwd, b, w = Cost(), Cost(), Cost()
+        rows = self.tokens * self.cfg.hidden_size * self.act
+        fwd.add("elementwise", self.hw.memory_time(2 * rows))
+        w.add("elementwise", self.hw.memory_time(2 * rows))
+        one = self.tp_collective()
+        fwd.add("tp_comm", one)
+        return fwd, b, w
+
+    def chunk(self, layers: range, embedding: bool, head: bool) -> Tuple[Cost, Cost, Cost]:
+        fwd, b, w = Cost(), Cost(), Cost()
+        pieces = [self.layer(i, self.cfg.recomputes_layer(local)) for local, i in enumerate(layers)]
+        if embedding:
+            pieces.append(self.embedding())
+        if head:
+            pieces.append(self.head())
+            for k in range(self.cfg.mtp_num_layers or 0):
+                pieces += [self.layer(self.cfg.num_layers + k, False), self.head()]
+        for f, bb, ww in pieces:
+            fwd.merge(f)
+            b.merge(bb)
+            w.merge(ww)
+        return fwd, b, w
+
+
+def stage_phases(run: Run, pricer: "_Pricer") -> List[List[Tuple[Cost, Cost, Cost]]]:
+    """Per pipeline rank, per model chunk: (forward, B, W) of one micro-batch."""
+    cfg, lay = run.model, run.layout
+    pp, v = lay.pp, run.vpp
+    chunks = pipeline_rank_chunks(cfg, lay, run.partition_method, run.layers_per_stage, run.first, run.last, v)
+    return [[pricer.chunk(layers, stage == 0 and c == 0, stage == pp - 1 and c == v - 1)
+             for c, layers in enumerate(chunks[stage])] for stage in range(pp)]
+
+
+def plan_step_time(run: Run, hw: Hardware, gpus_per_node: Optional[int] = None,
+                   pricer: Optional["_Pricer"] = None) -> StepTime:
+    """The predicted step of ``run`` on ``hw`` (see the module docstring); ``pricer``: one made for a run of the
+    same model, layout and micro-batch (its layers' prices reused)."""
+    cfg, lay = run.model, run.layout
+    pricer = pricer or _Pricer(run, hw, gpus_per_node or hw.gpus_per_node)
+    pp, v, m = lay.pp, run.vpp, run.micro_batches
+    phases = stage_phases(run, pricer)
+    sp = pricer.sp
+    message = pricer.tokens * cfg.hidden_size * pricer.act / (lay.tp if sp else 1)
+    message_time = pricer.coll("send_recv", "pp", 2, message) if pp > 1 else 0.0
+    costs = [[(f.total, b.total, w.total) for f, b, w in stage] for stage in phases]
+    if pp > 1:
+        kind = "zero_bubble" if run.schedule == "zero_bubble" else "interleaved_1f1b"
+        timing = simulate_pipeline(m, v, pp, run.group_size, schedule=kind, costs=costs, message_time=message_time)
+        finish = timing.finish
+    else:
+        finish = (m * sum(f + b + w for f, b, w in costs[0]),)
+    best = None
+    for stage in range(pp):
+        compute = {part: m * sum(ph.parts.get(part, 0.0) for f, b, w in phases[stage] for ph in (f, b, w))
+                   for part in PARTS}
+        tail = _after_backward(run, hw, pricer, stage, phases[stage])
+        parts = {**{f"{k}_s": s for k, s in compute.items() if s},
+                 "pipeline_bubble_s": finish[stage] - sum(compute.values()), **tail}
+        total = finish[stage] + sum(tail.values())
+        if best is None or total > best[0]:
+            best = (total, stage, parts)
+    total, stage, parts = best
+    peak = hw.peak("fp8" if cfg.fp8 is not None else run.params_dtype)
+    flops = model_flops(cfg, run.micro_batch * m * lay.dp)
+    return StepTime(total, flops, lay.world_size, peak, {k: s for k, s in parts.items() if s}, stage)
+
+
+def _after_backward(run: Run, hw: Hardware, pricer: _Pricer, stage: int, phases) -> Dict[str, float]:
+    """The exposed seconds after the stage's last backward: gradient reduction, the tied embedding's sum, the
+    optimizer step, the parameter all-gather."""
+    cfg, lay = run.model, run.layout
+    pp = lay.pp
+    counts = gpt_param_counts(cfg, lay.tp, lay.ep, lay.etp,
+                              [i for c in pipeline_rank_chunks(cfg, lay, run.partition_method, run.layers_per_stage,
+                                                               run.first, run.last, run.vpp)[stage] for i in c],
+                              first_stage=stage == 0, last_stage=stage == pp - 1)
+    grad = 4 if run.grad_fp32 else BYTES[run.params_dtype]
+    dense, expert = counts.sharded + counts.replicated, counts.expert
+    n_dense, n_expert = lay.dp * lay.cp, lay.edp
+    if run.distributed_optimizer:
+        reduce = (hw.collective_time("reduce_scatter", n_dense, _gather_or_scatter(n_dense, dense * grad),
+                                     pricer.inter["dp-cp"])
+                  + hw.collective_time("reduce_scatter", n_expert, _gather_or_scatter(n_expert, expert * grad),
+                                       pricer.inter["edp"]))
+        gather = (hw.collective_time("all_gather", n_dense, _gather_or_scatter(n_dense, dense * pricer.act),
+                                     pricer.inter["dp-cp"])
+                  + hw.collective_time("all_gather", n_expert, _gather_or_scatter(n_expert, expert * pricer.act),
+                                       pricer.inter["edp"]))
+        owned = -(-dense // n_dense) + -(-expert // max(n_expert, 1))
+    else:
+        reduce = (hw.collective_time("all_reduce", n_dense, _all_reduce(n_dense, dense * grad), pricer.inter["dp-cp"])
+                  + hw.collective_time("all_reduce", n_expert, _all_reduce(n_expert, expert * grad),
+                                       pricer.inter["edp"]))
+        gather, owned = 0.0, dense + expert
+    last_backward = sum(b.total + w.total for f, b, w in phases)
+    first_forward = sum(f.total for f, b, w in phases)
+    if run.overlap_grad_reduce and reduce:
+        bucket = run.bucket_size or max(40_000_000, 1_000_000 * n_dense)
+        buckets = max(1, -(-(dense + expert) // bucket))
+        reduce = max(reduce / buckets, reduce - last_backward)
+    if run.overlap_param_gather and gather:
+        gather = max(0.0, gather - first_forward)
+    out = {"dp_comm_s": reduce, "param_gather_s": gather}
+    if pp > 1 and (stage in (0, pp - 1)) and not cfg.untie_embeddings_and_output_weights:
+        vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, lay.tp) // lay.tp
+        out["embedding_comm_s"] = hw.collective_time("all_reduce", 2, _all_reduce(2, vocab * cfg.hidden_size * 4),
+                                                     pricer.inter["pp"])
+    out["optimizer_s"] = hw.memory_time(owned * OPTIMIZER_BYTES.get(run.optimizer_type.lower(), 34))
+    return {k: s for k, s in out.items() if s}
+
+
+def format_step_time(step: StepTime, hw: Hardware) -> str:
+    """A few lines: the step, its rate, and the slowest rank's breakdown."""
+    parts = ", ".join(f"{k[:-2].replace('_', ' ')} {s * 1e3:,.1f}" for k, s in
+                      sorted(step.breakdown.items(), key=lambda kv: -kv[1]))
+    return (f"predicted step on {hw.name}: {step.step_time_s:,.3f} s, {step.model_tflops_per_gpu:,.1f} model "
+            f"TFLOP/s per GPU, MFU {step.mfu:.1%} (causal attention counted in full, as the published tables "
+            "count it)\n"
+            f"  slowest rank (stage {step.stage}), ms: {parts}")

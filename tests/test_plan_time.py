@@ -1,0 +1,191 @@
+"""``ds-megatron plan``'s clock against independent references: FLOPs against hand counts, each schedule's bubble
+against its formula, a collective against its profile, the search's memory filter against ``plan``, and the
+published runs (Narayanan et al. Table 1, Korthikanti et al. Table 5) within the goal.  Torch-free."""
+import dataclasses
+import json
+
+import pytest
+
+from ds_megatron.config.model import GPTConfig
+from ds_megatron.parallel.layout import ParallelLayout
+from ds_megatron.pipeline_parallel.schedule_table import simulate_pipeline
+from ds_megatron.planning import published
+from ds_megatron.planning.flops import forward_flops, model_flops, narayanan_flops
+from ds_megatron.planning.hardware import LINK_EFFICIENCY, A100, CollectiveRate, Hardware, load_hardware
+from ds_megatron.planning.report import main, plan_from_config
+from ds_megatron.planning.search import candidate_config, search_layouts
+from ds_megatron.planning.step_time import Run, group_spans_nodes, plan_step_time
+
+S, H, L, V = 256, 512, 4, 1024
+
+
+def _model(**kw):
+    base = dict(num_layers=L, hidden_size=H, num_attention_heads=8, seq_length=S, vocab_size=V,
+                hidden_dropout=0.0, attention_dropout=0.0, make_vocab_size_divisible_by=128)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def test_dense_flops_are_the_published_formula():
+    """GPT-3's layer, 24 s h^2 + 4 s^2 h, and the logits 2 s h V; x3 for a step; Narayanan's eq. 3 is x4 with
+    the logits not rerun."""
+    cfg = _model()
+    per_layer = 24 * S * H * H + 4 * S * S * H
+    assert forward_flops(cfg, 2) == 2 * (L * per_layer + 2 * S * H * V)
+    assert model_flops(cfg, 2) == 3 * forward_flops(cfg, 2)
+    recomputed = 4 * L * per_layer + 6 * S * H * V
+    assert narayanan_flops(1, S, L, H, V) == pytest.approx(recomputed, rel=1e-12)
+
+
+def test_gqa_swiglu_mla_moe_flops_against_a_hand_count():
+    n, d, g, f = 8, 64, 2, 1536
+    gqa_swiglu = _model(num_query_groups=g, gated_linear_unit=True, activation="silu", ffn_hidden_size=f,
+                        add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope")
+    layer = (2 * S * H * (n + 2 * g) * d  # q, k, v
+             + 2 * S * S * n * (d + d)  # Q K^T and P V, causal counted in full
+             + 2 * S * n * d * H  # output projection
+             + 3 * 2 * S * H * f)  # gate, up, down
+    assert forward_flops(gqa_swiglu) == L * layer + 2 * S * H * V
+
+    mla = _model(multi_latent_attention=True, q_lora_rank=96, kv_lora_rank=64, qk_head_dim=32,
+                 qk_pos_emb_head_dim=16, v_head_dim=48, position_embedding_type="rope", add_bias_linear=False,
+                 normalization="RMSNorm")
+    qk, vd = 32 + 16, 48
+    layer = (2 * S * (H * 96 + H * (64 + 16))  # down-projections of q and of kv (with the shared RoPE key)
+             + 2 * S * (96 * n * qk + 64 * n * (32 + vd))  # up-projections
+             + 2 * S * S * n * (qk + vd) + 2 * S * n * vd * H + 2 * 2 * S * H * 4 * H)
+    assert forward_flops(mla) == L * layer + 2 * S * H * V
+
+    moe = _model(num_experts=8, moe_ffn_hidden_size=256, moe_router_topk=2, add_bias_linear=False,
+                 moe_shared_expert_intermediate_size=384)
+    layer = (2 * S * H * 3 * H + 2 * S * S * H * 2 + 2 * S * H * H
+             + 2 * S * H * 8  # router
+             + 2 * (2 * 2 * S * H * 256)  # two experts per token, fc1 and fc2
+             + 2 * 2 * S * H * 384)  # the shared expert
+    assert forward_flops(moe) == L * layer + 2 * S * H * V
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 1, 8), (4, 2, 8), (8, 3, 16)])
+def test_bubble_of_1f1b_and_interleaved_is_the_formula(p, v, m):
+    """From the schedule table with even stages: idle time / ideal time = (p - 1) / (v m)."""
+    f, b = 1.0, 2.0
+    timing = simulate_pipeline(m, v, p, forward_time=f, backward_time=b)
+    ideal = m * v * (f + b)
+    assert (timing.step_time - ideal) / ideal == pytest.approx((p - 1) / (v * m), rel=1e-12)
+
+
+def test_bubble_of_zb_h1_is_its_formula():
+    """ZB-H1 (Qi et al.): (p - 1)(F + B - W) of idle time, where 1F1B has (p - 1)(F + B + W)."""
+    p, m, f, b, w = 4, 8, 1.0, 1.0, 1.0
+    costs = [[(f, b, w)] for _ in range(p)]
+    zb = simulate_pipeline(m, 1, p, schedule="zero_bubble", costs=costs)
+    plain = simulate_pipeline(m, 1, p, costs=costs)
+    assert zb.step_time - m * (f + b + w) == pytest.approx((p - 1) * (f + b - w))
+    assert plain.step_time - m * (f + b + w) == pytest.approx((p - 1) * (f + b + w))
+
+
+# Free links and memory, every GEMM at one rate: the step is the GEMMs and the pipeline.
+FREE = Hardware("test", {"fp32": 1e13}, 1e30, 1e12, 1e30, 1e30, hop_latency_s={"intra": 0.0, "inter": 0.0},
+                kernel_launch_s=0.0, gemm_table=[[1, 1, 1, 1e13]], attention_kernel="materialized")
+
+
+def test_plan_step_time_bubble_follows_the_chunks():
+    """Through the whole model (small ends: a small vocabulary): the bubble the plan reports is
+    (p - 1) / (v m) of the rank's compute, so ignoring v doubles it."""
+    cfg = _model(num_layers=8, vocab_size=128, position_embedding_type="rope")
+    for v in (1, 2):
+        run = Run(cfg, ParallelLayout(world_size=4, pp=4), "fp32", 1, 8, "interleaved_1f1b", v)
+        step = plan_step_time(run, FREE)
+        compute = sum(s for k, s in step.breakdown.items() if k != "pipeline_bubble_s")
+        # the ends (the embedding, the output layer) unbalance the stages by a few percent
+        assert step.breakdown["pipeline_bubble_s"] / compute == pytest.approx(3 / (v * 8), rel=0.08)
+
+
+def test_attention_time_is_half_the_counted_flops_under_a_causal_flash_kernel():
+    """The flash kernel skips the masked half: its forward at FlashAttention-2's efficiency."""
+    cfg = _model(position_embedding_type="rope")
+    run = Run(cfg, ParallelLayout(world_size=1), "bf16", 2, 1)
+    step = plan_step_time(run, A100)
+    core = 2 * 2 * S * S * 8 * 64 * 2 / 2  # b=2, full count halved
+    expected = L * (core / (312e12 * 0.70) + 2.5 * core / (312e12 * 0.55))
+    assert step.breakdown["attention_s"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_collective_costs_its_latency_and_bus_bytes_at_the_link_bandwidth():
+    nbytes = 3e8
+    ring = A100.collective_time("all_reduce", 8, nbytes, inter_node=False)
+    assert ring == pytest.approx(2 * 7 * 2e-6 + nbytes / (300e9 * LINK_EFFICIENCY))
+    assert A100.collective_time("all_reduce", 8, nbytes, inter_node=True) == pytest.approx(
+        2 * 7 * 5e-6 + nbytes / (25e9 * LINK_EFFICIENCY))
+    measured = dataclasses.replace(A100, collectives={"intra": {"all_gather": CollectiveRate(1e-4, 2e9)}})
+    assert measured.collective_time("all_gather", 4, nbytes, False) == pytest.approx(1e-4 + nbytes / 2e9)
+    layout = ParallelLayout(world_size=64, tp=8, pp=2)
+    assert not group_spans_nodes(layout, "tp", 8) and group_spans_nodes(layout, "dp-cp", 8)
+    assert group_spans_nodes(layout, "pp", 8) and not group_spans_nodes(layout, "pp", 64)
+
+
+def test_cli_prints_the_time_and_its_json(tmp_path, capsys):
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+                                "bf16": {"enabled": True}, "megatron": {
+                                    "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                    "model": dict(num_layers=4, hidden_size=256, num_attention_heads=8,
+                                                  seq_length=128, vocab_size=512)}}))
+    assert main(["--config", str(path), "--world-size", "8", "--hardware", "h100", "--json"]) == 0
+    time = json.loads(capsys.readouterr().out)["time"]
+    assert time["step_time_s"] == pytest.approx(sum(time["breakdown"].values()), rel=1e-9)
+    assert time["mfu"] == pytest.approx(time["model_tflops_per_gpu"] * 1e12 / 989e12)
+    assert main(["--config", str(path), "--world-size", "8", "--hardware", "tpu"]) == 2
+    assert "--hardware 'tpu' is neither" in capsys.readouterr().err
+
+
+def test_search_keeps_exactly_the_layouts_whose_plan_fits(tmp_path):
+    """With a memory between the layouts' peaks, every layout the search returns has the plan's peak of its
+    config and fits; every variant the plan says fits is returned (limit above their number)."""
+    base = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "megatron": {"model": dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128,
+                                       vocab_size=512, hidden_dropout=0.0, attention_dropout=0.0)}}
+    roomy = dataclasses.replace(A100, memory_bytes=1e12)
+    everything = search_layouts(base, 2, roomy, gpus_per_node=2, global_batch=4, limit=10 ** 6).layouts
+    peaks = sorted(x.peak_memory_gib for x in everything)
+    budget = peaks[len(peaks) // 2]
+    tight = dataclasses.replace(A100, memory_bytes=budget * 2 ** 30)
+    kept = search_layouts(base, 2, tight, gpus_per_node=2, global_batch=4, limit=10 ** 6).layouts
+    assert 0 < len(kept) < len(everything)
+    assert len(kept) == sum(x.peak_memory_gib <= budget for x in everything)
+    for x in kept:
+        choice = dict(tp=x.tp, pp=x.pp, cp=x.cp, cp_comm_type=x.cp_comm_type, ep=x.ep, etp=None, vpp=x.vpp,
+                      micro_batch=x.micro_batch, recompute=x.recompute, schedule=x.schedule, first=x.first,
+                      last=x.last, distributed_optimizer=x.distributed_optimizer)
+        _, plans, _ = plan_from_config(candidate_config(base, choice, 4, x.dp), 2)
+        assert max(p.total_bytes for p in plans) == pytest.approx(x.peak_memory_gib * 2 ** 30)
+        assert x.peak_memory_gib <= budget
+    assert [x.step_time_s for x in kept] == sorted(x.step_time_s for x in kept)
+
+
+def test_published_runs_within_the_goal():
+    """Narayanan et al. Table 1 and Korthikanti et al. Table 5, recomputed: mean error <= 10%, none above 20%."""
+    rows = published.narayanan_rows() + published.korthikanti_rows()
+    errors = [abs(r["error"]) for r in rows]
+    assert len(rows) == 18
+    assert sum(errors) / len(errors) <= 0.10 and max(errors) <= 0.20, rows
+
+
+def test_search_beats_the_papers_layout_at_its_gpu_count():
+    """Korthikanti's 22B on 8 GPUs, batch 4: the search's first layout is predicted at least as fast."""
+    name, h, layers, heads, tp, pp, vpp, gpus, batch, _, _ = published.KORTHIKANTI_TABLE_5[0]
+    paper = published.paper_config(h, layers, heads, tp, pp, vpp, 1, batch, "selective")
+    step = published.predict(paper, gpus)
+    hw = published.A100_2021
+    first = search_layouts(paper, gpus, hw, global_batch=batch, limit=1).layouts[0]
+    assert first.step_time_s <= step, (first, step)
+
+
+def test_hardware_files_round_trip(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(A100.to_json()))
+    assert load_hardware(str(path)) == A100
+    doc = dict(A100.to_json(), tflops=1)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="unknown field 'tflops'"):
+        load_hardware(str(path))
