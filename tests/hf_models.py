@@ -7,6 +7,7 @@ RoPE tables stay transformers' own (float32, as ours are).  ``ROPE_SCALINGS``: a
 ``rope_parameters`` of each scaled type, sized so that the tiny models' frequencies
 fall on both sides of (and inside) each type's bands.
 """
+import json
 import os
 import types
 
@@ -234,6 +235,29 @@ def make_model(family, seed=0, dtype=torch.float64, rope=None, **overrides):
 def save(model, directory):
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def directory_tensors(directory):
+    """Every tensor of a Hugging Face directory's safetensors files, by name."""
+    from safetensors.torch import load_file
+    return {k: v for f in sorted(os.listdir(directory)) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(directory, f)).items()}
+
+
+def config_json(directory):
+    with open(os.path.join(directory, "config.json")) as f:
+        return json.load(f)
+
+
+def assert_round_trip(hf_dir, ours, back):
+    """``ours`` (a converted directory) exported to ``back`` equals ``hf_dir`` bit for bit, config.json too."""
+    from ds_megatron.convert.checkpoint import ours_to_hf
+    ours_to_hf(ours, back)
+    before, after = directory_tensors(hf_dir), directory_tensors(back)
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    assert config_json(back) == config_json(hf_dir)
 
 
 def tokens(batch=2, seed=3):

@@ -25,7 +25,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 import hf_models
 from harness import run_on_ranks
@@ -33,7 +32,7 @@ import ds_megatron
 from ds_megatron.config.hf_config import hf_from_model, model_from_hf
 from ds_megatron.config.model import GPTConfig
 from ds_megatron.config.pipeline import stage_layer_counts, stage_layer_ranges
-from ds_megatron.convert.checkpoint import HFSource, hf_to_ours, main as convert_main, ours_to_hf
+from ds_megatron.convert.checkpoint import HFSource, hf_to_ours, main as convert_main
 from ds_megatron.convert.model_io import load_weights, save_weights
 from ds_megatron.convert.safetensors_io import DTYPES
 from ds_megatron.errors import ConvertError
@@ -53,16 +52,6 @@ def _name(tp, pp, ep, etp, sp, cp):
     return f"tp{tp}-pp{pp}-ep{ep}-etp{etp or tp}{'-sp' if sp else ''}{f'-cp2-{cp}' if cp else ''}"
 
 
-def _tensors(directory):
-    return {k: v for f in sorted(os.listdir(directory)) if f.endswith(".safetensors")
-            for k, v in load_file(os.path.join(directory, f)).items()}
-
-
-def _config_json(directory):
-    with open(os.path.join(directory, "config.json")) as f:
-        return json.load(f)
-
-
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     """(the transformers model, its directory, tokens, transformers' float64 logits, a directory for ours)."""
@@ -77,15 +66,6 @@ def _convert(hf_dir, dst, tp=1, pp=1, ep=1, etp=None):
     argv = [hf_dir, dst, "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)] + (["--etp", str(etp)] if etp else [])
     assert convert_main(argv) == 0
     return dst
-
-
-def _assert_round_trip(hf_dir, ours, back):
-    ours_to_hf(ours, back)
-    before, after = _tensors(hf_dir), _tensors(back)
-    assert sorted(before) == sorted(after)
-    for name, tensor in before.items():
-        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
-    assert _config_json(back) == _config_json(hf_dir)
 
 
 def test_config_maps_every_field():
@@ -193,7 +173,7 @@ def test_tp1_equals_transformers_from_both_directories_and_from_pretrained(deeps
     with torch.no_grad():  # the bias is in play: without it other experts are chosen
         bias.zero_()
         assert hf_models.max_relative_error(model(toks)[..., :hf_models.VOCAB], ref) > 1e-3
-    _assert_round_trip(hf_dir, ours, str(tmp / "back_tp1"))
+    hf_models.assert_round_trip(hf_dir, ours, str(tmp / "back_tp1"))
 
 
 def _gather_vocab(logits, state):
@@ -280,11 +260,11 @@ def test_every_layout_equals_transformers_and_round_trips(deepseek):
             for got in results:
                 err = hf_models.max_relative_error(got, ref)
                 assert err < 1e-10, (_name(*lay), path, err)
-        _assert_round_trip(hf_dir, ours[lay], str(tmp / f"back_{_name(*lay)}"))
+        hf_models.assert_round_trip(hf_dir, ours[lay], str(tmp / f"back_{_name(*lay)}"))
     save_dir = str(tmp / "saved_tp2_ep2_etp2")
     for logits in run_on_ranks(4, _from_pretrained_and_save, hf_dir, ours[LAYOUTS[0]], toks, save_dir):
         assert all(hf_models.max_relative_error(got, ref) < 1e-10 for got in logits)
-    _assert_round_trip(hf_dir, save_dir, str(tmp / "back_saved"))
+    hf_models.assert_round_trip(hf_dir, save_dir, str(tmp / "back_saved"))
 
 
 # -- multi-token prediction ------------------------------------------------------------------------------------------
@@ -307,7 +287,7 @@ def deepseek_mtp(tmp_path_factory):
     whole = hf_models.make_deepseek_v3(num_hidden_layers=3)  # layer 2 becomes the MTP layer's block
     h = whole.config.hidden_size
     g = torch.Generator().manual_seed(11)
-    sd = _tensors(hf_models.save(whole, str(tmp / "whole")))  # the checkpoint's names (experts one by one)
+    sd = hf_models.directory_tensors(hf_models.save(whole, str(tmp / "whole")))  # the checkpoint's names (experts one by one)
     extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=g), "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
              "eh_proj.weight": 0.05 * torch.randn(h, 2 * h, generator=g),
              "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
@@ -356,14 +336,14 @@ def _mtp_loss(path, tp, sp, inputs, labels):
 
 def test_the_mtp_layer_converts_and_gives_deepseeks_mtp_loss(deepseek_mtp):
     hf_dir, inputs, labels, ref, tmp = deepseek_mtp
-    assert model_from_hf(_config_json(hf_dir))[1]["mtp_num_layers"] == 1
+    assert model_from_hf(hf_models.config_json(hf_dir))[1]["mtp_num_layers"] == 1
     for path in (hf_dir, _convert(hf_dir, str(tmp / "ours_tp1"))):
         got = run_on_ranks(1, _mtp_loss, path, 1, False, inputs, labels)[0]
         assert abs(float(got) - float(ref)) < 1e-10 * float(ref), (path, float(got), float(ref))
     for got in run_on_ranks(2, _mtp_loss, hf_dir, 2, True, inputs, labels):
         assert abs(float(got) - float(ref)) < 1e-10 * float(ref), float(got)
     # The MTP layer (MoE) on the last stage's files; back to Hugging Face with the embedding and head copies.
-    _assert_round_trip(hf_dir, _convert(hf_dir, str(tmp / "ours_pp2_ep2"), pp=2, ep=2), str(tmp / "back_pp2_ep2"))
+    hf_models.assert_round_trip(hf_dir, _convert(hf_dir, str(tmp / "ours_pp2_ep2"), pp=2, ep=2), str(tmp / "back_pp2_ep2"))
 
 
 def test_a_directory_saved_by_transformers_with_its_default_mtp_config_loads_the_main_model(deepseek, tmp_path,
@@ -375,8 +355,8 @@ def test_a_directory_saved_by_transformers_with_its_default_mtp_config_loads_the
     model, _, toks, ref, _ = deepseek
     hf = hf_models.make_deepseek_v3(num_nextn_predict_layers=1)
     hf_dir = hf_models.save(hf, str(tmp_path / "hf"))
-    assert _config_json(hf_dir)["num_nextn_predict_layers"] == 1
-    assert not any(n.startswith("model.layers.2.") for n in _tensors(hf_dir))
+    assert hf_models.config_json(hf_dir)["num_nextn_predict_layers"] == 1
+    assert not any(n.startswith("model.layers.2.") for n in hf_models.directory_tensors(hf_dir))
     ours = ds_megatron.from_pretrained(hf_dir, dtype=torch.float64, seq_length=hf_models.SEQ, **F64).eval()
     assert ours.config.mtp_num_layers is None
     assert capsys.readouterr().out == (f"{hf_dir}: config.json declares 1 multi-token-prediction layer(s) "
@@ -385,7 +365,7 @@ def test_a_directory_saved_by_transformers_with_its_default_mtp_config_loads_the
     with torch.no_grad():
         assert hf_models.max_relative_error(ours(toks)[..., :hf_models.VOCAB], ref) < 1e-10
     converted = _convert(hf_dir, str(tmp_path / "ours"))
-    _assert_round_trip(hf_dir, converted, str(tmp_path / "back"))
+    hf_models.assert_round_trip(hf_dir, converted, str(tmp_path / "back"))
     reloaded = T.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back"), dtype=torch.float64)
     assert all(torch.equal(p, hf.state_dict()[n]) for n, p in reloaded.state_dict().items())
     with pytest.raises(ConvertError, match=r"^mtp_num_layers=1: \S+ declares 1 multi-token-prediction layer\(s\) and "
@@ -399,10 +379,10 @@ def test_an_mtp_copy_that_differs_from_the_main_models_is_refused(deepseek_mtp, 
     hf_dir = deepseek_mtp[0]
     bad = tmp_path / "bad"
     bad.mkdir()
-    sd = _tensors(hf_dir)
+    sd = hf_models.directory_tensors(hf_dir)
     sd["model.layers.2.shared_head.head.weight"][0, 0] += 1
     save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    (bad / "config.json").write_text(json.dumps(_config_json(hf_dir)))
+    (bad / "config.json").write_text(json.dumps(hf_models.config_json(hf_dir)))
     with pytest.raises(ConvertError, match=r"tensor model.layers.2.shared_head.head.weight differs from "
                                            r"lm_head.weight, which ds_megatron's multi-token-prediction layer shares"):
         hf_to_ours(str(bad), str(tmp_path / "ours"))

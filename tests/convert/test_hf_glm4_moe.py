@@ -15,12 +15,11 @@ layer round-trips, with the embedding / head copies (GLM-4.5) or without them (G
 plan's parameter count is the model's, with and without the MTP layer.
 """
 import json
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import hf_models
 from harness import run_on_ranks
@@ -28,7 +27,7 @@ import ds_megatron
 from ds_megatron.config.hf_config import hf_from_model, model_from_hf
 from ds_megatron.config.model import GPTConfig
 from ds_megatron.config.pipeline import stage_layer_counts, stage_layer_ranges
-from ds_megatron.convert.checkpoint import HFSource, hf_to_ours, ours_to_hf
+from ds_megatron.convert.checkpoint import HFSource, hf_to_ours
 from ds_megatron.convert.model_io import load_weights
 from ds_megatron.errors import ConvertError
 from ds_megatron.models import GPTModel
@@ -38,25 +37,6 @@ from ds_megatron.transformer.context_parallel import zigzag_unsplit
 
 F64 = dict(moe_router_dtype=None)  # our router in the activations' float64, as the reference's
 VOCAB, SEQ = hf_models.VOCAB, hf_models.SEQ
-
-
-def _tensors(directory):
-    return {k: v for f in sorted(os.listdir(directory)) if f.endswith(".safetensors")
-            for k, v in load_file(os.path.join(directory, f)).items()}
-
-
-def _config_json(directory):
-    with open(os.path.join(directory, "config.json")) as f:
-        return json.load(f)
-
-
-def _assert_round_trip(hf_dir, ours, back):
-    ours_to_hf(ours, back)
-    before, after = _tensors(hf_dir), _tensors(back)
-    assert sorted(before) == sorted(after)
-    for name, tensor in before.items():
-        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
-    assert _config_json(back) == _config_json(hf_dir)
 
 
 def _config_json_of(**overrides):
@@ -135,7 +115,7 @@ def test_unsupported_fields_are_refused_in_one_line(overrides, match):
 
 def test_transformers_saved_directory_loads_with_mtp_off_and_equals_transformers(glm, capsys):
     hf_model, hf_dir, toks, ref, tmp = glm
-    assert _config_json(hf_dir)["num_nextn_predict_layers"] == 1  # transformers' default, no tensor saved
+    assert hf_models.config_json(hf_dir)["num_nextn_predict_layers"] == 1  # transformers' default, no tensor saved
     ours = hf_to_ours(hf_dir, str(tmp / "ours_tp1"))
     assert capsys.readouterr().out.count("multi-token-prediction layer(s) (num_nextn_predict_layers) but the files "
                                          "hold none, as transformers saves them: loading the main model with MTP "
@@ -156,7 +136,7 @@ def test_transformers_saved_directory_loads_with_mtp_off_and_equals_transformers
     with torch.no_grad():  # the bias is in play: without it other experts are chosen
         bias.zero_()
         assert hf_models.max_relative_error(model(toks)[..., :VOCAB], ref) > 1e-3
-    _assert_round_trip(hf_dir, ours, str(tmp / "back_tp1"))
+    hf_models.assert_round_trip(hf_dir, ours, str(tmp / "back_tp1"))
 
 
 # tp, pp, ep, sequence parallel, context parallel ("p2p" / "a2a": CP=2 with that exchange), read from
@@ -228,7 +208,7 @@ def test_every_layout_equals_transformers_and_round_trips(glm):
             err = hf_models.max_relative_error(got, ref)
             assert err < 1e-10, (lay, err)
         if path != hf_dir:
-            _assert_round_trip(hf_dir, path, str(tmp / f"back_{i}"))
+            hf_models.assert_round_trip(hf_dir, path, str(tmp / f"back_{i}"))
 
 
 # -- multi-token prediction present ----------------------------------------------------------------------------------
@@ -248,7 +228,7 @@ def glm_mtp(tmp_path_factory):
     whole = hf_models.make_glm4_moe(num_hidden_layers=3, num_nextn_predict_layers=0)
     h = whole.config.hidden_size
     g = torch.Generator().manual_seed(11)
-    sd = _tensors(hf_models.save(whole, str(tmp / "whole")))
+    sd = hf_models.directory_tensors(hf_models.save(whole, str(tmp / "whole")))
     extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
              "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
              "eh_proj.weight": 0.05 * torch.randn(h, 2 * h, generator=g),
@@ -292,7 +272,7 @@ def test_the_mtp_layer_converts_and_gives_the_mtp_loss(glm_mtp, capsys):
     with torch.no_grad():
         got = float(model(inputs, labels))
     assert abs(got - float(ref)) < 1e-10 * float(ref), (got, float(ref))
-    _assert_round_trip(hf_dir, ours, str(tmp / "back_pp2_ep2"))
+    hf_models.assert_round_trip(hf_dir, ours, str(tmp / "back_pp2_ep2"))
     # asked off: the MTP tensors are left unread, the main model loads
     off = ds_megatron.from_pretrained(hf_dir, dtype=torch.float64, seq_length=SEQ, mtp_num_layers=0, **F64)
     assert off.config.mtp_num_layers is None
@@ -308,8 +288,8 @@ def test_mtp_layers_without_the_embedding_and_head_copies_round_trip(glm_mtp, tm
     hf_dir = glm_mtp[0]
     lean = tmp_path / "lean"
     lean.mkdir()
-    sd = {k: v for k, v in _tensors(hf_dir).items() if not k.endswith(("layers.2.embed_tokens.weight",
+    sd = {k: v for k, v in hf_models.directory_tensors(hf_dir).items() if not k.endswith(("layers.2.embed_tokens.weight",
                                                                           "layers.2.shared_head.head.weight"))}
     save_file(sd, str(lean / "model.safetensors"), metadata={"format": "pt"})
-    (lean / "config.json").write_text(json.dumps(_config_json(hf_dir)))
-    _assert_round_trip(str(lean), hf_to_ours(str(lean), str(tmp_path / "ours")), str(tmp_path / "back"))
+    (lean / "config.json").write_text(json.dumps(hf_models.config_json(hf_dir)))
+    hf_models.assert_round_trip(str(lean), hf_to_ours(str(lean), str(tmp_path / "ours")), str(tmp_path / "back"))

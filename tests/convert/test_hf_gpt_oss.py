@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import hf_models
 from harness import run_on_ranks
@@ -35,25 +35,6 @@ from ds_megatron.parallel_state import ParallelState
 from ds_megatron.transformer.context_parallel import zigzag_unsplit
 
 VOCAB, SEQ = hf_models.VOCAB, hf_models.SEQ
-
-
-def _tensors(directory):
-    return {k: v for f in sorted(os.listdir(directory)) if f.endswith(".safetensors")
-            for k, v in load_file(os.path.join(directory, f)).items()}
-
-
-def _config_json(directory):
-    with open(os.path.join(directory, "config.json")) as f:
-        return json.load(f)
-
-
-def _assert_round_trip(hf_dir, ours, back):
-    ours_to_hf(ours, back)
-    before, after = _tensors(hf_dir), _tensors(back)
-    assert sorted(before) == sorted(after)
-    for name, tensor in before.items():
-        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
-    assert _config_json(back) == _config_json(hf_dir)
 
 
 def _config_json_of(**overrides):
@@ -122,7 +103,7 @@ def test_one_rank_equals_transformers_and_round_trips(gpt_oss):
         for layer in model.layers:
             layer.self_attention.sinks.zero_()
         assert hf_models.max_relative_error(model(toks)[..., :VOCAB], ref) > 1e-3
-    _assert_round_trip(hf_dir, ours, str(tmp / "back_tp1"))
+    hf_models.assert_round_trip(hf_dir, ours, str(tmp / "back_tp1"))
 
 
 def test_the_attention_sinks_gradient_equals_transformers(gpt_oss):
@@ -235,7 +216,7 @@ def test_every_layout_equals_transformers_and_round_trips(gpt_oss):
             err = hf_models.max_relative_error(got, ref)
             assert err < 1e-10, (lay, err)
         if path != hf_dir:
-            _assert_round_trip(hf_dir, path, str(tmp / f"back_{i}"))
+            hf_models.assert_round_trip(hf_dir, path, str(tmp / f"back_{i}"))
 
 
 # -- MXFP4 experts ---------------------------------------------------------------------------------------------------
@@ -266,7 +247,7 @@ def test_an_mxfp4_directory_loads_as_transformers_dequantizes_it(tmp_path):
     hf_model, toks = hf_models.make_gpt_oss(intermediate_size=32), hf_models.tokens()
     hf_dir = hf_models.save(hf_model, str(tmp_path / "hf"))
     g = torch.Generator().manual_seed(7)
-    sd = _tensors(hf_dir)
+    sd = hf_models.directory_tensors(hf_dir)
     for i in range(hf_model.config.num_hidden_layers):
         experts = hf_model.model.layers[i].mlp.experts
         for proj in ("gate_up_proj", "down_proj"):
@@ -279,7 +260,7 @@ def test_an_mxfp4_directory_loads_as_transformers_dequantizes_it(tmp_path):
     quant = tmp_path / "mxfp4"
     quant.mkdir()
     save_file(sd, str(quant / "model.safetensors"), metadata={"format": "pt"})
-    cfg = {**_config_json(hf_dir), "quantization_config": {"quant_method": "mxfp4",
+    cfg = {**hf_models.config_json(hf_dir), "quantization_config": {"quant_method": "mxfp4",
                                                             "modules_to_not_convert": ["model.layers.*.self_attn"]}}
     (quant / "config.json").write_text(json.dumps(cfg))
     ref = hf_models.reference_logits(hf_model, toks)
@@ -287,11 +268,11 @@ def test_an_mxfp4_directory_loads_as_transformers_dequantizes_it(tmp_path):
     with torch.no_grad():
         assert hf_models.max_relative_error(model(toks)[..., :VOCAB], ref) < 1e-10
     back = ours_to_hf(hf_to_ours(str(quant), str(tmp_path / "ours"), ep=2), str(tmp_path / "back"))
-    exported = _tensors(back)
+    exported = hf_models.directory_tensors(back)
     assert not any(n.endswith(("_blocks", "_scales")) for n in exported)
     for name, tensor in hf_model.state_dict().items():
         assert exported[name].dtype == torch.float64 and torch.equal(exported[name], tensor), name
-    assert "quantization_config" not in _config_json(back)
+    assert "quantization_config" not in hf_models.config_json(back)
     with pytest.raises(ConvertError, match=r"mlp\.experts\.down_proj needs exactly .*_blocks and .*_scales"):
         del sd["model.layers.1.mlp.experts.down_proj_scales"]
         save_file(sd, str(quant / "model.safetensors"), metadata={"format": "pt"})
@@ -324,10 +305,10 @@ def test_train_load_hf_one_step_exports_what_transformers_loads(tmp_path):
     assert sorted(run_on_ranks(4, _train, cfg)[0]) == [1]
     exported = str(tmp_path / "exported")
     assert cli_main(["convert", os.path.join(out, "iter_0000001", "ds_megatron_model"), exported]) == 0
-    before, after = _tensors(hf_dir), _tensors(exported)
+    before, after = hf_models.directory_tensors(hf_dir), hf_models.directory_tensors(exported)
     assert sorted(before) == sorted(after)
     assert [n for n in before if torch.equal(before[n], after[n])] == []
-    assert _config_json(exported) == _config_json(hf_dir)
+    assert hf_models.config_json(exported) == hf_models.config_json(hf_dir)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported)
     assert all(torch.equal(p.detach(), after[n]) for n, p in reloaded.named_parameters())
     assert reloaded.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
