@@ -4,8 +4,8 @@
 gloo job and returns the list of per-rank results.  Workers are started once
 per world size through a ``forkserver`` that has torch and DeepSpeed imported
 already, and are reused by later tests (each keeps its process group), which
-saves most of the start-up cost on a 2-core machine.  A worker freezes what its
-start-up made (``gc.freeze``) and after each task collects the rest: a destroyed gloo group lives on in reference cycles until
+saves most of the start-up cost on a 2-core machine.  Between tests a worker
+collects its garbage: a destroyed gloo group lives on in reference cycles until
 then, and each keeps a thread that wakes every few milliseconds (hundreds of
 them once took half the CPU of an idle pool); a pool whose workers still hold
 many threads after that (groups a test never destroyed) is started afresh.  If any rank raises, the
@@ -55,10 +55,6 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, sys_path
     import torch.distributed as dist
     # Multi-rank tests are CPU tests (gloo) on every machine: no GPU visible to the workers.
     init_local_rank(rank, world_size, port, threads=1, cpu_only=True)
-    # The ~300,000 objects of torch's and DeepSpeed's start-up live as long as the worker: kept out of the
-    # collection after every task, which otherwise walks them all each time (0.3-1 s per call).
-    gc.collect()
-    gc.freeze()
     while True:
         task = tasks.get()
         if task is None:
