@@ -269,5 +269,50 @@ def reference_logits(model, toks):
         return float64_reference(model)(toks).logits
 
 
+def gather_logits(logits, state):
+    """A rank's logits ``[b, s, vocab]`` (its CP zigzag chunks, its TP share of the padded vocabulary) -> the whole
+    sequence and the real vocabulary."""
+    import torch.distributed as dist
+    from ds_megatron.transformer.context_parallel import zigzag_unsplit
+    if state.cp.size > 1:  # this rank's zigzag chunks -> the whole sequence
+        parts = [torch.empty_like(logits) for _ in range(state.cp.size)]
+        dist.all_gather(parts, logits.contiguous(), group=state.cp.group)
+        logits = zigzag_unsplit(parts, seq_dim=1)
+    if state.tp.size > 1:
+        parts = [torch.empty_like(logits) for _ in range(state.tp.size)]
+        dist.all_gather(parts, logits.contiguous(), group=state.tp.group)
+        logits = torch.cat(parts, dim=-1)
+    return logits[..., :VOCAB]
+
+
+def layout_logits(config, state, path, stages, toks):
+    """The float64 logits of our model built at ``state``'s layout and loaded from ``path`` (a converted or a
+    Hugging Face directory): on the last stage's ranks, None on the others (PP 2: the first stage sends its
+    hidden states)."""
+    import torch.distributed as dist
+    from ds_megatron.convert.model_io import load_weights
+    from ds_megatron.models import GPTModel
+    if state.pp.size == 1:
+        model = GPTModel(config, state).double().eval()
+        load_weights(model, path, state, stages)
+        with torch.no_grad():
+            return gather_logits(model(toks), state)
+    from ds_megatron.integration.pipeline import GPTPipelineModule
+    model = GPTPipelineModule(config, state).double().eval()
+    try:
+        load_weights(model, path, state, stages)
+        pipe = state.pp
+        with torch.no_grad():
+            if model.is_first_stage:
+                dist.send(model(toks).contiguous(), pipe.ranks[pipe.rank + 1])
+                return None
+            seq = toks.size(1) // (state.tp.size if config.sequence_parallel else 1)
+            hidden = torch.empty(seq, toks.size(0), config.hidden_size, dtype=torch.float64)
+            dist.recv(hidden, pipe.ranks[pipe.rank - 1])
+            return gather_logits(model(hidden).transpose(0, 1), state)
+    finally:
+        model.destroy_process_groups()
+
+
 def max_relative_error(got, ref):
     return float((got - ref).abs().max() / ref.abs().max())

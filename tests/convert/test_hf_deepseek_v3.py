@@ -39,7 +39,6 @@ from ds_megatron.errors import ConvertError
 from ds_megatron.models import GPTModel
 from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.parallel_state import ParallelState
-from ds_megatron.transformer.context_parallel import zigzag_unsplit
 
 F64 = dict(moe_router_dtype=None)  # our router in the activations' float64, as the reference's
 LAYOUTS = [  # tp, pp, ep, etp, sequence parallel, context parallel ("p2p" / "a2a": CP=2 with that exchange)
@@ -176,17 +175,6 @@ def test_tp1_equals_transformers_from_both_directories_and_from_pretrained(deeps
     hf_models.assert_round_trip(hf_dir, ours, str(tmp / "back_tp1"))
 
 
-def _gather_vocab(logits, state):
-    if state.cp.size > 1:  # this rank's zigzag chunks -> the whole sequence
-        parts = [torch.empty_like(logits) for _ in range(state.cp.size)]
-        dist.all_gather(parts, logits.contiguous(), group=state.cp.group)
-        logits = zigzag_unsplit(parts, seq_dim=1)
-    if state.tp.size > 1:
-        parts = [torch.empty_like(logits) for _ in range(state.tp.size)]
-        dist.all_gather(parts, logits.contiguous(), group=state.tp.group)
-        logits = torch.cat(parts, dim=-1)
-    return logits[..., :hf_models.VOCAB]
-
 
 def _logits(paths, hf_dir, tp, pp, ep, etp, sp, cp, toks):
     """The logits of our model read from each of ``paths`` at one layout (built once): on the last stage's ranks,
@@ -197,29 +185,8 @@ def _logits(paths, hf_dir, tp, pp, ep, etp, sp, cp, toks):
                                          **F64)
     stages = [list(r) for r in stage_layer_ranges(stage_layer_counts(config.num_layers, pp, "uniform", None, None))]
 
-    def logits(path):
-        if pp == 1:
-            model = GPTModel(config, state).double().eval()
-            load_weights(model, path, state, stages)
-            with torch.no_grad():
-                return _gather_vocab(model(toks), state)
-        from ds_megatron.integration.pipeline import GPTPipelineModule
-        model = GPTPipelineModule(config, state).double().eval()
-        try:
-            load_weights(model, path, state, stages)
-            pipe = state.pp
-            with torch.no_grad():
-                if model.is_first_stage:
-                    dist.send(model(toks).contiguous(), pipe.ranks[pipe.rank + 1])
-                    return None
-                hidden = torch.empty(hf_models.SEQ // (tp if sp else 1), toks.size(0), config.hidden_size,
-                                     dtype=torch.float64)
-                dist.recv(hidden, pipe.ranks[pipe.rank - 1])
-                return _gather_vocab(model(hidden).transpose(0, 1), state)
-        finally:
-            model.destroy_process_groups()
     try:
-        return [logits(path) for path in paths]
+        return [hf_models.layout_logits(config, state, path, stages, toks) for path in paths]
     finally:
         state.destroy()
 
@@ -229,7 +196,7 @@ def _from_pretrained_and_save(hf_dir, ours_tp2, toks, save_dir):
     (``save_weights``) at TP=2 x EP=2 x ETP=2."""
     state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=2))
     try:
-        out = [_gather_vocab(ds_megatron.from_pretrained(path, state, dtype=torch.float64, sequence_parallel=sp,
+        out = [hf_models.gather_logits(ds_megatron.from_pretrained(path, state, dtype=torch.float64, sequence_parallel=sp,
                                                          **F64).eval()(toks), state)
                for path, sp in ((ours_tp2, False), (hf_dir, True))]
     finally:

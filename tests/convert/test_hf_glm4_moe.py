@@ -28,12 +28,9 @@ from ds_megatron.config.hf_config import hf_from_model, model_from_hf
 from ds_megatron.config.model import GPTConfig
 from ds_megatron.config.pipeline import stage_layer_counts, stage_layer_ranges
 from ds_megatron.convert.checkpoint import HFSource, hf_to_ours
-from ds_megatron.convert.model_io import load_weights
 from ds_megatron.errors import ConvertError
-from ds_megatron.models import GPTModel
 from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.parallel_state import ParallelState
-from ds_megatron.transformer.context_parallel import zigzag_unsplit
 
 F64 = dict(moe_router_dtype=None)  # our router in the activations' float64, as the reference's
 VOCAB, SEQ = hf_models.VOCAB, hf_models.SEQ
@@ -144,17 +141,6 @@ LAYOUTS = [(2, 1, 1, True, None, "hf"), (4, 1, 1, True, None, "ours"), (1, 1, 2,
            (1, 2, 2, False, None, "hf"), (2, 1, 1, False, "p2p", "ours"), (1, 1, 2, False, "a2a", "hf")]
 
 
-def _gather_vocab(logits, state):
-    if state.cp.size > 1:  # this rank's zigzag chunks -> the whole sequence
-        parts = [torch.empty_like(logits) for _ in range(state.cp.size)]
-        dist.all_gather(parts, logits.contiguous(), group=state.cp.group)
-        logits = zigzag_unsplit(parts, seq_dim=1)
-    if state.tp.size > 1:
-        parts = [torch.empty_like(logits) for _ in range(state.tp.size)]
-        dist.all_gather(parts, logits.contiguous(), group=state.tp.group)
-        logits = torch.cat(parts, dim=-1)
-    return logits[..., :VOCAB]
-
 
 def _logits_of_layouts(cases, hf_dir, toks):
     """Our logits at each (layout, path) of ``cases``, one layout after the other in this job: on the last stage's
@@ -167,27 +153,7 @@ def _logits_of_layouts(cases, hf_dir, toks):
         stages = [list(r) for r in stage_layer_ranges(stage_layer_counts(config.num_layers, pp, "uniform", None,
                                                                          None))]
         try:
-            if pp == 1:
-                model = GPTModel(config, state).double().eval()
-                load_weights(model, path, state, stages)
-                with torch.no_grad():
-                    out.append(_gather_vocab(model(toks), state))
-                continue
-            from ds_megatron.integration.pipeline import GPTPipelineModule
-            model = GPTPipelineModule(config, state).double().eval()
-            try:
-                load_weights(model, path, state, stages)
-                pipe = state.pp
-                with torch.no_grad():
-                    if model.is_first_stage:
-                        dist.send(model(toks).contiguous(), pipe.ranks[pipe.rank + 1])
-                        out.append(None)
-                    else:
-                        hidden = torch.empty(SEQ, toks.size(0), config.hidden_size, dtype=torch.float64)
-                        dist.recv(hidden, pipe.ranks[pipe.rank - 1])
-                        out.append(_gather_vocab(model(hidden).transpose(0, 1), state))
-            finally:
-                model.destroy_process_groups()
+            out.append(hf_models.layout_logits(config, state, path, stages, toks))
         finally:
             state.destroy()
     return out
