@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from harness import run_on_ranks
+from harness import restart_pool, run_on_ranks
 
 import ds_megatron
 from ds_megatron.config import GPTConfig, ParallelConfig
@@ -30,7 +30,8 @@ CASES = [(0, "bf16", 1, None, None), (1, "fp32", 2, None, None), (1, "bf16", 2, 
          (3, "bf16", 1, None, None)]
 
 
-def _live_bytes():
+def _live_storages():
+    """Every live CPU storage reachable from Python: data pointer -> (bytes, dtype, shape of one tensor on it)."""
     gc.collect()
     storages = {}
     with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated reduce_op warns
@@ -39,8 +40,13 @@ def _live_bytes():
         if obj.device.type == "cpu":
             for t in (obj, obj.grad) if obj.is_leaf else (obj,):
                 if t is not None and t.device.type == "cpu":
-                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
+                    storage = t.untyped_storage()
+                    storages[storage.data_ptr()] = (storage.nbytes(), str(t.dtype), tuple(t.shape))
+    return storages
+
+
+def _live_bytes():
+    return sum(nbytes for nbytes, *_ in _live_storages().values())
 
 
 def _zero(stage, overlap):
@@ -76,10 +82,15 @@ def _measure(stage, dtype, tp, overlap, experts):
                                   for p in g["params"] if p.grad is not None))
     optimizer.register_step_pre_hook(before_group_step)
     engine, *_ = ds_megatron.initialize(model=model, optimizer=optimizer, config=cfg, parallel_state=state)
-    built.append(_live_bytes())
+    built_storages = _live_storages()
+    built.append(sum(nbytes for nbytes, *_ in built_storages.values()))
     engine.backward(engine(batch))
     engine.step()  # not the window's last micro-batch: no optimizer step
-    accumulating = _live_bytes() - built[0]
+    open_window = _live_storages()
+    accumulating = sum(nbytes for nbytes, *_ in open_window.values()) - built[0]
+    # What the window added, for the message of a failed comparison (one run on CI once counted 4 KiB more)
+    added = sorted(v for k, v in open_window.items() if k not in built_storages)
+    removed = sorted(v for k, v in built_storages.items() if k not in open_window)
     engine.backward(engine(batch))
     engine.step()
     after = _live_bytes() - built[0]
@@ -87,7 +98,7 @@ def _measure(stage, dtype, tp, overlap, experts):
     tp_rank = state.tp.rank
     engine.megatron.destroy()
     return {"tp_rank": tp_rank, "params": params, "largest": largest, "one_dim": one_dim, "built": built[0] - before,
-            "accumulating": accumulating, "main_grads": main_grads, "after": after}
+            "accumulating": accumulating, "added": added, "removed": removed, "main_grads": main_grads, "after": after}
 
 
 def _measure_all():
@@ -95,6 +106,7 @@ def _measure_all():
 
 
 def test_plan_of_deepspeeds_zero_stages_is_what_the_engine_allocates():
+    restart_pool(4)  # fresh workers: the live tensors counted are this test's own, none an earlier test left
     results = run_on_ranks(4, _measure_all)
     for i, (stage, dtype, tp, overlap, experts) in enumerate(CASES):
         ep, etp = experts or (1, None)
@@ -105,7 +117,7 @@ def test_plan_of_deepspeeds_zero_stages_is_what_the_engine_allocates():
                             micro_batch=2, zero=zero)
         for rank, got in enumerate(r[i] for r in results):
             plan = plans[got["tp_rank"]]
-            what = (stage, dtype, tp, overlap, experts, rank, got)
+            what = (f"stage {stage} {dtype} tp {tp} overlap_comm {overlap} experts {experts}, rank {rank}: {got}")
             low = BYTES[dtype]
             assert rank in plan.ranks and plan.params == got["params"], what
             bucket = zero.bucket_elements() * low
