@@ -169,14 +169,6 @@ def run_on_ranks(world_size: int, fn: Callable, *args, timeout: float = DEFAULT_
     return pool.run(fn, args, kwargs, timeout)
 
 
-def restart_pool(world_size: int) -> None:
-    """Close the pool of ``world_size`` ranks, if any: the next ``run_on_ranks`` starts fresh workers, which hold
-    nothing an earlier test left (for a test that counts every live tensor of a rank)."""
-    pool = _POOLS.get(world_size)
-    if pool is not None:
-        pool.close()
-
-
 def shutdown_pools() -> None:
     for pool in list(_POOLS.values()):
         pool.close()
