@@ -269,9 +269,9 @@ def reference_logits(model, toks):
         return float64_reference(model)(toks).logits
 
 
-def gather_logits(logits, state):
+def gather_logits(logits, state, vocab=VOCAB):
     """A rank's logits ``[b, s, vocab]`` (its CP zigzag chunks, its TP share of the padded vocabulary) -> the whole
-    sequence and the real vocabulary."""
+    sequence and the real ``vocab``."""
     import torch.distributed as dist
     from ds_megatron.transformer.context_parallel import zigzag_unsplit
     if state.cp.size > 1:  # this rank's zigzag chunks -> the whole sequence
@@ -282,7 +282,7 @@ def gather_logits(logits, state):
         parts = [torch.empty_like(logits) for _ in range(state.tp.size)]
         dist.all_gather(parts, logits.contiguous(), group=state.tp.group)
         logits = torch.cat(parts, dim=-1)
-    return logits[..., :VOCAB]
+    return logits[..., :vocab]
 
 
 def layout_logits(config, state, path, stages, toks):
@@ -296,7 +296,7 @@ def layout_logits(config, state, path, stages, toks):
         model = GPTModel(config, state).double().eval()
         load_weights(model, path, state, stages)
         with torch.no_grad():
-            return gather_logits(model(toks), state)
+            return gather_logits(model(toks), state, config.vocab_size)
     from ds_megatron.integration.pipeline import GPTPipelineModule
     model = GPTPipelineModule(config, state).double().eval()
     try:
@@ -309,7 +309,7 @@ def layout_logits(config, state, path, stages, toks):
             seq = toks.size(1) // (state.tp.size if config.sequence_parallel else 1)
             hidden = torch.empty(seq, toks.size(0), config.hidden_size, dtype=torch.float64)
             dist.recv(hidden, pipe.ranks[pipe.rank - 1])
-            return gather_logits(model(hidden).transpose(0, 1), state)
+            return gather_logits(model(hidden).transpose(0, 1), state, config.vocab_size)
     finally:
         model.destroy_process_groups()
 
