@@ -78,7 +78,7 @@ def test_config_maps_every_field():
     (dict(swiglu_alpha=1.5), "swiglu_alpha=1.5 is not supported; ds_megatron builds gpt-oss's gate activation"),
     (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
     (dict(quantization_config={"quant_method": "fp8"}), "quantization_config={'quant_method': 'fp8'} is not "
-                                                        "supported; only gpt-oss's MXFP4 experts"),
+                                                        "supported; only gpt_oss's MXFP4 experts"),
     (dict(layer_types=["sliding_attention"]), "layer_types=['sliding_attention'] is not supported"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope_parameters.rope_type='dynamic'"),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
