@@ -140,23 +140,29 @@ DEEPSEEK_V3 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_i
                                     "mscale": 0.707, "mscale_all_dim": 1.0, "rope_theta": 10000.0})
 
 
-def make_deepseek_v3(seed=0, dtype=torch.float64, **overrides):
-    """A tiny random ``DeepseekV3ForCausalLM`` (``DEEPSEEK_V3`` with ``overrides``), every weight random and the
-    routers' ``e_score_correction_bias`` too (fp32 values, as transformers keeps the buffer), so that it steers
-    the choice of experts."""
-    config = T.DeepseekV3Config(**{**DEEPSEEK_V3, **overrides})
+def _random_model(cls, config, seed, dtype):
+    """``cls(config)`` with every parameter drawn anew (transformers starts norms at 1 or 0 and routers at 0:
+    ties): norms near 1, gpt-oss's sinks of the scores' size (a visible share of each row's softmax), the rest
+    small; the routers' ``e_score_correction_bias`` too (fp32 values, as transformers keeps the buffer; of the size
+    of the sigmoid scores' spread), so that it steers the choice of experts.  Experts run eagerly: the grouped-GEMM
+    path has no float64 kernel."""
     config._experts_implementation = "eager"
     torch.manual_seed(seed)
-    model = T.DeepseekV3ForCausalLM(config)
+    model = cls(config)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+            p.copy_(1 + 0.1 * noise if "norm" in name else noise if name.endswith("sinks") else 0.05 * noise)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # of the size of the sigmoid scores' spread
+            if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn(b.shape, generator=g))
     return model.to(dtype).eval()
+
+
+def make_deepseek_v3(seed=0, dtype=torch.float64, **overrides):
+    """A tiny random ``DeepseekV3ForCausalLM`` (``DEEPSEEK_V3`` with ``overrides``, ``_random_model``)."""
+    return _random_model(T.DeepseekV3ForCausalLM, T.DeepseekV3Config(**{**DEEPSEEK_V3, **overrides}), seed, dtype)
 
 
 # A tiny GLM-4.5 (transformers' defaults where not set: partial_rotary_factor 0.5, one MTP layer declared and, as
@@ -170,21 +176,8 @@ GLM4_MOE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_inte
 
 
 def make_glm4_moe(seed=0, dtype=torch.float64, **overrides):
-    """A tiny random ``Glm4MoeForCausalLM`` (``GLM4_MOE`` with ``overrides``), every weight and bias random and the
-    routers' ``e_score_correction_bias`` too."""
-    config = T.Glm4MoeConfig(**{**GLM4_MOE, **overrides})
-    config._experts_implementation = "eager"
-    torch.manual_seed(seed)
-    model = T.Glm4MoeForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn(b.shape, generator=g))
-    return model.to(dtype).eval()
+    """A tiny random ``Glm4MoeForCausalLM`` (``GLM4_MOE`` with ``overrides``, ``_random_model``)."""
+    return _random_model(T.Glm4MoeForCausalLM, T.Glm4MoeConfig(**{**GLM4_MOE, **overrides}), seed, dtype)
 
 
 # A tiny gpt-oss: head_dim 16 (not hidden / heads), 2 query groups, windows of 4 tokens in sequences of SEQ = 12
@@ -197,18 +190,9 @@ GPT_OSS = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidde
 
 
 def make_gpt_oss(seed=0, dtype=torch.float64, **overrides):
-    """A tiny random ``GptOssForCausalLM`` (``GPT_OSS`` with ``overrides``): every parameter re-drawn, sinks and
-    biases included."""
-    config = T.GptOssConfig(**{**GPT_OSS, **overrides})
-    config._experts_implementation = "eager"
-    torch.manual_seed(seed)
-    model = T.GptOssForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else noise if name.endswith("sinks") else 0.05 * noise)
-    return model.to(dtype).eval()
+    """A tiny random ``GptOssForCausalLM`` (``GPT_OSS`` with ``overrides``, ``_random_model``: sinks and biases
+    included)."""
+    return _random_model(T.GptOssForCausalLM, T.GptOssConfig(**{**GPT_OSS, **overrides}), seed, dtype)
 
 
 def make_model(family, seed=0, dtype=torch.float64, rope=None, **overrides):
@@ -220,16 +204,7 @@ def make_model(family, seed=0, dtype=torch.float64, rope=None, **overrides):
     if rope is not None:
         kw.update(rope_parameters=dict(ROPE_SCALINGS[rope]), max_position_embeddings=256)
     kw.update(overrides)
-    config = cls_config(**kw)
-    config._experts_implementation = "eager"  # the grouped-GEMM path has no float64 kernel
-    torch.manual_seed(seed)
-    model = cls_model(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # random everything (HF starts norms at 1 and Qwen's router at 0: ties)
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
-    return model.to(dtype).eval()
+    return _random_model(cls_model, cls_config(**kw), seed, dtype)
 
 
 def save(model, directory):
