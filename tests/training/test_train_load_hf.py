@@ -5,6 +5,8 @@ weights must come out exactly as they went in: load each rank's
 shards from the Hugging Face directory, run the job (DeepSpeed's pipeline
 engine, our optimizer), write our layout at the checkpoint, export it with
 ``ds-megatron convert``: every tensor equals the original, and transformers loads it.
+Gemma 2 (soft-caps, windows) at TP=2 + SP: the job's first losses against transformers' in float64 on the job's
+own batches, and its export against our float64 model of the trained checkpoint.
 """
 import os
 
@@ -18,6 +20,11 @@ from harness import run_on_ranks
 from ds_megatron.cli import main as cli_main
 from ds_megatron.config import ConfigError
 from ds_megatron.config.job import load_job
+from ds_megatron.convert.checkpoint import OurSource
+from ds_megatron.data.sampler import build_data_loader
+from ds_megatron.parallel.layout import ParallelLayout
+from ds_megatron.parallel_state import ParallelState
+from ds_megatron.training.build import build_datasets
 from ds_megatron.training.train import train
 
 
@@ -122,9 +129,6 @@ def test_glm4_moe_saved_by_transformers_trains_and_exports(tmp_path):
 def _train_then_logits(cfg, toks):
     """The job of ``cfg`` at TP=2, then our float64 model at that layout loaded from the last checkpoint's
     ``ds_megatron_model``: (losses, validation losses, its logits of ``toks``)."""
-    from ds_megatron.parallel.layout import ParallelLayout
-    from ds_megatron.parallel_state import ParallelState
-    from ds_megatron.convert.checkpoint import OurSource
     result = train(load_job(cfg, dist.get_world_size()), cfg, show_progress=False)
     tcfg = cfg["megatron"]["train"]
     ours = os.path.join(tcfg["output_dir"], f"iter_{tcfg['train_iters']:07d}", "ds_megatron_model")
@@ -154,8 +158,6 @@ def test_gemma2_trains_from_hf_and_exports(tmp_path):
     sequences of 16 change those losses far beyond that (so the job computes them), and the exported trained model
     loads in transformers with our float64 logits of the checkpoint to 1e-10 and the job's last validation loss."""
     import transformers
-    from ds_megatron.data.sampler import build_data_loader
-    from ds_megatron.training.build import build_datasets
     model = hf_models.make_model("gemma2", dtype=torch.float32, vocab_size=300)
     hf_dir = hf_models.save(model, str(tmp_path / "hf"))
     out = str(tmp_path / "run")
