@@ -13,12 +13,11 @@ random weights in float32, the routers' ``e_score_correction_bias`` random too (
 starts it at zero; a non-zero bias steers the choice of experts), saved with
 ``save_pretrained``.  No download.
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from make_tiny_hf_llama import EOS, train_tokenizer  # noqa: E402
+from make_tiny_hf_llama import write_tiny_model  # noqa: E402
 
 
 def make_model(vocab_size, eos_token_id, seed=0):
@@ -44,20 +43,7 @@ def make_model(vocab_size, eos_token_id, seed=0):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out", help="directory to create")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if os.path.exists(args.out) and os.listdir(args.out):
-        sys.exit(f"make_tiny_hf_deepseek_v3.py: error: {args.out} exists and is not empty; choose a new directory")
-    tokenizer = train_tokenizer()
-    model = make_model(len(tokenizer), tokenizer.eos_token_id, args.seed)
-    model.save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
-    n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {args.out}: DeepseekV3ForCausalLM, {n:,} parameters, tokenizer of {len(tokenizer)} tokens "
-          f"(eos {EOS!r} = id {tokenizer.eos_token_id})")
-    return 0
+    return write_tiny_model(make_model, __doc__, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -49,21 +49,28 @@ def make_model(vocab_size, eos_token_id, seed=0, max_positions=256):
     return transformers.LlamaForCausalLM(config).float()
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def write_tiny_model(make, doc, script, argv=None):
+    """The command line of each ``make_tiny_hf_*.py``: ``OUT [--seed N]``, ``make(vocab_size, eos_token_id, seed)``
+    with ``train_tokenizer``'s tokenizer saved to OUT (refused when OUT holds files); ``doc`` the script's
+    docstring, ``script`` its file."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("out", help="directory to create")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if os.path.exists(args.out) and os.listdir(args.out):
-        sys.exit(f"make_tiny_hf_llama.py: error: {args.out} exists and is not empty; choose a new directory")
+        sys.exit(f"{os.path.basename(script)}: error: {args.out} exists and is not empty; choose a new directory")
     tokenizer = train_tokenizer()
-    model = make_model(len(tokenizer), tokenizer.eos_token_id, args.seed)
+    model = make(len(tokenizer), tokenizer.eos_token_id, args.seed)
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     n = sum(p.numel() for p in model.parameters())
-    print(f"wrote {args.out}: LlamaForCausalLM, {n:,} parameters, tokenizer of {len(tokenizer)} tokens "
+    print(f"wrote {args.out}: {type(model).__name__}, {n:,} parameters, tokenizer of {len(tokenizer)} tokens "
           f"(eos {EOS!r} = id {tokenizer.eos_token_id})")
     return 0
+
+
+def main(argv=None):
+    return write_tiny_model(make_model, __doc__, __file__, argv)
 
 
 if __name__ == "__main__":

@@ -140,23 +140,29 @@ DEEPSEEK_V3 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_i
                                     "mscale": 0.707, "mscale_all_dim": 1.0, "rope_theta": 10000.0})
 
 
-def make_deepseek_v3(seed=0, dtype=torch.float64, **overrides):
-    """A tiny random ``DeepseekV3ForCausalLM`` (``DEEPSEEK_V3`` with ``overrides``), every weight random and the
-    routers' ``e_score_correction_bias`` too (fp32 values, as transformers keeps the buffer), so that it steers
-    the choice of experts."""
-    config = T.DeepseekV3Config(**{**DEEPSEEK_V3, **overrides})
+def _random_model(cls, config, seed, dtype):
+    """``cls(config)`` with every parameter drawn anew (transformers starts norms at 1 or 0 and routers at 0:
+    ties): norms near 1, gpt-oss's sinks of the scores' size (a visible share of each row's softmax), the rest
+    small; the routers' ``e_score_correction_bias`` too (fp32 values, as transformers keeps the buffer; of the size
+    of the sigmoid scores' spread), so that it steers the choice of experts.  Experts run eagerly: the grouped-GEMM
+    path has no float64 kernel."""
     config._experts_implementation = "eager"
     torch.manual_seed(seed)
-    model = T.DeepseekV3ForCausalLM(config)
+    model = cls(config)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+            p.copy_(1 + 0.1 * noise if "norm" in name else noise if name.endswith("sinks") else 0.05 * noise)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # of the size of the sigmoid scores' spread
+            if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn(b.shape, generator=g))
     return model.to(dtype).eval()
+
+
+def make_deepseek_v3(seed=0, dtype=torch.float64, **overrides):
+    """A tiny random ``DeepseekV3ForCausalLM`` (``DEEPSEEK_V3`` with ``overrides``, ``_random_model``)."""
+    return _random_model(T.DeepseekV3ForCausalLM, T.DeepseekV3Config(**{**DEEPSEEK_V3, **overrides}), seed, dtype)
 
 
 # A tiny GLM-4.5 (transformers' defaults where not set: partial_rotary_factor 0.5, one MTP layer declared and, as
@@ -170,21 +176,8 @@ GLM4_MOE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_inte
 
 
 def make_glm4_moe(seed=0, dtype=torch.float64, **overrides):
-    """A tiny random ``Glm4MoeForCausalLM`` (``GLM4_MOE`` with ``overrides``), every weight and bias random and the
-    routers' ``e_score_correction_bias`` too."""
-    config = T.Glm4MoeConfig(**{**GLM4_MOE, **overrides})
-    config._experts_implementation = "eager"
-    torch.manual_seed(seed)
-    model = T.Glm4MoeForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn(b.shape, generator=g))
-    return model.to(dtype).eval()
+    """A tiny random ``Glm4MoeForCausalLM`` (``GLM4_MOE`` with ``overrides``, ``_random_model``)."""
+    return _random_model(T.Glm4MoeForCausalLM, T.Glm4MoeConfig(**{**GLM4_MOE, **overrides}), seed, dtype)
 
 
 # A tiny gpt-oss: head_dim 16 (not hidden / heads), 2 query groups, windows of 4 tokens in sequences of SEQ = 12
@@ -197,18 +190,9 @@ GPT_OSS = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidde
 
 
 def make_gpt_oss(seed=0, dtype=torch.float64, **overrides):
-    """A tiny random ``GptOssForCausalLM`` (``GPT_OSS`` with ``overrides``): every parameter re-drawn, sinks and
-    biases included."""
-    config = T.GptOssConfig(**{**GPT_OSS, **overrides})
-    config._experts_implementation = "eager"
-    torch.manual_seed(seed)
-    model = T.GptOssForCausalLM(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else noise if name.endswith("sinks") else 0.05 * noise)
-    return model.to(dtype).eval()
+    """A tiny random ``GptOssForCausalLM`` (``GPT_OSS`` with ``overrides``, ``_random_model``: sinks and biases
+    included)."""
+    return _random_model(T.GptOssForCausalLM, T.GptOssConfig(**{**GPT_OSS, **overrides}), seed, dtype)
 
 
 def make_model(family, seed=0, dtype=torch.float64, rope=None, **overrides):
@@ -220,16 +204,7 @@ def make_model(family, seed=0, dtype=torch.float64, rope=None, **overrides):
     if rope is not None:
         kw.update(rope_parameters=dict(ROPE_SCALINGS[rope]), max_position_embeddings=256)
     kw.update(overrides)
-    config = cls_config(**kw)
-    config._experts_implementation = "eager"  # the grouped-GEMM path has no float64 kernel
-    torch.manual_seed(seed)
-    model = cls_model(config)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # random everything (HF starts norms at 1 and Qwen's router at 0: ties)
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
-    return model.to(dtype).eval()
+    return _random_model(cls_model, cls_config(**kw), seed, dtype)
 
 
 def save(model, directory):
@@ -269,9 +244,9 @@ def reference_logits(model, toks):
         return float64_reference(model)(toks).logits
 
 
-def gather_logits(logits, state):
+def gather_logits(logits, state, vocab=VOCAB):
     """A rank's logits ``[b, s, vocab]`` (its CP zigzag chunks, its TP share of the padded vocabulary) -> the whole
-    sequence and the real vocabulary."""
+    sequence and the real ``vocab``."""
     import torch.distributed as dist
     from ds_megatron.transformer.context_parallel import zigzag_unsplit
     if state.cp.size > 1:  # this rank's zigzag chunks -> the whole sequence
@@ -282,7 +257,7 @@ def gather_logits(logits, state):
         parts = [torch.empty_like(logits) for _ in range(state.tp.size)]
         dist.all_gather(parts, logits.contiguous(), group=state.tp.group)
         logits = torch.cat(parts, dim=-1)
-    return logits[..., :VOCAB]
+    return logits[..., :vocab]
 
 
 def layout_logits(config, state, path, stages, toks):
@@ -296,7 +271,7 @@ def layout_logits(config, state, path, stages, toks):
         model = GPTModel(config, state).double().eval()
         load_weights(model, path, state, stages)
         with torch.no_grad():
-            return gather_logits(model(toks), state)
+            return gather_logits(model(toks), state, config.vocab_size)
     from ds_megatron.integration.pipeline import GPTPipelineModule
     model = GPTPipelineModule(config, state).double().eval()
     try:
@@ -309,7 +284,7 @@ def layout_logits(config, state, path, stages, toks):
             seq = toks.size(1) // (state.tp.size if config.sequence_parallel else 1)
             hidden = torch.empty(seq, toks.size(0), config.hidden_size, dtype=torch.float64)
             dist.recv(hidden, pipe.ranks[pipe.rank - 1])
-            return gather_logits(model(hidden).transpose(0, 1), state)
+            return gather_logits(model(hidden).transpose(0, 1), state, config.vocab_size)
     finally:
         model.destroy_process_groups()
 

@@ -1,8 +1,8 @@
 """Hugging Face ``config.json`` <-> our ``model`` section (pure Python, no torch).
 
 ``model_from_hf(hf)`` returns ``(family, GPTConfig keyword arguments)`` for the
-families we reproduce exactly (``FAMILIES``; DeepSeek-V3 by ``_deepseek_v3``, GLM-4.5 by ``_glm4_moe``, gpt-oss by
-``_gpt_oss``), RoPE scaling
+families we reproduce exactly (``FAMILIES``; DeepSeek-V3 by ``_deepseek_v3``, GLM-4.5 by ``_glm4_moe``, Gemma by
+``_gemma``, gpt-oss by ``_gpt_oss``, each opened by ``_reader`` with transformers' defaults), RoPE scaling
 of types default, linear, llama3 and yarn included; anything that would change the model's
 arithmetic in a way we do not implement (other RoPE scalings, sliding windows
 shorter than the sequence, an unknown field)
@@ -17,7 +17,7 @@ import json
 import math
 import os
 import struct
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ..errors import ConvertError
 from .model import GPTConfig
@@ -266,7 +266,7 @@ def _moe_layer_pattern(family: str, hf: Dict[str, Any]) -> list:
     return pattern
 
 
-# DeepSeek-V3 (transformers' DeepseekV3ForCausalLM; Kimi K2 is the same architecture) ---------------------------
+# The families read field by field (DeepSeek-V3, GLM-4.5, Gemma, gpt-oss): what they share ----------------------------
 # Fields that never change the forward pass, in any family.
 _BOOKKEEPING = {
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path", "use_cache",
@@ -278,6 +278,76 @@ _BOOKKEEPING = {
     "pruned_heads", "is_decoder",
     "auto_map", "ep_size",  # the original remote code's class names and its inference expert-parallel size
 }
+
+
+def _int(field: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise _fail(field, value, f"use an integer >= {low}")
+    return value
+
+
+def _reader(family: str, hf: Dict[str, Any], defaults: Dict[str, Any], fields: Set[str],
+            dequantized: Optional[str] = None) -> Callable[[str], Any]:
+    """How a family read field by field opens its ``config.json``: a field outside ``_BOOKKEEPING``, ``defaults``
+    (transformers' config class's) and ``fields`` (read without a default) is refused, and so are quantized weights
+    unless their ``quant_method`` is ``dequantized`` (the one the family dequantizes on load).  Returns ``get``: a
+    field's value, else transformers' default."""
+    for key in hf:
+        if key not in _BOOKKEEPING and key not in defaults and key not in fields and key != "quantization_config":
+            raise _fail(key, hf[key], f"ds_megatron does not know what this field changes in {family}: remove it if "
+                        "it does not change the model")
+    quant = hf.get("quantization_config")
+    if quant and dequantized is None:
+        raise _fail("quantization_config", quant, "quantized weights are not converted: dequantize the checkpoint "
+                    "to bf16 or fp32 first")
+    if quant and (not isinstance(quant, dict) or quant.get("quant_method") != dequantized):
+        raise _fail("quantization_config", quant, f"only {family}'s {dequantized.upper()} experts are dequantized on "
+                    f"load: convert a checkpoint in bf16 / fp32 or with quant_method {dequantized}")
+
+    def get(key):
+        return hf[key] if key in hf else defaults[key]
+    return get
+
+
+def _gqa_decoder(get: Callable[[str], Any], hf: Dict[str, Any], head_dim: Optional[int]) -> Dict[str, Any]:
+    """The model section's fields GLM-4.5, Gemma and gpt-oss read alike: the sizes, grouped-query heads of
+    ``head_dim`` channels (None: hidden / heads), RoPE (its keys are each family's), RMSNorm, a gated MLP."""
+    layers, h, n = (_int(k, get(k), 1) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+    return dict(
+        num_layers=layers, hidden_size=h, num_attention_heads=n,
+        num_query_groups=_int("num_key_value_heads", get("num_key_value_heads"), 1),
+        kv_channels=head_dim if head_dim and head_dim * n != h else None,
+        ffn_hidden_size=_int("intermediate_size", get("intermediate_size"), 1),
+        seq_length=get("max_position_embeddings"), vocab_size=get("vocab_size"), hidden_dropout=0.0,
+        attention_dropout=float(get("attention_dropout") or 0.0), init_method_std=hf.get("initializer_range", 0.02),
+        norm_epsilon=float(get("rms_norm_eps")), position_embedding_type="rope", normalization="RMSNorm",
+        gated_linear_unit=True)
+
+
+def _layer_types(hf: Dict[str, Any], layers: int, every: int) -> List[str]:
+    """``layer_types`` (transformers' default when absent: every ``every``-th layer full, the others sliding)."""
+    types = hf.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in ("sliding_attention", "full_attention") for t in types)):
+        raise _fail("layer_types", types, f"give {layers} (num_hidden_layers) of sliding_attention / full_attention")
+    return types
+
+
+def _windows(types: List[str], get: Callable[[str], Any]) -> Dict[str, Any]:
+    """The window keys of layers of ``types``: ``window_size`` from ``sliding_window`` and, when full layers are
+    mixed in, which layers it applies to."""
+    if "sliding_attention" not in types:
+        return {}
+    window = _int("sliding_window", get("sliding_window"), 1)
+    keys: Dict[str, Any] = {"window_size": [window - 1, 0]}  # transformers: query i sees key j iff i - j < window
+    if "full_attention" in types:
+        keys["window_attn_skip_freq"] = [int(t == "sliding_attention") for t in types]
+    return keys
+
+
+# DeepSeek-V3 (transformers' DeepseekV3ForCausalLM; Kimi K2 is the same architecture) ---------------------------
 # transformers' DeepseekV3Config defaults: a field config.json leaves out is read as transformers reads it.
 _DEEPSEEK_V3_DEFAULTS = {
     "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
@@ -290,31 +360,15 @@ _DEEPSEEK_V3_DEFAULTS = {
     # the original remote code's (DeepSeek-V3, Kimi K2 config.json): transformers reads none of them
     "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1, "seq_aux": True, "aux_loss_alpha": 0.0,
 }
-_DEEPSEEK_V3_FIELDS = set(_DEEPSEEK_V3_DEFAULTS) | {"rope_theta", "rope_scaling", "rope_parameters", "head_dim",
-                                                   "qk_head_dim", "num_nextn_predict_layers", "num_mtp_layers",
-                                                   "quantization_config"}
-
-
-def _int(field: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise _fail(field, value, f"use an integer >= {low}")
-    return value
+# and the fields it reads without a default
+_DEEPSEEK_V3_FIELDS = {"rope_theta", "rope_scaling", "rope_parameters", "head_dim", "qk_head_dim",
+                       "num_nextn_predict_layers", "num_mtp_layers"}
 
 
 def _deepseek_v3(hf: Dict[str, Any]) -> Dict[str, Any]:
     """Our model section of a DeepSeek-V3 ``config.json`` (multi-latent attention, sigmoid group-limited routing with
     the expert bias, a shared expert, dense first layers), read as transformers' ``DeepseekV3ForCausalLM`` does."""
-    for key in hf:
-        if key not in _BOOKKEEPING and key not in _DEEPSEEK_V3_FIELDS:
-            raise _fail(key, hf[key], "ds_megatron does not know what this field changes in deepseek_v3: remove it "
-                        "if it does not change the model")
-
-    def get(key):
-        return hf[key] if key in hf else _DEEPSEEK_V3_DEFAULTS[key]
-
-    if hf.get("quantization_config"):
-        raise _fail("quantization_config", hf["quantization_config"], "quantized (FP8) weights are not converted: "
-                    "dequantize the checkpoint to bf16 or fp32 first")
+    get = _reader("deepseek_v3", hf, _DEEPSEEK_V3_DEFAULTS, _DEEPSEEK_V3_FIELDS)
     for key, only, fix in (
             ("scoring_func", "sigmoid", "DeepSeek-V3 scores experts with a sigmoid: convert a model with 'sigmoid'"),
             ("topk_method", "noaux_tc", "ds_megatron routes DeepSeek-V3's way (expert bias, group-limited): "
@@ -439,44 +493,25 @@ _GLM4_MOE_DEFAULTS = {
     "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
     "use_qk_norm": False,
 }
-_GLM4_MOE_FIELDS = set(_GLM4_MOE_DEFAULTS) | {"rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
-                                              "head_dim", "num_nextn_predict_layers", "num_mtp_layers",
-                                              "quantization_config"}
+_GLM4_MOE_FIELDS = {"rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "head_dim",
+                    "num_nextn_predict_layers", "num_mtp_layers"}
 
 
 def _glm4_moe(hf: Dict[str, Any]) -> Dict[str, Any]:
     """Our model section of a GLM-4.5 ``config.json``, read as transformers' ``Glm4MoeForCausalLM`` does: grouped-query
     attention with q/k/v biases (``attention_bias``, o_proj unbiased), optional per-head q/k RMSNorm before RoPE,
     RoPE on the first ``partial_rotary_factor`` of each head's channels (rotate-half pairs), DeepSeek-V3's routing."""
-    for key in hf:
-        if key not in _BOOKKEEPING and key not in _GLM4_MOE_FIELDS:
-            raise _fail(key, hf[key], "ds_megatron does not know what this field changes in glm4_moe: remove it if it "
-                        "does not change the model")
-
-    def get(key):
-        return hf[key] if key in hf else _GLM4_MOE_DEFAULTS[key]
-
-    if hf.get("quantization_config"):
-        raise _fail("quantization_config", hf["quantization_config"], "quantized (FP8) weights are not converted: "
-                    "dequantize the checkpoint to bf16 or fp32 first")
+    get = _reader("glm4_moe", hf, _GLM4_MOE_DEFAULTS, _GLM4_MOE_FIELDS)
     if get("hidden_act") not in ("silu", "gelu"):
         raise _fail("hidden_act", get("hidden_act"), "use silu (SwiGLU) or gelu")
     depth = _mtp_depth(hf)
-    layers, h, n = (_int(k, get(k), 1) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
-    head_dim = hf.get("head_dim") or h // n  # transformers' attention and RoPE both fall back to this
-    moe = _sigmoid_topk_moe(get, layers)
-    rope = _rope({**hf, "partial_rotary_factor": hf.get("partial_rotary_factor", 0.5)})
-    model: Dict[str, Any] = dict(
-        num_layers=layers, hidden_size=h, num_attention_heads=n,
-        num_query_groups=_int("num_key_value_heads", get("num_key_value_heads"), 1),
-        kv_channels=head_dim if head_dim * n != h else None,
-        ffn_hidden_size=_int("intermediate_size", get("intermediate_size"), 1),
-        seq_length=get("max_position_embeddings"), vocab_size=get("vocab_size"), hidden_dropout=0.0,
-        attention_dropout=float(get("attention_dropout") or 0.0), init_method_std=hf.get("initializer_range", 0.02),
-        norm_epsilon=float(get("rms_norm_eps")), position_embedding_type="rope", **rope, normalization="RMSNorm",
-        gated_linear_unit=True, activation=get("hidden_act"), add_bias_linear=False,
-        add_qkv_bias=bool(get("attention_bias")), qk_layernorm=bool(get("use_qk_norm")),
-        untie_embeddings_and_output_weights=not get("tie_word_embeddings"), **moe)
+    # transformers' attention and RoPE both fall back to hidden / heads without head_dim
+    model: Dict[str, Any] = _gqa_decoder(get, hf, hf.get("head_dim"))
+    model.update(
+        **_rope({**hf, "partial_rotary_factor": hf.get("partial_rotary_factor", 0.5)}), activation=get("hidden_act"),
+        add_bias_linear=False, add_qkv_bias=bool(get("attention_bias")), qk_layernorm=bool(get("use_qk_norm")),
+        untie_embeddings_and_output_weights=not get("tie_word_embeddings"),
+        **_sigmoid_topk_moe(get, model["num_layers"]))
     if depth:
         model["mtp_num_layers"] = depth
     return model
@@ -581,15 +616,7 @@ def _gemma(family: str, hf: Dict[str, Any]) -> Dict[str, Any]:
     RMSNorms before and after attention and MLP, embeddings x sqrt(hidden), GeGLU with tanh GELU, softmax scale
     1 / sqrt(query_pre_attn_scalar), sliding windows by ``layer_types``, soft-capping, Gemma 3's QK norm and local
     RoPE base."""
-    defaults = _GEMMA_DEFAULTS if family == "gemma2" else _GEMMA3_DEFAULTS
-    for key in hf:
-        if key not in _BOOKKEEPING and key not in defaults and key not in _GEMMA_FIELDS:
-            raise _fail(key, hf[key], f"ds_megatron does not know what this field changes in {family}: remove it if "
-                        "it does not change the model")
-
-    def get(key):
-        return hf[key] if key in hf else defaults[key]
-
+    get = _reader(family, hf, _GEMMA_DEFAULTS if family == "gemma2" else _GEMMA3_DEFAULTS, _GEMMA_FIELDS)
     if get("hidden_activation") != "gelu_pytorch_tanh":
         raise _fail("hidden_activation", get("hidden_activation"), f"{family}'s GeGLU is built with "
                     "gelu_pytorch_tanh: convert a model with it")
@@ -605,39 +632,22 @@ def _gemma(family: str, hf: Dict[str, Any]) -> Dict[str, Any]:
         # transformers' Gemma 3 attention never passes it on: the model it runs has none
         raise _fail("attn_logit_softcapping", get("attn_logit_softcapping"), "transformers' Gemma 3 ignores it: "
                     "set it to null")
-    layers, h, n = (_int(k, get(k), 1) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
-    types = hf.get("layer_types")
-    if types is None:  # transformers' default: Gemma 2 alternates from a sliding layer, Gemma 3 by its pattern
-        every = 2 if family == "gemma2" else hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
-        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
-    if (not isinstance(types, list) or len(types) != layers
-            or any(t not in ("sliding_attention", "full_attention") for t in types)):
-        raise _fail("layer_types", types, f"give {layers} (num_hidden_layers) of sliding_attention / full_attention")
-    head_dim = _int("head_dim", get("head_dim"), 1)
+    model: Dict[str, Any] = _gqa_decoder(get, hf, _int("head_dim", get("head_dim"), 1))
+    # transformers' default layer_types: Gemma 2 alternates from a sliding layer, Gemma 3 by its pattern
+    every = 2 if family == "gemma2" else hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    types = _layer_types(hf, model["num_layers"], every)
     scalar = get("query_pre_attn_scalar")
     if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not scalar > 0:
         raise _fail("query_pre_attn_scalar", scalar, "use a number > 0 (the softmax scale is its inverse root)")
-    model: Dict[str, Any] = dict(
-        num_layers=layers, hidden_size=h, num_attention_heads=n,
-        num_query_groups=_int("num_key_value_heads", get("num_key_value_heads"), 1),
-        kv_channels=head_dim if head_dim * n != h else None,
-        ffn_hidden_size=_int("intermediate_size", get("intermediate_size"), 1),
-        seq_length=get("max_position_embeddings"), vocab_size=get("vocab_size"), hidden_dropout=0.0,
-        attention_dropout=float(get("attention_dropout") or 0.0), init_method_std=hf.get("initializer_range", 0.02),
-        norm_epsilon=float(get("rms_norm_eps")), position_embedding_type="rope", **_gemma_rope(family, hf),
-        normalization="RMSNorm", layernorm_zero_centered_gamma=True, post_sublayer_norms=True,
-        apply_embedding_scaling=True, gated_linear_unit=True, activation="gelu_tanh", add_bias_linear=False,
+    model.update(
+        **_gemma_rope(family, hf), layernorm_zero_centered_gamma=True, post_sublayer_norms=True,
+        apply_embedding_scaling=True, activation="gelu_tanh", add_bias_linear=False,
         add_qkv_bias=False, untie_embeddings_and_output_weights=not get("tie_word_embeddings"),
-        qk_layernorm=family == "gemma3", softmax_scale=float(scalar) ** -0.5)
+        qk_layernorm=family == "gemma3", softmax_scale=float(scalar) ** -0.5, **_windows(types, get))
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if get(key) is not None:
             model[key] = float(get(key))
-    if "sliding_attention" in types:
-        window = _int("sliding_window", get("sliding_window"), 1)
-        model["window_size"] = [window - 1, 0]  # transformers: key j visible from query i iff i - j < sliding_window
-        if "full_attention" in types:
-            model["window_attn_skip_freq"] = [int(t == "sliding_attention") for t in types]
-    else:
+    if "sliding_attention" not in types:
         model.pop("local_rotary_base", None)
     return model
 
@@ -653,8 +663,7 @@ _GPT_OSS_DEFAULTS = {
 }
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
-_GPT_OSS_FIELDS = set(_GPT_OSS_DEFAULTS) | {"rope_theta", "rope_scaling", "rope_parameters", "layer_types",
-                                            "quantization_config"}
+_GPT_OSS_FIELDS = {"rope_theta", "rope_scaling", "rope_parameters", "layer_types"}
 
 
 def _gpt_oss(hf: Dict[str, Any]) -> Dict[str, Any]:
@@ -663,18 +672,7 @@ def _gpt_oss(hf: Dict[str, Any]) -> Dict[str, Any]:
     yarn RoPE, a biased router (top-k, then softmax over the k), biased experts with the clamped GLU
     ``(up.clamp(-limit, limit) + 1) * quick_gelu(gate.clamp(max=limit))``.  MXFP4 expert weights
     (``quantization_config`` quant_method mxfp4) are dequantized on load (``convert.fused_experts``)."""
-    for key in hf:
-        if key not in _BOOKKEEPING and key not in _GPT_OSS_FIELDS:
-            raise _fail(key, hf[key], "ds_megatron does not know what this field changes in gpt_oss: remove it if it "
-                        "does not change the model")
-
-    def get(key):
-        return hf[key] if key in hf else _GPT_OSS_DEFAULTS[key]
-
-    quant = hf.get("quantization_config")
-    if quant and (not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4"):
-        raise _fail("quantization_config", quant, "only gpt-oss's MXFP4 experts are dequantized on load: convert a "
-                    "checkpoint in bf16 / fp32 or with quant_method mxfp4")
+    get = _reader("gpt_oss", hf, _GPT_OSS_DEFAULTS, _GPT_OSS_FIELDS, dequantized="mxfp4")
     if get("hidden_act") != "silu":  # transformers' gpt-oss never reads it: a different value is likely a mistake
         raise _fail("hidden_act", get("hidden_act"), "gpt-oss's experts use swiglu_alpha, not hidden_act: set silu")
     if get("swiglu_alpha") != 1.702:
@@ -683,40 +681,22 @@ def _gpt_oss(hf: Dict[str, Any]) -> Dict[str, Any]:
     limit = get("swiglu_limit")
     if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit > 0:
         raise _fail("swiglu_limit", limit, "use a number > 0")
-    layers, h, n = (_int(k, get(k), 1) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
-    types = hf.get("layer_types")
-    if types is None:  # transformers' default: alternating, from a sliding layer
-        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    if (not isinstance(types, list) or len(types) != layers
-            or any(t not in ("sliding_attention", "full_attention") for t in types)):
-        raise _fail("layer_types", types, f"give {layers} (num_hidden_layers) of sliding_attention / full_attention")
+    model: Dict[str, Any] = _gqa_decoder(get, hf, _int("head_dim", get("head_dim"), 1))
+    types = _layer_types(hf, model["num_layers"], 2)  # transformers' default: alternating, from a sliding layer
     rope_hf = dict(hf)
     if not hf.get("rope_parameters") and not hf.get("rope_scaling"):
         rope_hf["rope_parameters"] = dict(_GPT_OSS_ROPE)
     params = rope_hf.get("rope_scaling") or rope_hf["rope_parameters"]
     rope_hf["rope_theta"] = params.get("rope_theta", hf.get("rope_theta", 150000.0))  # gpt-oss's default base
-    head_dim = _int("head_dim", get("head_dim"), 1)
     bias = bool(get("attention_bias"))
-    model: Dict[str, Any] = dict(
-        num_layers=layers, hidden_size=h, num_attention_heads=n,
-        num_query_groups=_int("num_key_value_heads", get("num_key_value_heads"), 1),
-        kv_channels=head_dim if head_dim * n != h else None,
-        ffn_hidden_size=_int("intermediate_size", get("intermediate_size"), 1),
-        seq_length=get("max_position_embeddings"), vocab_size=get("vocab_size"), hidden_dropout=0.0,
-        attention_dropout=float(get("attention_dropout") or 0.0), init_method_std=hf.get("initializer_range", 0.02),
-        norm_epsilon=float(get("rms_norm_eps")), position_embedding_type="rope", **_rope(rope_hf),
-        normalization="RMSNorm", gated_linear_unit=True, activation="quick_gelu",
+    model.update(
+        **_rope(rope_hf), activation="quick_gelu",
         activation_func_clamp_value=float(limit), glu_linear_offset=1.0, softmax_type="learnable",
         add_bias_linear=bias, add_qkv_bias=bias, untie_embeddings_and_output_weights=not get("tie_word_embeddings"),
         num_experts=_int("num_local_experts", get("num_local_experts"), 1),
         moe_router_topk=_int("num_experts_per_tok", get("num_experts_per_tok"), 1),
         moe_ffn_hidden_size=get("intermediate_size"), moe_router_pre_softmax=False, moe_add_bias_linear=True,
-        moe_aux_loss_coeff=float(get("router_aux_loss_coef") or 0.0))
-    if "sliding_attention" in types:
-        window = _int("sliding_window", get("sliding_window"), 1)
-        model["window_size"] = [window - 1, 0]  # transformers: key j visible from query i iff i - j < sliding_window
-        if "full_attention" in types:
-            model["window_attn_skip_freq"] = [int(t == "sliding_attention") for t in types]
+        moe_aux_loss_coeff=float(get("router_aux_loss_coef") or 0.0), **_windows(types, get))
     return model
 
 

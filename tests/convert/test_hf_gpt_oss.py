@@ -5,7 +5,9 @@ included; windows of 4 in sequences of 12, layer 0 sliding and layer 1 full; gpt
 swiglu_limit 0.3, which the gate and up values cross).  Our logits equal transformers' float64 logits to 1e-10 at
 one rank (``from_pretrained`` of its directory and of our converted one) and, in one 2-rank job, at TP=2 with SP,
 PP=2, EP=2 and CP=2 in each exchange (the ring, all-gather, all-to-all), where the sinks' and the router bias's
-gradients equal transformers' too; HF -> ours -> HF is bit-exact with config.json unchanged.  MXFP4 experts: hand-made blocks and scales dequantize as transformers'
+gradients equal transformers' too; HF -> ours -> HF is bit-exact with config.json unchanged.  The sinks core
+with packed rows (both forms) and with recomputation (a dense model: MoE refuses it) gives the plain run's logits and
+gradients.  MXFP4 experts: hand-made blocks and scales dequantize as transformers'
 ``_convert_moe_packed_tensors`` does, and a directory holding them loads with transformers' logits of the
 dequantized model, and exports in the model's dtype without the quantization_config.  The plan counts the model's
 parameters.
@@ -76,7 +78,7 @@ def test_config_maps_every_field():
     (dict(swiglu_alpha=1.5), "swiglu_alpha=1.5 is not supported; ds_megatron builds gpt-oss's gate activation"),
     (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
     (dict(quantization_config={"quant_method": "fp8"}), "quantization_config={'quant_method': 'fp8'} is not "
-                                                        "supported; only gpt-oss's MXFP4 experts"),
+                                                        "supported; only gpt_oss's MXFP4 experts"),
     (dict(layer_types=["sliding_attention"]), "layer_types=['sliding_attention'] is not supported"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope_parameters.rope_type='dynamic'"),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
@@ -118,6 +120,85 @@ def test_the_attention_sinks_gradient_equals_transformers(gpt_oss):
         assert float((got - want).abs().max() / want.abs().max()) < 1e-10, i
         bias = ref.model.layers[i].mlp.router.bias.grad
         assert float((layer.mlp.router.bias.grad - bias).abs().max() / bias.abs().max()) < 1e-10, i
+
+
+def _sink_grads(model, rows, weights):
+    """``model`` (float64, training mode) on ``rows`` (a list of (tokens ``[b, s]``, the forward's document keyword
+    arguments)), the sum over rows of ``(logits * weights).sum()`` backpropagated: its logits of each row and every
+    parameter's gradient by name (None: it got none)."""
+    logits = []
+    for (toks, documents), w in zip(rows, weights):
+        out = model(toks, **documents)[..., :VOCAB]
+        (out * w).sum().backward()
+        logits.append(out.detach())
+    return logits, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _packed_rows(seed=7):
+    """Two packed rows of documents (5 + 7 and 2 + 9 + 1 tokens, longer than the windows of 4), a weight per logit:
+    ((the rows with their position_ids, the weights), (each document alone, its share of the weights),
+    (the rows as cu_seqlens, one row per micro-batch, and the weights))."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [[torch.randint(0, VOCAB, (n,), generator=g) for n in row] for row in ([5, 7], [2, 9, 1])]
+    tokens = torch.stack([torch.cat(row) for row in docs])
+    positions = torch.stack([torch.cat([torch.arange(len(d)) for d in row]) for row in docs])
+    weights = torch.randn(2, SEQ, VOCAB, generator=g, dtype=torch.float64)
+    alone, alone_w = [], []
+    for r, row in enumerate(docs):
+        at = 0
+        for d in row:
+            alone.append((d[None], {}))
+            alone_w.append(weights[r, at:at + len(d)])
+            at += len(d)
+    bounds = [(tokens[r:r + 1], {"cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0)], dtype=torch.int32)})
+              for r, lengths in enumerate(([5, 7], [2, 9, 1]))]
+    return ([(tokens, {"position_ids": positions})], [weights]), (alone, alone_w), (bounds, [weights[:1], weights[1:]])
+
+
+def _assert_same(got, want, what):
+    (logits, grads), (logits_want, grads_want) = got, want
+    flat = [torch.cat([x.reshape(-1, VOCAB) for x in each]) for each in (logits, logits_want)]
+    assert hf_models.max_relative_error(*flat) < 1e-12, what
+    assert sorted(grads) == sorted(grads_want) and any(n.endswith("sinks") for n in grads_want)
+    for name, grad in grads_want.items():
+        assert grads[name] is not None and float((grads[name] - grad).abs().max() / grad.abs().max()) < 1e-12, \
+            (name, what)
+
+
+def test_sinks_with_packed_documents_equal_each_document_alone(gpt_oss):
+    """gpt-oss's packed rows, in both forms: the logits and every gradient (the sinks' too) of each document run
+    alone."""
+    packed, alone, bounds = _packed_rows()
+
+    def run(rows):
+        return _sink_grads(ds_megatron.from_pretrained(gpt_oss[1], dtype=torch.float64, seq_length=SEQ).train(), *rows)
+    want = run(alone)
+    _assert_same(run(packed), want, "position_ids")
+    _assert_same(run(bounds), want, "cu_seqlens")
+
+
+def test_sinks_with_recomputation_equal_the_plain_run():
+    """A model with recomputation refuses experts (config/model.py), so gpt-oss's attention (sinks, windows of 4,
+    2 query groups, biases) in a dense model: selective core_attn and full recomputation, whole and packed rows,
+    give the logits and gradients of the run without it."""
+    config = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                  ffn_hidden_size=16, seq_length=SEQ, vocab_size=VOCAB, position_embedding_type="rope",
+                  normalization="RMSNorm", add_qkv_bias=True, softmax_type="learnable", window_size=[3, 0],
+                  window_attn_skip_freq=[1, 0])
+    packed, alone, _ = _packed_rows()
+
+    def run(rows, **recompute):
+        torch.manual_seed(0)
+        model = GPTModel(GPTConfig(**config, **recompute), ParallelState.single()).double().train()
+        with torch.no_grad():
+            for layer in model.layers:  # sinks of the scores' size (they start at 0)
+                layer.self_attention.sinks.normal_()
+        return _sink_grads(model, *rows)
+    for rows in (packed, alone):
+        want = run(rows)
+        for recompute in (dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+                          dict(recompute_granularity="full")):
+            _assert_same(run(rows, **recompute), want, recompute)
 
 
 def test_expert_tensor_parallelism_is_refused_in_one_line(gpt_oss):

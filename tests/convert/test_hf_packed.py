@@ -1,6 +1,7 @@
 """A packed row of documents through a model imported from Hugging Face gives, for each document, the logits
 transformers' own model gives that document alone (float64, 1e-10): Llama, Qwen3, Mixtral, DeepSeek-V3 (MLA),
-Mistral with a sliding window and Gemma 2 / 3 (windows by layer, shorter than the documents), both packed forms.
+Mistral with a sliding window, Gemma 2 / 3 and gpt-oss (windows by layer, shorter than the documents; gpt-oss's
+attention sinks), both packed forms.
 
 A sliding-window model is imported with ``seq_length`` equal to its window (full causal attention equals the window
 on sequences no longer than it, ``config/hf_config.py``), so its packed rows and documents fit in the window and
@@ -24,6 +25,7 @@ FAMILIES = {
     "deepseek_v3": lambda: hf_models.make_deepseek_v3(),
     "gemma2": lambda: hf_models.make_model("gemma2"),  # windows of 4 inside documents longer than them
     "gemma3": lambda: hf_models.make_model("gemma3"),
+    "gpt_oss": lambda: hf_models.make_gpt_oss(),  # sinks, windows of 4 inside the documents
 }
 
 
