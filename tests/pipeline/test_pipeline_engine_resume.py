@@ -125,3 +125,29 @@ def test_a_load_without_the_optimizer_state_keeps_the_loaded_weights(tmp_path, i
     for name, not_loaded, moved in run_on_ranks(2, _load_weights_only_then_step_at_lr_0, str(tmp_path), impl):
         assert name == ("BF16_Optimizer" if impl == "deepspeed" else "Float16OptimizerWithFloat16Params"), name
         assert not not_loaded and not moved, (not_loaded, moved)
+
+
+@pytest.mark.parametrize("precision,zero_stage,impl,cut_by", [
+    ("bf16", 0, "deepspeed", "DeepSpeed's BF16_Optimizer"), ("bf16", 1, "deepspeed", "ZeRO stage 1"),
+    ("fp16", 0, "deepspeed", None), ("bf16", 0, "megatron", None)])
+def test_another_data_parallel_size_is_refused_where_deepspeed_cuts_the_optimizer_state(tmp_path, precision,
+                                                                                         zero_stage, impl, cut_by):
+    # DeepSpeed loads a state it keeps per data-parallel rank only at the size it was saved at (it raises
+    # ZeRORuntimeException once the job is built); --resume refuses it before anything starts.
+    from ds_megatron.checkpointing.run_dir import check_resume, job_meta, write_job_meta
+    from ds_megatron.config import ConfigError
+    cfg = _config(str(tmp_path), precision, zero_stage)
+    cfg["megatron"]["optimizer_impl"] = impl
+    os.makedirs(tmp_path / "iter_0000002")
+    write_job_meta(str(tmp_path), "iter_0000002", job_meta(load_job(cfg, 4)))  # saved at PP 2 x DP 2
+    with open(tmp_path / "latest", "w") as f:
+        f.write("iter_0000002")
+    assert check_resume(load_job(cfg, 4), str(tmp_path)) == "iter_0000002"
+    if cut_by is None:
+        assert check_resume(load_job(cfg, 2), str(tmp_path)) == "iter_0000002"
+        return
+    with pytest.raises(ConfigError) as error:
+        check_resume(load_job(cfg, 2), str(tmp_path))
+    message = str(error.value)
+    assert message.startswith("the data-parallel size is 1 but the checkpoint") and cut_by in message, message
+    assert "resume on 2 data-parallel ranks" in message and "\n" not in message
