@@ -26,7 +26,8 @@ PRIVATE = [r"\._config\b", r"\b_EXPERT_(DATA_)?PARALLEL_GROUP", r"\._get_expert\
            r"\.tied_comms\b", r"\.tied_modules\b", r"\.forward_funcs\b", r"enable_backward_allreduce",
            r"\.inside_no_sync_ctxt\b", r"\.clip_fp32_gradients\b", r"\.has_moe_layers\b", r"engine\.num_experts\b",
            r"engine\.expert(_data)?_parallel_group\b", r"engine\.micro_batches\b", r"\bp2p\.", r"\.world_group\b",
-           r"engine\.(global_steps|global_samples|skipped_steps)\s*=[^=]", r"\bgroups\.mpu\b"]
+           r"engine\.(global_steps|global_samples|skipped_steps)\s*=[^=]", r"\bgroups\.mpu\b",
+           r"\._load_zero_checkpoint\b"]
 
 
 def test_deepspeed_has_every_seam_we_rely_on():
@@ -48,7 +49,8 @@ def test_every_seam_names_its_accessor():
     (lambda mp: mp.setattr(p2p, "send", lambda tensor, dest: None), "async_op"),
     (lambda mp: mp.setattr(PipelineModule, "_partition_layers", lambda self: None), "_partition_layers"),
     (lambda mp: mp.delattr(DeepSpeedEngine, "clip_fp32_gradients"), "clip_fp32_gradients"),
-], ids=["expert-table", "expert-file-name", "p2p-send", "partition-override", "clip-method"])
+    (lambda mp: mp.delattr(DeepSpeedEngine, "_load_zero_checkpoint"), "_load_zero_checkpoint"),
+], ids=["expert-table", "expert-file-name", "p2p-send", "partition-override", "clip-method", "bf16-optimizer-load"])
 def test_a_moved_seam_is_reported_by_name(monkeypatch, break_it, names):
     break_it(monkeypatch)
     problems = seams.check_seams()

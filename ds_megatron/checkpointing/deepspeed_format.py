@@ -34,6 +34,12 @@ DeepSpeed API, left untouched on the engine) and add what it cannot know:
 * The delayed fp8 recipe's amax histories and scales (``fp8_scaling``), one file per pipeline rank.
 * A distributed optimizer gathers its shards on every rank before anything asks
   (the gather is a collective).
+* DeepSpeed's ``BF16_Optimizer`` without ZeRO (a ``PipelineEngine`` in bf16): DeepSpeed saves its
+  state per data-parallel rank in ``bf16_zero_*`` files, but its load reads them only with ZeRO on and
+  fails on the model file's state (``integration.seams.bf16_optimizer_without_zero``); they are loaded
+  here.
+* A load without the optimizer state (``load_optimizer_states=False``) takes a 16-bit optimizer's fp32
+  weights again from the loaded ones (DeepSpeed does so only for ``load_module_only``).
 * After a load our gradient buffers start a new window at the next forward
   (``integration.gradients``), whether the load went through here or through
   ``engine.load_checkpoint``.
@@ -53,7 +59,8 @@ import torch.distributed as dist
 
 from ..fp8.param import is_fp8_param
 from ..integration.moe import moe_layers
-from ..integration.seams import expert_checkpoint_name, pipeline_layer_state_dicts
+from ..integration.seams import (bf16_optimizer_without_zero, expert_checkpoint_name, load_bf16_optimizer_partitions,
+                                pipeline_layer_state_dicts)
 from ..moe.moe_layer import BaseMoELayer
 from ..optimizer import MegatronOptimizer
 from ..utils.collectives import barrier
@@ -144,10 +151,12 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, **kwargs) 
     found nothing to load."""
     _check_same_pipeline_runtime(engine, load_dir, tag)
     ours = _saves_moe_optimizer_itself(engine)
+    bf16_partitions = bf16_optimizer_without_zero(engine)
     load_optimizer = kwargs.pop("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
-    # With ours, DeepSpeed's file holds data-parallel rank 0's optimizer state, which is not every rank's.
-    path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=load_optimizer and not ours,
-                                                **kwargs)
+    # With ours, DeepSpeed's file holds data-parallel rank 0's optimizer state, which is not every rank's; its
+    # BF16_Optimizer without ZeRO is loaded from the files DeepSpeed saved it to, which its own load skips.
+    path, client_state = engine.load_checkpoint(
+        load_dir, tag=tag, load_optimizer_states=load_optimizer and not ours and not bf16_partitions, **kwargs)
     if path is None:
         return path, client_state
     if tag is None:
@@ -155,15 +164,19 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, **kwargs) 
             tag = f.read().strip()
     _load_experts(engine, load_dir, str(tag))
     fp8_scaling.load_files(engine.module, os.path.join(load_dir, str(tag)))
-    if ours:
-        if load_optimizer:
-            shard = optimizer_shard_name(load_dir, str(tag), engine.megatron.state.layout, dist.get_rank())
-            if not os.path.isfile(shard):
-                raise FileNotFoundError(f"optimizer state {shard} is missing: the checkpoint was saved with another "
-                                        "tensor / pipeline / expert layout, or not by ds_megatron")
-            engine.optimizer.load_state_dict(torch.load(shard, map_location="cpu", weights_only=False))
-        else:
-            engine.optimizer.refresh_fp32_params()  # the weights just loaded, experts included, are the model
+    if load_optimizer and ours:
+        shard = optimizer_shard_name(load_dir, str(tag), engine.megatron.state.layout, dist.get_rank())
+        if not os.path.isfile(shard):
+            raise FileNotFoundError(f"optimizer state {shard} is missing: the checkpoint was saved with another "
+                                    "tensor / pipeline / expert layout, or not by ds_megatron")
+        engine.optimizer.load_state_dict(torch.load(shard, map_location="cpu", weights_only=False))
+    elif load_optimizer and bf16_partitions:
+        load_bf16_optimizer_partitions(engine, load_dir, str(tag))
+    elif not load_optimizer and not engine.zero_optimization() and hasattr(engine.optimizer, "refresh_fp32_params"):
+        # A 16-bit optimizer's fp32 weights (ours, DeepSpeed's without ZeRO) are taken again from the weights just
+        # loaded, our experts included: DeepSpeed does so for load_module_only alone and before our experts load,
+        # and the next step would write the old ones back.
+        engine.optimizer.refresh_fp32_params()
     return path, client_state
 
 

@@ -7,8 +7,9 @@ checkpoint's files, the parameter dtype and the settings the sample order depend
 datasets, the split, the seed, the sampler; ``seq_length`` is a model field).  ``check_resume``
 compares them with the job that resumes and raises a ``ConfigError`` naming the first field that
 differs, before any process group exists and before any file is written.  The data-parallel size
-may differ (the optimizer states are saved DP-independent), and so may the global batch: the
-samples consumed are counted globally, so the resumed run reads on from the next sample.
+may differ (our optimizer states are saved DP-independent) except where DeepSpeed's optimizer cuts its
+state by it (``dp_cut_optimizer``), and so may the global batch: the samples consumed are counted
+globally, so the resumed run reads on from the next sample.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import shutil
 from typing import Any, Dict, List, Optional
 
 from ..config import SECTION, ConfigError
+from ..config.pipeline import pipeline_runtime
 
 LATEST = "latest"
 JOB_META = "ds_megatron_job.json"
@@ -75,7 +77,25 @@ def job_meta(job) -> Dict[str, Any]:
             "params_dtype": job.megatron.precision.params_dtype,
             "fp8_amax_history_len": delayed_history_len(job.model),
             "ckpt_format": job.train.ckpt_format,
+            "data_parallel_size": job.megatron.parallel.layout(job.world_size).dp if job.world_size else None,
+            "dp_cut_optimizer": dp_cut_optimizer(job),
             "data_order": data_order(job)}
+
+
+def dp_cut_optimizer(job) -> Optional[str]:
+    """DeepSpeed's optimizer that keeps one part of its state per data-parallel rank, which DeepSpeed loads only at
+    the data-parallel size it was saved at (None: the job's optimizer state loads at any size)."""
+    megatron = job.megatron
+    if megatron.optimizer_impl == "megatron":
+        return None
+    zero_stage = megatron.deepspeed_batch.zero_stage
+    if zero_stage:
+        return f"ZeRO stage {zero_stage}"
+    pp = megatron.parallel.pipeline_model_parallel_size
+    if megatron.precision.params_dtype == "bf16" and pp > 1 and \
+            pipeline_runtime(megatron.parallel, megatron.optimizer_impl) == "deepspeed":
+        return "DeepSpeed's BF16_Optimizer (bf16 on its PipelineEngine)"
+    return None
 
 
 def delayed_history_len(model) -> Optional[int]:
@@ -128,6 +148,12 @@ def check_resume(job, save_dir: str) -> Optional[str]:
                               f"{saved['layout'][name]} (its files are cut by it); resume with the same size (the "
                               "data-parallel size may change), or use another --output-dir (checkpoints saved with "
                               f"{SECTION}.train.ckpt_format \"torch_dist\" resume at any layout)")
+    cut_by = saved.get("dp_cut_optimizer")
+    if cut_by and now["data_parallel_size"] not in (None, saved["data_parallel_size"]):
+        raise ConfigError(f"the data-parallel size is {now['data_parallel_size']} but the checkpoint {where} was "
+                          f"saved at {saved['data_parallel_size']}, where {cut_by} kept one part of the optimizer "
+                          "state per data-parallel rank, which DeepSpeed loads at that size only; resume on "
+                          f"{saved['data_parallel_size']} data-parallel ranks, or use another --output-dir")
     if saved.get("params_dtype", now["params_dtype"]) != now["params_dtype"]:
         raise ConfigError(f"this config trains {now['params_dtype']} params (fp16.enabled / bf16.enabled) but the "
                           f"checkpoint {where} holds {saved['params_dtype']} ones with their optimizer state; resume "

@@ -25,6 +25,7 @@ class JobConfig:
 
     ds_config: Dict[str, Any]
     megatron: MegatronConfig
+    world_size: Optional[int] = None  # the ranks load_job checked the layout for
 
     @property
     def model(self) -> GPTConfig:
@@ -177,6 +178,7 @@ def load_job(config, world_size: int, train_iters: Optional[int] = None,
     """Parse and validate every section for ``world_size`` ranks; creates nothing."""
     job = parse_job_config(config, load_hf)
     job.megatron.layout(world_size)  # the layout fits the world and the model fits the layout
+    job.world_size = world_size
     job.data.check_vocab(job.model.vocab_size)  # every token id has a logit
     if train_iters is not None:
         if train_iters < 1:

@@ -23,6 +23,7 @@ import deepspeed
 import deepspeed.ops
 import torch
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
@@ -245,6 +246,28 @@ def engines_built_with_moe(num_experts: List[int]) -> Iterator[None]:
 def expert_checkpoint_name(save_dir: str, tag: str, layer_id: int, expert_id: int, etp_rank: int) -> str:
     """DeepSpeed's file for one expert's weights (``layer_<L>_expert_<E>_mp_rank_<TT>_model_states.pt``)."""
     return DeepSpeedEngine._get_expert_ckpt_name(save_dir, layer_id, expert_id, tag, checkpoint_mp_rank=etp_rank)
+
+
+# -- DeepSpeed's bf16 optimizer without ZeRO, in checkpoints -----------------------------------------------------
+
+def bf16_optimizer_without_zero(engine) -> bool:
+    """Whether the engine's optimizer is DeepSpeed's ``BF16_Optimizer`` with ZeRO off (a ``PipelineEngine`` in
+    bf16 at stage 0), whose state ``engine.load_checkpoint`` cannot load.  That optimizer keeps each data-parallel
+    rank's partition of the fp32 weights and Adam state; ``save_checkpoint`` writes it to the rank's
+    ``bf16_zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt`` (it saves ZeRO files for any optimizer with a
+    ``dp_process_group``), but ``load_checkpoint`` reads those files only with ZeRO on and otherwise hands
+    ``BF16_Optimizer.load_state_dict`` the one state dict of the model file, where it indexes the list it
+    expects by data-parallel rank (``KeyError: 0``)."""
+    return isinstance(engine.optimizer, BF16_Optimizer) and not engine.zero_optimization()
+
+
+def load_bf16_optimizer_partitions(engine, load_dir: str, tag: str) -> None:
+    """Load this rank's ``bf16_zero_*`` file into a ``BF16_Optimizer`` with ZeRO off, as ``load_checkpoint`` does
+    with ZeRO on (``_load_zero_checkpoint``: the fp32 weights and the optimizer state, a changed data-parallel
+    size refused); call it after ``engine.load_checkpoint(..., load_optimizer_states=False)``."""
+    if not engine._load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
+        raise FileNotFoundError(f"{os.path.join(load_dir, tag)} has no bf16_zero_*_optim_states.pt files of "
+                                "DeepSpeed's BF16_Optimizer: it was not saved by a bf16 pipeline job at ZeRO stage 0")
 
 
 # -- activation checkpointing, the CPU runtime -------------------------------------------------------------------
@@ -520,6 +543,15 @@ SEAMS: List[Seam] = [
                   or _configure_optimizer_order()
                   or _reads(DeepSpeedEngine, "_configure_zero_optimizer", "has_moe_layers=self.has_moe_layers",
                             "self.expert_data_parallel_group if self.has_moe_layers")())),
+    Seam("BF16_Optimizer's state: saved per data-parallel rank to bf16_zero_* files (_configure_checkpointing "
+         "saves ZeRO files for an optimizer with a dp_process_group), read back by _load_zero_checkpoint(load_dir, "
+         "tag, load_optimizer_states) into load_state_dict's list indexed by data-parallel rank",
+         "bf16_optimizer_without_zero / load_bf16_optimizer_partitions (checkpointing.deepspeed_format)",
+         lambda: (_reads(DeepSpeedEngine, "_configure_checkpointing", "hasattr(self.optimizer, 'dp_process_group')")()
+                  or _has(DeepSpeedEngine, "_load_zero_checkpoint", params=("self", "load_dir", "tag"),
+                          keywords=("load_optimizer_states",))()
+                  or _reads(BF16_Optimizer, "_load_legacy_checkpoint", "state_dict_list[dp_rank]",
+                            "load_from_fp32_weights")())),
     Seam("DeepSpeedEngine._get_expert_ckpt_name and its file name", "expert_checkpoint_name "
          "(checkpointing.deepspeed_format), checkpointing.export_fp32", _expert_file_name),
     Seam("runtime.activation_checkpointing.checkpointing._CUDA_RNG_STATE_TRACKER", "install_rng_tracker "
