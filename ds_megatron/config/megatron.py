@@ -239,17 +239,10 @@ def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig,
         raise ConfigError(f"{SECTION}.fp8_param_gather with model.fp8_recipe={model.fp8_recipe!r}: the weights are "
                           "cast with one scale per weight (\"tensorwise\") only; set fp8_recipe \"tensorwise\" or "
                           "drop fp8_param_gather")
-    if ddp.fp8_param_gather:
-        # Built and measured on dense models at TP / DP; the rest is not tested yet (zero-bubble's deferred W would
-        # bypass the fp8 weight's main_grad).
-        for untested, setting in ((parallel.pipeline_model_parallel_size > 1, "pipeline_model_parallel_size="
-                                   f"{parallel.pipeline_model_parallel_size}"),
-                                  (parallel.context_parallel_size > 1, "context_parallel_size="
-                                   f"{parallel.context_parallel_size}"),
-                                  (model.num_experts, f"model.num_experts={model.num_experts}")):
-            if untested:
-                raise ConfigError(f"{SECTION}.fp8_param_gather with {SECTION}.{setting}: fp8 parameters are not "
-                                  "built for it yet; drop fp8_param_gather (fp8 GEMMs still run)")
+    if ddp.fp8_param_gather and model.num_experts:
+        # The experts' fp8 weights (sharded and cast over expert-DP) are not built yet.
+        raise ConfigError(f"{SECTION}.fp8_param_gather with {SECTION}.model.num_experts={model.num_experts}: fp8 "
+                          "expert parameters are not built yet; drop fp8_param_gather (fp8 GEMMs still run)")
     what = f"{SECTION}.model.fp8={model.fp8!r}"
     if precision.params_dtype != "bf16":
         raise ConfigError(f"{what} needs bf16 training (fp8 GEMMs on bf16 params with fp32 main params); set "

@@ -33,6 +33,7 @@ from ..config.ddp import DistributedDataParallelConfig, default_bucket_size
 from ..parallel_state import ParallelGroup, ParallelState
 from ..tensor_parallel.layers import fp8_weights
 from ..tensor_parallel.params import is_expert_param
+from ..utils import collectives
 from .bucket_group import ParamAndGradBucketGroup, partition_buckets
 from .param_and_grad_buffer import ParamAndGradBuffer
 
@@ -67,7 +68,7 @@ class DistributedDataParallel(torch.nn.Module):
         param_to_name = {p: n for n, p in module.named_parameters()}
         # fp8_param_gather: the fp8 linears' weights go into a uint8 buffer as fp8 bytes (seed 004)
         self.fp8_recipes = dict(fp8_weights(module)) if ddp_config.fp8_param_gather else {}
-        if ddp_config.fp8_param_gather and not self.fp8_recipes:
+        if ddp_config.fp8_param_gather and not self._any_stage_has_fp8(parallel_state):
             raise ValueError("fp8_param_gather is true but the model has no fp8 linear layer (model.fp8 null, or "
                              "every layer kept in 16-bit); set model.fp8 or drop fp8_param_gather")
         dense: List[torch.nn.Parameter] = []
@@ -113,6 +114,13 @@ class DistributedDataParallel(torch.nn.Module):
                     self._hook_handles.append(submodule.register_forward_pre_hook(self._make_forward_pre_hook()))
             self._hook_handles.append(module.register_state_dict_pre_hook(
                 lambda *args, **kwargs: self.finish_param_sync()))
+
+    def _any_stage_has_fp8(self, parallel_state: ParallelState) -> bool:
+        """Whether some pipeline stage holds an fp8 linear: a stage whose layers all stay 16-bit
+        (``first_last_layers_bf16``) has no fp8 buffer, as a model without fp8 layers would."""
+        count = torch.tensor([float(len(self.fp8_recipes))], device=next(self.module.parameters()).device)
+        collectives.all_reduce(count, parallel_state.pp, op=collectives.MAX)
+        return count.item() > 0
 
     def _make_forward_pre_hook(self):
         def hook(module: torch.nn.Module, inputs) -> None:
