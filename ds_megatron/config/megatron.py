@@ -151,7 +151,7 @@ class MegatronConfig:
                               "several documents per row, whose attention runs one kernel per document with boundaries "
                               "read on the host, which a captured graph cannot replay; set cuda_graph.impl \"none\"")
         _check_expert_bias(model, precision, nested["cuda_graph"])
-        _check_fp8(model, parallel, precision, nested["cuda_graph"], ddp)
+        _check_fp8(model, precision, nested["cuda_graph"], ddp)
         if not precision.owns_optimizer:
             notice = check_deepspeed_optimizer(
                 precision, deepspeed_section(ds_config, "zero_optimization").get("stage", 0),
@@ -226,7 +226,7 @@ def _check_expert_bias(model: Optional[GPTConfig], precision: PrecisionConfig, c
                           "checked under graph replay; turn cuda_graph off or the expert bias off")
 
 
-def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig, cuda_graph: CudaGraphConfig,
+def _check_fp8(model: Optional[GPTConfig], precision: PrecisionConfig, cuda_graph: CudaGraphConfig,
                ddp: DistributedDataParallelConfig) -> None:
     """FP8 GEMMs need bf16 training, and part of Megatron's fp8 compositions is not built yet: refused here.
     ``fp8_param_gather`` needs fp8 and casts weights by the tensorwise recipe."""
