@@ -239,10 +239,6 @@ def _check_fp8(model: Optional[GPTConfig], precision: PrecisionConfig, cuda_grap
         raise ConfigError(f"{SECTION}.fp8_param_gather with model.fp8_recipe={model.fp8_recipe!r}: the weights are "
                           "cast with one scale per weight (\"tensorwise\") only; set fp8_recipe \"tensorwise\" or "
                           "drop fp8_param_gather")
-    if ddp.fp8_param_gather and model.num_experts:
-        # The experts' fp8 weights (sharded and cast over expert-DP) are not built yet.
-        raise ConfigError(f"{SECTION}.fp8_param_gather with {SECTION}.model.num_experts={model.num_experts}: fp8 "
-                          "expert parameters are not built yet; drop fp8_param_gather (fp8 GEMMs still run)")
     what = f"{SECTION}.model.fp8={model.fp8!r}"
     if precision.params_dtype != "bf16":
         raise ConfigError(f"{what} needs bf16 training (fp8 GEMMs on bf16 params with fp32 main params); set "

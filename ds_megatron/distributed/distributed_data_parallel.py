@@ -138,8 +138,6 @@ class DistributedDataParallel(torch.nn.Module):
         count: Dict[torch.dtype, int] = {}
         for p in params:
             grad_dtype = torch.float32 if self.ddp_config.grad_dtype_is_fp32(p.dtype in _FLOAT16) else p.dtype
-            if p in self.fp8_recipes and is_expert_param(p):
-                raise ValueError("fp8_param_gather met an fp8 expert weight; fp8 experts are not built")
             # An fp8 param's index counts among the params of its 16-bit dtype (Megatron's, for checkpoints).
             key = (torch.uint8 if p in self.fp8_recipes else p.dtype, grad_dtype)
             by_dtypes.setdefault(key, []).append(p)

@@ -239,8 +239,6 @@ def _job(fp8="e4m3", recipe="tensorwise", **megatron):
      ("fp8_param_gather", "ckpt_format \"deepspeed\"", "\"torch_dist\"")),
     (_job(use_distributed_optimizer=True, train={"export_hf_family": "llama"}),
      ("fp8_param_gather", "train.export_hf_family")),
-    (_job(use_distributed_optimizer=True, model=dict(_job()["megatron"]["model"], num_experts=4)),
-     ("fp8_param_gather", "model.num_experts=4", "drop fp8_param_gather")),
 ])
 def test_refused_at_start_in_one_line(config, names):
     message = _refused(config)

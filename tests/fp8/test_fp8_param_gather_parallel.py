@@ -35,12 +35,12 @@ BF16_STAGE = dict(first_last_layers_bf16=True, num_layers_at_start_in_bf16=2, nu
 STEPS = 2
 
 
-def _train(gather: bool, pp: int = 1, cp: int = 1, pipeline=None, model=None):
+def _train(gather: bool, pp: int = 1, cp: int = 1, ep: int = 1, pipeline=None, model=None):
     """STEPS steps of the global batch; the losses, the fp32 main params by one-rank name (gathered over every
     rank) and each rank's count of fp8 weights."""
     world = dist.get_world_size()
     pipeline = pipeline or {}
-    cfg = equivalence._config(pp, 1, world // (pp * cp), "bf16", True, False, False, 1, "megatron", 0.0,
+    cfg = equivalence._config(pp, 1, world // (pp * cp), "bf16", True, False, ep > 1, ep, "megatron", 0.0,
                               dict(pipeline, context_parallel_size=cp, fp8_param_gather=gather))
     state = ds_megatron.initialize_model_parallel(cfg)
     config = GPTConfig(**MODEL, **(model or {}))
@@ -69,7 +69,8 @@ def _train(gather: bool, pp: int = 1, cp: int = 1, pipeline=None, model=None):
         losses.append(float(loss))
     name_of = {p: n for n, p in names.items()}
     _, with_main = optimizer.state_dict_params()  # the params of the (gathered) main params, group by group
-    mine = {name_of[p]: t.clone() for params, group in zip(with_main, optimizer.state_dict()["fp32_from_fp16_params"])
+    expert = f"@ep{state.ep.rank}"  # an expert's weight is keyed by its EP rank too
+    mine = {name_of[p] + (expert if getattr(p, "is_expert", False) else ""): t.clone() for params, group in zip(with_main, optimizer.state_dict()["fp32_from_fp16_params"])
             for p, t in zip(params, group)}
     fp8 = sum(p.dtype == torch.float8_e4m3fn for p in gpt.parameters())
     engine.megatron.destroy()
@@ -92,13 +93,22 @@ def _same_training(fp8_weights_per_rank, **case):
 @pytest.mark.parametrize("schedule,pipeline,model,fp8_per_rank", [
     ("1f1b", equivalence.ONE_CHUNK, BF16_STAGE, [0, 0, 8, 8]),
     ("interleaved", equivalence.V2, None, [8] * 4),
-    ("zero_bubble", equivalence.ZB, None, [8] * 4),
+    ("zero_bubble", equivalence.ZB, equivalence.MOE, [12] * 4),
 ])
 def test_pipeline_training_with_fp8_param_gather_is_bit_identical_to_without(schedule, pipeline, model, fp8_per_rank):
-    """PP 2 x DP 2; 4 fp8 linears a layer, 2 layers a stage."""
-    _same_training(fp8_per_rank, pp=2, pipeline=pipeline, model=model)
+    """PP 2 x DP 2, 2 layers a stage: 4 fp8 linears a layer; with ZB-H1 every MLP 4 experts at EP 2 (QKV, proj
+    and 2 local experts' fc1, fc2 a layer), whose deferred weight gradients must reach the fp8 weights' main_grad
+    too."""
+    _same_training(fp8_per_rank, pp=2, ep=2 if model is equivalence.MOE else 1, pipeline=pipeline, model=model)
 
 
 def test_context_parallel_training_with_fp8_param_gather_is_bit_identical_to_without():
     """CP 2 x DP 2: the fp8 buffer sharded and the amax agreed over the dp-cp group of 4."""
     _same_training([16] * 4, cp=2)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_expert_training_with_fp8_param_gather_is_bit_identical_to_without(grouped):
+    """EP 2 x DP 4 (expert-DP 2): each expert's fp8 weights sharded and their amax agreed over expert-DP."""
+    moe = dict(equivalence.MOE, moe_grouped_gemm=grouped)
+    _same_training([8 + (8 if grouped else 16)] * 4, ep=2, model=moe)  # QKV, proj; 2 local experts x fc1, fc2
