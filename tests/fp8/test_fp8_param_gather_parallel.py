@@ -69,21 +69,37 @@ def _train(gather: bool, pp: int = 1, cp: int = 1, ep: int = 1, pipeline=None, m
         losses.append(float(loss))
     name_of = {p: n for n, p in names.items()}
     _, with_main = optimizer.state_dict_params()  # the params of the (gathered) main params, group by group
-    expert = f"@ep{state.ep.rank}"  # an expert's weight is keyed by its EP rank too
+    expert = f"@ep{state.ep.rank}.etp{state.etp.rank}"  # an expert's weight is keyed by its holder too
     mine = {name_of[p] + (expert if getattr(p, "is_expert", False) else ""): t.clone() for params, group in zip(with_main, optimizer.state_dict()["fp32_from_fp16_params"])
             for p, t in zip(params, group)}
     fp8 = sum(p.dtype == torch.float8_e4m3fn for p in gpt.parameters())
+    # what the plan counts: the fp8 weights one byte each, the other params two
+    param_bytes = sum(p.numel() * (1 if p.dtype == torch.float8_e4m3fn else 2) for p in gpt.parameters())
     engine.megatron.destroy()
     everyone = [None] * world
-    dist.all_gather_object(everyone, (mine, fp8))
+    dist.all_gather_object(everyone, (mine, (fp8, param_bytes, state.layout)))
     main = {name: t for d, _ in everyone for name, t in d.items()}
-    return losses, main, [n for _, n in everyone]
+    return losses, main, [r for _, r in everyone]
 
 
-def _same_training(fp8_weights_per_rank, **case):
-    off_losses, off_main, off_fp8 = run_on_ranks(4, _train, False, **case)[0]
-    on_losses, on_main, on_fp8 = run_on_ranks(4, _train, True, **case)[0]
+def _planned_param_bytes(layout, model, num_model_chunks: int):
+    """Each rank's model param bytes by the memory plan with fp8_param_gather."""
+    from ds_megatron.planning.memory import plan_memory
+    plans = plan_memory(GPTConfig(**MODEL, **(model or {})), layout, "bf16", "adamw", micro_batch=equivalence.MBS,
+                        distributed_optimizer=True, num_model_chunks=num_model_chunks, fp8_param_gather=True)
+    return [next(p.model_param_bytes for p in plans if rank in p.ranks) for rank in range(layout.world_size)]
+
+
+def _same_training(fp8_weights_per_rank, planned: bool = False, **case):
+    """``planned``: the memory plan counts each rank's param bytes as allocated (the plan refuses fp8 with
+    experts, CP and ZB-H1)."""
+    off_losses, off_main, off_ranks = run_on_ranks(4, _train, False, **case)[0]
+    on_losses, on_main, on_ranks = run_on_ranks(4, _train, True, **case)[0]
+    on_fp8, off_fp8 = [r[0] for r in on_ranks], [r[0] for r in off_ranks]
     assert on_fp8 == fp8_weights_per_rank and off_fp8 == [0] * 4, (on_fp8, off_fp8)  # the bytes really are fp8
+    if planned:
+        v = (case.get("pipeline") or {}).get("virtual_pipeline_model_parallel_size", 1)
+        assert [r[1] for r in on_ranks] == _planned_param_bytes(on_ranks[0][2], case.get("model"), v)
     assert on_losses == off_losses and len(set(on_losses)) == STEPS, (on_losses, off_losses)
     assert on_main.keys() == off_main.keys() and len(on_main) > 0
     for name in off_main:
@@ -99,7 +115,8 @@ def test_pipeline_training_with_fp8_param_gather_is_bit_identical_to_without(sch
     """PP 2 x DP 2, 2 layers a stage: 4 fp8 linears a layer; with ZB-H1 every MLP 4 experts at EP 2 (QKV, proj
     and 2 local experts' fc1, fc2 a layer), whose deferred weight gradients must reach the fp8 weights' main_grad
     too."""
-    _same_training(fp8_per_rank, pp=2, ep=2 if model is equivalence.MOE else 1, pipeline=pipeline, model=model)
+    _same_training(fp8_per_rank, schedule != "zero_bubble", pp=2, ep=2 if model is equivalence.MOE else 1,
+                   pipeline=pipeline, model=model)
 
 
 def test_context_parallel_training_with_fp8_param_gather_is_bit_identical_to_without():
@@ -107,8 +124,11 @@ def test_context_parallel_training_with_fp8_param_gather_is_bit_identical_to_wit
     _same_training([16] * 4, cp=2)
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_expert_training_with_fp8_param_gather_is_bit_identical_to_without(grouped):
-    """EP 2 x DP 4 (expert-DP 2): each expert's fp8 weights sharded and their amax agreed over expert-DP."""
+@pytest.mark.parametrize("grouped,etp", [(False, 1), (True, 1), (True, 2)])
+def test_expert_training_with_fp8_param_gather_is_bit_identical_to_without(grouped, etp):
+    """DP 4 with EP 2: each expert's fp8 weights sharded and their amax agreed over expert-DP (2), or with ETP 2
+    (expert-DP 1) over the ETP ranks that split them; the grouped experts' weight holds two experts, each with its
+    own scale."""
     moe = dict(equivalence.MOE, moe_grouped_gemm=grouped)
-    _same_training([8 + (8 if grouped else 16)] * 4, ep=2, model=moe)  # QKV, proj; 2 local experts x fc1, fc2
+    _same_training([8 + (8 if grouped else 16)] * 4, ep=2, model=moe,  # QKV, proj; 2 local experts x fc1, fc2
+                   pipeline={"expert_tensor_parallel_size": etp})
