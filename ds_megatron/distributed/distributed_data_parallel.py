@@ -17,7 +17,8 @@ by bucket group in forward pre-hooks of the modules that own the params, and
 in a ``state_dict`` pre-hook (a checkpoint never reads half-gathered params).
 
 With ``fp8_param_gather`` (distributed optimizer) the weights of the fp8 linears live in a uint8 buffer of their
-own as fp8 bytes (``fp8.param``), grouped with the other buffers' buckets as seed 004 says
+own as fp8 bytes (``fp8.param``; the fp8 experts' in a uint8 expert buffer over expert-DP), grouped with the other
+buffers' buckets as seed 004 says
 (``bucket_group.partition_buckets``); their gradients are buffered as every other's.
 
 Expert params are recognized by their marks (``tensor_parallel.params.is_expert_param``).
@@ -66,7 +67,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.bucket_size = bucket_size
 
         param_to_name = {p: n for n, p in module.named_parameters()}
-        # fp8_param_gather: the fp8 linears' weights go into a uint8 buffer as fp8 bytes (seed 004)
+        # fp8_param_gather: the fp8 linears' and experts' weights go into uint8 buffers as fp8 bytes (seed 004)
         self.fp8_recipes = dict(fp8_weights(module)) if ddp_config.fp8_param_gather else {}
         if ddp_config.fp8_param_gather and not self._any_stage_has_fp8(parallel_state):
             raise ValueError("fp8_param_gather is true but the model has no fp8 linear layer (model.fp8 null, or "

@@ -11,9 +11,9 @@ and cuBLASLt's fp8 GEMM takes multiples of 16; 128 for blockwise, whose weight g
 Zero rows change no amax and no product: their outputs are dropped, and their output gradients are zero.
 
 With ``fp8_param_gather`` the weights arrive as fp8 bytes with one scale per expert (``param``) and are used as
-they are.  As in ``linear.py``: the delayed recipe records the amaxes of the passes that train only (not an evaluation under
-``no_grad``), and the experts' weight-gradient GEMMs can be deferred (ZB-H1's W pass, ``weight_grad``): they then
-run later on the fp8 copies of X and dY the B pass made.
+they are.  As in ``linear.py``: the delayed recipe records the amaxes of the passes that train only (not an
+evaluation under ``no_grad``), and the experts' weight-gradient GEMMs can be deferred (ZB-H1's W pass,
+``weight_grad``): they then run later on the fp8 copies of X and dY the B pass made.
 """
 from __future__ import annotations
 

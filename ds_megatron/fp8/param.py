@@ -11,10 +11,11 @@ DP shard of a bucket cuts params anywhere), and a TP rank only its split of it, 
 weight's.  So every rank computes the amax of what it owns of each fp8 weight of its buffers (0 where it owns
 nothing), agrees on them with one all-reduce (MAX) over the DP group and one over TP, and casts its pieces with
 the agreed scale.  The experts' weights are cast the same way over expert-DP and ETP (never EP: its ranks hold
-other experts), a grouped experts' weight with one scale per expert, as their GEMMs take it (``grouped``).  Each main shard is first rounded to the params' 16-bit dtype, as Megatron does: the bytes are
-then exactly those the layer makes from its 16-bit weight without ``fp8_param_gather`` (the max of a rounded
-tensor is the rounded max, and the cast is elementwise): both runs do the same arithmetic, but for the gradient
-norm, summed over DP shards that the fp8 buffer moves (with gradient clipping they part by rounding).
+other experts), a grouped experts' weight with one scale per expert, as their GEMMs take it (``grouped``).
+Each main shard is first rounded to the params' 16-bit dtype, as Megatron does: the bytes are then exactly those
+the layer makes from its 16-bit weight without ``fp8_param_gather`` (the max of a rounded tensor is the rounded
+max, and the cast is elementwise): both runs do the same arithmetic, but for the gradient norm, summed over DP
+shards that the fp8 buffer moves (with gradient clipping they part by rounding).
 """
 from __future__ import annotations
 

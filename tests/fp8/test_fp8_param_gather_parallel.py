@@ -1,5 +1,5 @@
-"""``megatron.fp8_param_gather`` with pipeline parallelism (1F1B, interleaved, ZB-H1) and context parallelism, each
-layout at DP 2 on 4 ranks.
+"""``megatron.fp8_param_gather`` with pipeline parallelism (1F1B, interleaved, ZB-H1), context parallelism and MoE
+experts (EP, ETP), each on 4 ranks with data parallelism.
 
 Reference: the same job with fp8_param_gather off, which must train bit-identically (losses and fp32 main params),
 as ``test_fp8_param_gather`` holds at TP / DP.  Why that is the exact relation: the bytes and scale of an fp8 weight
@@ -8,8 +8,10 @@ forward and backward is the same arithmetic, and no clipping keeps the gradient 
 What each layout adds: a stage holds only its own layers' fp8 weights (one stage below holds none:
 ``first_last_layers_bf16``), the interleaved schedule two chunks' in one buffer, ZB-H1 defers the fp8 weights'
 gradients to its W pass (which must still reach their ``main_grad``), and CP puts the CP ranks into the DP group
-over which the buffer is sharded and the amax agreed.  That fp8 at PP and CP equals the one-rank fp8 model is held
-by ``test_fp8_pipeline`` and ``test_fp8_context_parallel``.
+over which the buffer is sharded and the amax agreed; the experts' fp8 weights are sharded over expert-DP and
+split over ETP, their amax agreed over both (not EP), one scale per expert of a grouped weight.  That fp8 at PP,
+CP and EP equals the one-rank fp8 model is held by ``test_fp8_pipeline``, ``test_fp8_context_parallel`` and
+``test_fp8_experts``.
 """
 from __future__ import annotations
 
@@ -70,8 +72,9 @@ def _train(gather: bool, pp: int = 1, cp: int = 1, ep: int = 1, pipeline=None, m
     name_of = {p: n for n, p in names.items()}
     _, with_main = optimizer.state_dict_params()  # the params of the (gathered) main params, group by group
     expert = f"@ep{state.ep.rank}.etp{state.etp.rank}"  # an expert's weight is keyed by its holder too
-    mine = {name_of[p] + (expert if getattr(p, "is_expert", False) else ""): t.clone() for params, group in zip(with_main, optimizer.state_dict()["fp32_from_fp16_params"])
-            for p, t in zip(params, group)}
+    mains = optimizer.state_dict()["fp32_from_fp16_params"]
+    mine = {name_of[p] + (expert if getattr(p, "is_expert", False) else ""): t.clone()
+            for params, group in zip(with_main, mains) for p, t in zip(params, group)}
     fp8 = sum(p.dtype == torch.float8_e4m3fn for p in gpt.parameters())
     # what the plan counts: the fp8 weights one byte each, the other params two
     param_bytes = sum(p.numel() * (1 if p.dtype == torch.float8_e4m3fn else 2) for p in gpt.parameters())
