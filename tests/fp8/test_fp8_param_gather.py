@@ -246,6 +246,20 @@ def test_refused_at_start_in_one_line(config, names):
         assert name in message, message
 
 
+@pytest.mark.parametrize("megatron,model", [
+    (dict(pipeline_model_parallel_size=2), {}),
+    (dict(pipeline_model_parallel_size=2, pipeline_schedule="zero_bubble"), {}),
+    (dict(context_parallel_size=2), dict(attention_dropout=0.0)),
+    (dict(expert_model_parallel_size=2), dict(num_experts=4, moe_router_topk=2)),
+])
+def test_accepted_with_pipeline_context_and_expert_parallelism(megatron, model):
+    """Built and held bit-identical to the job without fp8_param_gather by test_fp8_param_gather_parallel."""
+    job = _job(use_distributed_optimizer=True, **megatron)
+    job["gradient_accumulation_steps"] = 2
+    job["megatron"]["model"].update(model)
+    assert split_config(job)[1].layout(2).world_size == 2
+
+
 def _build_without_fp8_layers() -> str:
     cfg = _config(True)
     state = ds_megatron.initialize_model_parallel(cfg)  # no model section: the model comes built
