@@ -77,7 +77,7 @@ class FP8ParamCast:
         i = self._index[param]
         per_scale = param.numel() // param.fp8_scale_inv.numel()
         end, pieces = start + main.numel(), []
-        for k in range(start // per_scale, -(-end // per_scale)):
+        for k in range(start // per_scale, -(-end // per_scale) if end > start else 0):
             lo, hi = max(start, k * per_scale) - start, min(end, (k + 1) * per_scale) - start
             pieces.append((self._first[i] + k, lo, hi, out[lo:hi]))
         self._mains.append(main)
