@@ -151,7 +151,7 @@ class MegatronConfig:
                               "several documents per row, whose attention runs one kernel per document with boundaries "
                               "read on the host, which a captured graph cannot replay; set cuda_graph.impl \"none\"")
         _check_expert_bias(model, precision, nested["cuda_graph"])
-        _check_fp8(model, parallel, precision, nested["cuda_graph"], ddp)
+        _check_fp8(model, precision, nested["cuda_graph"], ddp)
         if not precision.owns_optimizer:
             notice = check_deepspeed_optimizer(
                 precision, deepspeed_section(ds_config, "zero_optimization").get("stage", 0),
@@ -226,7 +226,7 @@ def _check_expert_bias(model: Optional[GPTConfig], precision: PrecisionConfig, c
                           "checked under graph replay; turn cuda_graph off or the expert bias off")
 
 
-def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig, cuda_graph: CudaGraphConfig,
+def _check_fp8(model: Optional[GPTConfig], precision: PrecisionConfig, cuda_graph: CudaGraphConfig,
                ddp: DistributedDataParallelConfig) -> None:
     """FP8 GEMMs need bf16 training, and part of Megatron's fp8 compositions is not built yet: refused here.
     ``fp8_param_gather`` needs fp8 and casts weights by the tensorwise recipe."""
@@ -239,17 +239,6 @@ def _check_fp8(model: Optional[GPTConfig], parallel, precision: PrecisionConfig,
         raise ConfigError(f"{SECTION}.fp8_param_gather with model.fp8_recipe={model.fp8_recipe!r}: the weights are "
                           "cast with one scale per weight (\"tensorwise\") only; set fp8_recipe \"tensorwise\" or "
                           "drop fp8_param_gather")
-    if ddp.fp8_param_gather:
-        # Built and measured on dense models at TP / DP; the rest is not tested yet (zero-bubble's deferred W would
-        # bypass the fp8 weight's main_grad).
-        for untested, setting in ((parallel.pipeline_model_parallel_size > 1, "pipeline_model_parallel_size="
-                                   f"{parallel.pipeline_model_parallel_size}"),
-                                  (parallel.context_parallel_size > 1, "context_parallel_size="
-                                   f"{parallel.context_parallel_size}"),
-                                  (model.num_experts, f"model.num_experts={model.num_experts}")):
-            if untested:
-                raise ConfigError(f"{SECTION}.fp8_param_gather with {SECTION}.{setting}: fp8 parameters are not "
-                                  "built for it yet; drop fp8_param_gather (fp8 GEMMs still run)")
     what = f"{SECTION}.model.fp8={model.fp8!r}"
     if precision.params_dtype != "bf16":
         raise ConfigError(f"{what} needs bf16 training (fp8 GEMMs on bf16 params with fp32 main params); set "

@@ -17,7 +17,8 @@ by bucket group in forward pre-hooks of the modules that own the params, and
 in a ``state_dict`` pre-hook (a checkpoint never reads half-gathered params).
 
 With ``fp8_param_gather`` (distributed optimizer) the weights of the fp8 linears live in a uint8 buffer of their
-own as fp8 bytes (``fp8.param``), grouped with the other buffers' buckets as seed 004 says
+own as fp8 bytes (``fp8.param``; the fp8 experts' in a uint8 expert buffer over expert-DP), grouped with the other
+buffers' buckets as seed 004 says
 (``bucket_group.partition_buckets``); their gradients are buffered as every other's.
 
 Expert params are recognized by their marks (``tensor_parallel.params.is_expert_param``).
@@ -33,6 +34,7 @@ from ..config.ddp import DistributedDataParallelConfig, default_bucket_size
 from ..parallel_state import ParallelGroup, ParallelState
 from ..tensor_parallel.layers import fp8_weights
 from ..tensor_parallel.params import is_expert_param
+from ..utils import collectives
 from .bucket_group import ParamAndGradBucketGroup, partition_buckets
 from .param_and_grad_buffer import ParamAndGradBuffer
 
@@ -65,9 +67,9 @@ class DistributedDataParallel(torch.nn.Module):
         self.bucket_size = bucket_size
 
         param_to_name = {p: n for n, p in module.named_parameters()}
-        # fp8_param_gather: the fp8 linears' weights go into a uint8 buffer as fp8 bytes (seed 004)
+        # fp8_param_gather: the fp8 linears' and experts' weights go into uint8 buffers as fp8 bytes (seed 004)
         self.fp8_recipes = dict(fp8_weights(module)) if ddp_config.fp8_param_gather else {}
-        if ddp_config.fp8_param_gather and not self.fp8_recipes:
+        if ddp_config.fp8_param_gather and not self._any_stage_has_fp8(parallel_state):
             raise ValueError("fp8_param_gather is true but the model has no fp8 linear layer (model.fp8 null, or "
                              "every layer kept in 16-bit); set model.fp8 or drop fp8_param_gather")
         dense: List[torch.nn.Parameter] = []
@@ -114,6 +116,13 @@ class DistributedDataParallel(torch.nn.Module):
             self._hook_handles.append(module.register_state_dict_pre_hook(
                 lambda *args, **kwargs: self.finish_param_sync()))
 
+    def _any_stage_has_fp8(self, parallel_state: ParallelState) -> bool:
+        """Whether some pipeline stage holds an fp8 linear: a stage whose layers all stay 16-bit
+        (``first_last_layers_bf16``) has no fp8 buffer, as a model without fp8 layers would."""
+        count = torch.tensor([float(len(self.fp8_recipes))], device=next(self.module.parameters()).device)
+        collectives.all_reduce(count, parallel_state.pp, op=collectives.MAX)
+        return count.item() > 0
+
     def _make_forward_pre_hook(self):
         def hook(module: torch.nn.Module, inputs) -> None:
             # The params this module is about to use must have their all-gather finished.
@@ -130,8 +139,6 @@ class DistributedDataParallel(torch.nn.Module):
         count: Dict[torch.dtype, int] = {}
         for p in params:
             grad_dtype = torch.float32 if self.ddp_config.grad_dtype_is_fp32(p.dtype in _FLOAT16) else p.dtype
-            if p in self.fp8_recipes and is_expert_param(p):
-                raise ValueError("fp8_param_gather met an fp8 expert weight; fp8 experts are not built")
             # An fp8 param's index counts among the params of its 16-bit dtype (Megatron's, for checkpoints).
             key = (torch.uint8 if p in self.fp8_recipes else p.dtype, grad_dtype)
             by_dtypes.setdefault(key, []).append(p)

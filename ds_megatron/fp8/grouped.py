@@ -10,9 +10,10 @@ Each expert's group of tokens is padded with zero rows to a multiple of ``alignm
 and cuBLASLt's fp8 GEMM takes multiples of 16; 128 for blockwise, whose weight gradient tiles the tokens by 128).
 Zero rows change no amax and no product: their outputs are dropped, and their output gradients are zero.
 
-As in ``linear.py``: the delayed recipe records the amaxes of the passes that train only (not an evaluation under
-``no_grad``), and the experts' weight-gradient GEMMs can be deferred (ZB-H1's W pass, ``weight_grad``): they then
-run later on the fp8 copies of X and dY the B pass made.
+With ``fp8_param_gather`` the weights arrive as fp8 bytes with one scale per expert (``param``) and are used as
+they are.  As in ``linear.py``: the delayed recipe records the amaxes of the passes that train only (not an
+evaluation under ``no_grad``), and the experts' weight-gradient GEMMs can be deferred (ZB-H1's W pass,
+``weight_grad``): they then run later on the fp8 copies of X and dY the B pass made.
 """
 from __future__ import annotations
 
@@ -68,10 +69,14 @@ class _FP8GroupedLinear(torch.autograd.Function):
     group e's forward, data-gradient and weight-gradient GEMMs in fp8 by ``states[e]``."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, states, record, weight_grad):
+    def forward(ctx, x, weight, counts, states, record, weight_grad, scale_inv):
         r = states[0].recipe
         xs, ws = torch.split(x, counts), weight.unbind(0)
-        if r.recipe == "blockwise":
+        if scale_inv is not None:  # fp8_param_gather: W comes quantized, with one scale per expert
+            qx = [p[0] for p in _per_tensor(states, [(t,) for t in xs], ("input",), record)]
+            qw = [(w.detach(), s) for w, s in zip(ws, scale_inv.unbind(0))]
+            saved_x = qx
+        elif r.recipe == "blockwise":
             qx = [_tiles(r, t, "input") for t in xs]
             qw = [quantize_128x128(w, r.dtype("weight"), r.fp8_max("weight"), r.margin) for w in ws]
             # The weight gradient reduces over the tokens: x tiled 1x128 along them (DeepSeek-V3's 128x1).
@@ -82,7 +87,9 @@ class _FP8GroupedLinear(torch.autograd.Function):
             saved_x = qx
         ys = [scaled_gemm(*a, *b, x.dtype) if c else x.new_zeros(0, weight.size(1))
               for a, b, c in zip(qx, qw, counts)]
-        ctx.counts, ctx.states, ctx.dtypes, ctx.k = counts, states, (x.dtype, weight.dtype), x.size(1)
+        # an fp8 weight's gradient is computed in the input's dtype (and goes into its main_grad, not .grad)
+        w_dtype = x.dtype if scale_inv is not None else weight.dtype
+        ctx.counts, ctx.states, ctx.dtypes, ctx.k = counts, states, (x.dtype, w_dtype), x.size(1)
         ctx.weight_grad = weight_grad
         ctx.save_for_backward(*(t for pair in saved_x + qw for t in pair))
         return torch.cat(ys) if ys else x.new_zeros(0, weight.size(1))
@@ -118,7 +125,7 @@ class _FP8GroupedLinear(torch.autograd.Function):
                                     grad_output.new_zeros(n, k, dtype=w_dtype)
                                     for qdyt, qxt, c in zip(qdyts, qx, counts)])
             grad_w = ctx.weight_grad(wgrad)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def _now(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -127,25 +134,29 @@ def _now(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: Sequence[int],
                        states: Sequence[FP8LinearState],
-                       weight_grad: Optional[Callable[[Callable[[], torch.Tensor]], Optional[torch.Tensor]]] = None
-                       ) -> torch.Tensor:
+                       weight_grad: Optional[Callable[[Callable[[], torch.Tensor]], Optional[torch.Tensor]]] = None,
+                       scale_inv: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [N, k]`` in expert-contiguous groups of ``tokens_per_expert`` rows times ``weight [L, n, k]`` (expert
     e's weight in ``F.linear``'s layout) -> ``[N, n]``, each expert's GEMMs in fp8 by ``states[e]``; the groups
     are padded with zero rows to the recipe's alignment for the GEMMs and the padding's rows dropped after.
     ``weight_grad`` is handed the experts' weight-gradient GEMMs (a closure over the fp8 copies giving
-    ``weight``'s gradient) and returns it, or None having deferred it; by default they run at once."""
+    ``weight``'s gradient) and returns it, or None having deferred it; by default they run at once.
+    ``scale_inv [L]``: ``weight`` is fp8 bytes already (``fp8_param_gather``), expert e's read with ``scale_inv[e]``;
+    ``weight_grad`` must then put the gradient into the parameter's ``main_grad`` and return None (an fp8
+    ``.grad`` would round it away)."""
     record, weight_grad = torch.is_grad_enabled(), weight_grad or _now
     counts = [int(c) for c in tokens_per_expert]
     align = alignment(states[0].recipe)
     padded = [-(-c // align) * align for c in counts]
     if padded == counts:
-        return _FP8GroupedLinear.apply(x, weight, counts, tuple(states), record, weight_grad)
+        return _FP8GroupedLinear.apply(x, weight, counts, tuple(states), record, weight_grad, scale_inv)
     starts = [sum(padded[:e]) for e in range(len(counts))]
     rows = torch.cat([torch.arange(s, s + c, device=x.device) for s, c in zip(starts, counts)])
     # index_copy / index_select: x's gradient is read from the real rows only, and the rows dropped here
     # receive a zero gradient, so the padding adds nothing to the weight gradient nor to dY's amax.
     x_padded = x.new_zeros(sum(padded), x.size(1)).index_copy(0, rows, x)
-    return _FP8GroupedLinear.apply(x_padded, weight, padded, tuple(states), record, weight_grad).index_select(0, rows)
+    return _FP8GroupedLinear.apply(x_padded, weight, padded, tuple(states), record, weight_grad,
+                                  scale_inv).index_select(0, rows)
 
 
 __all__ = ["ALIGN", "alignment", "fp8_grouped_linear"]

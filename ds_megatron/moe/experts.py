@@ -39,6 +39,7 @@ import torch
 
 from ..fp8 import FP8LinearState, FP8Recipe
 from ..fp8.grouped import fp8_grouped_linear
+from ..fp8.param import is_fp8_param
 from ..parallel_state import ParallelGroup
 from ..tensor_parallel.init import InitMethod, init_method_normal
 from ..tensor_parallel.params import mark_expert_param
@@ -162,8 +163,22 @@ class _ExpertsBase(torch.nn.Module):
 def _fp8_weight_grad(store: Optional[WeightGradStore], param: torch.nn.Parameter,
                      to_param: Callable[[torch.Tensor], torch.Tensor]):
     """``fp8_grouped_linear``'s ``weight_grad`` for ``param`` given to it as a view (``to_param`` takes the view's
-    gradient back): deferred into ``store`` while it defers (None: no store, computed at once)."""
-    return None if store is None else functools.partial(weight_grad_or_defer, store, param, to_param=to_param)
+    gradient back): deferred into ``store`` while it defers (None: no store, computed at once).  An fp8 param's
+    (``fp8_param_gather``) goes into its ``main_grad`` (deferred: through the store's ``accumulate``, which does)."""
+    if not is_fp8_param(param):
+        return None if store is None else functools.partial(weight_grad_or_defer, store, param, to_param=to_param)
+
+    def into_main_grad(compute: Callable[[], torch.Tensor]) -> None:
+        grad = weight_grad_or_defer(store, param, compute, to_param)
+        if grad is not None:
+            param.main_grad.add_(to_param(grad))
+            param.grad_added_to_main_grad = True  # the buffer's hook then marks it ready
+    return into_main_grad
+
+
+def _scale_inv(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """An fp8 param's scales, one per expert it holds (``fp8_grouped_linear``'s ``scale_inv``); None if 16-bit."""
+    return param.fp8_scale_inv.reshape(-1) if is_fp8_param(param) else None
 
 
 class _ExpertLinear(torch.nn.Module):
@@ -180,7 +195,8 @@ class _ExpertLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             return fp8_grouped_linear(x, self.weight.unsqueeze(0), [x.size(0)], [self.fp8],
-                                      _fp8_weight_grad(self.weight_grad_store, self.weight, lambda g: g.squeeze(0)))
+                                      _fp8_weight_grad(self.weight_grad_store, self.weight, lambda g: g.squeeze(0)),
+                                      _scale_inv(self.weight))
         return linear(x, self.weight, None, self.weight_grad_store)
 
 
@@ -226,6 +242,11 @@ class SequentialMLP(_ExpertsBase):
         if self.has_bias:
             out.update({"linear_fc1.bias": e.linear_fc1.bias, "linear_fc2.bias": e.linear_fc2.bias})
         return out
+
+    def fp8_weights(self) -> List[Tuple[torch.nn.Parameter, FP8Recipe]]:
+        """(weight, recipe) of every fp8 projection: what ``fp8_param_gather`` keeps as fp8 bytes."""
+        return [(linear.weight, linear.fp8.recipe) for e in self.local_experts
+                for linear in (e.linear_fc1, e.linear_fc2) if linear.fp8 is not None]
 
     def expert_fp8_states(self, local_index: int):
         """Local expert ``local_index``'s fp8 states by projection (``expert_weights``' names less ``.weight``)."""
@@ -275,10 +296,11 @@ class GroupedMLP(_ExpertsBase):
                 return g.transpose(1, 2)
             # [L, in, out] -> [L, out, in], the layout the fp8 GEMMs take (a view; its gradient is transposed back)
             intermediate = fp8_grouped_linear(x, self.weight1.transpose(1, 2), tokens_per_expert, self.fp8[:L],
-                                              _fp8_weight_grad(store, self.weight1, transposed))
+                                              _fp8_weight_grad(store, self.weight1, transposed),
+                                              _scale_inv(self.weight1))
             return fp8_grouped_linear(self._activation(intermediate, probs), self.weight2.transpose(1, 2),
                                       tokens_per_expert, self.fp8[L:],
-                                      _fp8_weight_grad(store, self.weight2, transposed))
+                                      _fp8_weight_grad(store, self.weight2, transposed), _scale_inv(self.weight2))
 
         def gemm(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             return grouped_gemm(inputs, weights, tokens_per_expert, self.use_grouped_mm, counts)
@@ -299,6 +321,11 @@ class GroupedMLP(_ExpertsBase):
         if self.has_bias:
             out.update({"linear_fc1.bias": self.bias1[local_index], "linear_fc2.bias": self.bias2[local_index]})
         return out
+
+    def fp8_weights(self) -> List[Tuple[torch.nn.Parameter, FP8Recipe]]:
+        """(weight, recipe) of both stacked projections when fp8 (``fp8_param_gather`` keeps them as fp8 bytes,
+        one scale per expert)."""
+        return [] if self.fp8 is None else [(self.weight1, self.fp8[0].recipe), (self.weight2, self.fp8[0].recipe)]
 
     def expert_fp8_states(self, local_index: int):
         """Local expert ``local_index``'s fp8 states by projection (``expert_weights``' names less ``.weight``)."""

@@ -32,7 +32,8 @@ duplicates are counted on TP rank 0 only).
 
 With ``fp8_param_gather`` the fp8 layers' weights are fp8 bytes in a uint8 buffer: their main params start
 from the 16-bit values they had (``fp8.param``), and after each step (and a load) this rank's main shards of them
-are cast into the buffer with each whole weight's scale, agreed over DP and TP, before the all-gather.
+are cast into the buffer with each whole weight's scale, agreed over DP and TP (an expert's over expert-DP and
+ETP), before the all-gather.
 
 Checkpoints: ``state_dict`` gathers the shards into the non-distributed
 format, full per-param tensors keyed by the param's position in the original
@@ -51,9 +52,9 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.buffer_layout import Range, bucket_shard_param_ranges
-from ..fp8.param import FP8_PARAM_DTYPE, cast_main_shards, is_fp8_param, release_init_value
+from ..fp8.param import FP8_PARAM_DTYPE, FP8ParamCast, is_fp8_param, release_init_value
 from ..parallel_state import ParallelGroup, ParallelState
-from ..tensor_parallel.params import param_is_not_tensor_parallel_duplicate
+from ..tensor_parallel.params import is_expert_param, param_is_not_tensor_parallel_duplicate
 from ..utils.collectives import all_gather_into, all_gather_object
 from .clip_grads import count_zeros_fp32
 from .grad_scaler import MegatronGradScaler
@@ -128,34 +129,32 @@ class DistributedOptimizer(MegatronOptimizer):
         for model_param, shard in self._local_pairs():
             r = self._get_model_param_range_map(model_param)["param"]
             self._shard_grad_view[id(shard)] = model_param.main_grad.view(-1)[r.start:r.end]
-        # fp8_param_gather: every fp8 weight of the buffers (the same list on every rank), and this rank's main
-        # shards of them with their fp8 slots in the param buffer (the cast's amaxes are agreed over DP and TP).
-        self._fp8_params = [p for buffer in self.buffers if buffer.param_dtype == torch.uint8 for p in buffer.params]
-        fp8_index = {p: i for i, p in enumerate(self._fp8_params)}
-        self._fp8_owner: List[int] = []
-        self._fp8_mains: List[torch.Tensor] = []
-        self._fp8_outs: List[torch.Tensor] = []
+        # fp8_param_gather: the fp8 weights of the buffers by the groups their cast agrees over (the same list on
+        # every rank of those groups), with this rank's main shards of them and their fp8 slots in the param buffer.
+        fp8_params: Dict[Tuple[ParallelGroup, ParallelGroup], List[torch.nn.Parameter]] = {}
+        for buffer in self.buffers:
+            if buffer.param_dtype == torch.uint8:
+                split = self.parallel_state.etp if is_expert_param(buffer.params[0]) else self.parallel_state.tp
+                fp8_params.setdefault((buffer.data_parallel_group, split), []).extend(buffer.params)
+        self._fp8_casts = [FP8ParamCast(params, groups) for groups, params in fp8_params.items()]
+        fp8_cast_of = {p: c for c in self._fp8_casts for p in c.params}
         for model_group, shard_group in zip(self.model_float16_groups, self.shard_fp32_from_float16_groups):
             for model_param, shard_main_param in zip(model_group, shard_group):
                 world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
                 gbuf_index, _, bucket_index = self.model_param_gbuf_map[model_param]
                 bucket_param_data = self.buffers[gbuf_index].buckets[bucket_index].param_data
                 view = bucket_param_data[world_range.start:world_range.end]
-                if model_param in fp8_index:
-                    self._fp8_owner.append(fp8_index[model_param])
-                    self._fp8_mains.append(shard_main_param)
-                    self._fp8_outs.append(view.view(FP8_PARAM_DTYPE))
+                r = self._get_model_param_range_map(model_param)["param"]
+                if model_param in fp8_cast_of:
+                    fp8_cast_of[model_param].add(model_param, r.start, shard_main_param, view.view(FP8_PARAM_DTYPE))
                     continue
                 self._model_shard_views.append(view)
                 self._main_shards.append(shard_main_param)
-                r = self._get_model_param_range_map(model_param)["param"]
                 self._model_param_shard_views.append(model_param.detach().view(-1)[r.start:r.end])
-        if self._fp8_params:
+        if fp8_cast_of:
             # The 16-bit values are in the main params now; the first fp8 bytes and scales come from them.
-            for p in self._fp8_params:
+            for p in fp8_cast_of:
                 release_init_value(p)
-            fp8_buffer = next(b for b in self.buffers if b.param_dtype == torch.uint8)
-            self._fp8_groups = [fp8_buffer.data_parallel_group, self.parallel_state.tp]
             self._copy_main_params_to_model_params()
             self.start_param_sync(force_sync=True)
 
@@ -336,12 +335,11 @@ class DistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
         """Write the updated fp32 main shards of fp16/bf16 params into this rank's shard of the param buffer; fp8
-        weights' shards are cast to fp8 with each whole weight's scale (``fp8.param.cast_main_shards``)."""
+        weights' shards are cast to fp8 with each whole weight's scale (``fp8.param.FP8ParamCast``)."""
         if self._main_shards:
             torch._foreach_copy_(self._model_shard_views, self._main_shards)
-        if self._fp8_params:
-            cast_main_shards(self._fp8_params, self._fp8_owner, self._fp8_mains, self._fp8_outs,
-                             self._fp8_params[0].fp8_model_dtype, self._fp8_groups)
+        for fp8_cast in self._fp8_casts:
+            fp8_cast.cast()
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         """All-gather every bucket's updated shards (async with ``overlap_param_gather`` unless ``force_sync``)."""
@@ -362,7 +360,7 @@ class DistributedOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Refresh the fp32 main shards from the model params (after loading model weights only)."""
-        if self._fp8_params:
+        if self._fp8_casts:
             raise ValueError("fp8_param_gather: the fp8 weights are casts of the fp32 main params, not their source; "
                              "load the optimizer state with the weights (a full resume) or drop fp8_param_gather")
         if self._main_shards:

@@ -214,9 +214,15 @@ def fp8_states(module: torch.nn.Module) -> List[FP8LinearState]:
 
 
 def fp8_weights(module: torch.nn.Module) -> List[Tuple[torch.nn.Parameter, FP8Recipe]]:
-    """(weight, recipe) of ``module``'s fp8 linears in module order: what ``fp8_param_gather`` keeps as fp8."""
-    return [(m.weight, m.fp8.recipe) for m in module.modules()
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.fp8 is not None]
+    """(weight, recipe) of ``module``'s fp8 linears in module order, and of the modules that declare
+    ``fp8_weights`` (the MoE experts): what ``fp8_param_gather`` keeps as fp8."""
+    out: List[Tuple[torch.nn.Parameter, FP8Recipe]] = []
+    for m in module.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.fp8 is not None:
+            out.append((m.weight, m.fp8.recipe))
+        elif hasattr(m, "fp8_weights"):
+            out.extend(m.fp8_weights())
+    return out
 
 
 class VocabParallelEmbedding(torch.nn.Module):

@@ -1,6 +1,6 @@
 """``fp8_param_gather`` on the main job's model: the parameter all-gather's bytes per step and the loss gap.
 
-    python launch/bench/bench_fp8_param_gather.py [--steps 100] [--out /tmp/fp8_param_gather]
+    python launch/bench/bench_fp8_param_gather.py [--steps 100] [--out /tmp/fp8_param_gather] [--layout tp2]
 
 The main job (``ds_configs/gpt_cpu_tp2_dp2.json``: TP=2 x DP=2) in bf16 with ``model.fp8 "e4m3"``,
 ``fp8_recipe "tensorwise"`` and the distributed optimizer, with and without ``fp8_param_gather``:
@@ -12,6 +12,10 @@ The main job (``ds_configs/gpt_cpu_tp2_dp2.json``: TP=2 x DP=2) in bf16 with ``m
   the layer makes from its bf16 weight (``ds_megatron/fp8/param.py``), but the fp8 weights' own buffer moves the
   DP shards, so the gradient norm is summed in another order: with clipping (the main job's 1.0) the runs part by
   rounding; ``--gradient-clipping 0`` shows them equal.
+
+``--layout`` runs the training comparison at another layout of the same four ranks and global batch (16
+sequences a step): ``pp2`` (PP 2 x DP 2, ZB-H1, 2 micro-batches of 4), ``cp2`` (CP 2 x DP 2), ``ep2`` (4 experts,
+top-2, at EP 2 x DP 4, micro-batches of 4); the bytes are counted for the main layout only.
 """
 from __future__ import annotations
 
@@ -27,14 +31,27 @@ sys.path.insert(0, ROOT)
 from ds_megatron.integration.local_job import run_local_job  # noqa: E402
 
 
-def job_config(gather: bool, steps: int, out: str, clip: float = 1.0) -> dict:
+# the main job's TP 2 x DP 2 turned into another layout of its 4 ranks: (megatron keys, model keys, ds keys)
+LAYOUTS = {
+    "tp2": ({}, {}, {}),
+    "pp2": (dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=2, pipeline_schedule="zero_bubble"), {},
+            dict(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)),
+    "cp2": (dict(tensor_model_parallel_size=1, context_parallel_size=2), {}, {}),
+    "ep2": (dict(tensor_model_parallel_size=1, expert_model_parallel_size=2), dict(num_experts=4, moe_router_topk=2),
+            dict(train_micro_batch_size_per_gpu=4)),
+}
+
+
+def job_config(gather: bool, steps: int, out: str, clip: float = 1.0, layout: str = "tp2") -> dict:
     with open(os.path.join(ROOT, "ds_configs", "gpt_cpu_tp2_dp2.json")) as f:
         cfg = json.load(f)
     cfg["gradient_clipping"] = clip
     cfg["bf16"] = {"enabled": True}
     m = cfg["megatron"]
-    m.update(use_distributed_optimizer=True, fp8_param_gather=gather)
-    m["model"].update(fp8="e4m3", fp8_recipe="tensorwise")
+    megatron, model, ds = LAYOUTS[layout]
+    cfg.update(ds)
+    m.update(megatron, use_distributed_optimizer=True, fp8_param_gather=gather)
+    m["model"].update(model, fp8="e4m3", fp8_recipe="tensorwise")
     m["train"].update(train_iters=steps, log_interval=1, eval_interval=steps, save_interval=10 ** 9,
                       output_dir=os.path.join(out, f"gather_{int(gather)}"))
     return cfg
@@ -68,10 +85,10 @@ def _count(gather: bool) -> dict:
     return out
 
 
-def train(gather: bool, steps: int, out: str, clip: float) -> list:
+def train(gather: bool, steps: int, out: str, clip: float, layout: str) -> list:
     path = os.path.join(out, f"gather_{int(gather)}.json")
     with open(path, "w") as f:
-        json.dump(job_config(gather, steps, out, clip), f)
+        json.dump(job_config(gather, steps, out, clip, layout), f)
     env = dict(os.environ, PYTHONPATH=ROOT, DS_ACCELERATOR="cpu")
     log = os.path.join(out, f"gather_{int(gather)}.log")
     with open(log, "w") as f:
@@ -88,13 +105,16 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/fp8_param_gather")
     p.add_argument("--gradient-clipping", type=float, default=1.0, help="the main job's 1.0; 0: no clipping")
     p.add_argument("--no-bytes", action="store_true", help="only the training runs")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="tp2",
+                   help="the training runs' layout (see above); the bytes are counted at tp2 only")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    for gather in () if args.no_bytes else (False, True):
+    for gather in () if args.no_bytes or args.layout != "tp2" else (False, True):
         c = run_local_job(4, _count, gather)
         print(f"fp8_param_gather={gather}: param all-gather per step per rank: {c['payload_bytes']:,} bytes "
               f"(bus {c['bus_bytes']:,.0f}); calls (payload, bus): {c['calls']}", flush=True)
-    losses = {gather: train(gather, args.steps, args.out, args.gradient_clipping) for gather in (False, True)}
+    losses = {gather: train(gather, args.steps, args.out, args.gradient_clipping, args.layout)
+              for gather in (False, True)}
     gaps = [abs(a - b) for (_, a), (_, b) in zip(losses[False], losses[True])]
     print(f"{len(gaps)} steps; loss at the last step: off {losses[False][-1][1]:.6f}, on {losses[True][-1][1]:.6f}; "
           f"largest gap {max(gaps):.3g}; steps with a gap: {sum(g > 0 for g in gaps)}")

@@ -239,15 +239,25 @@ def _job(fp8="e4m3", recipe="tensorwise", **megatron):
      ("fp8_param_gather", "ckpt_format \"deepspeed\"", "\"torch_dist\"")),
     (_job(use_distributed_optimizer=True, train={"export_hf_family": "llama"}),
      ("fp8_param_gather", "train.export_hf_family")),
-    (_job(use_distributed_optimizer=True, pipeline_model_parallel_size=2),
-     ("fp8_param_gather", "pipeline_model_parallel_size=2", "drop fp8_param_gather")),
-    (_job(use_distributed_optimizer=True, context_parallel_size=2),
-     ("fp8_param_gather", "context_parallel_size=2", "drop fp8_param_gather")),
 ])
 def test_refused_at_start_in_one_line(config, names):
     message = _refused(config)
     for name in names:
         assert name in message, message
+
+
+@pytest.mark.parametrize("megatron,model", [
+    (dict(pipeline_model_parallel_size=2), {}),
+    (dict(pipeline_model_parallel_size=2, pipeline_schedule="zero_bubble"), {}),
+    (dict(context_parallel_size=2), dict(attention_dropout=0.0)),
+    (dict(expert_model_parallel_size=2), dict(num_experts=4, moe_router_topk=2)),
+])
+def test_accepted_with_pipeline_context_and_expert_parallelism(megatron, model):
+    """Built and held bit-identical to the job without fp8_param_gather by test_fp8_param_gather_parallel."""
+    job = _job(use_distributed_optimizer=True, **megatron)
+    job["gradient_accumulation_steps"] = 2
+    job["megatron"]["model"].update(model)
+    assert split_config(job)[1].layout(2).world_size == 2
 
 
 def _build_without_fp8_layers() -> str:
