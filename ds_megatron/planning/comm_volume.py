@@ -45,9 +45,9 @@ element in the params dtype):
   the tied embedding's gradient summed over the first and last stage once;
 * the optimizer: one float64 (inf flag and squared norm) over the ranks that
   hold different parts of the model;
-* fp8 (the tensorwise recipe; blockwise has no collective): per fp8 linear and micro-batch the amaxes of its
+* fp8: tensorwise, per fp8 linear and micro-batch the amaxes of its
   input and weight all-reduced (MAX) over TP forward, its output gradient's
-  backward; with ``fp8_param_gather`` the fp8 layers' weights all-gathered as
+  backward; delayed, once per step each fp8 linear's three amaxes over TP, then dp-cp; blockwise, nothing; with ``fp8_param_gather`` the fp8 layers' weights all-gathered as
   one byte an element, the input's amax alone forward, and once per step the
   fp8 weights' amaxes (a float each) over dp-cp and TP.
 
@@ -103,9 +103,6 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     if cfg.num_experts:
         raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
                           "the communication plan covers dense models")
-    if cfg.fp8 is not None and cfg.fp8_recipe == "delayed":
-        raise ConfigError("model.fp8_recipe \"delayed\": the communication plan does not count its once-per-step "
-                          "amax reductions yet")
     if cfg.fp8 is not None and (cfg.recompute_granularity is not None or cfg.mlp_sequence_tiles > 1):
         raise ConfigError("model.fp8 with recomputation: the communication plan does not count the rerun linears' "
                           "amax reductions yet")
@@ -150,6 +147,12 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             add("dp-cp", _gather_or_scatter(dp * cp, grads) + _gather_or_scatter(dp * cp, params))
         else:
             add("dp-cp", _all_reduce(dp * cp, grads))
+        if cfg.fp8 is not None and cfg.fp8_recipe == "delayed":
+            # once per step each fp8 linear's three amaxes (input, weight, output gradient) over TP, then dp-cp
+            # (fp8.delayed_scaling_groups); its GEMMs use the step's scales, with no collective per micro-batch
+            delayed = 4 * sum(cfg.fp8_layer(i) for i in layers + mtp_layers) * 3 * F32
+            add("tp", _all_reduce(t, delayed))
+            add("dp-cp", _all_reduce(dp * cp, delayed))
         if fp8_param_gather:  # the amax of each fp8 weight, agreed over its shards' ranks and TP once per step
             add("dp-cp", _all_reduce(dp * cp, fp8_linears * F32))
             add("tp", _all_reduce(t, fp8_linears * F32))

@@ -55,11 +55,12 @@ forward to its backward, ZB-H1 keeps each deferred linear's input and output
 gradient from B to W (the experts' and the output layer's too), receive buffers posted ahead count until taken, and the
 peak of their sum is planned.
 
-FP8 layers (``model.fp8``, the tensorwise and blockwise recipes): each linear keeps fp8 copies of its input and
+FP8 layers (``model.fp8``, every recipe): each linear keeps fp8 copies of its input and
 weight (1 byte an element; blockwise's scales too) instead of its 16-bit input, which is freed where nothing else
 keeps it (``fp8_layer_bytes``, exact at TP 1); in fc2's backward a CPU's ``torch._scaled_mm`` makes fp32 copies of
 its operands (``fp8_backward_bytes``, the peak on a CPU, above a GPU's need).  With ``fp8_param_gather`` the fp8
-layers' weights are one byte each (``fp8_weight_elements``).
+layers' weights are one byte each (``fp8_weight_elements``).  The delayed recipe's amax histories and scales
+live from the build on (``fp8_scaling_state_bytes``, ``RankMemory.fp8_scaling_bytes``).
 
 MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
 split over ETP (no biases), plus a replicated router and, if configured, a
@@ -498,25 +499,36 @@ class RankMemory:
     activation_bytes: int  # of all micro-batches in flight at once
     in_flight_micro_batches: int = 1  # chunk-forwards alive at the peak (1F1B: min(pp - stage, micro-batches))
     layers: List[int] = field(default_factory=list)  # the transformer layers these ranks hold
+    fp8_scaling_bytes: int = 0  # the delayed recipe's amax histories and scales (fp8_scaling_state_bytes)
 
     @property
     def total_bytes(self) -> int:
         return (self.model_param_bytes + self.grad_bytes + self.main_param_bytes + self.main_grad_bytes
-                + self.optimizer_state_bytes + self.activation_bytes)
+                + self.optimizer_state_bytes + self.activation_bytes + self.fp8_scaling_bytes)
 
 
 def check_fp8_plannable(cfg) -> None:
-    """The fp8 activations the plan counts (``fp8_layer_bytes``, ``fp8_backward_bytes``): the tensorwise and
-    blockwise recipes of a standard-attention model (measured within 10%); the rest is refused in one line rather
-    than planned wrong."""
+    """The fp8 activations the plan counts (``fp8_layer_bytes``, ``fp8_backward_bytes``): every recipe of a
+    standard-attention model (measured within 10%; the delayed recipe keeps the tensorwise copies and its state,
+    ``fp8_scaling_state_bytes``); the rest is refused in one line rather than planned wrong."""
     if cfg.fp8 is None:
         return
-    if cfg.fp8_recipe == "delayed":
-        raise ConfigError("model.fp8_recipe=\"delayed\": the plan does not count its amax history yet; plan with "
-                          "fp8_recipe \"tensorwise\" and measure this one")
     if cfg.multi_latent_attention:
         raise ConfigError("model.fp8 with model.multi_latent_attention: the plan does not count MLA's fp8 copies "
                           "yet; plan with fp8 null and measure the job")
+
+
+def fp8_scaling_state_bytes(cfg, layers: Sequence[int], last_stage: bool = True) -> int:
+    """The delayed recipe's scaling state of a rank's fp8 linears (``fp8.FP8LinearState``), kept from the model's
+    build on: per linear and tensor role (input, weight, output gradient) an fp32 amax history of
+    ``fp8_amax_history_len``, the scale and the step's running amax.  A dense layer's fp8 linears are QKV, the
+    projection, fc1 and fc2 (the last stage's multi-token-prediction layers too).  The kept scale copies of a
+    micro-batch are activations (``fp8_layer_bytes``); tensorwise and blockwise keep no state."""
+    if cfg.fp8 is None or cfg.fp8_recipe != "delayed":
+        return 0
+    mtp = [cfg.num_layers + k for k in range(cfg.mtp_num_layers or 0)] if last_stage else []
+    linears = 4 * sum(cfg.fp8_layer(i) for i in list(layers) + mtp)
+    return linears * 3 * (cfg.fp8_amax_history_len + 2) * 4
 
 
 def fp8_weight_elements(cfg, layers: Sequence[int], tp: int, last_stage: bool = True) -> int:
@@ -627,7 +639,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
                 params_replicated=counts.replicated, params_expert=counts.expert, model_param_bytes=columns[0],
                 grad_bytes=columns[1], main_param_bytes=columns[2], main_grad_bytes=columns[3],
                 optimizer_state_bytes=columns[4], activation_bytes=activations, in_flight_micro_batches=in_flight,
-                layers=list(layers)))
+                layers=list(layers), fp8_scaling_bytes=fp8_scaling_state_bytes(cfg, layers, stage == pp - 1)))
     return plans
 
 
@@ -709,4 +721,8 @@ def format_plan(plans: Sequence[RankMemory], header: str) -> str:
                   "for backward per micro-batch, times the micro-batches a stage holds at once (1F1B keeps up to "
                   "pp - stage in flight; with chunks, the peak of the rank's own schedule order), plus one "
                   "backward's transients at their peak (the start of backward or a layer's own backward)"]
+    scaling = [p for p in plans if p.fp8_scaling_bytes]
+    if scaling:
+        lines.append(f"fp8 delayed scaling's amax histories and scales, in the total: "
+                     f"{_gib(max(p.fp8_scaling_bytes for p in scaling))} per rank at most")
     return "\n".join(lines)
