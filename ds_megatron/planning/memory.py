@@ -438,7 +438,25 @@ def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str
     if logits and cfg.loss_sequence_tiles <= 1:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
         total += (h + vocab // tp) * s * b
-    return int(total * BYTES[params_dtype])
+    act = BYTES[params_dtype]
+    return int(total * act + sum(fp8_deferred_bytes(cfg, i, tp, s * b, act) for i in layers))
+
+
+def fp8_deferred_bytes(cfg, layer: int, tp: int, tokens: int, act: int) -> float:
+    """What an fp8 layer's deferred weight gradients keep from B to W beyond ``deferred_weight_grad_bytes``'s 16-bit
+    count, for ``tokens`` tokens: each fp8 linear's W runs on the fp8 copies of X and dY its B pass made (1 byte an
+    element, not ``act``; tensorwise and delayed a scalar scale each, blockwise both tiled 1x128 along the tokens
+    with an fp32 scale per 128); the 16-bit X and dY are not kept."""
+    if not cfg.fp8_layer(layer):
+        return 0
+    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+    proj = cfg.num_attention_heads * cfg.head_dim
+    glu = 2 if cfg.gated_linear_unit else 1
+    blockwise = cfg.fp8_recipe == "blockwise"
+    elem = 1 + 4 / 128 if blockwise else 1
+    linears = [(h, qkv / tp), (proj / tp, h), (h, glu * ffn / tp), (ffn / tp, h)]  # (in, out) features per rank
+    return sum(tokens * (k + n) * (elem - act) + (0 if blockwise else 8) for k, n in linears)
 
 
 @dataclass(frozen=True)
@@ -577,10 +595,10 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     """
     check_fp8_plannable(cfg)
     if cfg.fp8 is not None:
-        # Measured and counted: dense layers at TP / SP / DP with 1F1B-style schedules.  The experts' grouped
-        # fp8 copies (padded per expert), ZB-H1's kept fp8 dY and CP's chunks are not counted yet.
+        # Measured and counted: dense layers at TP / SP / DP with every schedule (ZB-H1's deferred W on the fp8
+        # copies: fp8_deferred_bytes).  The experts' grouped fp8 copies (padded per expert) and CP's chunks are
+        # not counted yet.
         for unplanned, setting in ((cfg.num_experts, f"model.num_experts={cfg.num_experts}"),
-                                   (schedule == "zero_bubble", "pipeline_schedule \"zero_bubble\""),
                                    (layout.cp > 1, f"context_parallel_size={layout.cp}")):
             if unplanned:
                 raise ConfigError(f"model.fp8 with {setting}: the plan does not count its fp8 copies yet; plan with "
