@@ -336,6 +336,8 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
                    {"sequence_parallel": True, "fp8": "e4m3"}),
     "tp2-dp2-fp8-param-gather": (4, {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True,
                                      "fp8_param_gather": True}, BF16_ON, {"fp8": "e4m3"}),
+    # fp8 tensorwise at CP 2: each linear's amaxes over TP x CP (here the CP ranks: their sequence chunks).
+    "cp2-fp8-bf16": (2, {"context_parallel_size": 2}, BF16_ON, {"fp8": "e4m3"}),
     # fp8 delayed: no amax collective per micro-batch; once per step each fp8 linear's three amaxes over TP, then
     # dp-cp (two micro-batches: the history advances once).
     "tp2-dp2-fp8-delayed-2-micro-batches": (4, {"tensor_model_parallel_size": 2}, BF16_ON,

@@ -46,7 +46,7 @@ element in the params dtype):
 * the optimizer: one float64 (inf flag and squared norm) over the ranks that
   hold different parts of the model;
 * fp8: tensorwise, per fp8 linear and micro-batch the amaxes of its
-  input and weight all-reduced (MAX) over TP forward, its output gradient's
+  input and weight all-reduced (MAX) over TP x CP forward, its output gradient's
   backward; delayed, once per step each fp8 linear's three amaxes over TP, then dp-cp; blockwise, nothing; with ``fp8_param_gather`` the fp8 layers' weights all-gathered as
   one byte an element, the input's amax alone forward, and once per step the
   fp8 weights' amaxes (a float each) over dp-cp and TP.
@@ -156,10 +156,10 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         if fp8_param_gather:  # the amax of each fp8 weight, agreed over its shards' ranks and TP once per step
             add("dp-cp", _all_reduce(dp * cp, fp8_linears * F32))
             add("tp", _all_reduce(t, fp8_linears * F32))
-        # fp8 tensorwise: each linear's amaxes over its amax group (TP x CP: the plan refuses fp8 with CP, so the
-        # TP ranks), forward (input and weight; the input's alone when the weight comes quantized) and backward
-        # (output gradient)
-        add("tp-cp", m * fp8_linears * (_all_reduce(t, (1 if fp8_param_gather else 2) * F32) + _all_reduce(t, F32)))
+        # fp8 tensorwise: each linear's amaxes over its amax group (TP x CP), forward (input and weight; the input's
+        # alone when the weight comes quantized) and backward (output gradient)
+        add("tp-cp", m * fp8_linears * (_all_reduce(t * cp, (1 if fp8_param_gather else 2) * F32)
+                                        + _all_reduce(t * cp, F32)))
         # Tensor parallel activations.  A layer's forward reduces twice (SP: gathers its attention and MLP inputs,
         # reduce-scatters their outputs), its backward as much again.  Full recomputation reruns the forward up to
         # the last tensor the backward needs (torch's early stop), the MLP's input: its first reduction (SP: two

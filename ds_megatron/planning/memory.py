@@ -159,8 +159,8 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     """What an fp8 layer keeps beyond ``layer_activation_elements``'s 16-bit count, for ``tokens`` tokens: each
     fp8 linear keeps fp8 copies of its input and weight (1 byte an element) instead of its 16-bit input, which
     is then freed where nothing else keeps it (QKV's and fc1's inputs, the norms' outputs, gathered under
-    sequence parallelism; fc2's input, the activation's output; not the projection's, the core's output: measured
-    kept either way).  Tensorwise keeps a scalar scale per copy; blockwise tiles the input along the tokens (an
+    sequence parallelism; fc2's input, the activation's output; the projection's, the core's output, only where
+    a context-parallel core made it as a 16-bit copy: measured).  Tensorwise keeps a scalar scale per copy; blockwise tiles the input along the tokens (an
     fp32 scale per 128) and the weight by 128x128 blocks.  MLP recomputed (selective ``mlp``, its tiles): its
     linears keep nothing."""
     if not cfg.fp8_layer(layer):
@@ -170,8 +170,12 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
     proj = cfg.num_attention_heads * cfg.head_dim
     glu = 2 if cfg.gated_linear_unit else 1
-    # (input features per rank, output features per rank, 16-bit input freed)
-    linears = [(h, qkv / tp, True), (proj / tp, h, False)]
+    # (input features per rank, output features per rank, 16-bit input freed).  The projection's input, the core's
+    # output, is kept by a fused core; under CP it is a new tensor, which fp8 frees: the ring's and all-gather's
+    # cores keep their fp32 output and hand on a 16-bit copy (the same tensor in fp32), Ulysses's all-to-all
+    # makes one (measured for bf16, every cp_comm_type).
+    cp_copy = cp > 1 and (act < 4 or cfg.cp_comm_type in ("a2a", "a2a+p2p"))
+    linears = [(h, qkv / tp, True), (proj / tp, h, cp_copy)]
     if not mlp:
         linears += [(h, glu * ffn / tp, True), (ffn / tp, h, True)]
     blockwise = cfg.fp8_recipe == "blockwise"
@@ -595,14 +599,11 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     """
     check_fp8_plannable(cfg)
     if cfg.fp8 is not None:
-        # Measured and counted: dense layers at TP / SP / DP with every schedule (ZB-H1's deferred W on the fp8
-        # copies: fp8_deferred_bytes).  The experts' grouped fp8 copies (padded per expert) and CP's chunks are
-        # not counted yet.
-        for unplanned, setting in ((cfg.num_experts, f"model.num_experts={cfg.num_experts}"),
-                                   (layout.cp > 1, f"context_parallel_size={layout.cp}")):
-            if unplanned:
-                raise ConfigError(f"model.fp8 with {setting}: the plan does not count its fp8 copies yet; plan with "
-                                  "fp8 null and measure the fp8 job")
+        # Measured and counted: dense layers at TP / SP / CP / DP with every schedule (ZB-H1's deferred W on the
+        # fp8 copies: fp8_deferred_bytes).  The experts' grouped fp8 copies (padded per expert) are not counted yet.
+        if cfg.num_experts:
+            raise ConfigError(f"model.fp8 with model.num_experts={cfg.num_experts}: the plan does not count its fp8 "
+                              "copies yet; plan with fp8 null and measure the fp8 job")
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
     pp, v = layout.pp, num_model_chunks

@@ -2,20 +2,25 @@
 ranks allocate: the delayed recipe's amax histories and scales, to the byte."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_on_ranks
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "optimizer"))
+import test_planning  # noqa: E402
+from harness import run_on_ranks  # noqa: E402
 
-from ds_megatron.config.model import GPTConfig
-from ds_megatron.fp8 import delayed_scaling_groups, update_delayed_scaling
-from ds_megatron.models.gpt import GPTModel
-from ds_megatron.parallel.layout import ParallelLayout
-from ds_megatron.parallel_state import ParallelState
-from ds_megatron.planning.memory import plan_memory
-from ds_megatron.tensor_parallel.layers import fp8_states
-from ds_megatron.utils.memory import peak_allocated_bytes
+from ds_megatron.config.model import GPTConfig  # noqa: E402
+from ds_megatron.fp8 import delayed_scaling_groups, update_delayed_scaling  # noqa: E402
+from ds_megatron.models.gpt import GPTModel  # noqa: E402
+from ds_megatron.parallel.layout import ParallelLayout  # noqa: E402
+from ds_megatron.parallel_state import ParallelState  # noqa: E402
+from ds_megatron.planning.memory import plan_memory  # noqa: E402
+from ds_megatron.tensor_parallel.layers import fp8_states  # noqa: E402
+from ds_megatron.utils.memory import peak_allocated_bytes  # noqa: E402
 
 # Three layers, the first in bf16, and a multi-token-prediction layer (past the last layer: bf16 under
 # first_last_layers_bf16): the count follows fp8_layer.
@@ -98,7 +103,7 @@ def test_zero_bubbles_deferred_fp8_weight_gradients_keep_the_planned_bytes(extra
     planned = [deferred_weight_grad_bytes(GPTConfig(**{**ZB_MODEL, **e}), 1, 4, "bf16", range(2), logits=True)
                for e in (bf16, extra)]
     for fp8, ref in zip(run_on_ranks(2, _held_from_b_to_w, extra), run_on_ranks(2, _held_from_b_to_w, bf16)):
-        assert fp8 - ref == planned[1] - planned[0] < 0, (fp8, ref, planned)
+        assert fp8 - ref == planned[1] - planned[0], (fp8, ref, planned)
 
 
 def _zero_bubble_peak(extra):
@@ -139,3 +144,47 @@ def test_zero_bubble_pipelines_fp8_peak_is_the_plans():
     for rank, measured in run_on_ranks(2, _zero_bubble_peak, extra, timeout=300):
         print(f"stage {rank}: planned / measured {plans[rank].activation_bytes / measured:.3f}")
         assert abs(plans[rank].activation_bytes / measured - 1) < 0.10, (rank, plans[rank].activation_bytes, measured)
+
+
+def _kept_after_forward(cp, extra, inner=None):
+    """What a bf16 GPT holds after its forward on this CP rank (its kept set and the head's tensors)."""
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), cp=cp))
+    if inner:
+        state.build_hierarchical_context_parallel(inner)
+    torch.manual_seed(0)
+    cfg = GPTConfig(**{**ZB_MODEL, **extra})
+    model = GPTModel(cfg, state).to(torch.bfloat16)
+    tokens = torch.randint(0, 512, (4, cfg.seq_length + 1), generator=torch.Generator().manual_seed(1))
+    model(tokens[:, :-1], tokens[:, 1:]).backward()  # warm
+    kept = []
+    for _ in range(3):  # the lowest of three: gloo's threads release a collective's tensors on their own schedule
+        _, net, loss = peak_allocated_bytes(lambda: model(tokens[:, :-1], tokens[:, 1:]))
+        kept.append(net)
+        del loss
+    state.destroy()
+    return min(kept)
+
+
+def test_context_parallel_fp8_layers_keep_their_fp8_copies_of_their_chunks():
+    """At CP 2 (ring) each rank's fp8 linears keep fp8 copies of its s / cp tokens' inputs (and the whole weights)
+    instead of their 16-bit inputs: the kept set differs from the bf16 model's by the planned bytes.  The
+    projection's input is a new tensor under CP (the ring's core keeps its fp32 output and hands on a bf16 copy),
+    which fp8 frees.  Measured once too, as planned: all-gather -16,320 bytes at CP 2, a2a+p2p 41,024 at 2 x 2;
+    Ulysses's all-to-all makes a copy as well, but gloo's threads keep an all-to-all's output alive on their own
+    schedule (32,768 bytes held in some passes, of the fp8 or the bf16 run), too noisy to test to the byte."""
+    from ds_megatron.planning import activation_bytes
+    planned = [activation_bytes(GPTConfig(**{**ZB_MODEL, **e}), 1, 4, "bf16", cp=2, kept_only=True)
+               for e in ({}, {"fp8": "hybrid"})]
+    fp8s, refs = run_on_ranks(2, _kept_after_forward, 2, {"fp8": "hybrid"}), run_on_ranks(2, _kept_after_forward, 2, {})
+    for fp8, ref in zip(fp8s, refs):
+        assert fp8 - ref == planned[1] - planned[0], (fp8, ref, planned)
+
+
+def test_context_parallel_fp8_peak_is_within_ten_percent_of_the_plan():
+    """The peak of a forward and backward at CP 2 (ring, seq 256) with fp8 layers: the kept fp8 copies of each
+    rank's chunk, the core's score blocks and fc2's fp8 backward (seen: 0.999; Ulysses 1.024, all-gather 1.034)."""
+    from ds_megatron.planning import activation_bytes
+    extra = {"seq_length": 256, "cp_comm_type": "p2p", "fp8": "hybrid"}
+    planned = activation_bytes(GPTConfig(**{**test_planning.ACTIVATION_MODEL, **extra}), 1, 4, "bf16", cp=2)
+    for measured in run_on_ranks(2, test_planning._measured_activations, 1, extra, "bf16", 2):
+        assert abs(planned / measured - 1) < 0.10, (planned, measured)
