@@ -155,14 +155,16 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
     return norms + attention + h + (0 if mlp else mlp_activation_elements(cfg, layer, tp, etp))
 
 
-def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1) -> float:
+def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1, etp: int = 1,
+                    ep: int = 1) -> float:
     """What an fp8 layer keeps beyond ``layer_activation_elements``'s 16-bit count, for ``tokens`` tokens: each
     fp8 linear keeps fp8 copies of its input and weight (1 byte an element) instead of its 16-bit input, which
     is then freed where nothing else keeps it (QKV's and fc1's inputs, the norms' outputs, gathered under
     sequence parallelism; fc2's input, the activation's output; the projection's, the core's output, only where
-    a context-parallel core made it as a 16-bit copy: measured).  Tensorwise keeps a scalar scale per copy; blockwise tiles the input along the tokens (an
-    fp32 scale per 128) and the weight by 128x128 blocks.  MLP recomputed (selective ``mlp``, its tiles): its
-    linears keep nothing."""
+    a context-parallel core made it as a 16-bit copy: measured).  Tensorwise keeps a scalar scale per copy;
+    blockwise tiles the input along the tokens (an fp32 scale per 128) and the weight by 128x128 blocks.  An MoE
+    layer's experts: ``fp8_expert_bytes``.  MLP recomputed (selective ``mlp``, its tiles): its linears keep
+    nothing."""
     if not cfg.fp8_layer(layer):
         return 0
     _, mlp = selective_recompute(cfg, cp)
@@ -176,10 +178,11 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     # makes one (measured for bf16, every cp_comm_type).
     cp_copy = cp > 1 and (act < 4 or cfg.cp_comm_type in ("a2a", "a2a+p2p"))
     linears = [(h, qkv / tp, True), (proj / tp, h, cp_copy)]
-    if not mlp:
+    moe = cfg.is_moe_layer(layer)
+    if not mlp and not moe:
         linears += [(h, glu * ffn / tp, True), (ffn / tp, h, True)]
     blockwise = cfg.fp8_recipe == "blockwise"
-    total = 0.0
+    total = fp8_expert_bytes(cfg, tp, etp, ep, tokens) if moe and not mlp else 0.0
     for k, n, freed in linears:
         x = tokens * k * (1 + 4 / 128 if blockwise else 1)
         w = n * k * (1 + 4 / 128 ** 2 if blockwise else 1)
@@ -187,17 +190,47 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     return total
 
 
-def fp8_backward_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1) -> float:
+def fp8_expert_bytes(cfg, tp: int, etp: int, ep: int, tokens: int, padding: bool = True) -> float:
+    """What an MoE layer's fp8 experts keep for ``tokens`` tokens of the rank (``fp8.grouped``): per local expert
+    and projection the fp8 copies of its token group, padded with zero rows to the recipe's alignment (16;
+    blockwise 128, tiled 1x128 along the tokens with an fp32 scale per 128), and of its weight (blockwise: a scale
+    per 128x128 block; tensorwise two scalar scales), and per projection the int64 row index of the padded rows
+    (kept by the padding's autograd).  Nothing 16-bit is freed: the experts' inputs are kept by the layer's other
+    ops (measured).  The padding depends on the routing, which the plan does not know: with ``padding`` it counts
+    the bound, every local expert padded by alignment - 1 rows and the indices kept (``tests/fp8/test_fp8_plan.py``
+    holds a measured layer between this bound and the count without padding); the routed tokens are the balanced
+    ``moe_router_topk`` per token (/tp under sequence parallelism), as ``layer_activation_elements`` counts them."""
+    h, ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size / etp
+    glu = 2 if cfg.gated_linear_unit else 1
+    local = cfg.num_experts // ep
+    routed = tokens * cfg.moe_router_topk / (tp if cfg.sequence_parallel and tp > 1 else 1)
+    blockwise = cfg.fp8_recipe == "blockwise"
+    align = 128 if blockwise else 16
+    rows = routed + (local * (align - 1) if padding else 0)
+    total = 0.0
+    for k, n in ((h, glu * ffn), (ffn, h)):
+        total += rows * k * (1 + 4 / 128 if blockwise else 1) + local * n * k * (1 + 4 / 128 ** 2 if blockwise else 1)
+        total += (0 if blockwise else 8 * local) + (8 * routed if padding else 0)
+    return total
+
+
+def fp8_backward_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1, etp: int = 1,
+                       ep: int = 1) -> float:
     """What an fp8 layer's MLP backward holds beyond the 16-bit count, at its peak in fc2's backward: the output
     gradient's fp8 copy and, in the weight-gradient GEMM (beside the input gradient), on a CPU torch._scaled_mm's
     two fp32 copies of each operand ([T, h] and [T, ffn/tp]) and its fp32 and 16-bit outputs (measured; a GPU's
     kernel reads the fp8 bytes: there the plan is above the need by that much).  A recomputed MLP (selective
     ``mlp``, its tiles: one tile's tokens at a time) reruns its forward in its backward, where fc1's and fc2's
-    fp8 copies of their inputs and weights take the place of the 16-bit inputs the 16-bit count holds."""
+    fp8 copies of their inputs and weights take the place of the 16-bit inputs the 16-bit count holds.  An MoE
+    layer's: one expert's fc2 at a time, its token group under balanced routing padded to the alignment."""
     if not cfg.fp8_layer(layer):
         return 0
     h, ffn = cfg.hidden_size, cfg.ffn_hidden_size / tp
     _, mlp = selective_recompute(cfg, cp)
+    if cfg.is_moe_layer(layer):
+        ffn, local = cfg.moe_ffn_hidden_size / etp, cfg.num_experts // ep
+        routed = tokens * cfg.moe_router_topk / (tp if cfg.sequence_parallel and tp > 1 else 1)
+        tokens = -(-routed // local) + (127 if cfg.fp8_recipe == "blockwise" else 15)
     tokens = -(-tokens // max(1, cfg.mlp_sequence_tiles))
     glu = 2 if cfg.gated_linear_unit else 1
     rerun = h * (glu + 1) * ffn - (act - 1) * tokens * (h + ffn) if mlp else 0
@@ -223,7 +256,7 @@ def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
 
 
 def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params_dtype: str, cp: int, etp: int,
-                              kept: float, scores: int) -> float:
+                              kept: float, scores: int, ep: int = 1) -> float:
     """The height of layer ``layer``'s own backward beyond the layers below it, which keep their sets: its kept
     set ``kept`` and the gradient flowing down the residual stream (one [s, b, h], two in attention's backward),
     then the larger of
@@ -257,7 +290,7 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
     else:
         rerun = grads / 2
     mlp_phase = kept + (stream + rerun) * token
-    mlp_phase += fp8_backward_bytes(cfg, layer, tp, s * b, act, cp)
+    mlp_phase += fp8_backward_bytes(cfg, layer, tp, s * b, act, cp, etp, ep)
     freed = (0 if mlp else mlp_tensors) + h + (h / tp if sp else h)
     qk, v = cfg.head_widths
     if cp > 1:
@@ -341,7 +374,8 @@ def kv_heads_per_rank(cfg, tp: int) -> int:
 
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
                      logits: bool = True, cp: int = 1, layers: Optional[Sequence[int]] = None, etp: int = 1,
-                     hierarchical_inner: Optional[int] = None, embedding: bool = True, kept_only: bool = False) -> int:
+                     hierarchical_inner: Optional[int] = None, embedding: bool = True, kept_only: bool = False,
+                     ep: int = 1) -> int:
     """Activation memory of one micro-batch at its peak, the start of backward (see the module docstring).
 
     ``num_layers`` / ``logits``: a pipeline stage's share (its layers; final norm, output layer and
@@ -366,7 +400,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         extra += 2 * sbh / (tp if sp else 1)
     extra += context_parallel_saved_bytes(cfg, tp, micro_batch, params_dtype, cp)
     per_layer = [layer_activation_elements(cfg, i, tp, etp, cp, b) * s * b * act + extra
-                 + fp8_layer_bytes(cfg, i, tp, s * b, act, cp) for i in layers]
+                 + fp8_layer_bytes(cfg, i, tp, s * b, act, cp, etp, ep) for i in layers]
     backward_start = weight_grad = 0
     if logits:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
@@ -388,7 +422,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         depths = cfg.mtp_num_layers or 0
         norm = h / tp if sp else h
         mtp = sum((3 * norm + 3 * h + layer_activation_elements(cfg, cfg.num_layers + k, tp, etp, cp, b)) * s * b * act
-                  + extra + fp8_layer_bytes(cfg, cfg.num_layers + k, tp, s * b, act, cp) for k in range(depths))
+                  + extra + fp8_layer_bytes(cfg, cfg.num_layers + k, tp, s * b, act, cp, etp, ep)
+                  for k in range(depths))
         other_heads = 0 if tiled else depths * one_head * 4  # the loss keeps fp32 logits (16-bit ones freed)
         backward_start = head + mtp + other_heads + max(loss_phase, weight_phase)
     # Context parallelism: the core's score blocks, made in a layer's attention (the head's tensors gone by then
@@ -398,7 +433,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         if kept_only:
             return int(sum(per_layer))
         tied = weight_grad if logits and embedding and not cfg.untie_embeddings_and_output_weights else 0
-        layer_peak = max(below + layer_backward_peak_bytes(cfg, i, tp, b, params_dtype, cp, etp, per_layer[k], scores)
+        layer_peak = max(below + layer_backward_peak_bytes(cfg, i, tp, b, params_dtype, cp, etp, per_layer[k], scores,
+                                                           ep)
                          for k, (i, below) in enumerate(zip(layers, accumulate(per_layer, initial=0))))
         return int(max(sum(per_layer) + backward_start, layer_peak + tied))
     # Recomputation: the recomputed layers' inputs (recompute_method "block": the first recompute_num_layers of
@@ -408,7 +444,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     recomputed = [j for j in range(L) if cfg.recomputes_layer(j)]
     inputs = len(recomputed) * sbh / (tp if sp else 1) * act
     ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
-    one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp) for j in recomputed) \
+    one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp, etp, ep)
+                    for j in recomputed) \
         + 2 * ffn / tp * s * b * act if recomputed else 0
     kept = sum(n for j, n in enumerate(per_layer) if j not in recomputed)
     if kept_only:
@@ -459,7 +496,9 @@ def fp8_deferred_bytes(cfg, layer: int, tp: int, tokens: int, act: int) -> float
     glu = 2 if cfg.gated_linear_unit else 1
     blockwise = cfg.fp8_recipe == "blockwise"
     elem = 1 + 4 / 128 if blockwise else 1
-    linears = [(h, qkv / tp), (proj / tp, h), (h, glu * ffn / tp), (ffn / tp, h)]  # (in, out) features per rank
+    linears = [(h, qkv / tp), (proj / tp, h)]  # (in, out) features per rank; experts: refused by plan_memory
+    if not cfg.is_moe_layer(layer):
+        linears += [(h, glu * ffn / tp), (ffn / tp, h)]
     return sum(tokens * (k + n) * (elem - act) + (0 if blockwise else 8) for k, n in linears)
 
 
@@ -540,16 +579,18 @@ def check_fp8_plannable(cfg) -> None:
                           "yet; plan with fp8 null and measure the job")
 
 
-def fp8_scaling_state_bytes(cfg, layers: Sequence[int], last_stage: bool = True) -> int:
+def fp8_scaling_state_bytes(cfg, layers: Sequence[int], last_stage: bool = True, ep: int = 1) -> int:
     """The delayed recipe's scaling state of a rank's fp8 linears (``fp8.FP8LinearState``), kept from the model's
     build on: per linear and tensor role (input, weight, output gradient) an fp32 amax history of
     ``fp8_amax_history_len``, the scale and the step's running amax.  A dense layer's fp8 linears are QKV, the
-    projection, fc1 and fc2 (the last stage's multi-token-prediction layers too).  The kept scale copies of a
-    micro-batch are activations (``fp8_layer_bytes``); tensorwise and blockwise keep no state."""
+    projection, fc1 and fc2, an MoE layer's QKV, the projection and each local expert's fc1 and fc2 (the last
+    stage's multi-token-prediction layers too).  The kept scale copies of a micro-batch are activations
+    (``fp8_layer_bytes``); tensorwise and blockwise keep no state."""
     if cfg.fp8 is None or cfg.fp8_recipe != "delayed":
         return 0
     mtp = [cfg.num_layers + k for k in range(cfg.mtp_num_layers or 0)] if last_stage else []
-    linears = 4 * sum(cfg.fp8_layer(i) for i in list(layers) + mtp)
+    linears = sum((2 + (2 * cfg.num_experts // ep if cfg.is_moe_layer(i) else 2)) * cfg.fp8_layer(i)
+                  for i in list(layers) + mtp)
     return linears * 3 * (cfg.fp8_amax_history_len + 2) * 4
 
 
@@ -600,10 +641,15 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     check_fp8_plannable(cfg)
     if cfg.fp8 is not None:
         # Measured and counted: dense layers at TP / SP / CP / DP with every schedule (ZB-H1's deferred W on the
-        # fp8 copies: fp8_deferred_bytes).  The experts' grouped fp8 copies (padded per expert) are not counted yet.
-        if cfg.num_experts:
-            raise ConfigError(f"model.fp8 with model.num_experts={cfg.num_experts}: the plan does not count its fp8 "
-                              "copies yet; plan with fp8 null and measure the fp8 job")
+        # fp8 copies: fp8_deferred_bytes); the experts' padded fp8 copies (fp8_expert_bytes), without a shared
+        # expert, recomputation or ZB-H1, which are not counted for experts yet.
+        recompute = cfg.recompute_granularity is not None or cfg.mlp_sequence_tiles > 1
+        for unplanned, setting in ((cfg.moe_shared_expert_intermediate_size, "moe_shared_expert_intermediate_size"),
+                                   (recompute, "recomputation"),
+                                   (schedule == "zero_bubble", "pipeline_schedule \"zero_bubble\"")):
+            if cfg.num_experts and unplanned:
+                raise ConfigError(f"model.fp8 with model.num_experts and {setting}: the plan does not count these "
+                                  "experts' fp8 copies yet; plan with fp8 null and measure the fp8 job")
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
     pp, v = layout.pp, num_model_chunks
@@ -625,7 +671,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         # Each chunk's kept set for every micro-batch in flight; the transients of one backward (the head's, a
         # layer's, the cores') once, at the largest chunk's.
         chunk_args = [dict(logits=stage == pp - 1 and c == v - 1, cp=layout.cp, layers=chunk, etp=layout.etp,
-                           hierarchical_inner=hierarchical_inner, embedding=stage == 0 and c == 0)
+                           ep=layout.ep, hierarchical_inner=hierarchical_inner, embedding=stage == 0 and c == 0)
                       for c, chunk in enumerate(chunks[stage])]
         per_chunk = [activation_bytes(cfg, layout.tp, micro_batch, params_dtype, kept_only=True, **a)
                      for a in chunk_args]
@@ -658,7 +704,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
                 params_replicated=counts.replicated, params_expert=counts.expert, model_param_bytes=columns[0],
                 grad_bytes=columns[1], main_param_bytes=columns[2], main_grad_bytes=columns[3],
                 optimizer_state_bytes=columns[4], activation_bytes=activations, in_flight_micro_batches=in_flight,
-                layers=list(layers), fp8_scaling_bytes=fp8_scaling_state_bytes(cfg, layers, stage == pp - 1)))
+                layers=list(layers), fp8_scaling_bytes=fp8_scaling_state_bytes(cfg, layers, stage == pp - 1,
+                                                                                   layout.ep)))
     return plans
 
 
