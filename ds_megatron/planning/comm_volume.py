@@ -47,7 +47,8 @@ element in the params dtype):
   hold different parts of the model;
 * fp8: tensorwise, per fp8 linear and micro-batch the amaxes of its
   input and weight all-reduced (MAX) over TP x CP forward, its output gradient's
-  backward; delayed, once per step each fp8 linear's three amaxes over TP, then dp-cp; blockwise, nothing; with ``fp8_param_gather`` the fp8 layers' weights all-gathered as
+  backward (the MLP's tiles each their own), and again each rerun forward's (recomputation); delayed, once
+  per step each fp8 linear's three amaxes over TP, then dp-cp; blockwise, nothing; with ``fp8_param_gather`` the fp8 layers' weights all-gathered as
   one byte an element, the input's amax alone forward, and once per step the
   fp8 weights' amaxes (a float each) over dp-cp and TP.
 
@@ -103,9 +104,10 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     if cfg.num_experts:
         raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
                           "the communication plan covers dense models")
-    if cfg.fp8 is not None and (cfg.recompute_granularity is not None or cfg.mlp_sequence_tiles > 1):
-        raise ConfigError("model.fp8 with recomputation: the communication plan does not count the rerun linears' "
-                          "amax reductions yet")
+    if cfg.fp8 is not None and cfg.recompute_granularity == "full" and cfg.mlp_sequence_tiles > 1:
+        raise ConfigError("model.fp8 with recompute_granularity \"full\" and mlp_sequence_tiles > 1: the "
+                          "communication plan does not count the tiles' amax reductions in the layer's rerun; "
+                          "plan one of the two")
     t, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
     a = BYTES[params_dtype]
     s, b, h, d = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.head_dim
@@ -157,9 +159,15 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             add("dp-cp", _all_reduce(dp * cp, fp8_linears * F32))
             add("tp", _all_reduce(t, fp8_linears * F32))
         # fp8 tensorwise: each linear's amaxes over its amax group (TP x CP), forward (input and weight; the input's
-        # alone when the weight comes quantized) and backward (output gradient)
-        add("tp-cp", m * fp8_linears * (_all_reduce(t * cp, (1 if fp8_param_gather else 2) * F32)
-                                        + _all_reduce(t * cp, F32)))
+        # alone when the weight comes quantized) and backward (output gradient); the MLP's tiles each quantize
+        # their own tokens.  A rerun forward reduces again: a layer recomputed whole reruns all four linears (the
+        # rerun stops at fc2's saved fp8 copies), a recomputed or tiled MLP its two (each tile's).
+        tiles = max(1, cfg.mlp_sequence_tiles)
+        fp8_full = sum(cfg.recomputes_layer(j) and cfg.fp8_layer(i) for chunk in chunks for j, i in enumerate(chunk))
+        calls = fp8_linears // 4 * (2 + 2 * tiles)
+        reruns = (fp8_full * 4 + (fp8_linears // 4 * 2 * tiles if selective_mlp else 0)) if fp8_linears else 0
+        add("tp-cp", m * ((calls + reruns) * _all_reduce(t * cp, (1 if fp8_param_gather else 2) * F32)
+                          + calls * _all_reduce(t * cp, F32)))
         # Tensor parallel activations.  A layer's forward reduces twice (SP: gathers its attention and MLP inputs,
         # reduce-scatters their outputs), its backward as much again.  Full recomputation reruns the forward up to
         # the last tensor the backward needs (torch's early stop), the MLP's input: its first reduction (SP: two
