@@ -45,12 +45,13 @@ element in the params dtype):
   the tied embedding's gradient summed over the first and last stage once;
 * the optimizer: one float64 (inf flag and squared norm) over the ranks that
   hold different parts of the model;
-* fp8: tensorwise, per fp8 linear and micro-batch the amaxes of its
-  input and weight all-reduced (MAX) over TP x CP forward, its output gradient's
-  backward (the MLP's tiles each their own), and again each rerun forward's (recomputation); delayed, once
-  per step each fp8 linear's three amaxes over TP, then dp-cp; blockwise, nothing; with ``fp8_param_gather`` the fp8 layers' weights all-gathered as
-  one byte an element, the input's amax alone forward, and once per step the
-  fp8 weights' amaxes (a float each) over dp-cp and TP.
+* fp8: tensorwise, per fp8 linear and micro-batch the amaxes of its input and
+  weight all-reduced (MAX) over TP x CP forward, its output gradient's backward
+  (the MLP's tiles each their own), and again each rerun forward's
+  (recomputation); delayed, once per step each fp8 linear's three amaxes over
+  TP, then dp-cp; blockwise, nothing; with ``fp8_param_gather`` the fp8 layers'
+  weights all-gathered as one byte an element, the input's amax alone forward,
+  and once per step the fp8 weights' amaxes (a float each) over dp-cp and TP.
 
 ``tests/test_bytes_on_wire.py`` counts the collectives of real steps and holds
 them to these figures; ``launch/bench/bench_vs_peers.py`` prints both.  MoE

@@ -642,10 +642,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     if cfg.fp8 is not None:
         # Measured and counted: dense layers at TP / SP / CP / DP with every schedule (ZB-H1's deferred W on the
         # fp8 copies: fp8_deferred_bytes); the experts' padded fp8 copies (fp8_expert_bytes), without a shared
-        # expert, recomputation or ZB-H1, which are not counted for experts yet.
-        recompute = cfg.recompute_granularity is not None or cfg.mlp_sequence_tiles > 1
+        # expert or ZB-H1, which are not counted for experts yet (recomputation is refused with experts).
         for unplanned, setting in ((cfg.moe_shared_expert_intermediate_size, "moe_shared_expert_intermediate_size"),
-                                   (recompute, "recomputation"),
                                    (schedule == "zero_bubble", "pipeline_schedule \"zero_bubble\"")):
             if cfg.num_experts and unplanned:
                 raise ConfigError(f"model.fp8 with model.num_experts and {setting}: the plan does not count these "

@@ -97,7 +97,8 @@ def _held_from_b_to_w(extra):
 
 
 @pytest.mark.parametrize("extra", [dict(fp8="hybrid"), dict(fp8="e4m3", fp8_recipe="blockwise", hidden_size=128,
-                                                           ffn_hidden_size=256, seq_length=128)], ids=["tensorwise", "blockwise"])
+                                                           ffn_hidden_size=256, seq_length=128)],
+                         ids=["tensorwise", "blockwise"])
 def test_zero_bubbles_deferred_fp8_weight_gradients_keep_the_planned_bytes(extra):
     """From B to W each fp8 linear keeps its fp8 copies of X and dY (1 byte an element; blockwise tiled along the
     tokens with their fp32 scales) instead of the 16-bit X and dY: what stays allocated after B differs from the
@@ -225,8 +226,8 @@ def test_fp8_experts_keep_their_padded_copies_between_the_unpadded_count_and_the
     the padding's int64 row index; the padding depends on the routing.  The plan counts the bound (every expert
     padded by 15 rows, the indices kept): the kept set's difference from the bf16 model's lies between the count
     without padding (written here) and the plan's, and is the count of the groups the router made up to what gloo
-    and the profiler leave (seen: exact on one rank, 2,292 and 3,312 bytes above on the other).  EP 1 on each rank: every
-    routed token stays on the rank, as the plan's balanced routing has it."""
+    and the profiler leave (seen: exact on one rank, 2,292 and 3,312 bytes above on the other).  EP 1 on each rank:
+    every routed token stays on the rank, as the plan's balanced routing has it."""
     from ds_megatron.planning import activation_bytes
     extra = dict(MOE, fp8="hybrid")
     planned = [activation_bytes(GPTConfig(**{**ZB_MODEL, **e}), 1, 4, "bf16", kept_only=True) for e in (MOE, extra)]
@@ -249,3 +250,16 @@ def test_fp8_experts_peak_is_within_ten_percent_of_the_plan():
     planned = activation_bytes(GPTConfig(**{**test_planning.ACTIVATION_MODEL, **extra}), 1, 4, "bf16")
     for measured in run_on_ranks(2, test_planning._measured_activations, 1, extra, "bf16"):
         assert abs(planned / measured - 1) < 0.10, (planned, measured)
+
+
+def test_the_comm_plan_refuses_full_recomputation_with_mlp_tiles_under_fp8_in_one_line():
+    """Measured once: that layer's rerun makes fewer amax reductions than a full rerun and the tiles' reruns add up
+    to (160 bus bytes against 304 at TP 2), so the plan refuses it rather than print a wrong figure."""
+    from ds_megatron.errors import ConfigError
+    from ds_megatron.planning.comm_volume import plan_comm_volume
+    cfg = GPTConfig(**ZB_MODEL, fp8="e4m3", recompute_granularity="full", mlp_sequence_tiles=2)
+    with pytest.raises(ConfigError) as err:
+        plan_comm_volume(cfg, ParallelLayout(world_size=2, tp=2), "bf16")
+    assert "\n" not in str(err.value) and "mlp_sequence_tiles" in str(err.value)
+    full = GPTConfig(**ZB_MODEL, fp8="e4m3", recompute_granularity="full")
+    assert plan_comm_volume(full, ParallelLayout(world_size=2, tp=2), "bf16")[0].bus_bytes["tp-cp"] > 0
