@@ -60,7 +60,10 @@ weight (1 byte an element; blockwise's scales too) instead of its 16-bit input, 
 keeps it (``fp8_layer_bytes``, exact at TP 1); in fc2's backward a CPU's ``torch._scaled_mm`` makes fp32 copies of
 its operands (``fp8_backward_bytes``, the peak on a CPU, above a GPU's need).  With ``fp8_param_gather`` the fp8
 layers' weights are one byte each (``fp8_weight_elements``).  The delayed recipe's amax histories and scales
-live from the build on (``fp8_scaling_state_bytes``, ``RankMemory.fp8_scaling_bytes``).
+live from the build on (``fp8_scaling_state_bytes``, ``RankMemory.fp8_scaling_bytes``).  Under CP each rank's
+copies are of its ``s / cp`` tokens; ZB-H1's deferred W keeps the fp8 copies of X and dY (``fp8_deferred_bytes``);
+MoE experts keep their token groups padded to the recipe's alignment, counted at the bound
+(``fp8_expert_bytes``).
 
 MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
 split over ETP (no biases), plus a replicated router and, if configured, a
@@ -190,15 +193,15 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     return total
 
 
-def fp8_expert_bytes(cfg, tp: int, etp: int, ep: int, tokens: int, padding: bool = True) -> float:
+def fp8_expert_bytes(cfg, tp: int, etp: int, ep: int, tokens: int) -> float:
     """What an MoE layer's fp8 experts keep for ``tokens`` tokens of the rank (``fp8.grouped``): per local expert
     and projection the fp8 copies of its token group, padded with zero rows to the recipe's alignment (16;
     blockwise 128, tiled 1x128 along the tokens with an fp32 scale per 128), and of its weight (blockwise: a scale
     per 128x128 block; tensorwise two scalar scales), and per projection the int64 row index of the padded rows
     (kept by the padding's autograd).  Nothing 16-bit is freed: the experts' inputs are kept by the layer's other
-    ops (measured).  The padding depends on the routing, which the plan does not know: with ``padding`` it counts
-    the bound, every local expert padded by alignment - 1 rows and the indices kept (``tests/fp8/test_fp8_plan.py``
-    holds a measured layer between this bound and the count without padding); the routed tokens are the balanced
+    ops (measured).  The padding depends on the routing, which the plan does not know: it counts the bound, every
+    local expert padded by alignment - 1 rows and the indices kept (``tests/fp8/test_fp8_plan.py`` holds a
+    measured layer between this bound and the count without padding); the routed tokens are the balanced
     ``moe_router_topk`` per token (/tp under sequence parallelism), as ``layer_activation_elements`` counts them."""
     h, ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size / etp
     glu = 2 if cfg.gated_linear_unit else 1
@@ -206,11 +209,11 @@ def fp8_expert_bytes(cfg, tp: int, etp: int, ep: int, tokens: int, padding: bool
     routed = tokens * cfg.moe_router_topk / (tp if cfg.sequence_parallel and tp > 1 else 1)
     blockwise = cfg.fp8_recipe == "blockwise"
     align = 128 if blockwise else 16
-    rows = routed + (local * (align - 1) if padding else 0)
+    rows = routed + local * (align - 1)
     total = 0.0
     for k, n in ((h, glu * ffn), (ffn, h)):
         total += rows * k * (1 + 4 / 128 if blockwise else 1) + local * n * k * (1 + 4 / 128 ** 2 if blockwise else 1)
-        total += (0 if blockwise else 8 * local) + (8 * routed if padding else 0)
+        total += (0 if blockwise else 8 * local) + 8 * routed
     return total
 
 
