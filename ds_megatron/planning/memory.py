@@ -457,7 +457,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
 
 
 def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, layers: Sequence[int],
-                               cp: int = 1, logits: bool = False, etp: int = 1) -> int:
+                               cp: int = 1, logits: bool = False, etp: int = 1, ep: int = 1) -> int:
     """What ZB-H1 keeps of one micro-batch of a chunk between its B and its W: each deferred linear's input and
     output gradient: QKV and the attention output; a dense MLP's fc1 and fc2; an MoE layer's experts (for the
     tokens routed to this rank under balanced routing, ``s x b x topk``, /tp with sequence parallelism) and
@@ -483,14 +483,15 @@ def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
         total += (h + vocab // tp) * s * b
     act = BYTES[params_dtype]
-    return int(total * act + sum(fp8_deferred_bytes(cfg, i, tp, s * b, act) for i in layers))
+    return int(total * act + sum(fp8_deferred_bytes(cfg, i, tp, s * b, act, etp, ep) for i in layers))
 
 
-def fp8_deferred_bytes(cfg, layer: int, tp: int, tokens: int, act: int) -> float:
+def fp8_deferred_bytes(cfg, layer: int, tp: int, tokens: int, act: int, etp: int = 1, ep: int = 1) -> float:
     """What an fp8 layer's deferred weight gradients keep from B to W beyond ``deferred_weight_grad_bytes``'s 16-bit
     count, for ``tokens`` tokens: each fp8 linear's W runs on the fp8 copies of X and dY its B pass made (1 byte an
     element, not ``act``; tensorwise and delayed a scalar scale each, blockwise both tiled 1x128 along the tokens
-    with an fp32 scale per 128); the 16-bit X and dY are not kept."""
+    with an fp32 scale per 128); the 16-bit X and dY are not kept.  An MoE layer's experts: each local expert's
+    token group padded to the alignment, counted at the bound as in ``fp8_expert_bytes``."""
     if not cfg.fp8_layer(layer):
         return 0
     h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
@@ -499,10 +500,17 @@ def fp8_deferred_bytes(cfg, layer: int, tp: int, tokens: int, act: int) -> float
     glu = 2 if cfg.gated_linear_unit else 1
     blockwise = cfg.fp8_recipe == "blockwise"
     elem = 1 + 4 / 128 if blockwise else 1
-    linears = [(h, qkv / tp), (proj / tp, h)]  # (in, out) features per rank; experts: refused by plan_memory
+    linears = [(h, qkv / tp), (proj / tp, h)]  # (in, out) features per rank
+    experts = 0.0
     if not cfg.is_moe_layer(layer):
         linears += [(h, glu * ffn / tp), (ffn / tp, h)]
-    return sum(tokens * (k + n) * (elem - act) + (0 if blockwise else 8) for k, n in linears)
+    else:
+        ffn, local = cfg.moe_ffn_hidden_size / etp, cfg.num_experts // ep
+        routed = tokens * cfg.moe_router_topk / (tp if cfg.sequence_parallel and tp > 1 else 1)
+        rows = routed + local * (127 if blockwise else 15)
+        experts = sum(rows * (k + n) * elem - routed * (k + n) * act + (0 if blockwise else 8 * local)
+                      for k, n in ((h, glu * ffn), (ffn, h)))
+    return experts + sum(tokens * (k + n) * (elem - act) + (0 if blockwise else 8) for k, n in linears)
 
 
 @dataclass(frozen=True)
@@ -645,12 +653,11 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     if cfg.fp8 is not None:
         # Measured and counted: dense layers at TP / SP / CP / DP with every schedule (ZB-H1's deferred W on the
         # fp8 copies: fp8_deferred_bytes); the experts' padded fp8 copies (fp8_expert_bytes), without a shared
-        # expert or ZB-H1, which are not counted for experts yet (recomputation is refused with experts).
-        for unplanned, setting in ((cfg.moe_shared_expert_intermediate_size, "moe_shared_expert_intermediate_size"),
-                                   (schedule == "zero_bubble", "pipeline_schedule \"zero_bubble\"")):
-            if cfg.num_experts and unplanned:
-                raise ConfigError(f"model.fp8 with model.num_experts and {setting}: the plan does not count these "
-                                  "experts' fp8 copies yet; plan with fp8 null and measure the fp8 job")
+        # expert, whose fp8 linears are not counted yet (recomputation is refused with experts).
+        if cfg.num_experts and cfg.moe_shared_expert_intermediate_size:
+            raise ConfigError("model.fp8 with model.num_experts and moe_shared_expert_intermediate_size: the plan "
+                              "does not count the shared expert's fp8 copies yet; plan with fp8 null and measure the "
+                              "fp8 job")
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
     pp, v = layout.pp, num_model_chunks
@@ -684,7 +691,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         if ours:  # a chunk before the last virtual stage also keeps its output until its backward
             per_chunk = [n + (0 if stage == pp - 1 and c == v - 1 else message) for c, n in enumerate(per_chunk)]
         deferred = [deferred_weight_grad_bytes(cfg, layout.tp, micro_batch, params_dtype, chunk, layout.cp,
-                                               logits=stage == pp - 1 and c == v - 1, etp=layout.etp)
+                                               logits=stage == pp - 1 and c == v - 1, etp=layout.etp, ep=layout.ep)
                     for c, chunk in enumerate(chunks[stage])] if schedule == "zero_bubble" else None
         activations, in_flight = schedule_peak_activations(per_chunk, micro_batches, pp, stage, schedule,
                                                            group_size, message if ours else 0, deferred)

@@ -263,3 +263,19 @@ def test_the_comm_plan_refuses_full_recomputation_with_mlp_tiles_under_fp8_in_on
     assert "\n" not in str(err.value) and "mlp_sequence_tiles" in str(err.value)
     full = GPTConfig(**ZB_MODEL, fp8="e4m3", recompute_granularity="full")
     assert plan_comm_volume(full, ParallelLayout(world_size=2, tp=2), "bf16")[0].bus_bytes["tp-cp"] > 0
+
+
+def test_zero_bubbles_deferred_fp8_expert_weight_gradients_are_within_the_plans_bound():
+    """From B to W each fp8 expert's deferred GEMMs keep the fp8 copies of its padded token group's X and dY: what B
+    leaves allocated differs from the bf16 model's between the count without padding (written here) and the plan's
+    bound (every local expert padded by 15 rows)."""
+    from ds_megatron.planning.memory import deferred_weight_grad_bytes
+    extra = dict(MOE, fp8="hybrid")
+    planned = [deferred_weight_grad_bytes(GPTConfig(**{**ZB_MODEL, **e}), 1, 4, "bf16", range(2), logits=True)
+               for e in (MOE, extra)]
+    bound = planned[1] - planned[0]
+    h, ffn, local, layers = 64, 48, 4, 2
+    unpadded = bound - layers * 2 * local * 15 * (h + ffn)
+    for fp8, ref in zip(run_on_ranks(2, _held_from_b_to_w, extra), run_on_ranks(2, _held_from_b_to_w, MOE)):
+        print(f"held {fp8 - ref}: unpadded {unpadded}, bound {bound}")
+        assert unpadded <= fp8 - ref <= bound, (fp8, ref, unpadded, bound)
