@@ -166,8 +166,8 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     sequence parallelism; fc2's input, the activation's output; the projection's, the core's output, only where
     a context-parallel core made it as a 16-bit copy: measured).  Tensorwise keeps a scalar scale per copy;
     blockwise tiles the input along the tokens (an fp32 scale per 128) and the weight by 128x128 blocks.  An MoE
-    layer's experts: ``fp8_expert_bytes``.  MLP recomputed (selective ``mlp``, its tiles): its linears keep
-    nothing."""
+    layer's experts: ``fp8_expert_bytes``, its shared expert as a dense MLP's linears.  MLP recomputed (selective
+    ``mlp``, its tiles): its linears keep nothing."""
     if not cfg.fp8_layer(layer):
         return 0
     _, mlp = selective_recompute(cfg, cp)
@@ -182,8 +182,13 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     cp_copy = cp > 1 and (act < 4 or cfg.cp_comm_type in ("a2a", "a2a+p2p"))
     linears = [(h, qkv / tp, True), (proj / tp, h, cp_copy)]
     moe = cfg.is_moe_layer(layer)
+    sp = cfg.sequence_parallel and tp > 1
     if not mlp and not moe:
         linears += [(h, glu * ffn / tp, True), (ffn / tp, h, True)]
+    elif not mlp and cfg.moe_shared_expert_intermediate_size:
+        # the shared expert's fc1 takes the norm's output, which the router keeps (measured), unless gathered (SP)
+        shared = cfg.moe_shared_expert_intermediate_size
+        linears += [(h, glu * shared / tp, sp), (shared / tp, h, True)]
     blockwise = cfg.fp8_recipe == "blockwise"
     total = fp8_expert_bytes(cfg, tp, etp, ep, tokens) if moe and not mlp else 0.0
     for k, n, freed in linears:
@@ -510,6 +515,9 @@ def fp8_deferred_bytes(cfg, layer: int, tp: int, tokens: int, act: int, etp: int
         rows = routed + local * (127 if blockwise else 15)
         experts = sum(rows * (k + n) * elem - routed * (k + n) * act + (0 if blockwise else 8 * local)
                       for k, n in ((h, glu * ffn), (ffn, h)))
+        shared = cfg.moe_shared_expert_intermediate_size
+        if shared:
+            linears += [(h, glu * shared / tp), (shared / tp, h)]
     return experts + sum(tokens * (k + n) * (elem - act) + (0 if blockwise else 8) for k, n in linears)
 
 
@@ -581,8 +589,9 @@ class RankMemory:
 
 def check_fp8_plannable(cfg) -> None:
     """The fp8 activations the plan counts (``fp8_layer_bytes``, ``fp8_backward_bytes``): every recipe of a
-    standard-attention model (measured within 10%; the delayed recipe keeps the tensorwise copies and its state,
-    ``fp8_scaling_state_bytes``); the rest is refused in one line rather than planned wrong."""
+    standard-attention model, its experts and shared expert (measured within 10%; the delayed recipe keeps the
+    tensorwise copies and its state, ``fp8_scaling_state_bytes``); MLA is refused in one line rather than planned
+    wrong."""
     if cfg.fp8 is None:
         return
     if cfg.multi_latent_attention:
@@ -594,13 +603,15 @@ def fp8_scaling_state_bytes(cfg, layers: Sequence[int], last_stage: bool = True,
     """The delayed recipe's scaling state of a rank's fp8 linears (``fp8.FP8LinearState``), kept from the model's
     build on: per linear and tensor role (input, weight, output gradient) an fp32 amax history of
     ``fp8_amax_history_len``, the scale and the step's running amax.  A dense layer's fp8 linears are QKV, the
-    projection, fc1 and fc2, an MoE layer's QKV, the projection and each local expert's fc1 and fc2 (the last
+    projection, fc1 and fc2, an MoE layer's QKV, the projection, each local expert's fc1 and fc2 and the shared
+    expert's (the last
     stage's multi-token-prediction layers too).  The kept scale copies of a micro-batch are activations
     (``fp8_layer_bytes``); tensorwise and blockwise keep no state."""
     if cfg.fp8 is None or cfg.fp8_recipe != "delayed":
         return 0
     mtp = [cfg.num_layers + k for k in range(cfg.mtp_num_layers or 0)] if last_stage else []
-    linears = sum((2 + (2 * cfg.num_experts // ep if cfg.is_moe_layer(i) else 2)) * cfg.fp8_layer(i)
+    shared = 2 if cfg.moe_shared_expert_intermediate_size else 0
+    linears = sum((2 + (2 * cfg.num_experts // ep + shared if cfg.is_moe_layer(i) else 2)) * cfg.fp8_layer(i)
                   for i in list(layers) + mtp)
     return linears * 3 * (cfg.fp8_amax_history_len + 2) * 4
 
@@ -649,15 +660,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     params, gradients, fp32 copies and optimizer states as its ZeRO stage allocates them (``zero_state_bytes``).
     ``fp8_param_gather``: the fp8 layers' weights are 1 byte each (``fp8_weight_elements``), the rest 16-bit.
     """
-    check_fp8_plannable(cfg)
-    if cfg.fp8 is not None:
-        # Measured and counted: dense layers at TP / SP / CP / DP with every schedule (ZB-H1's deferred W on the
-        # fp8 copies: fp8_deferred_bytes); the experts' padded fp8 copies (fp8_expert_bytes), without a shared
-        # expert, whose fp8 linears are not counted yet (recomputation is refused with experts).
-        if cfg.num_experts and cfg.moe_shared_expert_intermediate_size:
-            raise ConfigError("model.fp8 with model.num_experts and moe_shared_expert_intermediate_size: the plan "
-                              "does not count the shared expert's fp8 copies yet; plan with fp8 null and measure the "
-                              "fp8 job")
+    check_fp8_plannable(cfg)  # counted (fp8_*_bytes): every recipe, TP / SP / CP / DP, every schedule, experts
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
     pp, v = layout.pp, num_model_chunks
