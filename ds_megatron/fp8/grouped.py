@@ -120,9 +120,11 @@ class _FP8GroupedLinear(torch.autograd.Function):
             grad_x = torch.cat([scaled_gemm(*qdy, *w, x_dtype) if c else grad_output.new_zeros(0, k, dtype=x_dtype)
                                 for qdy, w, c in zip(qdys, dgrad_w, counts)])
         if ctx.needs_input_grad[1]:
+            device = grad_output.device  # not grad_output itself: a deferred W would keep the 16-bit dY alive
+
             def wgrad() -> torch.Tensor:
                 return torch.stack([scaled_gemm(*qdyt, *qxt, w_dtype) if c else
-                                    grad_output.new_zeros(n, k, dtype=w_dtype)
+                                    torch.zeros(n, k, dtype=w_dtype, device=device)
                                     for qdyt, qxt, c in zip(qdyts, qx, counts)])
             grad_w = ctx.weight_grad(wgrad)
         return grad_x, grad_w, None, None, None, None, None

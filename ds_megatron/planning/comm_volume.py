@@ -45,11 +45,13 @@ element in the params dtype):
   the tied embedding's gradient summed over the first and last stage once;
 * the optimizer: one float64 (inf flag and squared norm) over the ranks that
   hold different parts of the model;
-* fp8 (the tensorwise recipe; blockwise has no collective): per fp8 linear and micro-batch the amaxes of its
-  input and weight all-reduced (MAX) over TP forward, its output gradient's
-  backward; with ``fp8_param_gather`` the fp8 layers' weights all-gathered as
-  one byte an element, the input's amax alone forward, and once per step the
-  fp8 weights' amaxes (a float each) over dp-cp and TP.
+* fp8: tensorwise, per fp8 linear and micro-batch the amaxes of its input and
+  weight all-reduced (MAX) over TP x CP forward, its output gradient's backward
+  (the MLP's tiles each their own), and again each rerun forward's
+  (recomputation); delayed, once per step each fp8 linear's three amaxes over
+  TP, then dp-cp; blockwise, nothing; with ``fp8_param_gather`` the fp8 layers'
+  weights all-gathered as one byte an element, the input's amax alone forward,
+  and once per step the fp8 weights' amaxes (a float each) over dp-cp and TP.
 
 ``tests/test_bytes_on_wire.py`` counts the collectives of real steps and holds
 them to these figures; ``launch/bench/bench_vs_peers.py`` prints both.  MoE
@@ -103,12 +105,10 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     if cfg.num_experts:
         raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
                           "the communication plan covers dense models")
-    if cfg.fp8 is not None and cfg.fp8_recipe == "delayed":
-        raise ConfigError("model.fp8_recipe \"delayed\": the communication plan does not count its once-per-step "
-                          "amax reductions yet")
-    if cfg.fp8 is not None and (cfg.recompute_granularity is not None or cfg.mlp_sequence_tiles > 1):
-        raise ConfigError("model.fp8 with recomputation: the communication plan does not count the rerun linears' "
-                          "amax reductions yet")
+    if cfg.fp8 is not None and cfg.recompute_granularity == "full" and cfg.mlp_sequence_tiles > 1:
+        raise ConfigError("model.fp8 with recompute_granularity \"full\" and mlp_sequence_tiles > 1: the "
+                          "communication plan does not count the tiles' amax reductions in the layer's rerun; "
+                          "plan one of the two")
     t, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
     a = BYTES[params_dtype]
     s, b, h, d = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.head_dim
@@ -150,13 +150,25 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             add("dp-cp", _gather_or_scatter(dp * cp, grads) + _gather_or_scatter(dp * cp, params))
         else:
             add("dp-cp", _all_reduce(dp * cp, grads))
+        if cfg.fp8 is not None and cfg.fp8_recipe == "delayed":
+            # once per step each fp8 linear's three amaxes (input, weight, output gradient) over TP, then dp-cp
+            # (fp8.delayed_scaling_groups); its GEMMs use the step's scales, with no collective per micro-batch
+            delayed = 4 * sum(cfg.fp8_layer(i) for i in layers + mtp_layers) * 3 * F32
+            add("tp", _all_reduce(t, delayed))
+            add("dp-cp", _all_reduce(dp * cp, delayed))
         if fp8_param_gather:  # the amax of each fp8 weight, agreed over its shards' ranks and TP once per step
             add("dp-cp", _all_reduce(dp * cp, fp8_linears * F32))
             add("tp", _all_reduce(t, fp8_linears * F32))
-        # fp8 tensorwise: each linear's amaxes over its amax group (TP x CP: the plan refuses fp8 with CP, so the
-        # TP ranks), forward (input and weight; the input's alone when the weight comes quantized) and backward
-        # (output gradient)
-        add("tp-cp", m * fp8_linears * (_all_reduce(t, (1 if fp8_param_gather else 2) * F32) + _all_reduce(t, F32)))
+        # fp8 tensorwise: each linear's amaxes over its amax group (TP x CP), forward (input and weight; the input's
+        # alone when the weight comes quantized) and backward (output gradient); the MLP's tiles each quantize
+        # their own tokens.  A rerun forward reduces again: a layer recomputed whole reruns all four linears (the
+        # rerun stops at fc2's saved fp8 copies), a recomputed or tiled MLP its two (each tile's).
+        tiles = max(1, cfg.mlp_sequence_tiles)
+        fp8_full = sum(cfg.recomputes_layer(j) and cfg.fp8_layer(i) for chunk in chunks for j, i in enumerate(chunk))
+        calls = fp8_linears // 4 * (2 + 2 * tiles)
+        reruns = (fp8_full * 4 + (fp8_linears // 4 * 2 * tiles if selective_mlp else 0)) if fp8_linears else 0
+        add("tp-cp", m * ((calls + reruns) * _all_reduce(t * cp, (1 if fp8_param_gather else 2) * F32)
+                          + calls * _all_reduce(t * cp, F32)))
         # Tensor parallel activations.  A layer's forward reduces twice (SP: gathers its attention and MLP inputs,
         # reduce-scatters their outputs), its backward as much again.  Full recomputation reruns the forward up to
         # the last tensor the backward needs (torch's early stop), the MLP's input: its first reduction (SP: two

@@ -55,11 +55,15 @@ forward to its backward, ZB-H1 keeps each deferred linear's input and output
 gradient from B to W (the experts' and the output layer's too), receive buffers posted ahead count until taken, and the
 peak of their sum is planned.
 
-FP8 layers (``model.fp8``, the tensorwise and blockwise recipes): each linear keeps fp8 copies of its input and
+FP8 layers (``model.fp8``, every recipe): each linear keeps fp8 copies of its input and
 weight (1 byte an element; blockwise's scales too) instead of its 16-bit input, which is freed where nothing else
 keeps it (``fp8_layer_bytes``, exact at TP 1); in fc2's backward a CPU's ``torch._scaled_mm`` makes fp32 copies of
 its operands (``fp8_backward_bytes``, the peak on a CPU, above a GPU's need).  With ``fp8_param_gather`` the fp8
-layers' weights are one byte each (``fp8_weight_elements``).
+layers' weights are one byte each (``fp8_weight_elements``).  The delayed recipe's amax histories and scales
+live from the build on (``fp8_scaling_state_bytes``, ``RankMemory.fp8_scaling_bytes``).  Under CP each rank's
+copies are of its ``s / cp`` tokens; ZB-H1's deferred W keeps the fp8 copies of X and dY (``fp8_deferred_bytes``);
+MoE experts keep their token groups padded to the recipe's alignment, counted at the bound
+(``fp8_expert_bytes``).
 
 MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
 split over ETP (no biases), plus a replicated router and, if configured, a
@@ -154,14 +158,16 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
     return norms + attention + h + (0 if mlp else mlp_activation_elements(cfg, layer, tp, etp))
 
 
-def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1) -> float:
+def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1, etp: int = 1,
+                    ep: int = 1) -> float:
     """What an fp8 layer keeps beyond ``layer_activation_elements``'s 16-bit count, for ``tokens`` tokens: each
     fp8 linear keeps fp8 copies of its input and weight (1 byte an element) instead of its 16-bit input, which
     is then freed where nothing else keeps it (QKV's and fc1's inputs, the norms' outputs, gathered under
-    sequence parallelism; fc2's input, the activation's output; not the projection's, the core's output: measured
-    kept either way).  Tensorwise keeps a scalar scale per copy; blockwise tiles the input along the tokens (an
-    fp32 scale per 128) and the weight by 128x128 blocks.  MLP recomputed (selective ``mlp``, its tiles): its
-    linears keep nothing."""
+    sequence parallelism; fc2's input, the activation's output; the projection's, the core's output, only where
+    a context-parallel core made it as a 16-bit copy: measured).  Tensorwise keeps a scalar scale per copy;
+    blockwise tiles the input along the tokens (an fp32 scale per 128) and the weight by 128x128 blocks.  An MoE
+    layer's experts: ``fp8_expert_bytes``, its shared expert as a dense MLP's linears.  MLP recomputed (selective
+    ``mlp``, its tiles): its linears keep nothing."""
     if not cfg.fp8_layer(layer):
         return 0
     _, mlp = selective_recompute(cfg, cp)
@@ -169,12 +175,22 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
     proj = cfg.num_attention_heads * cfg.head_dim
     glu = 2 if cfg.gated_linear_unit else 1
-    # (input features per rank, output features per rank, 16-bit input freed)
-    linears = [(h, qkv / tp, True), (proj / tp, h, False)]
-    if not mlp:
+    # (input features per rank, output features per rank, 16-bit input freed).  The projection's input, the core's
+    # output, is kept by a fused core; under CP it is a new tensor, which fp8 frees: the ring's and all-gather's
+    # cores keep their fp32 output and hand on a 16-bit copy (the same tensor in fp32), Ulysses's all-to-all
+    # makes one (measured for bf16, every cp_comm_type).
+    cp_copy = cp > 1 and (act < 4 or cfg.cp_comm_type in ("a2a", "a2a+p2p"))
+    linears = [(h, qkv / tp, True), (proj / tp, h, cp_copy)]
+    moe = cfg.is_moe_layer(layer)
+    sp = cfg.sequence_parallel and tp > 1
+    if not mlp and not moe:
         linears += [(h, glu * ffn / tp, True), (ffn / tp, h, True)]
+    elif not mlp and cfg.moe_shared_expert_intermediate_size:
+        # the shared expert's fc1 takes the norm's output, which the router keeps (measured), unless gathered (SP)
+        shared = cfg.moe_shared_expert_intermediate_size
+        linears += [(h, glu * shared / tp, sp), (shared / tp, h, True)]
     blockwise = cfg.fp8_recipe == "blockwise"
-    total = 0.0
+    total = fp8_expert_bytes(cfg, tp, etp, ep, tokens) if moe and not mlp else 0.0
     for k, n, freed in linears:
         x = tokens * k * (1 + 4 / 128 if blockwise else 1)
         w = n * k * (1 + 4 / 128 ** 2 if blockwise else 1)
@@ -182,17 +198,47 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     return total
 
 
-def fp8_backward_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1) -> float:
+def fp8_expert_bytes(cfg, tp: int, etp: int, ep: int, tokens: int) -> float:
+    """What an MoE layer's fp8 experts keep for ``tokens`` tokens of the rank (``fp8.grouped``): per local expert
+    and projection the fp8 copies of its token group, padded with zero rows to the recipe's alignment (16;
+    blockwise 128, tiled 1x128 along the tokens with an fp32 scale per 128), and of its weight (blockwise: a scale
+    per 128x128 block; tensorwise two scalar scales), and per projection the int64 row index of the padded rows
+    (kept by the padding's autograd).  Nothing 16-bit is freed: the experts' inputs are kept by the layer's other
+    ops (measured).  The padding depends on the routing, which the plan does not know: it counts the bound, every
+    local expert padded by alignment - 1 rows and the indices kept (``tests/fp8/test_fp8_plan.py`` holds a
+    measured layer between this bound and the count without padding); the routed tokens are the balanced
+    ``moe_router_topk`` per token (/tp under sequence parallelism), as ``layer_activation_elements`` counts them."""
+    h, ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size / etp
+    glu = 2 if cfg.gated_linear_unit else 1
+    local = cfg.num_experts // ep
+    routed = tokens * cfg.moe_router_topk / (tp if cfg.sequence_parallel and tp > 1 else 1)
+    blockwise = cfg.fp8_recipe == "blockwise"
+    align = 128 if blockwise else 16
+    rows = routed + local * (align - 1)
+    total = 0.0
+    for k, n in ((h, glu * ffn), (ffn, h)):
+        total += rows * k * (1 + 4 / 128 if blockwise else 1) + local * n * k * (1 + 4 / 128 ** 2 if blockwise else 1)
+        total += (0 if blockwise else 8 * local) + 8 * routed
+    return total
+
+
+def fp8_backward_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1, etp: int = 1,
+                       ep: int = 1) -> float:
     """What an fp8 layer's MLP backward holds beyond the 16-bit count, at its peak in fc2's backward: the output
     gradient's fp8 copy and, in the weight-gradient GEMM (beside the input gradient), on a CPU torch._scaled_mm's
     two fp32 copies of each operand ([T, h] and [T, ffn/tp]) and its fp32 and 16-bit outputs (measured; a GPU's
     kernel reads the fp8 bytes: there the plan is above the need by that much).  A recomputed MLP (selective
     ``mlp``, its tiles: one tile's tokens at a time) reruns its forward in its backward, where fc1's and fc2's
-    fp8 copies of their inputs and weights take the place of the 16-bit inputs the 16-bit count holds."""
+    fp8 copies of their inputs and weights take the place of the 16-bit inputs the 16-bit count holds.  An MoE
+    layer's: one expert's fc2 at a time, its token group under balanced routing padded to the alignment."""
     if not cfg.fp8_layer(layer):
         return 0
     h, ffn = cfg.hidden_size, cfg.ffn_hidden_size / tp
     _, mlp = selective_recompute(cfg, cp)
+    if cfg.is_moe_layer(layer):
+        ffn, local = cfg.moe_ffn_hidden_size / etp, cfg.num_experts // ep
+        routed = tokens * cfg.moe_router_topk / (tp if cfg.sequence_parallel and tp > 1 else 1)
+        tokens = -(-routed // local) + (127 if cfg.fp8_recipe == "blockwise" else 15)
     tokens = -(-tokens // max(1, cfg.mlp_sequence_tiles))
     glu = 2 if cfg.gated_linear_unit else 1
     rerun = h * (glu + 1) * ffn - (act - 1) * tokens * (h + ffn) if mlp else 0
@@ -218,7 +264,7 @@ def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
 
 
 def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params_dtype: str, cp: int, etp: int,
-                              kept: float, scores: int) -> float:
+                              kept: float, scores: int, ep: int = 1) -> float:
     """The height of layer ``layer``'s own backward beyond the layers below it, which keep their sets: its kept
     set ``kept`` and the gradient flowing down the residual stream (one [s, b, h], two in attention's backward),
     then the larger of
@@ -252,7 +298,7 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
     else:
         rerun = grads / 2
     mlp_phase = kept + (stream + rerun) * token
-    mlp_phase += fp8_backward_bytes(cfg, layer, tp, s * b, act, cp)
+    mlp_phase += fp8_backward_bytes(cfg, layer, tp, s * b, act, cp, etp, ep)
     freed = (0 if mlp else mlp_tensors) + h + (h / tp if sp else h)
     qk, v = cfg.head_widths
     if cp > 1:
@@ -336,7 +382,8 @@ def kv_heads_per_rank(cfg, tp: int) -> int:
 
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
                      logits: bool = True, cp: int = 1, layers: Optional[Sequence[int]] = None, etp: int = 1,
-                     hierarchical_inner: Optional[int] = None, embedding: bool = True, kept_only: bool = False) -> int:
+                     hierarchical_inner: Optional[int] = None, embedding: bool = True, kept_only: bool = False,
+                     ep: int = 1) -> int:
     """Activation memory of one micro-batch at its peak, the start of backward (see the module docstring).
 
     ``num_layers`` / ``logits``: a pipeline stage's share (its layers; final norm, output layer and
@@ -361,7 +408,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         extra += 2 * sbh / (tp if sp else 1)
     extra += context_parallel_saved_bytes(cfg, tp, micro_batch, params_dtype, cp)
     per_layer = [layer_activation_elements(cfg, i, tp, etp, cp, b) * s * b * act + extra
-                 + fp8_layer_bytes(cfg, i, tp, s * b, act, cp) for i in layers]
+                 + fp8_layer_bytes(cfg, i, tp, s * b, act, cp, etp, ep) for i in layers]
     backward_start = weight_grad = 0
     if logits:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
@@ -383,7 +430,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         depths = cfg.mtp_num_layers or 0
         norm = h / tp if sp else h
         mtp = sum((3 * norm + 3 * h + layer_activation_elements(cfg, cfg.num_layers + k, tp, etp, cp, b)) * s * b * act
-                  + extra + fp8_layer_bytes(cfg, cfg.num_layers + k, tp, s * b, act, cp) for k in range(depths))
+                  + extra + fp8_layer_bytes(cfg, cfg.num_layers + k, tp, s * b, act, cp, etp, ep)
+                  for k in range(depths))
         other_heads = 0 if tiled else depths * one_head * 4  # the loss keeps fp32 logits (16-bit ones freed)
         backward_start = head + mtp + other_heads + max(loss_phase, weight_phase)
     # Context parallelism: the core's score blocks, made in a layer's attention (the head's tensors gone by then
@@ -393,7 +441,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         if kept_only:
             return int(sum(per_layer))
         tied = weight_grad if logits and embedding and not cfg.untie_embeddings_and_output_weights else 0
-        layer_peak = max(below + layer_backward_peak_bytes(cfg, i, tp, b, params_dtype, cp, etp, per_layer[k], scores)
+        layer_peak = max(below + layer_backward_peak_bytes(cfg, i, tp, b, params_dtype, cp, etp, per_layer[k], scores,
+                                                           ep)
                          for k, (i, below) in enumerate(zip(layers, accumulate(per_layer, initial=0))))
         return int(max(sum(per_layer) + backward_start, layer_peak + tied))
     # Recomputation: the recomputed layers' inputs (recompute_method "block": the first recompute_num_layers of
@@ -403,7 +452,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     recomputed = [j for j in range(L) if cfg.recomputes_layer(j)]
     inputs = len(recomputed) * sbh / (tp if sp else 1) * act
     ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
-    one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp) for j in recomputed) \
+    one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp, etp, ep)
+                    for j in recomputed) \
         + 2 * ffn / tp * s * b * act if recomputed else 0
     kept = sum(n for j, n in enumerate(per_layer) if j not in recomputed)
     if kept_only:
@@ -412,7 +462,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
 
 
 def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, layers: Sequence[int],
-                               cp: int = 1, logits: bool = False, etp: int = 1) -> int:
+                               cp: int = 1, logits: bool = False, etp: int = 1, ep: int = 1) -> int:
     """What ZB-H1 keeps of one micro-batch of a chunk between its B and its W: each deferred linear's input and
     output gradient: QKV and the attention output; a dense MLP's fc1 and fc2; an MoE layer's experts (for the
     tokens routed to this rank under balanced routing, ``s x b x topk``, /tp with sequence parallelism) and
@@ -437,7 +487,38 @@ def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str
     if logits and cfg.loss_sequence_tiles <= 1:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
         total += (h + vocab // tp) * s * b
-    return int(total * BYTES[params_dtype])
+    act = BYTES[params_dtype]
+    return int(total * act + sum(fp8_deferred_bytes(cfg, i, tp, s * b, act, etp, ep) for i in layers))
+
+
+def fp8_deferred_bytes(cfg, layer: int, tp: int, tokens: int, act: int, etp: int = 1, ep: int = 1) -> float:
+    """What an fp8 layer's deferred weight gradients keep from B to W beyond ``deferred_weight_grad_bytes``'s 16-bit
+    count, for ``tokens`` tokens: each fp8 linear's W runs on the fp8 copies of X and dY its B pass made (1 byte an
+    element, not ``act``; tensorwise and delayed a scalar scale each, blockwise both tiled 1x128 along the tokens
+    with an fp32 scale per 128); the 16-bit X and dY are not kept.  An MoE layer's experts: each local expert's
+    token group padded to the alignment, counted at the bound as in ``fp8_expert_bytes``."""
+    if not cfg.fp8_layer(layer):
+        return 0
+    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+    proj = cfg.num_attention_heads * cfg.head_dim
+    glu = 2 if cfg.gated_linear_unit else 1
+    blockwise = cfg.fp8_recipe == "blockwise"
+    elem = 1 + 4 / 128 if blockwise else 1
+    linears = [(h, qkv / tp), (proj / tp, h)]  # (in, out) features per rank
+    experts = 0.0
+    if not cfg.is_moe_layer(layer):
+        linears += [(h, glu * ffn / tp), (ffn / tp, h)]
+    else:
+        ffn, local = cfg.moe_ffn_hidden_size / etp, cfg.num_experts // ep
+        routed = tokens * cfg.moe_router_topk / (tp if cfg.sequence_parallel and tp > 1 else 1)
+        rows = routed + local * (127 if blockwise else 15)
+        experts = sum(rows * (k + n) * elem - routed * (k + n) * act + (0 if blockwise else 8 * local)
+                      for k, n in ((h, glu * ffn), (ffn, h)))
+        shared = cfg.moe_shared_expert_intermediate_size
+        if shared:
+            linears += [(h, glu * shared / tp), (shared / tp, h)]
+    return experts + sum(tokens * (k + n) * (elem - act) + (0 if blockwise else 8) for k, n in linears)
 
 
 @dataclass(frozen=True)
@@ -498,25 +579,41 @@ class RankMemory:
     activation_bytes: int  # of all micro-batches in flight at once
     in_flight_micro_batches: int = 1  # chunk-forwards alive at the peak (1F1B: min(pp - stage, micro-batches))
     layers: List[int] = field(default_factory=list)  # the transformer layers these ranks hold
+    fp8_scaling_bytes: int = 0  # the delayed recipe's amax histories and scales (fp8_scaling_state_bytes)
 
     @property
     def total_bytes(self) -> int:
         return (self.model_param_bytes + self.grad_bytes + self.main_param_bytes + self.main_grad_bytes
-                + self.optimizer_state_bytes + self.activation_bytes)
+                + self.optimizer_state_bytes + self.activation_bytes + self.fp8_scaling_bytes)
 
 
 def check_fp8_plannable(cfg) -> None:
-    """The fp8 activations the plan counts (``fp8_layer_bytes``, ``fp8_backward_bytes``): the tensorwise and
-    blockwise recipes of a standard-attention model (measured within 10%); the rest is refused in one line rather
-    than planned wrong."""
+    """The fp8 activations the plan counts (``fp8_layer_bytes``, ``fp8_backward_bytes``): every recipe of a
+    standard-attention model, its experts and shared expert (measured within 10%; the delayed recipe keeps the
+    tensorwise copies and its state, ``fp8_scaling_state_bytes``); MLA is refused in one line rather than planned
+    wrong."""
     if cfg.fp8 is None:
         return
-    if cfg.fp8_recipe == "delayed":
-        raise ConfigError("model.fp8_recipe=\"delayed\": the plan does not count its amax history yet; plan with "
-                          "fp8_recipe \"tensorwise\" and measure this one")
     if cfg.multi_latent_attention:
         raise ConfigError("model.fp8 with model.multi_latent_attention: the plan does not count MLA's fp8 copies "
                           "yet; plan with fp8 null and measure the job")
+
+
+def fp8_scaling_state_bytes(cfg, layers: Sequence[int], last_stage: bool = True, ep: int = 1) -> int:
+    """The delayed recipe's scaling state of a rank's fp8 linears (``fp8.FP8LinearState``), kept from the model's
+    build on: per linear and tensor role (input, weight, output gradient) an fp32 amax history of
+    ``fp8_amax_history_len``, the scale and the step's running amax.  A dense layer's fp8 linears are QKV, the
+    projection, fc1 and fc2, an MoE layer's QKV, the projection, each local expert's fc1 and fc2 and the shared
+    expert's (the last
+    stage's multi-token-prediction layers too).  The kept scale copies of a micro-batch are activations
+    (``fp8_layer_bytes``); tensorwise and blockwise keep no state."""
+    if cfg.fp8 is None or cfg.fp8_recipe != "delayed":
+        return 0
+    mtp = [cfg.num_layers + k for k in range(cfg.mtp_num_layers or 0)] if last_stage else []
+    shared = 2 if cfg.moe_shared_expert_intermediate_size else 0
+    linears = sum((2 + (2 * cfg.num_experts // ep + shared if cfg.is_moe_layer(i) else 2)) * cfg.fp8_layer(i)
+                  for i in list(layers) + mtp)
+    return linears * 3 * (cfg.fp8_amax_history_len + 2) * 4
 
 
 def fp8_weight_elements(cfg, layers: Sequence[int], tp: int, last_stage: bool = True) -> int:
@@ -563,16 +660,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     params, gradients, fp32 copies and optimizer states as its ZeRO stage allocates them (``zero_state_bytes``).
     ``fp8_param_gather``: the fp8 layers' weights are 1 byte each (``fp8_weight_elements``), the rest 16-bit.
     """
-    check_fp8_plannable(cfg)
-    if cfg.fp8 is not None:
-        # Measured and counted: dense layers at TP / SP / DP with 1F1B-style schedules.  The experts' grouped
-        # fp8 copies (padded per expert), ZB-H1's kept fp8 dY and CP's chunks are not counted yet.
-        for unplanned, setting in ((cfg.num_experts, f"model.num_experts={cfg.num_experts}"),
-                                   (schedule == "zero_bubble", "pipeline_schedule \"zero_bubble\""),
-                                   (layout.cp > 1, f"context_parallel_size={layout.cp}")):
-            if unplanned:
-                raise ConfigError(f"model.fp8 with {setting}: the plan does not count its fp8 copies yet; plan with "
-                                  "fp8 null and measure the fp8 job")
+    check_fp8_plannable(cfg)  # counted (fp8_*_bytes): every recipe, TP / SP / CP / DP, every schedule, experts
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
     pp, v = layout.pp, num_model_chunks
@@ -594,7 +682,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         # Each chunk's kept set for every micro-batch in flight; the transients of one backward (the head's, a
         # layer's, the cores') once, at the largest chunk's.
         chunk_args = [dict(logits=stage == pp - 1 and c == v - 1, cp=layout.cp, layers=chunk, etp=layout.etp,
-                           hierarchical_inner=hierarchical_inner, embedding=stage == 0 and c == 0)
+                           ep=layout.ep, hierarchical_inner=hierarchical_inner, embedding=stage == 0 and c == 0)
                       for c, chunk in enumerate(chunks[stage])]
         per_chunk = [activation_bytes(cfg, layout.tp, micro_batch, params_dtype, kept_only=True, **a)
                      for a in chunk_args]
@@ -606,7 +694,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         if ours:  # a chunk before the last virtual stage also keeps its output until its backward
             per_chunk = [n + (0 if stage == pp - 1 and c == v - 1 else message) for c, n in enumerate(per_chunk)]
         deferred = [deferred_weight_grad_bytes(cfg, layout.tp, micro_batch, params_dtype, chunk, layout.cp,
-                                               logits=stage == pp - 1 and c == v - 1, etp=layout.etp)
+                                               logits=stage == pp - 1 and c == v - 1, etp=layout.etp, ep=layout.ep)
                     for c, chunk in enumerate(chunks[stage])] if schedule == "zero_bubble" else None
         activations, in_flight = schedule_peak_activations(per_chunk, micro_batches, pp, stage, schedule,
                                                            group_size, message if ours else 0, deferred)
@@ -627,7 +715,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
                 params_replicated=counts.replicated, params_expert=counts.expert, model_param_bytes=columns[0],
                 grad_bytes=columns[1], main_param_bytes=columns[2], main_grad_bytes=columns[3],
                 optimizer_state_bytes=columns[4], activation_bytes=activations, in_flight_micro_batches=in_flight,
-                layers=list(layers)))
+                layers=list(layers), fp8_scaling_bytes=fp8_scaling_state_bytes(cfg, layers, stage == pp - 1,
+                                                                                   layout.ep)))
     return plans
 
 
@@ -709,4 +798,8 @@ def format_plan(plans: Sequence[RankMemory], header: str) -> str:
                   "for backward per micro-batch, times the micro-batches a stage holds at once (1F1B keeps up to "
                   "pp - stage in flight; with chunks, the peak of the rank's own schedule order), plus one "
                   "backward's transients at their peak (the start of backward or a layer's own backward)"]
+    scaling = [p for p in plans if p.fp8_scaling_bytes]
+    if scaling:
+        lines.append(f"fp8 delayed scaling's amax histories and scales, in the total: "
+                     f"{_gib(max(p.fp8_scaling_bytes for p in scaling))} per rank at most")
     return "\n".join(lines)
