@@ -616,16 +616,26 @@ def fp8_scaling_state_bytes(cfg, layers: Sequence[int], last_stage: bool = True,
     return linears * 3 * (cfg.fp8_amax_history_len + 2) * 4
 
 
-def fp8_weight_elements(cfg, layers: Sequence[int], tp: int, last_stage: bool = True) -> int:
-    """Elements per TP rank of the weights that ``fp8_param_gather`` keeps as fp8 bytes: QKV, the projection,
-    fc1 and fc2 of every fp8 layer among ``layers`` (and the last stage's multi-token-prediction layers);
-    their biases, the norms, embeddings and output layer stay 16-bit."""
+def fp8_weight_elements(cfg, layers: Sequence[int], tp: int, last_stage: bool = True, ep: int = 1,
+                        etp: int = 1) -> int:
+    """Elements per rank of the weights that ``fp8_param_gather`` keeps as fp8 bytes: QKV, the projection and the
+    MLP's fc1 and fc2 of every fp8 layer among ``layers`` (and the last stage's multi-token-prediction layers); in
+    an MoE layer the local experts' fc1 and fc2 (``num_experts / ep`` of them, split over ETP) and the shared
+    expert's instead of the dense MLP.  Their biases, the norms, the router, embeddings and output layer stay
+    16-bit."""
     h, glu = cfg.hidden_size, 2 if cfg.gated_linear_unit else 1
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
     proj = cfg.num_attention_heads * cfg.head_dim
-    per_layer = h * (qkv + proj + glu * cfg.ffn_hidden_size + cfg.ffn_hidden_size) // tp
+    attention = h * (qkv + proj) // tp
+
+    def mlp(layer: int) -> int:
+        if not cfg.is_moe_layer(layer):
+            return h * (glu + 1) * cfg.ffn_hidden_size // tp
+        experts = (cfg.num_experts // ep) * h * (glu + 1) * (cfg.moe_ffn_hidden_size // etp)
+        return experts + h * (glu + 1) * (cfg.moe_shared_expert_intermediate_size or 0) // tp
+
     mtp = [cfg.num_layers + k for k in range(cfg.mtp_num_layers or 0)] if last_stage else []
-    return per_layer * sum(cfg.fp8_layer(i) for i in list(layers) + mtp)
+    return sum(attention + mlp(i) for i in list(layers) + mtp if cfg.fp8_layer(i))
 
 
 def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "adamw", momentum: float = 0.0,
@@ -707,7 +717,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
             if zero is not None:
                 columns = zero_state_bytes(zero, n, dense_shard, expert_shard, params_dtype, state_per_param)
             else:
-                fp8_weights = fp8_weight_elements(cfg, layers, layout.tp, stage == pp - 1) if fp8_param_gather else 0
+                fp8_weights = (fp8_weight_elements(cfg, layers, layout.tp, stage == pp - 1, layout.ep, layout.etp)
+                               if fp8_param_gather else 0)
                 columns = (n * low - fp8_weights * (low - 1), n * grad_elem, 4 * owned if mixed else 0,
                            4 * owned if mixed and grad_elem < 4 else 0, owned * state_per_param)
             plans.append(RankMemory(

@@ -93,16 +93,14 @@ def _planned_param_bytes(layout, model, num_model_chunks: int):
     return [next(p.model_param_bytes for p in plans if rank in p.ranks) for rank in range(layout.world_size)]
 
 
-def _same_training(fp8_weights_per_rank, planned: bool = False, **case):
-    """``planned``: the memory plan counts each rank's param bytes as allocated (the plan refuses fp8 with
-    experts, CP and ZB-H1)."""
+def _same_training(fp8_weights_per_rank, **case):
+    """And the memory plan counts each rank's param bytes as allocated (the fp8 weights one byte each)."""
     off_losses, off_main, off_ranks = run_on_ranks(4, _train, False, **case)[0]
     on_losses, on_main, on_ranks = run_on_ranks(4, _train, True, **case)[0]
     on_fp8, off_fp8 = [r[0] for r in on_ranks], [r[0] for r in off_ranks]
     assert on_fp8 == fp8_weights_per_rank and off_fp8 == [0] * 4, (on_fp8, off_fp8)  # the bytes really are fp8
-    if planned:
-        v = (case.get("pipeline") or {}).get("virtual_pipeline_model_parallel_size", 1)
-        assert [r[1] for r in on_ranks] == _planned_param_bytes(on_ranks[0][2], case.get("model"), v)
+    v = (case.get("pipeline") or {}).get("virtual_pipeline_model_parallel_size", 1)
+    assert [r[1] for r in on_ranks] == _planned_param_bytes(on_ranks[0][2], case.get("model"), v)
     assert on_losses == off_losses and len(set(on_losses)) == STEPS, (on_losses, off_losses)
     assert on_main.keys() == off_main.keys() and len(on_main) > 0
     for name in off_main:
@@ -118,7 +116,7 @@ def test_pipeline_training_with_fp8_param_gather_is_bit_identical_to_without(sch
     """PP 2 x DP 2, 2 layers a stage: 4 fp8 linears a layer; with ZB-H1 every MLP 4 experts at EP 2 (QKV, proj
     and 2 local experts' fc1, fc2 a layer), whose deferred weight gradients must reach the fp8 weights' main_grad
     too."""
-    _same_training(fp8_per_rank, schedule != "zero_bubble", pp=2, ep=2 if model is equivalence.MOE else 1,
+    _same_training(fp8_per_rank, pp=2, ep=2 if model is equivalence.MOE else 1,
                    pipeline=pipeline, model=model)
 
 
