@@ -134,8 +134,9 @@ class MLASelfAttention(torch.nn.Module):
 
     @staticmethod
     def _up(layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
-        """The column-parallel up-projection without its own *f*: ``x`` went through it once already."""
-        return linear(x, layer.weight, None, layer.weight_grad_store)
+        """The column-parallel up-projection without its own *f*: ``x`` went through it once already (in fp8 by the
+        layer's recipe when it has one, as its own forward would)."""
+        return linear(x, layer.weight, None, layer.weight_grad_store, layer.fp8)
 
     def _qkv(self, hidden: torch.Tensor, packed: Optional[PackedSeqParams]):
         """q, k [b, heads, s, qk_head_dim + qk_pos_emb_head_dim] and v [b, heads, s, v_head_dim] of this rank."""

@@ -66,3 +66,27 @@ def test_moe_gpt_runs_experts_and_shared_expert_in_fp8_and_the_router_in_16_bit(
     assert all(len(e.fp8) == 8 for e in experts) and not hasattr(model.layers[0].mlp.router, "fp8")
     assert model.layers[0].mlp.experts.weight1.grad is not None
     assert losses[0] != losses[1] and abs(losses[1] - losses[0]) < 0.02 * losses[0], losses
+
+
+def test_every_linear_given_an_fp8_state_runs_its_gemms_in_fp8_mla_included():
+    """Each linear the model gives an fp8 state runs in fp8 (its weight reaches ``fp8_linear``), the multi-latent
+    attention's up-projections too: they skip the column-parallel layer's forward (their input went through *f*
+    once) and once ran in 16-bit beside their unused fp8 states."""
+    from unittest import mock
+    from ds_megatron.tensor_parallel import weight_grad_store
+    mla = dict(position_embedding_type="rope", multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
+               qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, mtp_num_layers=None)
+    tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    for extra in ({}, mla):
+        model = build(fp8="e4m3", **extra)
+        stated = {id(m.weight): name for name, m in model.named_modules() if getattr(m, "fp8", None) is not None}
+        ran = set()
+
+        def spy(x, weight, *args, _real=weight_grad_store.fp8_linear):
+            ran.add(id(weight))
+            return _real(x, weight, *args)
+        with mock.patch.object(weight_grad_store, "fp8_linear", spy):
+            model(tokens, torch.roll(tokens, -1, 1)).backward()
+        assert set(stated) == ran, sorted(stated[w] for w in set(stated) - ran)
+        if extra:
+            assert any("kv_b_proj" in name for name in stated.values())
