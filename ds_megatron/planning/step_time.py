@@ -150,6 +150,12 @@ class _Pricer:
         self.tokens = run.micro_batch * self.cfg.seq_length / lay.cp  # this rank's tokens of a micro-batch
         self.sp = self.cfg.sequence_parallel and lay.tp > 1
         self.layers: Dict[Tuple[bool, bool, bool], Tuple[Cost, Cost, Cost]] = {}  # by what a layer's price reads
+        # The search prices many variants of one run: a chunk's price, a stage's parameters and the step's FLOPs
+        # depend on its layers (and ends), not on the schedule, so each is made once (and never modified).
+        self.chunks: Dict[Tuple[int, int, bool, bool], Tuple[Cost, Cost, Cost]] = {}
+        self.counts: Dict[Tuple[Tuple[int, ...], bool, bool], object] = {}
+        self.flops: Dict[float, float] = {}
+        self.splits: Dict[Tuple, List[List[range]]] = {}
 
     def coll(self, kind: str, group: str, n: int, bus: float) -> float:
         return self.hw.collective_time(kind, n, bus, self.inter[group])
@@ -343,7 +349,44 @@ class _Pricer:
         fwd.add("tp_comm", one)
         return fwd, b, w
 
+    def message_time(self) -> float:
+        """One pipeline message (a micro-batch's activation or its gradient) between neighbouring stages."""
+        if self.layout.pp == 1:
+            return 0.0
+        message = self.tokens * self.cfg.hidden_size * self.act / (self.layout.tp if self.sp else 1)
+        return self.coll("send_recv", "pp", 2, message)
+
     def chunk(self, layers: range, embedding: bool, head: bool) -> Tuple[Cost, Cost, Cost]:
+        """(forward, B, W) of one model chunk (contiguous ``layers``, with the embedding / the head) per
+        micro-batch."""
+        key = (layers.start, layers.stop, embedding, head)
+        if key not in self.chunks:
+            self.chunks[key] = self._chunk(layers, embedding, head)
+        return self.chunks[key]
+
+    def stage_counts(self, layers: Sequence[int], first_stage: bool, last_stage: bool):
+        """``gpt_param_counts`` of one pipeline rank's layers."""
+        key = (tuple(layers), first_stage, last_stage)
+        if key not in self.counts:
+            lay = self.layout
+            self.counts[key] = gpt_param_counts(self.cfg, lay.tp, lay.ep, lay.etp, layers, first_stage=first_stage,
+                                                last_stage=last_stage)
+        return self.counts[key]
+
+    def rank_chunks(self, run: Run) -> List[List[range]]:
+        """``pipeline_rank_chunks`` of ``run``'s split (a variant of this pricer's run)."""
+        key = (run.partition_method, tuple(run.layers_per_stage or ()), run.first, run.last, run.vpp)
+        if key not in self.splits:
+            self.splits[key] = pipeline_rank_chunks(self.cfg, self.layout, run.partition_method,
+                                                    run.layers_per_stage, run.first, run.last, run.vpp)
+        return self.splits[key]
+
+    def model_flops(self, samples: float) -> float:
+        if samples not in self.flops:
+            self.flops[samples] = model_flops(self.cfg, samples)
+        return self.flops[samples]
+
+    def _chunk(self, layers: range, embedding: bool, head: bool) -> Tuple[Cost, Cost, Cost]:
         fwd, b, w = Cost(), Cost(), Cost()
         pieces = [self.layer(i, self.cfg.recomputes_layer(local)) for local, i in enumerate(layers)]
         if embedding:
@@ -361,9 +404,8 @@ class _Pricer:
 
 def stage_phases(run: Run, pricer: "_Pricer") -> List[List[Tuple[Cost, Cost, Cost]]]:
     """Per pipeline rank, per model chunk: (forward, B, W) of one micro-batch."""
-    cfg, lay = run.model, run.layout
-    pp, v = lay.pp, run.vpp
-    chunks = pipeline_rank_chunks(cfg, lay, run.partition_method, run.layers_per_stage, run.first, run.last, v)
+    pp, v = run.layout.pp, run.vpp
+    chunks = pricer.rank_chunks(run)
     return [[pricer.chunk(layers, stage == 0 and c == 0, stage == pp - 1 and c == v - 1)
              for c, layers in enumerate(chunks[stage])] for stage in range(pp)]
 
@@ -376,9 +418,7 @@ def plan_step_time(run: Run, hw: Hardware, gpus_per_node: Optional[int] = None,
     pricer = pricer or _Pricer(run, hw, gpus_per_node or hw.gpus_per_node)
     pp, v, m = lay.pp, run.vpp, run.micro_batches
     phases = stage_phases(run, pricer)
-    sp = pricer.sp
-    message = pricer.tokens * cfg.hidden_size * pricer.act / (lay.tp if sp else 1)
-    message_time = pricer.coll("send_recv", "pp", 2, message) if pp > 1 else 0.0
+    message_time = pricer.message_time()
     costs = [[(f.total, b.total, w.total) for f, b, w in stage] for stage in phases]
     if pp > 1:
         kind = "zero_bubble" if run.schedule == "zero_bubble" else "interleaved_1f1b"
@@ -388,17 +428,17 @@ def plan_step_time(run: Run, hw: Hardware, gpus_per_node: Optional[int] = None,
         finish = (m * sum(f + b + w for f, b, w in costs[0]),)
     best = None
     for stage in range(pp):
-        compute = {part: m * sum(ph.parts.get(part, 0.0) for f, b, w in phases[stage] for ph in (f, b, w))
-                   for part in PARTS}
         tail = _after_backward(run, hw, pricer, stage, phases[stage])
-        parts = {**{f"{k}_s": s for k, s in compute.items() if s},
-                 "pipeline_bubble_s": finish[stage] - sum(compute.values()), **tail}
         total = finish[stage] + sum(tail.values())
         if best is None or total > best[0]:
-            best = (total, stage, parts)
-    total, stage, parts = best
+            best = (total, stage, tail)
+    total, stage, tail = best
+    compute = {part: m * sum(ph.parts.get(part, 0.0) for f, b, w in phases[stage] for ph in (f, b, w))
+               for part in PARTS}
+    parts = {**{f"{k}_s": s for k, s in compute.items() if s},
+             "pipeline_bubble_s": finish[stage] - sum(compute.values()), **tail}
     peak = hw.peak("fp8" if cfg.fp8 is not None else run.params_dtype)
-    flops = model_flops(cfg, run.micro_batch * m * lay.dp)
+    flops = pricer.model_flops(run.micro_batch * m * lay.dp)
     return StepTime(total, flops, lay.world_size, peak, {k: s for k, s in parts.items() if s}, stage)
 
 
@@ -407,10 +447,8 @@ def _after_backward(run: Run, hw: Hardware, pricer: _Pricer, stage: int, phases)
     optimizer step, the parameter all-gather."""
     cfg, lay = run.model, run.layout
     pp = lay.pp
-    counts = gpt_param_counts(cfg, lay.tp, lay.ep, lay.etp,
-                              [i for c in pipeline_rank_chunks(cfg, lay, run.partition_method, run.layers_per_stage,
-                                                               run.first, run.last, run.vpp)[stage] for i in c],
-                              first_stage=stage == 0, last_stage=stage == pp - 1)
+    counts = pricer.stage_counts([i for c in pricer.rank_chunks(run)[stage] for i in c], first_stage=stage == 0,
+                                 last_stage=stage == pp - 1)
     grad = 4 if run.grad_fp32 else BYTES[run.params_dtype]
     dense, expert = counts.sharded + counts.replicated, counts.expert
     n_dense, n_expert = lay.dp * lay.cp, lay.edp
