@@ -14,8 +14,8 @@ Each rank's work per micro-batch and model chunk is priced on a ``planning.hardw
 * collectives at the latency and bus bandwidth of the link their group crosses (inside a node or between nodes,
   from the rank order and ``gpus_per_node``), with ``planning.comm_volume``'s bus bytes: TP's reductions (sequence
   parallel: gathers and scatters), exposed; the CP ring's K/V, hidden behind the attention core but for what
-  exceeds it, the all-gather and all-to-all variants exposed; MoE's all-to-all, exposed; each pipeline message
-  delays its receiver;
+  exceeds it, the all-gather and all-to-all variants exposed; MoE's all-to-all over EP and, with ETP, the
+  all-gather and reduce-scatter of the routed tokens over ETP, exposed; each pipeline message delays its receiver;
 * recomputation's extra forward: a ``"full"`` layer's forward up to the MLP's input (torch's checkpoint stops
   there; ``recompute_whole_layer``: Megatron-LM 2021's reentrant checkpoint reruns all of it), selective
   ``core_attn`` the core, ``mlp`` the MLP;
@@ -146,6 +146,7 @@ class _Pricer:
         self.inter = {kind: group_spans_nodes(lay, kind, gpus_per_node) for kind in ("tp", "cp", "dp-cp", "pp")}
         self.inter["ep"] = group_spans_nodes(lay, "ep", gpus_per_node, expert=True)
         self.inter["edp"] = group_spans_nodes(lay, "dp", gpus_per_node, expert=True)
+        self.inter["etp"] = group_spans_nodes(lay, "tp", gpus_per_node, expert=True)
         self.act = BYTES[run.params_dtype]
         self.tokens = run.micro_batch * self.cfg.seq_length / lay.cp  # this rank's tokens of a micro-batch
         self.sp = self.cfg.sequence_parallel and lay.tp > 1
@@ -211,10 +212,15 @@ class _Pricer:
             self.gemm(ffn_fwd, b, w, routed / local, gated * width, h, dtype, batch=local)
             fc2 = Cost()
             self.gemm(fc2, b, w, routed / local, h, width, dtype, batch=local)
-            moved = _gather_or_scatter(lay.ep, routed * h * a)  # dispatched and combined, each way
-            a2a = 2 * self.coll("all_to_all", "ep", lay.ep, moved)
-            fwd.add("moe_comm", a2a)
-            b.add("moe_comm", a2a)
+            # Each way (forward, backward): the all-to-all over EP of the tokens this rank routes (balanced: as
+            # many come back), dispatched and combined; with ETP, an all-gather of what arrived over the ETP group
+            # before the experts and a reduce-scatter after them (each the other's backward).
+            moved = _gather_or_scatter(lay.ep, routed / lay.etp * h * a)
+            gathered = _gather_or_scatter(lay.etp, routed * h * a)
+            exchange = (2 * self.coll("all_to_all", "ep", lay.ep, moved) + self.coll("all_gather", "etp", lay.etp,
+                        gathered) + self.coll("reduce_scatter", "etp", lay.etp, gathered))
+            fwd.add("moe_comm", exchange)
+            b.add("moe_comm", exchange)
             elementwise = routed * (gated + 1) * width * a + 4 * routed * h * a  # activation, permutes
             if cfg.moe_shared_expert_intermediate_size:
                 shared = cfg.moe_shared_expert_intermediate_size // t
