@@ -22,6 +22,15 @@ KEY = ("tp", "pp", "vpp", "cp", "cp_comm_type", "ep", "dp", "micro_batch", "reco
        "schedule", "first", "last")
 
 
+def _key(layout_or_choice):
+    """A layout's sizes and settings (a search result's, or an enumerated choice's)."""
+    if isinstance(layout_or_choice, dict):
+        inner = layout_or_choice["cp_inner"]
+        return tuple(layout_or_choice[k] for k in KEY) + (None if inner is None else (inner, layout_or_choice["cp"]
+                                                                                       // inner),)
+    return tuple(getattr(layout_or_choice, k) for k in KEY) + (layout_or_choice.hierarchical_context_parallel_sizes,)
+
+
 def _brute_force(base, world, hw, gpus_per_node, batch):
     """Every candidate the search enumerates, each through the whole config (``parse_job_config``), the full
     memory plan with its rank lists and a step time of its own pricer: (step, peak, layout key), fastest first."""
@@ -37,28 +46,30 @@ def _brute_force(base, world, hw, gpus_per_node, batch):
                 continue
             peak = max(p.total_bytes for p in plans)
             if peak <= hw.memory_bytes:
-                out.append((step, peak, tuple(choice[k] for k in KEY)))
+                out.append((step, peak, _key(choice)))
     return sorted(out, key=lambda row: row[0])
 
 
 def test_search_returns_the_brute_force_ranking():
-    """4 GPUs (two nodes of 2), a memory between the candidates' peaks: the full list and the top 1, 3 and 10
-    with pruning are the brute force's fastest, each with its step and peak to the bit."""
+    """4 GPUs (two nodes of 2), a memory between the candidates' peaks (hierarchical CP among those that fit):
+    the full list and the top 1, 3 and 10 with pruning are the brute force's fastest, each with its step and
+    peak to the bit."""
     everything = _brute_force(BASE, 4, dataclasses.replace(H100, memory_bytes=1e15), 2, 4)
     peaks = sorted(row[1] for row in everything)
-    hw = dataclasses.replace(H100, memory_bytes=peaks[len(peaks) // 3])
+    hierarchical = min(row[1] for row in everything if row[2][-1])  # keep a2a+p2p layouts among the compared
+    hw = dataclasses.replace(H100, memory_bytes=max(peaks[len(peaks) // 3], hierarchical))
     reference = [row for row in everything if row[1] <= hw.memory_bytes]
     assert 10 < len(reference) < len(everything)
     by_key = {row[2]: row for row in reference}
     for limit in (10 ** 6, 1, 3, 10):
         result = search_layouts(BASE, 4, hw, gpus_per_node=2, global_batch=4, limit=limit)
-        got = [(x.step_time_s, x.peak_memory_gib * 2 ** 30, tuple(getattr(x, k) for k in KEY))
-               for x in result.layouts]
+        got = [(x.step_time_s, x.peak_memory_gib * 2 ** 30, _key(x)) for x in result.layouts]
         assert [row[0] for row in got] == [row[0] for row in reference[:limit]], limit
         for step, peak, key in got:
             assert by_key[key][0] == step and by_key[key][1] == pytest.approx(peak, rel=1e-15), key
         if limit < 10:
             assert result.evaluated < len(everything) / 2, "the bounds pruned too little"
+    assert any(row[2][-1] for row in reference), "no hierarchical CP among the layouts"
 
 
 def _phases(costs):

@@ -1,7 +1,8 @@
 """``ds-megatron plan --search``: the layouts of N GPUs for one model, ranked by predicted step time (pure, no torch).
 
 Enumerated: TP (within a node, with sequence parallelism when above 1), CP and its type (``p2p``,
-``all_gather``, ``a2a``), EP and ETP (``1`` or TP) for MoE models, PP, DP (the rest), the micro-batch, the
+``all_gather``, ``a2a``, and hierarchical ``a2a+p2p`` with each split of CP into an all-to-all group of more
+than one and fewer than CP ranks and a ring over those groups), EP and ETP (``1`` or TP) for MoE models, PP, DP (the rest), the micro-batch, the
 recomputation (none, selective ``core_attn``, full), and per such group its variants: v chunks per rank
 (interleaved), ZB-H1 for one chunk, Megatron's uneven first / last stages (one layer fewer on each), the
 distributed optimizer.  Each variant is the user's config with these keys replaced, so it passes the config's
@@ -17,7 +18,7 @@ visited in the order of their bound and none of a group's variants is planned on
 planned (per stage, without rank lists) only when its step is.  What depends only on the group (its model, its
 layers' and chunks' prices, its stages' parameters) is priced once for all its variants (``_Pricer``), each
 ``ParallelLayout`` made once per sizes, each schedule's orders once per size (``schedule_table``).  Not
-enumerated: hierarchical CP (``a2a+p2p``), PP sizes that do not divide the layers, the rank order (the config's).
+enumerated: PP sizes that do not divide the layers, the rank order (the config's).
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ class Layout:
     vpp: int
     cp: int
     cp_comm_type: str
+    hierarchical_context_parallel_sizes: Optional[Tuple[int, int]]  # [a2a, p2p] with cp_comm_type "a2a+p2p"
     ep: int
     etp: int
     dp: int
@@ -119,6 +121,8 @@ def candidate_config(base: Dict, choice: Dict, global_batch: int, dp: int) -> Di
                 mega[f"decoder_{end}_pipeline_num_layers"] = choice[end]
     if choice["cp"] > 1:
         model["cp_comm_type"] = choice["cp_comm_type"]
+        if choice.get("cp_inner") is not None:
+            mega["hierarchical_context_parallel_sizes"] = [choice["cp_inner"], choice["cp"] // choice["cp_inner"]]
     if choice["recompute"] == "selective":
         model["recompute_granularity"] = "selective"
     elif choice["recompute"] == "full":
@@ -136,7 +140,8 @@ def _groups(job, world: int, gpus_per_node: int, global_batch: int) -> Iterator[
     tps = [t for t in _divisors(gpus_per_node) if t <= world]
     for tp in tps:
         for cp in [c for c in _divisors(world // tp) if c == 1 or model.seq_length % (2 * c * tp) == 0]:
-            for cp_type in (CP_TYPES if cp > 1 else ("p2p",)):
+            types = [(t, None) for t in CP_TYPES] + [("a2a+p2p", inner) for inner in _divisors(cp)[1:-1]]
+            for cp_type, cp_inner in (types if cp > 1 else [("p2p", None)]):
                 for pp in [p for p in _divisors(world // (tp * cp)) if p <= model.num_layers]:
                     dp = world // (tp * cp * pp)
                     if global_batch % dp:
@@ -150,7 +155,8 @@ def _groups(job, world: int, gpus_per_node: int, global_batch: int) -> Iterator[
                             if (global_batch // dp) % mb:
                                 continue
                             for recompute in RECOMPUTE:
-                                yield dict(tp=tp, cp=cp, cp_comm_type=cp_type, ep=ep, etp=etp, pp=pp, dp=dp,
+                                yield dict(tp=tp, cp=cp, cp_comm_type=cp_type, cp_inner=cp_inner, ep=ep, etp=etp,
+                                           pp=pp, dp=dp,
                                            micro_batch=mb, recompute=recompute, vpp=1, schedule="1f1b",
                                            first=None, last=None, distributed_optimizer=False)
 
@@ -192,7 +198,8 @@ def _group_run(job, base: Run, group: Dict, world: int, global_batch: int, layou
     model.check_layout(layout)
     if model.num_layers % layout.pp:
         raise ConfigError("uneven stages: planned as variants of the group of a uniform split")
-    return dataclasses.replace(base, model=model, layout=layout, micro_batch=group["micro_batch"],
+    return dataclasses.replace(base, model=model, layout=layout, hierarchical_inner=group["cp_inner"],
+                               micro_batch=group["micro_batch"],
                                micro_batches=global_batch // (layout.dp * group["micro_batch"]), schedule="1f1b",
                                vpp=1, partition_method="uniform", layers_per_stage=None, first=None, last=None,
                                distributed_optimizer=False)
@@ -213,7 +220,7 @@ def _memory_floor(run: Run) -> float:
     dense, expert = counts.sharded + counts.replicated, counts.expert
     static = (dense + expert) * (low + grad) + dense * state / (lay.dp * lay.cp) + expert * state / lay.edp
     kept = activation_bytes(cfg, lay.tp, run.micro_batch, run.params_dtype, logits=False, cp=lay.cp, layers=layers,
-                            etp=lay.etp, embedding=False, kept_only=True)
+                            etp=lay.etp, hierarchical_inner=run.hierarchical_inner, embedding=False, kept_only=True)
     return static + kept * min(lay.pp, run.micro_batches)
 
 
@@ -314,7 +321,8 @@ def _evaluate(base: Dict, choice: Dict, world: int, hw: Hardware, global_batch: 
     peak = max(p.total_bytes for p in plans)
     if peak > hw.memory_bytes:
         return None
-    return Layout(choice["tp"], choice["pp"], choice["vpp"], choice["cp"], choice["cp_comm_type"], choice["ep"],
+    sizes = None if choice["cp_inner"] is None else (choice["cp_inner"], choice["cp"] // choice["cp_inner"])
+    return Layout(choice["tp"], choice["pp"], choice["vpp"], choice["cp"], choice["cp_comm_type"], sizes, choice["ep"],
                   choice["tp"] if choice["etp"] is None else choice["etp"], choice["dp"],
                   choice["micro_batch"], choice["recompute"], choice["distributed_optimizer"], choice["schedule"],
                   choice["first"], choice["last"], step.step_time_s, step.model_tflops_per_gpu, step.mfu,
@@ -329,7 +337,9 @@ def format_layouts(result: SearchResult, hw: Hardware) -> str:
     for x in result.layouts:
         rows.append([f"{x.step_time_s:.3f}", f"{x.model_tflops_per_gpu:.1f}", f"{x.mfu:.1%}",
                      f"{x.peak_memory_gib:.1f}", str(x.tp), str(x.pp), str(x.vpp),
-                     f"{x.cp}" + (f" {x.cp_comm_type}" if x.cp > 1 else ""), str(x.ep), str(x.etp), str(x.dp),
+                     f"{x.cp}" + (f" {x.cp_comm_type}" if x.cp > 1 else "")
+                     + (" {}x{}".format(*x.hierarchical_context_parallel_sizes)
+                        if x.hierarchical_context_parallel_sizes else ""), str(x.ep), str(x.etp), str(x.dp),
                      str(x.micro_batch), x.recompute, "yes" if x.distributed_optimizer else "no", x.schedule,
                      f"{x.first or '-'}/{x.last or '-'}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
