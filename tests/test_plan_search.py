@@ -1,6 +1,7 @@
 """The layout search's shortcuts change no answer: its ranked layouts against a brute-force enumeration that plans
 every candidate in full, the pipeline floor it prunes by against the simulated schedule (and the formula of equal
-stages), and the simulation's compiled orders against the schedule table's messages.  Torch-free."""
+stages), the simulation's compiled orders against the schedule table's messages, and ZB-H1's orders against its
+rule re-run turn by turn.  Torch-free."""
 import dataclasses
 import random
 
@@ -8,7 +9,7 @@ import pytest
 
 from ds_megatron.config.job import parse_job_config
 from ds_megatron.pipeline_parallel.schedule_table import (_programs, rank_operations, receives_of, sends_of,
-                                                          simulate_pipeline)
+                                                          simulate_pipeline, zero_bubble_orders)
 from ds_megatron.planning import search
 from ds_megatron.planning.hardware import H100
 from ds_megatron.planning.job_plan import plan_from_config, run_from_job
@@ -126,3 +127,53 @@ def test_compiled_orders_are_the_tables_messages(m, v, p, group, schedule):
         if schedule != "zero_bubble":
             assert not ops[-1].forward and ops[-1].chunk == 0
     assert len(names) == len(set(names.values()))
+
+
+def _zero_bubble_reference(m, p):
+    """ZB-H1's rule spelled out turn by turn (unit costs): every turn, the ranks sorted afresh by (clock, rank),
+    the first that can act runs its next F or B (then a W if more than ``rank`` wait in the steady state), a
+    waiting W, or idles to its input's arrival."""
+    base = [[op if op.forward else dataclasses.replace(op, part="input")
+             for op in rank_operations(m, 1, pipeline_parallel_size=p, pipeline_parallel_rank=r)] for r in range(p)]
+    out, pending, position, clock, left, arrived = [[] for _ in range(p)], [[] for _ in range(p)], [0] * p, \
+        [0.0] * p, [m] * p, {}
+
+    def run(r, op):
+        out[r].append(op)
+        clock[r] += 1.0
+        sent = sends_of(op, r, p, 1)
+        if sent:
+            arrived[sent[1]] = clock[r]
+    while any(position[r] < len(base[r]) or pending[r] for r in range(p)):
+        for r in sorted(range(p), key=lambda k: (clock[k], k)):
+            if position[r] == len(base[r]):
+                if pending[r]:
+                    run(r, pending[r].pop(0))
+                    break
+                continue
+            op = base[r][position[r]]
+            needed = receives_of(op, r, p, 1)
+            ready = 0.0 if needed is None else arrived.get(needed[1])
+            if ready is not None and ready <= clock[r]:
+                position[r] += 1
+                run(r, op)
+                if op.forward:
+                    left[r] -= 1
+                else:
+                    pending[r].append(dataclasses.replace(op, part="weight"))
+                    if left[r] > 0 and len(pending[r]) > r:
+                        run(r, pending[r].pop(0))
+            elif pending[r]:
+                run(r, pending[r].pop(0))
+            elif ready is not None:
+                clock[r] = ready
+            else:
+                continue
+            break
+    return out
+
+
+@pytest.mark.parametrize("m,p", [(3, 2), (8, 4), (13, 5), (24, 8)])
+def test_zero_bubble_orders_follow_the_turn_rule(m, p):
+    """The orders ZB-H1 builds with its clock-sorted queue are those of re-sorting the ranks every turn."""
+    assert zero_bubble_orders(m, p) == _zero_bubble_reference(m, p)
