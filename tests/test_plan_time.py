@@ -124,6 +124,40 @@ def test_a_collective_costs_its_latency_and_bus_bytes_at_the_link_bandwidth():
     assert group_spans_nodes(layout, "pp", 8) and not group_spans_nodes(layout, "pp", 64)
 
 
+def test_moe_exchange_is_the_ep_all_to_all_and_the_etp_gather_and_scatter_by_hand():
+    """TP 2 + SP, EP 2, ETP 2 on 4 GPUs of one node, top-2 of 4 experts: per MoE layer, forward and again
+    backward, two all-to-alls over EP of the rank's 128 tokens x 2 copies and an all-gather plus a
+    reduce-scatter over ETP of the 2 x that its experts take; each at the A100's NVLink step latency and bus
+    bandwidth."""
+    cfg = _model(num_experts=4, moe_ffn_hidden_size=256, moe_router_topk=2, add_bias_linear=False,
+                 sequence_parallel=True)
+    run = Run(cfg, ParallelLayout(world_size=4, tp=2, ep=2, etp=2), "bf16", 1, 1)
+    sent = (S // 2) * 2 * H * 2  # bytes this rank routes: its SP slice's tokens x top-2, bf16
+    a2a_bus, gather_bus = sent / 2, 2 * sent / 2  # (n - 1) / n of what each collective moves, n = 2
+
+    def one(bus):
+        return 2e-6 + bus / (300e9 * LINK_EFFICIENCY)  # one step of a 2-rank collective inside the node
+    per_way = 2 * one(a2a_bus) + 2 * one(gather_bus)
+    step = plan_step_time(run, A100, gpus_per_node=8)
+    assert step.breakdown["moe_comm_s"] == pytest.approx(L * 2 * per_way, rel=1e-12)
+
+
+def test_hierarchical_cp_exchange_by_hand():
+    """CP 4 as a2a+p2p [2, 2] (one node): per layer, forward an all-to-all over 2 ranks of the rank's Q, K and V
+    heads (64 tokens, 8 + 8 heads of 64 + 64 widths, bf16) and one ring step of its K and V; backward the
+    all-to-all and two ring steps (K/V and their gradients); all exposed."""
+    run = Run(_model(cp_comm_type="a2a+p2p"), ParallelLayout(world_size=4, cp=4), "bf16", 1, 1,
+              hierarchical_inner=2)
+    pair = (S // 4) * (64 + 64)  # a rank's tokens x (q/k width + v width), per head
+
+    def one(bus):
+        return 2e-6 + bus / (300e9 * LINK_EFFICIENCY)  # one step between 2 ranks inside the node
+    a2a = one((8 + 8) * pair * 2 / 2)
+    ring = one(8 * pair * 2)  # a send/recv's bytes are its message
+    step = plan_step_time(run, A100, gpus_per_node=8)
+    assert step.breakdown["cp_comm_s"] == pytest.approx(L * (2 * a2a + 3 * ring), rel=1e-12)
+
+
 def test_cli_prints_the_time_and_its_json(tmp_path, capsys):
     path = tmp_path / "job.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,

@@ -24,6 +24,7 @@ gives the step time and bubble of each schedule.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -171,14 +172,24 @@ def rank_operations(num_microbatches: int, num_model_chunks: int, *, pipeline_pa
     """A rank's order with each entry's micro-batch: the k-th forward is table entry k, the k-th backward is
     table entry k with its chunk mirrored (per chunk, backwards come in the order of the forwards).
     ``schedule`` "zero_bubble": ``zero_bubble_orders`` (one chunk)."""
-    group = microbatch_group_size_per_vp_stage or pipeline_parallel_size
+    return list(_rank_operations(num_microbatches, num_model_chunks, pipeline_parallel_size, pipeline_parallel_rank,
+                                 microbatch_group_size_per_vp_stage or pipeline_parallel_size, forward_only,
+                                 schedule))
+
+
+@functools.lru_cache(maxsize=512)
+def _rank_operations(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int,
+                     pipeline_parallel_rank: int, group: int, forward_only: bool,
+                     schedule: str) -> Tuple[Operation, ...]:
+    """``rank_operations``, made once per argument set (the plan's search asks for the same ranks' orders for
+    every layout of one pipeline size)."""
     table = get_schedule_table(num_microbatches, num_model_chunks, group)
     if forward_only:
-        return [Operation(True, chunk, mb) for mb, chunk in table]
+        return tuple(Operation(True, chunk, mb) for mb, chunk in table)
     if schedule == "zero_bubble":
         if num_model_chunks != 1:
             raise ValueError("the zero-bubble schedule (ZB-H1) runs one model chunk per rank")
-        return zero_bubble_orders(num_microbatches, pipeline_parallel_size)[pipeline_parallel_rank]
+        return _zero_bubble_orders(num_microbatches, pipeline_parallel_size)[pipeline_parallel_rank]
     order = get_order(num_microbatches, num_model_chunks, pipeline_parallel_size=pipeline_parallel_size,
                       pipeline_parallel_rank=pipeline_parallel_rank, microbatch_group_size_per_vp_stage=group)
     ops, fwd, bwd = [], 0, 0
@@ -191,7 +202,7 @@ def rank_operations(num_microbatches: int, num_model_chunks: int, *, pipeline_pa
             mb, chunk = table[bwd]
             ops.append(Operation(False, num_model_chunks - 1 - chunk, mb))
             bwd += 1
-    return ops
+    return tuple(ops)
 
 
 def virtual_stage(chunk: int, rank: int, pipeline_parallel_size: int) -> int:
@@ -243,6 +254,35 @@ def channel_messages(operations: Sequence[Operation], rank: int, pipeline_parall
     return out
 
 
+@functools.lru_cache(maxsize=512)
+def posted_receives(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int,
+                    pipeline_parallel_rank: int, microbatch_group_size_per_vp_stage: Optional[int] = None,
+                    schedule: str = "interleaved_1f1b") -> Tuple[Tuple[Operation, int], ...]:
+    """``rank``'s order with, per operation, how many receive buffers the runtime posts right before it (it posts
+    a neighbour's messages in that neighbour's send order, up to the one the operation needs; -1: it needs none,
+    else the one it needs is then taken).  Made once per schedule: the memory plan walks it for every layout."""
+    p, v, rank = pipeline_parallel_size, num_model_chunks, pipeline_parallel_rank
+
+    def order(r):
+        return _rank_operations(num_microbatches, v, p, r, microbatch_group_size_per_vp_stage or p, False, schedule)
+    expected = {src: list(channel_messages(order(src), src, p, v).get(rank, []))
+                for src in {(rank - 1) % p, (rank + 1) % p} - {rank}}
+    posted, out = set(), []
+    for op in order(rank):
+        needed = receives_of(op, rank, p, v)
+        if needed is None:
+            out.append((op, -1))
+            continue
+        src, message = needed
+        count = 0
+        while message not in posted:
+            posted.add(expected[src].pop(0))
+            count += 1
+        posted.discard(message)
+        out.append((op, count))
+    return tuple(out)
+
+
 def zero_bubble_orders(num_microbatches: int, pipeline_parallel_size: int) -> List[List[Operation]]:
     """Every rank's order of ZB-H1 (``_zero_bubble_orders``, made once per size: the plan's search and memory walk
     ask for every rank of the same pipeline many times)."""
@@ -281,13 +321,14 @@ def _zero_bubble_orders(num_microbatches: int, pipeline_parallel_size: int) -> T
         if sent is not None:
             arrived[sent[1]] = clock[r]
 
-    while any(position[r] < len(base[r]) or pending[r] for r in range(p)):
-        progressed = False
-        for r in sorted(range(p), key=lambda k: clock[k]):
+    # The ranks by (clock, rank), kept sorted as one rank's clock moves per turn: each turn runs the first that can.
+    queue = [(0.0, r) for r in range(p)]
+    remaining = p
+    while remaining:
+        for turn, (_, r) in enumerate(queue):
             if position[r] == len(base[r]):
                 if pending[r]:
                     run(r, pending[r].pop(0), clock[r])
-                    progressed = True
                     break
                 continue
             op = base[r][position[r]]
@@ -308,10 +349,12 @@ def _zero_bubble_orders(num_microbatches: int, pipeline_parallel_size: int) -> T
                 clock[r] = ready_at  # idle until the input arrives
             else:
                 continue  # blocked on a message not sent yet
-            progressed = True
             break
-        if not progressed:
+        else:
             raise ValueError("the zero-bubble orders deadlock")
+        del queue[turn]
+        bisect.insort(queue, (clock[r], r))
+        remaining -= position[r] == len(base[r]) and not pending[r]
     return tuple(tuple(ops) for ops in out)
 
 
@@ -341,36 +384,70 @@ def simulate_pipeline(num_microbatches: int, num_model_chunks: int, pipeline_par
     ``backward_time`` each); ``costs[rank][chunk]``, when given, each chunk's own (forward, B, W) instead (a
     full backward is B + W): uneven stages and the real split of a backward."""
     p, v = pipeline_parallel_size, num_model_chunks
-    ops = [rank_operations(num_microbatches, v, pipeline_parallel_size=p, pipeline_parallel_rank=r,
-                           microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-                           schedule=schedule)
-           for r in range(p)]
+    programs = _programs(num_microbatches, v, p, microbatch_group_size_per_vp_stage or p, schedule)
     if costs is None:
         costs = [[(forward_time, backward_time / 2, backward_time / 2)] * v for _ in range(p)]
-    arrived: Dict[Tuple[str, int, int], float] = {}
+    # Each rank's cost of each (kind, chunk): forward, full backward (B + W), B, W.
+    price = [[(f, b + w, b, w)[kind] for kind in range(4)] for f, b, w in (c for rank in costs for c in rank)]
+    arrived: List[Optional[float]] = [None] * (2 * p * v * num_microbatches)
     clock, busy, position = [0.0] * p, [0.0] * p, [0] * p
-    while any(position[r] < len(ops[r]) for r in range(p)):
+    remaining = sum(1 for program in programs if program)
+    while remaining:
         progressed = False
         for r in range(p):
-            while position[r] < len(ops[r]):
-                op = ops[r][position[r]]
-                needed = receives_of(op, r, p, v)
-                if needed is not None and needed[1] not in arrived:
-                    break
-                start = max(clock[r], arrived[needed[1]] if needed is not None else 0.0)
-                f, b, w = costs[r][op.chunk]
-                cost = f if op.forward else b + w if op.part == "full" else b if op.part == "input" else w
-                clock[r] = start + cost
-                busy[r] += cost
-                sent = sends_of(op, r, p, v)
-                if sent is not None:
-                    arrived[sent[1]] = clock[r] + message_time
-                position[r] += 1
+            program, at, now, spent = programs[r], position[r], clock[r], busy[r]
+            while at < len(program):
+                kind, chunk, needed, sent = program[at]
+                if needed >= 0:
+                    ready = arrived[needed]
+                    if ready is None:
+                        break
+                    if ready > now:
+                        now = ready
+                cost = price[r * v + chunk][kind]
+                now = now + cost
+                spent += cost
+                if sent >= 0:
+                    arrived[sent] = now + message_time
+                at += 1
+            if at != position[r]:
+                position[r], clock[r], busy[r] = at, now, spent
                 progressed = True
+                remaining -= at == len(program)
         if not progressed:
-            stuck = {r: ops[r][position[r]] for r in range(p) if position[r] < len(ops[r])}
+            stuck = {r: rank_operations(num_microbatches, v, pipeline_parallel_size=p, pipeline_parallel_rank=r,
+                                        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+                                        schedule=schedule)[position[r]]
+                     for r in range(p) if position[r] < len(programs[r])}
             raise ValueError(f"the pipeline orders deadlock: ranks wait at {stuck}")
     return PipelineTiming(max(clock), tuple(busy), tuple(clock))
+
+
+@functools.lru_cache(maxsize=256)
+def _programs(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int, group: int,
+              schedule: str) -> Tuple[Tuple[Tuple[int, int, int, int], ...], ...]:
+    """Every rank's order as (kind: 0 forward, 1 full backward, 2 B, 3 W; chunk; the message it waits for, the
+    one it sends, -1 for none), made once per schedule for ``simulate_pipeline``.  A message is numbered by
+    (activation or gradient, receiving virtual stage, micro-batch): ``receives_of`` and ``sends_of`` in numbers
+    (``tests/test_plan_time.py`` holds them equal)."""
+    p, v, m = pipeline_parallel_size, num_model_chunks, num_microbatches
+    last, gradient = p * v - 1, p * v * m  # the last virtual stage; where the gradients' numbers start
+    kinds = {"full": 1, "input": 2, "weight": 3}
+    out = []
+    for r in range(p):
+        program = []
+        for op in _rank_operations(m, v, p, r, group, False, schedule):
+            vs = op.chunk * p + r
+            if op.forward:
+                program.append((0, op.chunk, -1 if vs == 0 else vs * m + op.microbatch,
+                                -1 if vs == last else (vs + 1) * m + op.microbatch))
+            elif op.part == "weight":
+                program.append((3, op.chunk, -1, -1))
+            else:
+                program.append((kinds[op.part], op.chunk, -1 if vs == last else gradient + vs * m + op.microbatch,
+                                -1 if vs == 0 else gradient + (vs - 1) * m + op.microbatch))
+        out.append(tuple(program))
+    return tuple(out)
 
 
 def interleaved_bubble(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int) -> float:

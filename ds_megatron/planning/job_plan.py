@@ -42,14 +42,38 @@ def run_from_job(job, world_size: int, micro_batch: Optional[int] = None) -> Run
                (parallel.hierarchical_context_parallel_sizes or [None])[0])
 
 
+def memory_plans(job: JobConfig, world_size: int, micro_batch: Optional[int] = None, rank_lists: bool = True):
+    """``planning.memory.plan_memory`` of a parsed job (``rank_lists=False``: one plan per stage without its
+    ranks, for the search, which reads only the peak)."""
+    layout = job.megatron.layout(world_size)
+    precision, parallel = job.megatron.precision, job.megatron.parallel
+    opt_type, momentum = optimizer_of(job)
+    zero = None if precision.owns_optimizer else ZeroPlan.from_section(job.ds_config.get("zero_optimization", {}))
+    return plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum,
+                       micro_batch or job.ds_config.get("train_micro_batch_size_per_gpu", 1),
+                       job.megatron.ddp.use_distributed_optimizer,
+                       job.megatron.deepspeed_batch.micro_batches(layout.dp) or 1, parallel.pipeline_partition_method,
+                       parallel.pipeline_num_layers_per_stage, parallel.decoder_first_pipeline_num_layers,
+                       parallel.decoder_last_pipeline_num_layers,
+                       schedule=pipeline_schedule(parallel) if layout.pp > 1 else "1f1b",
+                       num_model_chunks=virtual_pipeline_size(parallel, job.model.num_layers, layout.pp),
+                       group_size=parallel.microbatch_group_size_per_vp_stage,
+                       deepspeed_engine=layout.pp > 1 and pipeline_runtime(parallel,
+                                                                           precision.optimizer_impl) == "deepspeed",
+                       grad_reduce_in_fp32=job.megatron.ddp.grad_dtype_is_fp32(precision.params_dtype != "fp32"),
+                       hierarchical_inner=(parallel.hierarchical_context_parallel_sizes or [None])[0], zero=zero,
+                       fp8_param_gather=job.megatron.ddp.fp8_param_gather, rank_lists=rank_lists)
+
+
 def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None):
     """(header, plans, comm) for a job config (path or dict): the memory per role and the bytes on the wire per
     stage (``comm_volume.plan_comm_volume``; a line saying why instead, where it does not apply); ``config`` may
     be a parsed ``JobConfig`` too."""
     job = config if isinstance(config, JobConfig) else parse_job_config(config)
+    plans = memory_plans(job, world_size, micro_batch)
     layout = job.megatron.layout(world_size)
     precision = job.megatron.precision
-    opt_type, momentum = optimizer_of(job)
+    opt_type, _ = optimizer_of(job)
     mb = micro_batch or job.ds_config.get("train_micro_batch_size_per_gpu", 1)
     distributed = job.megatron.ddp.use_distributed_optimizer
     parallel = job.megatron.parallel
@@ -59,13 +83,6 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
     deepspeed_engine = layout.pp > 1 and pipeline_runtime(parallel, precision.optimizer_impl) == "deepspeed"
     vpp = virtual_pipeline_size(parallel, job.model.num_layers, layout.pp)
     zero = None if precision.owns_optimizer else ZeroPlan.from_section(job.ds_config.get("zero_optimization", {}))
-    plans = plan_memory(job.model, layout, precision.params_dtype, opt_type, momentum, mb, distributed,
-                        micro_batches, parallel.pipeline_partition_method, parallel.pipeline_num_layers_per_stage,
-                        **uneven, schedule=schedule, num_model_chunks=vpp,
-                        group_size=parallel.microbatch_group_size_per_vp_stage, deepspeed_engine=deepspeed_engine,
-                        grad_reduce_in_fp32=job.megatron.ddp.grad_dtype_is_fp32(precision.params_dtype != "fp32"),
-                        hierarchical_inner=(parallel.hierarchical_context_parallel_sizes or [None])[0], zero=zero,
-                        fp8_param_gather=job.megatron.ddp.fp8_param_gather)
     experts = f" ep={layout.ep} etp={layout.etp} edp={layout.edp}" if job.model.num_experts else ""
     chunks = f", {vpp} chunks per rank" if vpp > 1 else ""
     chunks += " on DeepSpeed's PipelineEngine" if deepspeed_engine else ""

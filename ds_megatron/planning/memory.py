@@ -95,7 +95,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from ..config.model import pad_vocab_size
 from ..errors import ConfigError
-from ..pipeline_parallel.schedule_table import channel_messages, rank_operations, receives_of
+from ..pipeline_parallel.schedule_table import posted_receives
 from .param_counts import gpt_param_counts, pipeline_rank_chunks
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -645,8 +645,9 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
                 num_model_chunks: int = 1, group_size: Optional[int] = None,
                 deepspeed_engine: bool = False, grad_reduce_in_fp32: Optional[bool] = None,
                 hierarchical_inner: Optional[int] = None, zero: Optional[ZeroPlan] = None,
-                fp8_param_gather: bool = False) -> List[RankMemory]:
-    """One ``RankMemory`` per (pipeline stage, TP rank index): the ranks holding the same shards.
+                fp8_param_gather: bool = False, rank_lists: bool = True) -> List[RankMemory]:
+    """One ``RankMemory`` per (pipeline stage, TP rank index): the ranks holding the same shards
+    (``rank_lists=False``: one per stage, its ``ranks`` empty; the TP ranks' bytes are the same).
 
     ``distributed_optimizer``: fp32 main params, main grads and optimizer states
     are this rank's shard, ``1/DP`` of the dense params and ``1/EDP`` of the
@@ -679,7 +680,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     low = BYTES[params_dtype]
     mixed = params_dtype != "fp32"
     grad_elem = 4 if (mixed if grad_reduce_in_fp32 is None else grad_reduce_in_fp32) else low
-    groups = layout.group_ranks()
+    groups = layout.group_ranks() if rank_lists else None
     plans = []
     for stage, layers in enumerate(ranges):
         counts = gpt_param_counts(cfg, layout.tp, layout.ep, layout.etp, layers, first_stage=stage == 0,
@@ -709,9 +710,9 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         activations, in_flight = schedule_peak_activations(per_chunk, micro_batches, pp, stage, schedule,
                                                            group_size, message if ours else 0, deferred)
         activations += transient
-        stage_ranks = {p[stage] for p in groups["pp"]}  # once per stage: thousands of groups at 16,384 ranks
-        for tp_rank in range(layout.tp):
-            ranks = sorted(g[tp_rank] for g in groups["tp"] if g[tp_rank] in stage_ranks)
+        stage_ranks = {p[stage] for p in groups["pp"]} if rank_lists else None  # thousands of groups at 16,384
+        for tp_rank in range(layout.tp if rank_lists else 1):
+            ranks = sorted(g[tp_rank] for g in groups["tp"] if g[tp_rank] in stage_ranks) if rank_lists else []
             role = f"stage {stage} tp rank {tp_rank}" if pp > 1 else f"tp rank {tp_rank}"
             state_per_param = optimizer_state_bytes_per_param(optimizer_type, momentum)
             if zero is not None:
@@ -743,24 +744,13 @@ def schedule_peak_activations(chunk_bytes: Sequence[int], micro_batches: int, pp
         return chunk_bytes[0], 1
     v = len(chunk_bytes)
     kind = "zero_bubble" if schedule == "zero_bubble" else "interleaved_1f1b"
-
-    def order(r):
-        return rank_operations(micro_batches, v, pipeline_parallel_size=pp, pipeline_parallel_rank=r,
-                               microbatch_group_size_per_vp_stage=group_size, schedule=kind)
-    expected = {src: list(channel_messages(order(src), src, pp, v).get(rank, []))
-                for src in {(rank - 1) % pp, (rank + 1) % pp} - {rank}}
-    posted = set()
     deferred = deferred_bytes or [0] * v
     alive = count = peak = peak_count = 0
-    for op in order(rank):
-        needed = receives_of(op, rank, pp, v)
-        if needed is not None:
-            src, message = needed
-            while message not in posted:
-                posted.add(expected[src].pop(0))
+    for op, posts in posted_receives(micro_batches, v, pp, rank, group_size, kind):
+        if posts >= 0:
+            for _ in range(posts):
                 alive += message_bytes
             peak = max(peak, alive)
-            posted.discard(message)
             alive -= message_bytes  # taken: an activation becomes the chunk's input (counted below)
         if op.forward:
             alive, count = alive + chunk_bytes[op.chunk], count + 1

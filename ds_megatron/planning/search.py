@@ -1,19 +1,24 @@
 """``ds-megatron plan --search``: the layouts of N GPUs for one model, ranked by predicted step time (pure, no torch).
 
 Enumerated: TP (within a node, with sequence parallelism when above 1), CP and its type (``p2p``,
-``all_gather``, ``a2a``), EP and ETP (``1`` or TP) for MoE models, PP, DP (the rest), the micro-batch, the
+``all_gather``, ``a2a``, and hierarchical ``a2a+p2p`` with each split of CP into an all-to-all group of more
+than one and fewer than CP ranks and a ring over those groups), EP and ETP (``1`` or TP) for MoE models, PP, DP (the rest), the micro-batch, the
 recomputation (none, selective ``core_attn``, full), and per such group its variants: v chunks per rank
 (interleaved), ZB-H1 for one chunk, Megatron's uneven first / last stages (one layer fewer on each), the
 distributed optimizer.  Each variant is the user's config with these keys replaced, so it passes the config's
 own rules or is dropped (``parse_job_config``, ``MegatronConfig.layout``); it is kept when the plan's peak per
-rank (``planning.memory``, through ``report.plan_from_config``) fits the hardware's memory.
+rank (``planning.memory``, through ``job_plan.memory_plans``) fits the hardware's memory.
 
-Pruning keeps the answer exact for the layouts returned: a group whose first rank overflows the memory at its
-best (``_memory_floor``) is dropped; a group's time bound is its compute per rank
-without bubble, communication after the backward or stage imbalance (the model's work over ``pp`` stages), below
-every variant's step.  Groups are visited in the order of their bound and the search stops planning when the
-bound reaches the ``limit``-th best step found.  Not enumerated: hierarchical CP (``a2a+p2p``), PP sizes that
-do not divide the layers, the rank order (the config's).
+Pruning keeps the answer exact for the layouts returned (``tests/test_plan_search.py``: the same ranking as
+planning every candidate in full): a group whose first rank overflows the memory at its best
+(``_memory_floor``) is dropped; a group's time bound is its compute per rank without bubble, communication after
+the backward or stage imbalance (the model's work over ``pp`` stages), below every variant's step.  Groups are
+visited in the order of their bound and none of a group's variants is planned once the bound reaches the
+``limit``-th best step found; a variant is simulated only when its ``pipeline_floor`` is below it, and its memory
+planned (per stage, without rank lists) only when its step is.  What depends only on the group (its model, its
+layers' and chunks' prices, its stages' parameters) is priced once for all its variants (``_Pricer``), each
+``ParallelLayout`` made once per sizes, each schedule's orders once per size (``schedule_table``).  Not
+enumerated: PP sizes that do not divide the layers, the rank order (the config's).
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from ..errors import ConfigError
 from .hardware import GIB, Hardware
 from .memory import BYTES, activation_bytes, optimizer_state_bytes_per_param
 from .param_counts import gpt_param_counts
-from .job_plan import plan_from_config, run_from_job
+from .job_plan import memory_plans, run_from_job
 from ..parallel.layout import ParallelLayout
 from .step_time import Run, _Pricer, plan_step_time, stage_phases
 
@@ -48,6 +53,7 @@ class Layout:
     vpp: int
     cp: int
     cp_comm_type: str
+    hierarchical_context_parallel_sizes: Optional[Tuple[int, int]]  # [a2a, p2p] with cp_comm_type "a2a+p2p"
     ep: int
     etp: int
     dp: int
@@ -115,6 +121,8 @@ def candidate_config(base: Dict, choice: Dict, global_batch: int, dp: int) -> Di
                 mega[f"decoder_{end}_pipeline_num_layers"] = choice[end]
     if choice["cp"] > 1:
         model["cp_comm_type"] = choice["cp_comm_type"]
+        if choice.get("cp_inner") is not None:
+            mega["hierarchical_context_parallel_sizes"] = [choice["cp_inner"], choice["cp"] // choice["cp_inner"]]
     if choice["recompute"] == "selective":
         model["recompute_granularity"] = "selective"
     elif choice["recompute"] == "full":
@@ -132,7 +140,8 @@ def _groups(job, world: int, gpus_per_node: int, global_batch: int) -> Iterator[
     tps = [t for t in _divisors(gpus_per_node) if t <= world]
     for tp in tps:
         for cp in [c for c in _divisors(world // tp) if c == 1 or model.seq_length % (2 * c * tp) == 0]:
-            for cp_type in (CP_TYPES if cp > 1 else ("p2p",)):
+            types = [(t, None) for t in CP_TYPES] + [("a2a+p2p", inner) for inner in _divisors(cp)[1:-1]]
+            for cp_type, cp_inner in (types if cp > 1 else [("p2p", None)]):
                 for pp in [p for p in _divisors(world // (tp * cp)) if p <= model.num_layers]:
                     dp = world // (tp * cp * pp)
                     if global_batch % dp:
@@ -146,7 +155,8 @@ def _groups(job, world: int, gpus_per_node: int, global_batch: int) -> Iterator[
                             if (global_batch // dp) % mb:
                                 continue
                             for recompute in RECOMPUTE:
-                                yield dict(tp=tp, cp=cp, cp_comm_type=cp_type, ep=ep, etp=etp, pp=pp, dp=dp,
+                                yield dict(tp=tp, cp=cp, cp_comm_type=cp_type, cp_inner=cp_inner, ep=ep, etp=etp,
+                                           pp=pp, dp=dp,
                                            micro_batch=mb, recompute=recompute, vpp=1, schedule="1f1b",
                                            first=None, last=None, distributed_optimizer=False)
 
@@ -166,7 +176,7 @@ def _variants(group: Dict, num_layers: int) -> Iterator[Dict]:
             yield dict(group, vpp=vpp, schedule=schedule, first=first, last=last, distributed_optimizer=distributed)
 
 
-def _group_run(job, base: Run, group: Dict, world: int, global_batch: int, layouts: Dict) -> Run:
+def _group_run(job, base: Run, group: Dict, world: int, global_batch: int, layouts: Dict, models: Dict) -> Run:
     """The group's plain variant (one chunk, 1F1B, uniform stages, no distributed optimizer) as a ``Run``, through
     the model's and the layout's own rules (ConfigError or ValueError when they refuse it); the whole config's
     rules are checked for each variant planned in full."""
@@ -174,8 +184,12 @@ def _group_run(job, base: Run, group: Dict, world: int, global_batch: int, layou
                  "selective": dict(recompute_granularity="selective", recompute_method=None,
                                    recompute_num_layers=None),
                  "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
-    model = dataclasses.replace(job.model, sequence_parallel=group["tp"] > 1, cp_comm_type=group["cp_comm_type"],
-                                recompute_modules=None, **recompute[group["recompute"]])
+    model_key = (group["tp"] > 1, group["cp_comm_type"], group["recompute"])
+    if model_key not in models:  # a few models for thousands of groups
+        models[model_key] = dataclasses.replace(job.model, sequence_parallel=group["tp"] > 1,
+                                                cp_comm_type=group["cp_comm_type"], recompute_modules=None,
+                                                **recompute[group["recompute"]])
+    model = models[model_key]
     key = (group["tp"], group["pp"], group["cp"], group["ep"], group["etp"])
     if key not in layouts:  # made once per sizes: a layout of 16,384 ranks checks its groups when made
         layouts[key] = ParallelLayout(world_size=world, tp=group["tp"], pp=group["pp"], cp=group["cp"],
@@ -184,7 +198,8 @@ def _group_run(job, base: Run, group: Dict, world: int, global_batch: int, layou
     model.check_layout(layout)
     if model.num_layers % layout.pp:
         raise ConfigError("uneven stages: planned as variants of the group of a uniform split")
-    return dataclasses.replace(base, model=model, layout=layout, micro_batch=group["micro_batch"],
+    return dataclasses.replace(base, model=model, layout=layout, hierarchical_inner=group["cp_inner"],
+                               micro_batch=group["micro_batch"],
                                micro_batches=global_batch // (layout.dp * group["micro_batch"]), schedule="1f1b",
                                vpp=1, partition_method="uniform", layers_per_stage=None, first=None, last=None,
                                distributed_optimizer=False)
@@ -205,7 +220,7 @@ def _memory_floor(run: Run) -> float:
     dense, expert = counts.sharded + counts.replicated, counts.expert
     static = (dense + expert) * (low + grad) + dense * state / (lay.dp * lay.cp) + expert * state / lay.edp
     kept = activation_bytes(cfg, lay.tp, run.micro_batch, run.params_dtype, logits=False, cp=lay.cp, layers=layers,
-                            etp=lay.etp, embedding=False, kept_only=True)
+                            etp=lay.etp, hierarchical_inner=run.hierarchical_inner, embedding=False, kept_only=True)
     return static + kept * min(lay.pp, run.micro_batches)
 
 
@@ -217,6 +232,27 @@ def _bound(run: Run, pricer: _Pricer) -> float:
         work += sum(c.total for c in pricer.layer(i, model.recomputes_layer(0)))
     work += sum(c.total for c in pricer.head()) + sum(c.total for c in pricer.embedding())
     return run.micro_batches * work / pp
+
+
+def pipeline_floor(run: Run, phases, message_time: float) -> float:
+    """A time no rank of ``run``'s pipeline finishes its last backward after, below what ``simulate_pipeline``
+    gives (``tests/test_plan_time.py`` holds it so; equal to it for 1F1B and interleaved stages of equal costs):
+    rank r starts no work before the first micro-batch's forwards of chunk 0 on ranks 0..r-1 and their messages
+    (``head``), then computes its own work (``busy``); its last backward of chunk 0 then has each lower rank's
+    backward of chunk 0 and a message to wait for (``chain``).  That backward is a 1F1B or interleaved rank's
+    last operation; under ZB-H1 only W's follow it (at most every W of the rank).  Less one part in 10^9 for the
+    rounding of the simulation's own sums."""
+    m, zero_bubble = run.micro_batches, run.schedule == "zero_bubble"
+    costs = [[(f.total, b.total, w.total) for f, b, w in stage] for stage in phases]
+    floor = head = chain = 0.0
+    for stage in costs:
+        busy = m * sum(f + b + w for f, b, w in stage)
+        f, b, w = stage[0]
+        after = m * w if zero_bubble else 0.0
+        floor = max(floor, head + busy, head + busy - after + chain)
+        head += f + message_time
+        chain += message_time + (b if zero_bubble else b + w)
+    return floor * (1 - 1e-9)
 
 
 def search_layouts(config, world_size: int, hw: Hardware, gpus_per_node: Optional[int] = None,
@@ -234,10 +270,11 @@ def search_layouts(config, world_size: int, hw: Hardware, gpus_per_node: Optiona
         raise ConfigError(f"--global-batch-size {global_batch} must be a positive number of samples")
     bounded: List[Tuple[float, int, Dict, Run, _Pricer]] = []
     layouts: Dict = {}
+    models: Dict = {}
     base_run = run_from_job(job, world_size)  # the job's own settings (dtype, optimizer, overlap), read once
     for n, group in enumerate(_groups(job, world_size, gpn, global_batch)):
         try:
-            run = _group_run(job, base_run, group, world_size, global_batch, layouts)
+            run = _group_run(job, base_run, group, world_size, global_batch, layouts, models)
         except ValueError:  # ConfigError too: the model or the layout refuses the group
             continue
         if _memory_floor(run) <= hw.memory_bytes:
@@ -258,9 +295,8 @@ def search_layouts(config, world_size: int, hw: Hardware, gpus_per_node: Optiona
                 phases = stage_phases(variant, pricer)
             except ValueError:  # stages the uneven ends cannot split
                 continue
-            busiest = variant.micro_batches * max(sum(c.total for chunk in stage for c in chunk) for stage in phases)
-            if len(best) >= limit and busiest >= -best[0][0]:
-                continue  # its busiest rank's compute alone is slower than the list's last
+            if len(best) >= limit and pipeline_floor(variant, phases, pricer.message_time()) >= -best[0][0]:
+                continue  # its pipeline's critical path alone is slower than the list's last
             step = plan_step_time(variant, hw, gpn, pricer)
             if len(best) >= limit and step.step_time_s >= -best[0][0]:
                 continue
@@ -279,13 +315,14 @@ def _evaluate(base: Dict, choice: Dict, world: int, hw: Hardware, global_batch: 
     """The variant's layout if the config's rules take it and the plan's peak fits memory, else None."""
     try:
         job = parse_job_config(candidate_config(base, choice, global_batch, choice["dp"]))
-        _, plans, _ = plan_from_config(job, world)
+        plans = memory_plans(job, world, rank_lists=False)
     except ConfigError:
         return None
     peak = max(p.total_bytes for p in plans)
     if peak > hw.memory_bytes:
         return None
-    return Layout(choice["tp"], choice["pp"], choice["vpp"], choice["cp"], choice["cp_comm_type"], choice["ep"],
+    sizes = None if choice["cp_inner"] is None else (choice["cp_inner"], choice["cp"] // choice["cp_inner"])
+    return Layout(choice["tp"], choice["pp"], choice["vpp"], choice["cp"], choice["cp_comm_type"], sizes, choice["ep"],
                   choice["tp"] if choice["etp"] is None else choice["etp"], choice["dp"],
                   choice["micro_batch"], choice["recompute"], choice["distributed_optimizer"], choice["schedule"],
                   choice["first"], choice["last"], step.step_time_s, step.model_tflops_per_gpu, step.mfu,
@@ -300,7 +337,9 @@ def format_layouts(result: SearchResult, hw: Hardware) -> str:
     for x in result.layouts:
         rows.append([f"{x.step_time_s:.3f}", f"{x.model_tflops_per_gpu:.1f}", f"{x.mfu:.1%}",
                      f"{x.peak_memory_gib:.1f}", str(x.tp), str(x.pp), str(x.vpp),
-                     f"{x.cp}" + (f" {x.cp_comm_type}" if x.cp > 1 else ""), str(x.ep), str(x.etp), str(x.dp),
+                     f"{x.cp}" + (f" {x.cp_comm_type}" if x.cp > 1 else "")
+                     + (" {}x{}".format(*x.hierarchical_context_parallel_sizes)
+                        if x.hierarchical_context_parallel_sizes else ""), str(x.ep), str(x.etp), str(x.dp),
                      str(x.micro_batch), x.recompute, "yes" if x.distributed_optimizer else "no", x.schedule,
                      f"{x.first or '-'}/{x.last or '-'}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -14,8 +14,8 @@ Each rank's work per micro-batch and model chunk is priced on a ``planning.hardw
 * collectives at the latency and bus bandwidth of the link their group crosses (inside a node or between nodes,
   from the rank order and ``gpus_per_node``), with ``planning.comm_volume``'s bus bytes: TP's reductions (sequence
   parallel: gathers and scatters), exposed; the CP ring's K/V, hidden behind the attention core but for what
-  exceeds it, the all-gather and all-to-all variants exposed; MoE's all-to-all, exposed; each pipeline message
-  delays its receiver;
+  exceeds it, the all-gather and all-to-all variants exposed; MoE's all-to-all over EP and, with ETP, the
+  all-gather and reduce-scatter of the routed tokens over ETP, exposed; each pipeline message delays its receiver;
 * recomputation's extra forward: a ``"full"`` layer's forward up to the MLP's input (torch's checkpoint stops
   there; ``recompute_whole_layer``: Megatron-LM 2021's reentrant checkpoint reruns all of it), selective
   ``core_attn`` the core, ``mlp`` the MLP;
@@ -146,10 +146,17 @@ class _Pricer:
         self.inter = {kind: group_spans_nodes(lay, kind, gpus_per_node) for kind in ("tp", "cp", "dp-cp", "pp")}
         self.inter["ep"] = group_spans_nodes(lay, "ep", gpus_per_node, expert=True)
         self.inter["edp"] = group_spans_nodes(lay, "dp", gpus_per_node, expert=True)
+        self.inter["etp"] = group_spans_nodes(lay, "tp", gpus_per_node, expert=True)
         self.act = BYTES[run.params_dtype]
         self.tokens = run.micro_batch * self.cfg.seq_length / lay.cp  # this rank's tokens of a micro-batch
         self.sp = self.cfg.sequence_parallel and lay.tp > 1
         self.layers: Dict[Tuple[bool, bool, bool], Tuple[Cost, Cost, Cost]] = {}  # by what a layer's price reads
+        # The search prices many variants of one run: a chunk's price, a stage's parameters and the step's FLOPs
+        # depend on its layers (and ends), not on the schedule, so each is made once (and never modified).
+        self.chunks: Dict[Tuple[int, int, bool, bool], Tuple[Cost, Cost, Cost]] = {}
+        self.counts: Dict[Tuple[Tuple[int, ...], bool, bool], object] = {}
+        self.flops: Dict[float, float] = {}
+        self.splits: Dict[Tuple, List[List[range]]] = {}
 
     def coll(self, kind: str, group: str, n: int, bus: float) -> float:
         return self.hw.collective_time(kind, n, bus, self.inter[group])
@@ -205,10 +212,15 @@ class _Pricer:
             self.gemm(ffn_fwd, b, w, routed / local, gated * width, h, dtype, batch=local)
             fc2 = Cost()
             self.gemm(fc2, b, w, routed / local, h, width, dtype, batch=local)
-            moved = _gather_or_scatter(lay.ep, routed * h * a)  # dispatched and combined, each way
-            a2a = 2 * self.coll("all_to_all", "ep", lay.ep, moved)
-            fwd.add("moe_comm", a2a)
-            b.add("moe_comm", a2a)
+            # Each way (forward, backward): the all-to-all over EP of the tokens this rank routes (balanced: as
+            # many come back), dispatched and combined; with ETP, an all-gather of what arrived over the ETP group
+            # before the experts and a reduce-scatter after them (each the other's backward).
+            moved = _gather_or_scatter(lay.ep, routed / lay.etp * h * a)
+            gathered = _gather_or_scatter(lay.etp, routed * h * a)
+            exchange = (2 * self.coll("all_to_all", "ep", lay.ep, moved) + self.coll("all_gather", "etp", lay.etp,
+                        gathered) + self.coll("reduce_scatter", "etp", lay.etp, gathered))
+            fwd.add("moe_comm", exchange)
+            b.add("moe_comm", exchange)
             elementwise = routed * (gated + 1) * width * a + 4 * routed * h * a  # activation, permutes
             if cfg.moe_shared_expert_intermediate_size:
                 shared = cfg.moe_shared_expert_intermediate_size // t
@@ -343,7 +355,44 @@ class _Pricer:
         fwd.add("tp_comm", one)
         return fwd, b, w
 
+    def message_time(self) -> float:
+        """One pipeline message (a micro-batch's activation or its gradient) between neighbouring stages."""
+        if self.layout.pp == 1:
+            return 0.0
+        message = self.tokens * self.cfg.hidden_size * self.act / (self.layout.tp if self.sp else 1)
+        return self.coll("send_recv", "pp", 2, message)
+
     def chunk(self, layers: range, embedding: bool, head: bool) -> Tuple[Cost, Cost, Cost]:
+        """(forward, B, W) of one model chunk (contiguous ``layers``, with the embedding / the head) per
+        micro-batch."""
+        key = (layers.start, layers.stop, embedding, head)
+        if key not in self.chunks:
+            self.chunks[key] = self._chunk(layers, embedding, head)
+        return self.chunks[key]
+
+    def stage_counts(self, layers: Sequence[int], first_stage: bool, last_stage: bool):
+        """``gpt_param_counts`` of one pipeline rank's layers."""
+        key = (tuple(layers), first_stage, last_stage)
+        if key not in self.counts:
+            lay = self.layout
+            self.counts[key] = gpt_param_counts(self.cfg, lay.tp, lay.ep, lay.etp, layers, first_stage=first_stage,
+                                                last_stage=last_stage)
+        return self.counts[key]
+
+    def rank_chunks(self, run: Run) -> List[List[range]]:
+        """``pipeline_rank_chunks`` of ``run``'s split (a variant of this pricer's run)."""
+        key = (run.partition_method, tuple(run.layers_per_stage or ()), run.first, run.last, run.vpp)
+        if key not in self.splits:
+            self.splits[key] = pipeline_rank_chunks(self.cfg, self.layout, run.partition_method,
+                                                    run.layers_per_stage, run.first, run.last, run.vpp)
+        return self.splits[key]
+
+    def model_flops(self, samples: float) -> float:
+        if samples not in self.flops:
+            self.flops[samples] = model_flops(self.cfg, samples)
+        return self.flops[samples]
+
+    def _chunk(self, layers: range, embedding: bool, head: bool) -> Tuple[Cost, Cost, Cost]:
         fwd, b, w = Cost(), Cost(), Cost()
         pieces = [self.layer(i, self.cfg.recomputes_layer(local)) for local, i in enumerate(layers)]
         if embedding:
@@ -361,9 +410,8 @@ class _Pricer:
 
 def stage_phases(run: Run, pricer: "_Pricer") -> List[List[Tuple[Cost, Cost, Cost]]]:
     """Per pipeline rank, per model chunk: (forward, B, W) of one micro-batch."""
-    cfg, lay = run.model, run.layout
-    pp, v = lay.pp, run.vpp
-    chunks = pipeline_rank_chunks(cfg, lay, run.partition_method, run.layers_per_stage, run.first, run.last, v)
+    pp, v = run.layout.pp, run.vpp
+    chunks = pricer.rank_chunks(run)
     return [[pricer.chunk(layers, stage == 0 and c == 0, stage == pp - 1 and c == v - 1)
              for c, layers in enumerate(chunks[stage])] for stage in range(pp)]
 
@@ -376,9 +424,7 @@ def plan_step_time(run: Run, hw: Hardware, gpus_per_node: Optional[int] = None,
     pricer = pricer or _Pricer(run, hw, gpus_per_node or hw.gpus_per_node)
     pp, v, m = lay.pp, run.vpp, run.micro_batches
     phases = stage_phases(run, pricer)
-    sp = pricer.sp
-    message = pricer.tokens * cfg.hidden_size * pricer.act / (lay.tp if sp else 1)
-    message_time = pricer.coll("send_recv", "pp", 2, message) if pp > 1 else 0.0
+    message_time = pricer.message_time()
     costs = [[(f.total, b.total, w.total) for f, b, w in stage] for stage in phases]
     if pp > 1:
         kind = "zero_bubble" if run.schedule == "zero_bubble" else "interleaved_1f1b"
@@ -388,17 +434,17 @@ def plan_step_time(run: Run, hw: Hardware, gpus_per_node: Optional[int] = None,
         finish = (m * sum(f + b + w for f, b, w in costs[0]),)
     best = None
     for stage in range(pp):
-        compute = {part: m * sum(ph.parts.get(part, 0.0) for f, b, w in phases[stage] for ph in (f, b, w))
-                   for part in PARTS}
         tail = _after_backward(run, hw, pricer, stage, phases[stage])
-        parts = {**{f"{k}_s": s for k, s in compute.items() if s},
-                 "pipeline_bubble_s": finish[stage] - sum(compute.values()), **tail}
         total = finish[stage] + sum(tail.values())
         if best is None or total > best[0]:
-            best = (total, stage, parts)
-    total, stage, parts = best
+            best = (total, stage, tail)
+    total, stage, tail = best
+    compute = {part: m * sum(ph.parts.get(part, 0.0) for f, b, w in phases[stage] for ph in (f, b, w))
+               for part in PARTS}
+    parts = {**{f"{k}_s": s for k, s in compute.items() if s},
+             "pipeline_bubble_s": finish[stage] - sum(compute.values()), **tail}
     peak = hw.peak("fp8" if cfg.fp8 is not None else run.params_dtype)
-    flops = model_flops(cfg, run.micro_batch * m * lay.dp)
+    flops = pricer.model_flops(run.micro_batch * m * lay.dp)
     return StepTime(total, flops, lay.world_size, peak, {k: s for k, s in parts.items() if s}, stage)
 
 
@@ -407,10 +453,8 @@ def _after_backward(run: Run, hw: Hardware, pricer: _Pricer, stage: int, phases)
     optimizer step, the parameter all-gather."""
     cfg, lay = run.model, run.layout
     pp = lay.pp
-    counts = gpt_param_counts(cfg, lay.tp, lay.ep, lay.etp,
-                              [i for c in pipeline_rank_chunks(cfg, lay, run.partition_method, run.layers_per_stage,
-                                                               run.first, run.last, run.vpp)[stage] for i in c],
-                              first_stage=stage == 0, last_stage=stage == pp - 1)
+    counts = pricer.stage_counts([i for c in pricer.rank_chunks(run)[stage] for i in c], first_stage=stage == 0,
+                                 last_stage=stage == pp - 1)
     grad = 4 if run.grad_fp32 else BYTES[run.params_dtype]
     dense, expert = counts.sharded + counts.replicated, counts.expert
     n_dense, n_expert = lay.dp * lay.cp, lay.edp

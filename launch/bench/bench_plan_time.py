@@ -8,7 +8,8 @@ profile.  Each layout (TP, PP 1F1B / interleaved / ZB-H1, CP, DP, the distribute
 fresh 4-rank job training the same fp32 GPT through ``ds_megatron.initialize`` (our pipeline runtime for PP);
 the step is the median of ``--steps`` timed steps after one warm-up, max over ranks.  Printed: each layout's
 measured and predicted step, the error, and the Spearman rank correlation and median error over the layouts;
-then ``plan --search``'s first choice on this profile.  The box's load moves the measurements (ranks share its
+the search's first choice over these layouts (the one predicted fastest whose plan fits the profile's memory)
+and its measured step against the fastest measured; then ``plan --search``'s first choices over all layouts.  The box's load moves the measurements (ranks share its
 cores): the header prints the core count and the load average.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, ROOT)
 from ds_megatron.config.job import parse_job_config  # noqa: E402
 from ds_megatron.integration.local_job import run_local_job  # noqa: E402
 from ds_megatron.planning.hardware import load_hardware  # noqa: E402
-from ds_megatron.planning.job_plan import run_from_job  # noqa: E402
+from ds_megatron.planning.job_plan import memory_plans, run_from_job  # noqa: E402
 from ds_megatron.planning.search import search_layouts  # noqa: E402
 from ds_megatron.planning.step_time import plan_step_time  # noqa: E402
 
@@ -137,19 +138,27 @@ def main(argv=None):
           f"layers x hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro_batch}, {args.global_batch} samples "
           f"per step, fp32 AdamW; median of {args.steps} steps; profile {args.hardware}")
     print(f"{'layout':>26s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s}")
-    measured, predicted = [], []
+    measured, predicted, fits = [], [], []
     for name, layout in LAYOUTS.items():
         config = job_config(args, layout)
-        plan = plan_step_time(run_from_job(parse_job_config(config), WORLD), hw)
+        job = parse_job_config(config)
+        plan = plan_step_time(run_from_job(job, WORLD), hw)
+        fits.append(max(p.total_bytes for p in memory_plans(job, WORLD, rank_lists=False)) <= hw.memory_bytes)
         seconds = run_local_job(WORLD, _measure, config, args.steps)
         measured.append(seconds)
         predicted.append(plan.step_time_s)
         print(f"{name:>26s} {seconds * 1e3:12.1f} {plan.step_time_s * 1e3:13.1f} "
               f"{plan.step_time_s / seconds - 1:+7.1%}", flush=True)
     errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]
+    names = list(LAYOUTS)
+    fastest = measured.index(min(measured))
     print(f"Spearman rank correlation {spearman(measured, predicted):.2f}; median |error| "
-          f"{statistics.median(errors):.1%}; fastest measured {min(measured) * 1e3:.1f} ms "
-          f"({list(LAYOUTS)[measured.index(min(measured))]})")
+          f"{statistics.median(errors):.1%}; fastest measured {measured[fastest] * 1e3:.1f} ms ({names[fastest]})")
+    # The search's rule over the measured set: the layout predicted fastest among those whose plan fits memory.
+    first = min((i for i in range(len(names)) if fits[i]), key=lambda i: predicted[i])
+    print(f"search's first choice among the measured: {names[first]} (predicted {predicted[first] * 1e3:.1f} ms, "
+          f"measured {measured[first] * 1e3:.1f} ms) = {measured[first] / measured[fastest]:.2f}x the fastest "
+          f"measured ({names[fastest]}, {measured[fastest] * 1e3:.1f} ms); goal <= 1.10x")
     result = search_layouts(job_config(args, {}), WORLD, hw, global_batch=args.global_batch, limit=3)
     for x in result.layouts:
         print(f"search: tp{x.tp} pp{x.pp} vpp{x.vpp} cp{x.cp} dp{x.dp} mb{x.micro_batch} {x.recompute} "

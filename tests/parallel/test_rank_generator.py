@@ -234,3 +234,24 @@ def test_layout_group_kinds_partition_the_world():
 def test_layout_rejects_bad_sizes(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         ParallelLayout(**kwargs)
+
+
+def test_layout_pipeline_check_equals_comparing_the_groups():
+    """The layout's O(1) check (pp's stride in both generators) refuses exactly the orders whose dense and expert
+    pipeline groups differ when listed rank by rank, over every order of the five dimensions."""
+    refused = accepted = 0
+    for order in itertools.permutations(DIMENSIONS):
+        for tp, cp, ep, etp, pp in [(2, 2, 2, 1, 2), (2, 1, 4, 2, 2), (1, 2, 2, 2, 3), (2, 2, 1, 4, 2)]:
+            world, order_s = 2 * math.lcm(tp * cp * pp, etp * ep * pp), "-".join(order)
+            dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * cp * pp), pp=pp, cp=cp, order=order_s)
+            expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order_s)
+            same = dense.get_ranks("pp") == expert.get_ranks("pp")
+            try:
+                ParallelLayout(world_size=world, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, order=order_s)
+            except ValueError as e:
+                assert not same and "different pipeline groups" in str(e), (order_s, tp, cp, ep, etp, pp)
+                refused += 1
+            else:
+                assert same, (order_s, tp, cp, ep, etp, pp)
+                accepted += 1
+    assert refused and accepted
