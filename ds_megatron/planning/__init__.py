@@ -6,7 +6,7 @@
 | ``memory`` | bytes per rank: params, grads, fp32 main params and grads, optimizer states, activations |
 | ``comm_volume`` | bus bytes each rank sends per step, per group (DP, distributed optimizer, TP, SP, CP, PP) |
 | ``flops`` | the FLOPs of a step (causal attention counted in full, as the published tables count it) |
-| ``hardware`` | the machine as data: A100, H100, H200, B200 from their datasheets, or a JSON profile |
+| ``hardware`` | the machine as data: A100, H100, H200, B200 from datasheets, or a JSON profile; ``DeviceKernels`` |
 | ``step_time`` | the predicted step on a profile: GEMMs, attention, memory-bound work, collectives, the bubble |
 | ``job_plan`` | a parsed job's plans (memory, bytes on the wire) and the ``Run`` the clock reads |
 | ``search`` | ``plan --search``: the layouts of N GPUs that fit memory, ranked by predicted step |

@@ -113,6 +113,7 @@ def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
            "network_bytes_per_s": collectives["all_reduce"]["bus_bytes_per_s"], "gpus_per_node": 1 << 20,
            "sms": 1, "gemm_efficiency": 1.0, "gemm_table": gemms, "collectives": {"intra": collectives},
            "kernel_launch_s": 0.0, "attention_kernel": "materialized",
+           "device": "cpu",
            "source": f"ds-megatron plan --calibrate, {ranks} gloo ranks, {time.strftime('%Y-%m-%d %H:%M')}"}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)

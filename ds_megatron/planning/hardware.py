@@ -17,6 +17,10 @@ What a program achieves of a peak is a physical constant of the kernels, named h
 
 A measured profile (``cpu``) replaces the curve by its table of GEMM rates by shape and the ring constants by
 measured latency and bus bandwidth per collective.
+
+Where a device's kernels keep different tensors for backward, the activation plan (``planning.memory``) follows
+the profile's ``device``: ``DeviceKernels``, ``CPU_KERNELS`` for the calibrated ``cpu`` profile (what the plan's
+tests measure), ``CUDA_KERNELS`` for the GPUs.
 """
 from __future__ import annotations
 
@@ -34,6 +38,30 @@ LINK_EFFICIENCY = 0.8  # nccl-tests all-reduce busbw: ~230-240 GB/s of NVLink3's
 FLASH_ATTENTION_EFFICIENCY = (0.70, 0.55)  # FlashAttention-2 on A100, head dim 128: forward, backward
 KERNEL_LAUNCH_S = 4e-6  # one CUDA kernel's launch and tail, the floor of a small GEMM
 GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class DeviceKernels:
+    """The habits of a device's kernels that change what a layer keeps for backward (``planning.memory``).
+
+    ``math_attention_under_dropout``: with ``attention_dropout > 0`` torch's CPU attention falls back to the math
+    kernel, which keeps ``s x s`` probabilities, dropout mask and dropped probabilities (16-bit models: in fp32,
+    beside fp32 copies of q, k and v); CUDA's flash / memory-efficient kernels keep the RNG state instead.
+    ``fp8_gemm_fp32_copies``: the CPU's ``torch._scaled_mm`` makes fp32 copies of its fp8 operands and an fp32
+    output; a GPU's reads the fp8 bytes.  ``dropout_mask_in_input_dtype``: the CPU's dropout keeps its scaled mask
+    in the input's dtype; CUDA's fused dropout a one-byte mask."""
+
+    name: str
+    math_attention_under_dropout: bool
+    fp8_gemm_fp32_copies: bool
+    dropout_mask_in_input_dtype: bool
+
+
+CPU_KERNELS = DeviceKernels("cpu", math_attention_under_dropout=True, fp8_gemm_fp32_copies=True,
+                            dropout_mask_in_input_dtype=True)
+CUDA_KERNELS = DeviceKernels("cuda", math_attention_under_dropout=False, fp8_gemm_fp32_copies=False,
+                             dropout_mask_in_input_dtype=False)
+DEVICE_KERNELS = {k.name: k for k in (CPU_KERNELS, CUDA_KERNELS)}
 
 
 @dataclass(frozen=True)
@@ -66,6 +94,11 @@ class Hardware:
     kernel_launch_s: float = KERNEL_LAUNCH_S
     attention_kernel: str = "flash"  # "flash" (causal blocks skipped) or "materialized" (scores through memory)
     source: str = ""
+    device: str = "cuda"  # whose kernels' habits the activation plan counts (DEVICE_KERNELS): "cuda" or "cpu"
+
+    @property
+    def kernels(self) -> DeviceKernels:
+        return DEVICE_KERNELS[self.device]
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops or not self.peak_flops[dtype]:
@@ -162,6 +195,8 @@ def hardware_from_dict(doc: Dict, where: str = "hardware") -> Hardware:
     if doc.get("attention_kernel", "flash") not in ("flash", "materialized"):
         raise ConfigError(f"{where}: attention_kernel={doc['attention_kernel']!r} is unknown; use \"flash\" or "
                           "\"materialized\"")
+    if doc.get("device", "cuda") not in DEVICE_KERNELS:
+        raise ConfigError(f"{where}: device={doc['device']!r} is unknown; use \"cuda\" or \"cpu\"")
     try:
         return Hardware(**doc)
     except TypeError as e:

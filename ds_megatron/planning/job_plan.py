@@ -10,6 +10,7 @@ from ..config.job import JobConfig, parse_job_config
 from ..config.pipeline import pipeline_runtime, pipeline_schedule, virtual_pipeline_size
 from ..errors import ConfigError
 from .comm_volume import plan_comm_volume
+from .hardware import CPU_KERNELS, DeviceKernels
 from .memory import ZeroPlan, plan_memory
 from .step_time import Run
 
@@ -42,9 +43,10 @@ def run_from_job(job, world_size: int, micro_batch: Optional[int] = None) -> Run
                (parallel.hierarchical_context_parallel_sizes or [None])[0])
 
 
-def memory_plans(job: JobConfig, world_size: int, micro_batch: Optional[int] = None, rank_lists: bool = True):
+def memory_plans(job: JobConfig, world_size: int, micro_batch: Optional[int] = None, rank_lists: bool = True,
+                 kernels: DeviceKernels = CPU_KERNELS):
     """``planning.memory.plan_memory`` of a parsed job (``rank_lists=False``: one plan per stage without its
-    ranks, for the search, which reads only the peak)."""
+    ranks, for the search, which reads only the peak); ``kernels``: the device the activations are planned for."""
     layout = job.megatron.layout(world_size)
     precision, parallel = job.megatron.precision, job.megatron.parallel
     opt_type, momentum = optimizer_of(job)
@@ -62,15 +64,17 @@ def memory_plans(job: JobConfig, world_size: int, micro_batch: Optional[int] = N
                                                                            precision.optimizer_impl) == "deepspeed",
                        grad_reduce_in_fp32=job.megatron.ddp.grad_dtype_is_fp32(precision.params_dtype != "fp32"),
                        hierarchical_inner=(parallel.hierarchical_context_parallel_sizes or [None])[0], zero=zero,
-                       fp8_param_gather=job.megatron.ddp.fp8_param_gather, rank_lists=rank_lists)
+                       fp8_param_gather=job.megatron.ddp.fp8_param_gather, rank_lists=rank_lists,
+                       kernels=kernels)
 
 
-def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None):
+def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None,
+                     kernels: DeviceKernels = CPU_KERNELS):
     """(header, plans, comm) for a job config (path or dict): the memory per role and the bytes on the wire per
     stage (``comm_volume.plan_comm_volume``; a line saying why instead, where it does not apply); ``config`` may
-    be a parsed ``JobConfig`` too."""
+    be a parsed ``JobConfig`` too.  ``kernels``: the device the activations are planned for (``--hardware``'s)."""
     job = config if isinstance(config, JobConfig) else parse_job_config(config)
-    plans = memory_plans(job, world_size, micro_batch)
+    plans = memory_plans(job, world_size, micro_batch, kernels=kernels)
     layout = job.megatron.layout(world_size)
     precision = job.megatron.precision
     opt_type, _ = optimizer_of(job)
@@ -94,7 +98,8 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None)
               f"{' (fp8 layers: ' + job.model.fp8_recipe + ' ' + job.model.fp8 + ')' if job.model.fp8 else ''}"
               f"{', their weights fp8 bytes (fp8_param_gather)' if job.megatron.ddp.fp8_param_gather else ''}, "
               f"optimizer {opt_type} via {precision.optimizer_impl}"
-              f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}")
+              f"{' (distributed: fp32 copies and states sharded over DP)' if distributed else ''}; micro-batch {mb}; "
+              f"activations as {kernels.name} kernels keep them")
     if job.model.num_experts:
         header += "\nactivations: MoE layers are planned for balanced routing (topk tokens per token on every rank)"
     if layout.pp > 1 and (job.model.recompute_granularity == "selective" or job.model.mlp_sequence_tiles > 1):

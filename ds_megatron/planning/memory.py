@@ -20,12 +20,19 @@ and its re-layout, the MLP's ffn-wide tensors (GELU: 2, gated: 4); at ffn = 4h
 with GELU and MHA that is 4 + 13/t elements of ``s*b*h``, under sequence
 parallelism 2 + 15/t (the LayerNorm inputs split, the column-parallel layers keep
 their gathered input).  Multi-latent attention counts its latents and its own
-q/k/v widths; MoE layers their routed tokens' tensors under balanced routing;
-the last stage each multi-token-prediction depth's layer, norms and head.  Torch's
-fused attention keeps no ``s x s`` scores; with ``attention_dropout > 0`` CPU
-attention falls back to the math kernel, which keeps four ``b*a/t*s*s``
-tensors of the activation size per layer (measured).  Hidden dropout adds two
-1-byte masks per layer.  Besides the layers: the final LayerNorm's input and
+q/k/v widths; MoE layers their routed tokens' tensors under balanced routing (each
+TP rank's share, all-gathered over ETP: ``routed_tokens``); the last stage each
+multi-token-prediction depth's layer, norms and head.
+
+Where kernels differ by device, the plan follows the device it is made for, one
+``planning.hardware.DeviceKernels`` passed down (``plan --hardware``'s; a CPU's by
+default, which the tests measure).  Torch's fused attention keeps no ``s x s``
+scores; with ``attention_dropout > 0`` CPU attention falls back to the math
+kernel, which keeps three ``b*a/t*s*s`` tensors per layer and copies of q, k and
+v, in fp32 for 16-bit models, and makes a fourth in backward
+(``math_attention_bytes``); CUDA's flash / memory-efficient kernels keep no
+``s x s`` tensor (the RNG state only).  Hidden dropout adds two masks per layer:
+in the activations' dtype on a CPU, a byte an element on CUDA.  Besides the layers: the final LayerNorm's input and
 the output layer's input, the ``s*b*V/t`` logits (the cross entropy works in
 their storage; 16-bit logits get an fp32 copy), and the larger of the head's
 two backward phases: the loss's (the logits) and the output layer's (the logits'
@@ -58,12 +65,12 @@ peak of their sum is planned.
 FP8 layers (``model.fp8``, every recipe): each linear keeps fp8 copies of its input and
 weight (1 byte an element; blockwise's scales too) instead of its 16-bit input, which is freed where nothing else
 keeps it (``fp8_layer_bytes``, exact at TP 1); in fc2's backward a CPU's ``torch._scaled_mm`` makes fp32 copies of
-its operands (``fp8_backward_bytes``, the peak on a CPU, above a GPU's need).  With ``fp8_param_gather`` the fp8
-layers' weights are one byte each (``fp8_weight_elements``).  The delayed recipe's amax histories and scales
-live from the build on (``fp8_scaling_state_bytes``, ``RankMemory.fp8_scaling_bytes``).  Under CP each rank's
-copies are of its ``s / cp`` tokens; ZB-H1's deferred W keeps the fp8 copies of X and dY (``fp8_deferred_bytes``);
-MoE experts keep their token groups padded to the recipe's alignment, counted at the bound
-(``fp8_expert_bytes``).
+its operands (``fp8_backward_bytes``, the peak on a CPU; not planned on CUDA, whose kernel reads the fp8 bytes).
+With ``fp8_param_gather`` the fp8 layers' weights are one byte each (``fp8_weight_elements``).  The delayed
+recipe's amax histories and scales live from the build on (``fp8_scaling_state_bytes``,
+``RankMemory.fp8_scaling_bytes``).  Under CP each rank's copies are of its ``s / cp`` tokens; ZB-H1's deferred W
+keeps the fp8 copies of X and dY (``fp8_deferred_bytes``); MoE experts keep their token groups padded to the
+recipe's alignment, counted at the bound (``fp8_expert_bytes``).
 
 MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
 split over ETP (no biases), plus a replicated router and, if configured, a
@@ -96,6 +103,7 @@ from typing import List, Optional, Sequence, Tuple
 from ..config.model import pad_vocab_size
 from ..errors import ConfigError
 from ..pipeline_parallel.schedule_table import posted_receives
+from .hardware import CPU_KERNELS, DeviceKernels
 from .param_counts import gpt_param_counts, pipeline_rank_chunks
 
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -119,8 +127,43 @@ def selective_recompute(cfg, cp: int = 1) -> Tuple[bool, bool]:
     return "core_attn" in modules and cp == 1, "mlp" in modules or cfg.mlp_sequence_tiles > 1
 
 
+def routed_tokens(cfg, tp: int, etp: int) -> float:
+    """Tokens an MoE layer's experts on a rank work on, per token of the micro-batch, under balanced routing: each
+    TP rank routes its ``1/tp`` of the tokens (its sequence-parallel slice, or the slice the layer scatters without
+    sequence parallelism), ``moe_router_topk`` each, and the dispatcher all-gathers them over the ETP group."""
+    return cfg.moe_router_topk * etp / tp
+
+
+def math_attention_bytes(cfg, tp: int, micro_batch: int, s: int, act: int, kernels: DeviceKernels = CPU_KERNELS,
+                         inputs_kept: bool = False) -> Tuple[float, float]:
+    """``(kept, transient)`` of a layer's core attention beyond ``layer_activation_elements``'s count where the
+    device runs attention dropout in torch's math kernel (``DeviceKernels.math_attention_under_dropout``; 0 where it
+    runs a fused kernel).  The kernel works in fp32 for 16-bit models (measured with autograd's saved-tensor hooks):
+    it keeps three ``[b, heads/tp, s, s]`` tensors (the probabilities, the dropout mask, the dropped probabilities)
+    and fp32 copies of the scaled q and of k; v is kept as it is in fp32, as an fp32 copy in 16-bit models, whose
+    16-bit q, k and v are then not kept (measured to the byte beside the fused kernel, which keeps q, k, v), unless
+    ``inputs_kept`` (recomputed ``core_attn``: its checkpoint keeps them).  Its backward adds one more ``s x s``
+    gradient beside the core's dq, dk and dv."""
+    if cfg.attention_dropout == 0 or not kernels.math_attention_under_dropout:
+        return 0, 0
+    wide = max(act, 4)
+    scores = micro_batch * (cfg.num_attention_heads // tp) * s * s * wide
+    qk, v = cfg.head_widths
+    widths = 2 * qk * wide + (v * wide - (0 if inputs_kept else (2 * qk + v) * act) if act < wide else 0)
+    return 3 * scores + widths * cfg.num_attention_heads / tp * s * micro_batch, scores
+
+
+def hidden_dropout_mask_bytes(cfg, tp: int, tokens: int, act: int, kernels: DeviceKernels = CPU_KERNELS) -> float:
+    """One hidden-dropout mask of a layer (after attention, after the MLP; split under sequence parallelism): in the
+    input's dtype on a CPU (its dropout keeps the scaled mask), a byte an element where the device's is fused."""
+    if cfg.hidden_dropout == 0:
+        return 0
+    sp = cfg.sequence_parallel and tp > 1
+    return tokens * cfg.hidden_size / (tp if sp else 1) * (act if kernels.dropout_mask_in_input_dtype else 1)
+
+
 def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 1,
-                              micro_batch: Optional[int] = None) -> float:
+                              micro_batch: Optional[int] = None, kernels: DeviceKernels = CPU_KERNELS) -> float:
     """What one transformer layer keeps for backward, in elements per token of the micro-batch (see the
     module docstring), by the layer's own widths: the two norms' inputs (four with post_sublayer_norms);
     attention's input (gathered under sequence parallelism) and, per head on this rank, q, k and v (GQA's k and
@@ -129,13 +172,14 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
     qk_pos_emb_head_dim`` wide: v padded to it) and the re-layout (``v_head_dim``); the attention sinks' core: its
     ``s x (s + 1)`` probabilities too; the MLP's input and its ``ffn``-wide tensors (GELU: fc1's output and the
     activation's; gated: fc1's two halves, act(gate) and the product; gpt-oss's clamped quick-GELU GLU three
-    more); an MoE layer's router input and, per routed token (``moe_router_topk`` per token under balanced
-    routing, /tp with sequence parallelism), the permuted input, the experts' ffn-wide tensors (one more: the
-    routing weight's product) and the output before the combining sum, plus a shared expert as a dense MLP.
-    At micro-batch 1 (no CP, no attention dropout) the re-layout is a view of the core's output (the fused
-    kernels write it [b, s, heads, d]), so they count once.  Selective recomputation (``selective_recompute``):
-    the core's output is not kept (``core_attn``: its inputs q, k, v are, and the re-layout), nor the MLP's
-    ffn-wide tensors, experts and shared expert (``mlp`` or the MLP's tiles: its input is)."""
+    more); an MoE layer's router input (``mlp_input_elements``) and, per routed token (``routed_tokens``: the
+    ETP-gathered ``moe_router_topk`` per token under balanced routing), the permuted input, the experts' ffn-wide
+    tensors (one more: the routing weight's product) and the output before the combining sum, plus a shared expert
+    as a dense MLP.  At micro-batch 1 (no CP, a fused core: on a CPU no attention dropout) the re-layout is a view
+    of the core's output (the fused kernels write it [b, s, heads, d]), so they count once.  Selective
+    recomputation (``selective_recompute``): the core's output is not kept (``core_attn``: its inputs q, k, v
+    are, and the re-layout), nor the MLP's ffn-wide tensors, experts and shared expert (``mlp`` or the MLP's
+    tiles: its input is).  ``kernels``: the device's (``planning.hardware.DeviceKernels``)."""
     core, mlp = selective_recompute(cfg, cp)
     h = cfg.hidden_size
     sp = cfg.sequence_parallel and tp > 1
@@ -147,7 +191,8 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
         # the re-layout of the output's v channels
         attention = h + q_latent + 2 * cfg.kv_lora_rank + cfg.num_attention_heads / tp * ((3 if core else 4) * qk + v)
     else:
-        shared = micro_batch == 1 and cp == 1 and cfg.attention_dropout == 0  # re-layout: a view of the output
+        fused = cfg.attention_dropout == 0 or not kernels.math_attention_under_dropout
+        shared = micro_batch == 1 and cp == 1 and fused  # re-layout: a view of the output
         attention = h + (4 if core or shared else 5) * cfg.num_attention_heads * cfg.head_dim / tp
         if cfg.attn_logit_softcapping is not None and not core:
             # the soft-capped core is not fused: its capped scores and probabilities, [b, heads/tp, s, s] each
@@ -155,7 +200,16 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
         elif cfg.softmax_type == "learnable" and not core and cp == 1:
             # the sinks' core (the CP cores keep their rows' log-sum-exp only) is not fused: its probabilities with the sink's column, [b, heads/tp, s, s + 1]
             attention += cfg.num_attention_heads / tp * (cfg.seq_length + 1)
-    return norms + attention + h + (0 if mlp else mlp_activation_elements(cfg, layer, tp, etp))
+    mlp_tensors = 0 if mlp else mlp_activation_elements(cfg, layer, tp, etp)
+    return norms + attention + mlp_input_elements(cfg, layer, tp) + mlp_tensors
+
+
+def mlp_input_elements(cfg, layer: int, tp: int) -> float:
+    """The MLP's kept input per token: a dense MLP's fc1 keeps it gathered under sequence parallelism, an MoE
+    layer's router its own sequence-parallel slice (measured; a shared expert keeps its gathered copy, counted in
+    ``mlp_activation_elements``)."""
+    sp = cfg.sequence_parallel and tp > 1
+    return cfg.hidden_size / tp if sp and cfg.is_moe_layer(layer) else cfg.hidden_size
 
 
 def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1, etp: int = 1,
@@ -207,11 +261,11 @@ def fp8_expert_bytes(cfg, tp: int, etp: int, ep: int, tokens: int) -> float:
     ops (measured).  The padding depends on the routing, which the plan does not know: it counts the bound, every
     local expert padded by alignment - 1 rows and the indices kept (``tests/fp8/test_fp8_plan.py`` holds a
     measured layer between this bound and the count without padding); the routed tokens are the balanced
-    ``moe_router_topk`` per token (/tp under sequence parallelism), as ``layer_activation_elements`` counts them."""
+    ``routed_tokens``, as ``layer_activation_elements`` counts them."""
     h, ffn = cfg.hidden_size, cfg.moe_ffn_hidden_size / etp
     glu = 2 if cfg.gated_linear_unit else 1
     local = cfg.num_experts // ep
-    routed = tokens * cfg.moe_router_topk / (tp if cfg.sequence_parallel and tp > 1 else 1)
+    routed = tokens * routed_tokens(cfg, tp, etp)
     blockwise = cfg.fp8_recipe == "blockwise"
     align = 128 if blockwise else 16
     rows = routed + local * (align - 1)
@@ -223,11 +277,11 @@ def fp8_expert_bytes(cfg, tp: int, etp: int, ep: int, tokens: int) -> float:
 
 
 def fp8_backward_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1, etp: int = 1,
-                       ep: int = 1) -> float:
+                       ep: int = 1, kernels: DeviceKernels = CPU_KERNELS) -> float:
     """What an fp8 layer's MLP backward holds beyond the 16-bit count, at its peak in fc2's backward: the output
-    gradient's fp8 copy and, in the weight-gradient GEMM (beside the input gradient), on a CPU torch._scaled_mm's
-    two fp32 copies of each operand ([T, h] and [T, ffn/tp]) and its fp32 and 16-bit outputs (measured; a GPU's
-    kernel reads the fp8 bytes: there the plan is above the need by that much).  A recomputed MLP (selective
+    gradient's fp8 copy and, in the weight-gradient GEMM (beside the input gradient), its 16-bit output and, on a
+    CPU (``DeviceKernels.fp8_gemm_fp32_copies``), torch._scaled_mm's two fp32 copies of each operand ([T, h] and
+    [T, ffn/tp]) and its fp32 output (measured; a GPU's kernel reads the fp8 bytes).  A recomputed MLP (selective
     ``mlp``, its tiles: one tile's tokens at a time) reruns its forward in its backward, where fc1's and fc2's
     fp8 copies of their inputs and weights take the place of the 16-bit inputs the 16-bit count holds.  An MoE
     layer's: one expert's fc2 at a time, its token group under balanced routing padded to the alignment."""
@@ -237,11 +291,13 @@ def fp8_backward_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int 
     _, mlp = selective_recompute(cfg, cp)
     if cfg.is_moe_layer(layer):
         ffn, local = cfg.moe_ffn_hidden_size / etp, cfg.num_experts // ep
-        routed = tokens * cfg.moe_router_topk / (tp if cfg.sequence_parallel and tp > 1 else 1)
+        routed = tokens * routed_tokens(cfg, tp, etp)
         tokens = -(-routed // local) + (127 if cfg.fp8_recipe == "blockwise" else 15)
     tokens = -(-tokens // max(1, cfg.mlp_sequence_tiles))
     glu = 2 if cfg.gated_linear_unit else 1
     rerun = h * (glu + 1) * ffn - (act - 1) * tokens * (h + ffn) if mlp else 0
+    if not kernels.fp8_gemm_fp32_copies:
+        return rerun + h * tokens + act * h * ffn
     return rerun + (h + 8 * (h + ffn)) * tokens + (4 + act) * h * ffn
 
 
@@ -256,7 +312,7 @@ def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
         ffn_tensors += int(cfg.activation == "quick_gelu") + int(clamp) + int(clamp or bool(cfg.glu_linear_offset))
     if not cfg.is_moe_layer(layer):
         return ffn_tensors * cfg.ffn_hidden_size / tp
-    routed = cfg.moe_router_topk / (tp if sp else 1)
+    routed = routed_tokens(cfg, tp, etp)
     experts = routed * (2 * h + (ffn_tensors + 1) * cfg.moe_ffn_hidden_size / etp)
     shared = cfg.moe_shared_expert_intermediate_size
     shared_expert = h + ffn_tensors * shared / tp if shared else 0
@@ -264,7 +320,7 @@ def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
 
 
 def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params_dtype: str, cp: int, etp: int,
-                              kept: float, scores: int, ep: int = 1) -> float:
+                              kept: float, scores: int, ep: int = 1, kernels: DeviceKernels = CPU_KERNELS) -> float:
     """The height of layer ``layer``'s own backward beyond the layers below it, which keep their sets: its kept
     set ``kept`` and the gradient flowing down the residual stream (one [s, b, h], two in attention's backward),
     then the larger of
@@ -272,8 +328,9 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
       recomputed (selective ``mlp``, the MLP's tiles), the rerun's tensors too, one tile's at a time, beside the
       tiles' input gradient;
     * attention's backward, the MLP's share freed by then (its tensors, its input and the norm's): the core's
-      transients, the CP core's score blocks ``scores`` or the fused core's dq, dk and dv (recomputed
-      ``core_attn``: its output again, and attention dropout's ``s x s`` tensors)."""
+      transients, the CP core's score blocks ``scores`` or the core's dq, dk and dv, and the math kernel's
+      ``s x s`` gradient (``math_attention_bytes``; recomputed ``core_attn``: its output again, and what the math
+      kernel keeps).  ``kernels``: the device's (``planning.hardware.DeviceKernels``)."""
     s, b, h, a = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.num_attention_heads
     act = BYTES[params_dtype]
     sp = cfg.sequence_parallel and tp > 1
@@ -281,7 +338,7 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
     token = s * b * act
     glu = 2 if cfg.gated_linear_unit else 1
     if cfg.is_moe_layer(layer):
-        routed = cfg.moe_router_topk / (tp if sp else 1)
+        routed = routed_tokens(cfg, tp, etp)
         grads = 2 * glu * (routed * cfg.moe_ffn_hidden_size / etp + (cfg.moe_shared_expert_intermediate_size or 0) / tp)
     else:
         grads = 2 * glu * cfg.ffn_hidden_size / tp
@@ -297,17 +354,20 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
         rerun = (mlp_tensors + (3 * h if sp else 0) + grads / 2) / tiles + (h if tiles > 1 else 0)
     else:
         rerun = grads / 2
-    mlp_phase = kept + (stream + rerun) * token
-    mlp_phase += fp8_backward_bytes(cfg, layer, tp, s * b, act, cp, etp, ep)
-    freed = (0 if mlp else mlp_tensors) + h + (h / tp if sp else h)
+    mask = hidden_dropout_mask_bytes(cfg, tp, s * b, act, kernels)  # the MLP's freed first, then the attention's
+    mlp_phase = kept - mask + (stream + rerun) * token
+    mlp_phase += fp8_backward_bytes(cfg, layer, tp, s * b, act, cp, etp, ep, kernels)
+    freed = (0 if mlp else mlp_tensors) + mlp_input_elements(cfg, layer, tp) + (h / tp if sp else h)
     qk, v = cfg.head_widths
     if cp > 1:
         core_transient = scores
     else:
         core_transient = (3 * qk if not cfg.multi_latent_attention else 2 * qk + v) * a / tp * token
+        math_kept, math_transient = math_attention_bytes(cfg, tp, b, s, act, kernels, inputs_kept=core)
+        core_transient += math_transient
         if core:
-            core_transient += v * a / tp * token + (4 * b * (a // tp) * s * s * act if cfg.attention_dropout > 0 else 0)
-    attention_phase = kept + (stream + (h / tp if sp else h) - freed) * token + core_transient
+            core_transient += v * a / tp * token + math_kept
+    attention_phase = kept - 2 * mask + (stream + (h / tp if sp else h) - freed) * token + core_transient
     return max(mlp_phase, attention_phase)
 
 
@@ -383,7 +443,7 @@ def kv_heads_per_rank(cfg, tp: int) -> int:
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
                      logits: bool = True, cp: int = 1, layers: Optional[Sequence[int]] = None, etp: int = 1,
                      hierarchical_inner: Optional[int] = None, embedding: bool = True, kept_only: bool = False,
-                     ep: int = 1) -> int:
+                     ep: int = 1, kernels: DeviceKernels = CPU_KERNELS) -> int:
     """Activation memory of one micro-batch at its peak, the start of backward (see the module docstring).
 
     ``num_layers`` / ``logits``: a pipeline stage's share (its layers; final norm, output layer and
@@ -392,7 +452,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     s -> s/cp; attention dropout, whose s x s term would not split, is refused with cp > 1).  ``embedding``: the
     chunk also holds the word embedding (the tied output layer's weight gradient then waits for the embedding's
     through the layers' backward).  ``kept_only``: what a micro-batch keeps from its forward to its backward,
-    without the transients of its backward (a pipeline counts those once, not per micro-batch in flight)."""
+    without the transients of its backward (a pipeline counts those once, not per micro-batch in flight).
+    ``kernels``: the habits of the device planned for (``planning.hardware.DeviceKernels``; a CPU's by default)."""
     s, b, h, a = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.num_attention_heads
     if layers is None:
         layers = range(cfg.num_layers if num_layers is None else num_layers)
@@ -402,12 +463,11 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     sp = cfg.sequence_parallel and tp > 1
     extra = 0
     core_recomputed, mlp_recomputed = selective_recompute(cfg, cp)
-    if cfg.attention_dropout > 0 and not core_recomputed:
-        extra += 4 * b * (a // tp) * s * s * act
-    if cfg.hidden_dropout > 0:
-        extra += 2 * sbh / (tp if sp else 1)
+    if not core_recomputed:
+        extra += math_attention_bytes(cfg, tp, b, s, act, kernels)[0]
+    extra += 2 * hidden_dropout_mask_bytes(cfg, tp, s * b, act, kernels)  # the attention's and the MLP's
     extra += context_parallel_saved_bytes(cfg, tp, micro_batch, params_dtype, cp)
-    per_layer = [layer_activation_elements(cfg, i, tp, etp, cp, b) * s * b * act + extra
+    per_layer = [layer_activation_elements(cfg, i, tp, etp, cp, b, kernels) * s * b * act + extra
                  + fp8_layer_bytes(cfg, i, tp, s * b, act, cp, etp, ep) for i in layers]
     backward_start = weight_grad = 0
     if logits:
@@ -429,7 +489,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         # (gathered), its transformer layer, final norm and head input, and (untiled) its head's logits.
         depths = cfg.mtp_num_layers or 0
         norm = h / tp if sp else h
-        mtp = sum((3 * norm + 3 * h + layer_activation_elements(cfg, cfg.num_layers + k, tp, etp, cp, b)) * s * b * act
+        mtp = sum((3 * norm + 3 * h + layer_activation_elements(cfg, cfg.num_layers + k, tp, etp, cp, b, kernels))
+                  * s * b * act
                   + extra + fp8_layer_bytes(cfg, cfg.num_layers + k, tp, s * b, act, cp, etp, ep)
                   for k in range(depths))
         other_heads = 0 if tiled else depths * one_head * 4  # the loss keeps fp32 logits (16-bit ones freed)
@@ -442,7 +503,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
             return int(sum(per_layer))
         tied = weight_grad if logits and embedding and not cfg.untie_embeddings_and_output_weights else 0
         layer_peak = max(below + layer_backward_peak_bytes(cfg, i, tp, b, params_dtype, cp, etp, per_layer[k], scores,
-                                                           ep)
+                                                           ep, kernels)
                          for k, (i, below) in enumerate(zip(layers, accumulate(per_layer, initial=0))))
         return int(max(sum(per_layer) + backward_start, layer_peak + tied))
     # Recomputation: the recomputed layers' inputs (recompute_method "block": the first recompute_num_layers of
@@ -452,7 +513,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     recomputed = [j for j in range(L) if cfg.recomputes_layer(j)]
     inputs = len(recomputed) * sbh / (tp if sp else 1) * act
     ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
-    one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp, etp, ep)
+    one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp, etp, ep, kernels)
                     for j in recomputed) \
         + 2 * ffn / tp * s * b * act if recomputed else 0
     kept = sum(n for j, n in enumerate(per_layer) if j not in recomputed)
@@ -465,7 +526,7 @@ def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str
                                cp: int = 1, logits: bool = False, etp: int = 1, ep: int = 1) -> int:
     """What ZB-H1 keeps of one micro-batch of a chunk between its B and its W: each deferred linear's input and
     output gradient: QKV and the attention output; a dense MLP's fc1 and fc2; an MoE layer's experts (for the
-    tokens routed to this rank under balanced routing, ``s x b x topk``, /tp with sequence parallelism) and
+    tokens routed to this rank under balanced routing, ``routed_tokens``) and
     shared expert; with ``logits`` the tied or untied output layer's input [s, b, h] and the logits' gradient
     [s, b, V/tp] (not under ``loss_sequence_tiles``, which defers no output layer)."""
     s, b, h = cfg.seq_length // cp, micro_batch, cfg.hidden_size
@@ -480,7 +541,7 @@ def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str
     moe = 0
     if cfg.num_experts:
         sp = cfg.sequence_parallel and tp > 1
-        moe = mlp(cfg.moe_ffn_hidden_size, s * b * cfg.moe_router_topk / (tp if sp else 1), etp)
+        moe = mlp(cfg.moe_ffn_hidden_size, s * b * routed_tokens(cfg, tp, etp), etp)
         if cfg.moe_shared_expert_intermediate_size:
             moe += mlp(cfg.moe_shared_expert_intermediate_size, s * b, tp)
     total = sum(per_layer_attention + (moe if cfg.is_moe_layer(i) else dense) for i in layers)
@@ -511,7 +572,7 @@ def fp8_deferred_bytes(cfg, layer: int, tp: int, tokens: int, act: int, etp: int
         linears += [(h, glu * ffn / tp), (ffn / tp, h)]
     else:
         ffn, local = cfg.moe_ffn_hidden_size / etp, cfg.num_experts // ep
-        routed = tokens * cfg.moe_router_topk / (tp if cfg.sequence_parallel and tp > 1 else 1)
+        routed = tokens * routed_tokens(cfg, tp, etp)
         rows = routed + local * (127 if blockwise else 15)
         experts = sum(rows * (k + n) * elem - routed * (k + n) * act + (0 if blockwise else 8 * local)
                       for k, n in ((h, glu * ffn), (ffn, h)))
@@ -645,7 +706,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
                 num_model_chunks: int = 1, group_size: Optional[int] = None,
                 deepspeed_engine: bool = False, grad_reduce_in_fp32: Optional[bool] = None,
                 hierarchical_inner: Optional[int] = None, zero: Optional[ZeroPlan] = None,
-                fp8_param_gather: bool = False, rank_lists: bool = True) -> List[RankMemory]:
+                fp8_param_gather: bool = False, rank_lists: bool = True,
+                kernels: DeviceKernels = CPU_KERNELS) -> List[RankMemory]:
     """One ``RankMemory`` per (pipeline stage, TP rank index): the ranks holding the same shards
     (``rank_lists=False``: one per stage, its ``ranks`` empty; the TP ranks' bytes are the same).
 
@@ -670,6 +732,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     activations, no receive posted ahead) instead of our runtime.  ``zero``: DeepSpeed's optimizer path holds the
     params, gradients, fp32 copies and optimizer states as its ZeRO stage allocates them (``zero_state_bytes``).
     ``fp8_param_gather``: the fp8 layers' weights are 1 byte each (``fp8_weight_elements``), the rest 16-bit.
+    ``kernels``: the device whose kernels' habits the activations follow (``planning.hardware.DeviceKernels``).
     """
     check_fp8_plannable(cfg)  # counted (fp8_*_bytes): every recipe, TP / SP / CP / DP, every schedule, experts
     if layout.cp > 1:
@@ -693,7 +756,8 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         # Each chunk's kept set for every micro-batch in flight; the transients of one backward (the head's, a
         # layer's, the cores') once, at the largest chunk's.
         chunk_args = [dict(logits=stage == pp - 1 and c == v - 1, cp=layout.cp, layers=chunk, etp=layout.etp,
-                           ep=layout.ep, hierarchical_inner=hierarchical_inner, embedding=stage == 0 and c == 0)
+                           ep=layout.ep, hierarchical_inner=hierarchical_inner, embedding=stage == 0 and c == 0,
+                           kernels=kernels)
                       for c, chunk in enumerate(chunks[stage])]
         per_chunk = [activation_bytes(cfg, layout.tp, micro_batch, params_dtype, kept_only=True, **a)
                      for a in chunk_args]

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 from ..config.job import parse_job_config
 from ..errors import ConfigError
 from .comm_volume import format_comm_volume
-from .hardware import load_hardware
+from .hardware import CPU_KERNELS, load_hardware
 from .job_plan import plan_from_config, run_from_job
 from .memory import format_plan
 from .search import format_layouts, search_layouts
@@ -32,7 +32,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--micro-batch", type=int, help="default: train_micro_batch_size_per_gpu")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--hardware", help="a100 | h100 | h200 | b200 | FILE.json (--calibrate writes one): "
-                                           "add the predicted step time")
+                                           "add the predicted step time; activations as its kernels keep them")
     parser.add_argument("--gpus-per-node", type=int, help="GPUs sharing a node's NVLink (default: the hardware's)")
     parser.add_argument("--search", action="store_true",
                         help="rank the layouts of --world-size GPUs by predicted step time (needs --hardware)")
@@ -52,10 +52,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError("--config and --world-size are required (but for --calibrate OUT.json)")
         if args.search:
             return _search(args)
-        header, plans, comm = plan_from_config(args.config, args.world_size, args.micro_batch)
-        step = hw = None
-        if args.hardware:
-            hw = load_hardware(args.hardware)
+        hw = load_hardware(args.hardware) if args.hardware else None
+        header, plans, comm = plan_from_config(args.config, args.world_size, args.micro_batch,
+                                               hw.kernels if hw else CPU_KERNELS)
+        step = None
+        if hw:
             run = run_from_job(parse_job_config(args.config), args.world_size, args.micro_batch)
             step = plan_step_time(run, hw, args.gpus_per_node)
     except ConfigError as e:

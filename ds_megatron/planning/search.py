@@ -32,7 +32,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..config.job import parse_job_config
 from ..errors import ConfigError
-from .hardware import GIB, Hardware
+from .hardware import GIB, DeviceKernels, Hardware
 from .memory import BYTES, activation_bytes, optimizer_state_bytes_per_param
 from .param_counts import gpt_param_counts
 from .job_plan import memory_plans, run_from_job
@@ -205,7 +205,7 @@ def _group_run(job, base: Run, group: Dict, world: int, global_batch: int, layou
                                distributed_optimizer=False)
 
 
-def _memory_floor(run: Run) -> float:
+def _memory_floor(run: Run, kernels: DeviceKernels) -> float:
     """Bytes no variant of this group goes below on its first pipeline rank: its fewest layers (one fewer than
     uniform with an uneven first stage) and the embedding, each parameter with its weight, its gradient and, at
     best (the distributed optimizer), its share of the fp32 copy and optimizer state, and what those layers keep
@@ -220,7 +220,8 @@ def _memory_floor(run: Run) -> float:
     dense, expert = counts.sharded + counts.replicated, counts.expert
     static = (dense + expert) * (low + grad) + dense * state / (lay.dp * lay.cp) + expert * state / lay.edp
     kept = activation_bytes(cfg, lay.tp, run.micro_batch, run.params_dtype, logits=False, cp=lay.cp, layers=layers,
-                            etp=lay.etp, hierarchical_inner=run.hierarchical_inner, embedding=False, kept_only=True)
+                            etp=lay.etp, hierarchical_inner=run.hierarchical_inner, embedding=False, kept_only=True,
+                            kernels=kernels)
     return static + kept * min(lay.pp, run.micro_batches)
 
 
@@ -277,7 +278,7 @@ def search_layouts(config, world_size: int, hw: Hardware, gpus_per_node: Optiona
             run = _group_run(job, base_run, group, world_size, global_batch, layouts, models)
         except ValueError:  # ConfigError too: the model or the layout refuses the group
             continue
-        if _memory_floor(run) <= hw.memory_bytes:
+        if _memory_floor(run, hw.kernels) <= hw.memory_bytes:
             pricer = _Pricer(run, hw, gpn)
             bounded.append((_bound(run, pricer), n, group, run, pricer))
     bounded.sort(key=lambda item: item[:2])
@@ -315,7 +316,7 @@ def _evaluate(base: Dict, choice: Dict, world: int, hw: Hardware, global_batch: 
     """The variant's layout if the config's rules take it and the plan's peak fits memory, else None."""
     try:
         job = parse_job_config(candidate_config(base, choice, global_batch, choice["dp"]))
-        plans = memory_plans(job, world, rank_lists=False)
+        plans = memory_plans(job, world, rank_lists=False, kernels=hw.kernels)
     except ConfigError:
         return None
     peak = max(p.total_bytes for p in plans)

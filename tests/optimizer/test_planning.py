@@ -272,13 +272,16 @@ def _measured_activations(tp, extra, dtype_name, cp=1, inner=None):
 
 @pytest.mark.parametrize("tp,extra,dtype_name", [
     (1, {}, "fp32"), (1, {}, "bf16"), (1, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, "fp32"),
+    (1, DROPOUT, "bf16"), (1, dict(DROPOUT, recompute_granularity="selective",
+                                   recompute_modules=["core_attn", "mlp", "layernorm"]), "bf16"),
     (1, {"recompute_granularity": "full"}, "fp32"),
     (1, {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}, "fp32"),
     (1, {"loss_sequence_tiles": 4}, "fp32"),
     (2, {}, "fp32"), (2, {"sequence_parallel": True}, "fp32"),
     (1, SWIGLU, "fp32"), (1, MLA, "fp32"), (2, dict(MLA, sequence_parallel=True), "fp32"),
     (1, dict(MOE, gated_linear_unit=True, activation="silu", moe_shared_expert_intermediate_size=96), "fp32"),
-    (2, MOE, "fp32"), (1, GPT_OSS, "fp32"), (1, {"mtp_num_layers": 2}, "fp32"),
+    (2, MOE, "fp32"), (2, dict(MOE, sequence_parallel=True), "fp32"), (2, dict(MOE, sequence_parallel=True), "bf16"),
+    (1, GPT_OSS, "fp32"), (1, {"mtp_num_layers": 2}, "fp32"),
     (2, {"mtp_num_layers": 2, "sequence_parallel": True}, "fp32"), (1, {"mtp_num_layers": 2}, "bf16"),
     (1, {"vocab_size": 8192, "loss_sequence_tiles": 2}, "fp32"),
     (1, {"vocab_size": 8192, "loss_sequence_tiles": 4}, "bf16"),
@@ -298,8 +301,9 @@ def _measured_activations(tp, extra, dtype_name, cp=1, inner=None):
              **SWIGLU), "bf16"),
     (1, dict(FP8, recompute_granularity="full"), "bf16"),
     (1, dict(FP8, fp8_recipe="blockwise", hidden_size=128, ffn_hidden_size=512, seq_length=128), "bf16")],
-    ids=["fp32", "bf16", "dropout", "recompute", "recompute-block", "loss-tiles", "tp2", "tp2-sp",
-         "swiglu-ffn176", "mla", "tp2-sp-mla", "moe-swiglu-shared", "tp2-moe-etp2", "gpt-oss", "mtp2",
+    ids=["fp32", "bf16", "dropout", "bf16-dropout", "bf16-selective-all-dropout", "recompute", "recompute-block", "loss-tiles", "tp2", "tp2-sp",
+         "swiglu-ffn176", "mla", "tp2-sp-mla", "moe-swiglu-shared", "tp2-moe-etp2", "tp2-sp-moe-etp2",
+         "bf16-tp2-sp-moe-etp2", "gpt-oss", "mtp2",
          "tp2-sp-mtp2", "bf16-mtp2",
          "vocab8192-loss-tiles2", "bf16-vocab8192-loss-tiles4", "selective-core-dropout", "selective-all-dropout",
          "selective-mlp", "selective-layernorm", "selective-core-mlp-layernorm", "mlp-tiles4",
@@ -311,7 +315,9 @@ def test_activation_plan_is_within_ten_percent_of_the_measured_peak(tp, extra, d
     the multi-token-prediction depths (unplanned before: 0.44 of the measured peak at two depths); the
     tiled loss's weight gradient summed over tiles beside each tile's (0.81 at vocab 8192 without it);
     selective recomputation and the MLP's tiles by what each keeps and reruns (planned as no recomputation
-    before: 1.40 of the peak for core_attn + mlp + layernorm)."""
+    before: 1.40 of the peak for core_attn + mlp + layernorm); bf16 attention dropout by what the math kernel keeps
+    in fp32 (0.80 when counted as four s x s tensors in bf16); MoE under sequence parallelism by the ETP-gathered
+    routed tokens (0.84 / 0.87 when divided by TP)."""
     cfg = GPTConfig(**{**ACTIVATION_MODEL, **extra})
     planned = activation_bytes(cfg, tp, 4, dtype_name, etp=tp)
     for measured in run_on_ranks(2, _measured_activations, tp, extra, dtype_name):
@@ -417,3 +423,64 @@ def test_cli_plan_of_the_cp2_config_shows_activations_per_rank_falling_with_cp(t
     assert "cp=2" in two["header"] and "cp=" not in one["header"]
     ratio = two["roles"][0]["activation_bytes"] / one["roles"][0]["activation_bytes"]
     assert 0.45 < ratio < 0.52, ratio  # all but the output-weight gradient halves
+
+
+def test_cuda_activations_are_korthikantis_count_with_flash_attention():
+    """Korthikanti et al. 2022, eq. (2) per layer without sequence parallelism: sbh (10 + 24/t + 5as/(ht)) bytes
+    in 16-bit with one-byte dropout masks: 10 = the two LayerNorms' inputs 4, QKV's and fc1's inputs 2 + 2 and the
+    two hidden-dropout masks 1 + 1; 24/t = Q and K 4, V 2, the projection's input 2 (flash attention's output),
+    fc1's output 8 and GELU's 8; 5as/(ht) = the scores' softmax 2, its dropout mask 1 and output 2, which flash
+    attention does not keep (its RNG state only): on CUDA the kept set is sbh (10 + 24/t) exactly.  On a CPU the math
+    kernel's s x s tensors and the masks in bf16 come on top."""
+    from ds_megatron.planning.hardware import CPU_KERNELS, CUDA_KERNELS
+    cfg = GPTConfig(**{**ACTIVATION_MODEL, **DROPOUT})
+    s, b, h, a, layers = cfg.seq_length, 1, cfg.hidden_size, cfg.num_attention_heads, cfg.num_layers
+    for t in (1, 2):
+        def kept(kernels):
+            return activation_bytes(cfg, t, b, "bf16", logits=False, embedding=False, kept_only=True, kernels=kernels)
+        assert kept(CUDA_KERNELS) == layers * s * b * h * (10 + 24 / t)
+        # CPU: three fp32 s x s tensors and fp32 q, k, v copies (the bf16 q, k, v freed) per layer, the masks in
+        # bf16, and the core's output re-laid out by a copy (the math kernel writes [b, heads, s, d])
+        cpu = layers * (3 * b * a // t * s * s * 4 + 3 * s * b * h / t * (4 - 2) + 2 * s * b * h * (2 - 1)
+                        + 2 * s * b * h / t)
+        assert kept(CPU_KERNELS) - kept(CUDA_KERNELS) == cpu
+
+
+def test_cuda_fp8_backward_has_no_fp32_operand_copies():
+    """fc2's weight-gradient GEMM on a CPU: torch._scaled_mm's fp32 copies of its operands ([T, h], [T, ffn]) and its
+    fp32 output [h, ffn] on top of what CUDA holds (the output gradient's fp8 copy, the 16-bit output)."""
+    from ds_megatron.planning.hardware import CPU_KERNELS, CUDA_KERNELS
+    from ds_megatron.planning.memory import fp8_backward_bytes
+    cfg = GPTConfig(**{**ACTIVATION_MODEL, **FP8})
+    tokens, h, ffn = 256, cfg.hidden_size, cfg.ffn_hidden_size
+    cpu, cuda = (fp8_backward_bytes(cfg, 0, 1, tokens, 2, kernels=k) for k in (CPU_KERNELS, CUDA_KERNELS))
+    assert cuda == h * tokens + 2 * h * ffn
+    assert cpu - cuda == 2 * 4 * (h + ffn) * tokens + 4 * h * ffn
+
+
+def test_plan_with_a_gpu_profile_plans_its_kernels_and_the_cpu_profile_the_cpus(tmp_path, capsys):
+    from ds_megatron.planning.hardware import CPU_KERNELS, CUDA_KERNELS, H100, hardware_from_dict, load_hardware
+    from ds_megatron.planning.job_plan import plan_from_config
+    from ds_megatron.planning.report import main
+    from ds_megatron.errors import ConfigError
+    assert load_hardware("h100").kernels is CUDA_KERNELS
+    cpu_profile = dict(H100.to_json(), name="cpu", device="cpu")
+    assert hardware_from_dict(cpu_profile).kernels is CPU_KERNELS
+    with pytest.raises(ConfigError, match="device='tpu' is unknown"):
+        hardware_from_dict(dict(cpu_profile, device="tpu"))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+           "megatron": {"tensor_model_parallel_size": 2, "make_vocab_size_divisible_by": 128,
+                        "model": {k: v for k, v in dict(ACTIVATION_MODEL, **DROPOUT).items()
+                                  if k != "make_vocab_size_divisible_by"}}}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+
+    def plan(*hardware):
+        assert main(["--config", str(path), "--world-size", "4", "--json", *hardware]) == 0
+        return json.loads(capsys.readouterr().out)
+    gpu, cpu = plan("--hardware", "h100"), plan()
+    assert "activations as cuda kernels" in gpu["header"] and "activations as cpu kernels" in cpu["header"]
+    for kernels, doc in ((CUDA_KERNELS, gpu), (CPU_KERNELS, cpu)):
+        plans = plan_from_config(str(path), 4, kernels=kernels)[1]
+        assert [r["activation_bytes"] for r in doc["roles"]] == [p.activation_bytes for p in plans]
+    assert gpu["roles"][0]["activation_bytes"] < 0.6 * cpu["roles"][0]["activation_bytes"]  # no s x s tensors
