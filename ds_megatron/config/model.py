@@ -662,9 +662,10 @@ class GPTConfig:
             raise ConfigError(f"model.num_experts={self.num_experts} is not divisible by "
                               f"megatron.expert_model_parallel_size={ep}; each EP rank must hold the same number "
                               "of experts: change one of them")
-        if self.moe_add_bias_linear and etp > 1:
-            raise ConfigError(f"model.moe_add_bias_linear with megatron.expert_tensor_parallel_size={etp}: expert "
-                              "biases are built without expert tensor parallelism; set expert_tensor_parallel_size 1")
+        if self.moe_add_bias_linear and self.hidden_size % etp:
+            raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                              f"megatron.expert_tensor_parallel_size={etp}, which splits the experts' fc2 biases "
+                              "(moe_add_bias_linear) over their hidden columns; choose an ETP size that divides it")
         if self.moe_ffn_hidden_size % etp:
             raise ConfigError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} is not divisible by "
                               f"megatron.expert_tensor_parallel_size={etp}; choose an ETP size that divides it")
