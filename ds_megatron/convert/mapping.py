@@ -417,9 +417,10 @@ class Mapping:
                                         f, lay.etp, etp_rank, h))
                 out.append(self._row_parallel(ours + "linear_fc2.weight", nm.expert(i, e, "down"), h, f, lay.etp,
                                               etp_rank))
-                if c.moe_add_bias_linear:  # (ETP 1)
+                if c.moe_add_bias_linear:  # fc1's with its rows, fc2's by hidden columns (moe/experts.py)
                     out += [self._column(ours + "linear_fc1.bias", (nm.expert(i, e, "gate", "bias"),
-                                                                    nm.expert(i, e, "up", "bias")), f, 1, 0, 0,
-                                         bias=True),
-                            self._whole(ours + "linear_fc2.bias", nm.expert(i, e, "down", "bias"), (h,))]
+                                                                    nm.expert(i, e, "up", "bias")), f, lay.etp,
+                                         etp_rank, 0, bias=True),
+                            self._column(ours + "linear_fc2.bias", (nm.expert(i, e, "down", "bias"),), h, lay.etp,
+                                         etp_rank, 0, bias=True)]
         return out
