@@ -19,8 +19,8 @@ attention's up-projections by whole heads, its down-projections and latent norms
 whole; fc1 ``[gate; up]`` rows per rank; row-parallel weights by columns; the vocab
 by rows, padded with zeros to the padded vocab; gpt-oss's attention sinks by heads; norms, the router (gpt-oss's
 with its bias), its expert bias (a buffer: DeepSeek-V3's ``gate.e_score_correction_bias``) and the shared-expert
-gate whole; experts' biases (gpt-oss, ETP 1) whole.  gpt-oss's fused experts are named here per expert
-(``convert.fused_experts`` reads and writes the fused tensors).
+gate whole; experts' biases (gpt-oss) split over ETP, fc1's with its rows and fc2's by hidden columns.
+gpt-oss's fused experts are named here per expert (``convert.fused_experts`` reads and writes the fused tensors).
 """
 from __future__ import annotations
 

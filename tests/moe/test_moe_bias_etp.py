@@ -2,7 +2,8 @@
 
 The single-rank layer's biases are random; each rank's layer gets its slices of them (fc1's bias with fc1's rows,
 gate and up halves each split; fc2's bias over its hidden columns).  Outputs, input gradients and every expert
-gradient, the biases' included (summed over expert data parallel), must match the single-rank layer's.
+gradient, the biases' included (summed over expert data parallel), must match the single-rank layer's; ``plan``'s
+count of each rank's expert parameters is what the rank holds.
 """
 import pytest
 import torch
@@ -13,6 +14,7 @@ from moe_helpers import expert_grads, moe_config
 from ds_megatron.moe import MoELayer
 from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.parallel_state import ParallelState
+from ds_megatron.planning.param_counts import layer_counts
 from ds_megatron.tensor_parallel import grad_of
 
 S, B, H = 8, 2, 16
@@ -58,6 +60,8 @@ def _compare(tp, ep, etp, sp, dispatcher, grouped):
     torch.manual_seed(5)
     ref = MoELayer(moe_config(moe_grouped_gemm=not grouped, **GPT_OSS)).double()  # the other implementation
 
+    # plan's count of the rank's expert parameters, biases included, is what the layer holds
+    assert layer_counts(cfg, 0, tp, ep, etp).expert == sum(p.numel() for p in layer.experts.parameters())
     f, hp = cfg.moe_ffn_hidden_size // etp, H // etp
     r = state.etp.rank
     g = torch.Generator().manual_seed(3)
