@@ -566,9 +566,6 @@ class GPTConfig:
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ConfigError("model.moe_shared_expert_gate is true but model.moe_shared_expert_intermediate_size is "
                               "not set; the gate scales the shared expert: set its size or turn the gate off")
-        if self.moe_add_bias_linear and self.fp8 is not None:
-            raise ConfigError("model.moe_add_bias_linear with model.fp8: the fp8 expert GEMMs are built without "
-                              "biases; set fp8 null or moe_add_bias_linear false")
         if self.moe_pad_expert_input_to_capacity and self.moe_capacity_factor is None:
             raise ConfigError("model.moe_pad_expert_input_to_capacity is true but model.moe_capacity_factor is null; "
                               "padding fills experts to their capacity: set a capacity factor or turn padding off")

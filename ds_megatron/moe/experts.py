@@ -25,8 +25,10 @@ the device: grouped with CUDA, sequential on CPU (see ``experts_class``).
 
 With an fp8 recipe (``set_fp8``, which the model's ``attach_fp8`` calls) each expert's fc1 and fc2 have their
 own scaling state (kind "expert": the delayed recipe agrees on it over ETP and expert-DP) and run their three GEMMs
-in fp8 (``fp8.grouped``), in both implementations; with a ``WeightGradStore`` (ZB-H1) their weight-gradient GEMMs
-are deferred on the fp8 copies of X and dY, as the 16-bit experts' are through ``deferrable``.
+in fp8 (``fp8.grouped``), in both implementations, their biases added in the activations' 16-bit dtype after
+the GEMMs (as Transformer Engine adds a bias to the GEMM's output; ``fp8_param_gather`` keeps them 16-bit); with a
+``WeightGradStore`` (ZB-H1) their weight-gradient GEMMs are deferred on the fp8 copies of X and dY, as the 16-bit
+experts' are through ``deferrable``.
 
 Expert params carry the expert marks (``tensor_parallel.params.mark_expert_param``):
 their gradients are reduced over the expert-data-parallel group, not the
@@ -302,30 +304,33 @@ class GroupedMLP(_ExpertsBase):
     def forward(self, x: torch.Tensor, tokens_per_expert: List[int], probs: torch.Tensor,
                 counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``counts``: ``tokens_per_expert`` as a device tensor, when the dispatcher has it (no host copy)."""
+        store = self.weight_grad_store
         if self.fp8 is not None:
-            L, store = self.num_local_experts, self.weight_grad_store
+            L = self.num_local_experts
 
             def transposed(g: torch.Tensor) -> torch.Tensor:
                 return g.transpose(1, 2)
-            # [L, in, out] -> [L, out, in], the layout the fp8 GEMMs take (a view; its gradient is transposed back)
-            intermediate = fp8_grouped_linear(x, self.weight1.transpose(1, 2), tokens_per_expert, self.fp8[:L],
-                                              _fp8_weight_grad(store, self.weight1, transposed),
-                                              _scale_inv(self.weight1))
-            return fp8_grouped_linear(self._activation(intermediate, probs), self.weight2.transpose(1, 2),
-                                      tokens_per_expert, self.fp8[L:],
-                                      _fp8_weight_grad(store, self.weight2, transposed), _scale_inv(self.weight2))
 
-        def gemm(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-            return grouped_gemm(inputs, weights, tokens_per_expert, self.use_grouped_mm, counts)
-        intermediate = deferrable(gemm, x, self.weight1, self.weight_grad_store)
+            def fc(inputs: torch.Tensor, weight: torch.nn.Parameter, states) -> torch.Tensor:
+                # [L, in, out] -> [L, out, in], the layout the fp8 GEMMs take (a view; its gradient transposed back)
+                return fp8_grouped_linear(inputs, weight.transpose(1, 2), tokens_per_expert, states,
+                                          _fp8_weight_grad(store, weight, transposed), _scale_inv(weight))
+            fc1 = functools.partial(fc, weight=self.weight1, states=self.fp8[:L])
+            fc2 = functools.partial(fc, weight=self.weight2, states=self.fp8[L:])
+        else:
+            def gemm(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+                return grouped_gemm(inputs, weights, tokens_per_expert, self.use_grouped_mm, counts)
+            fc1, fc2 = (functools.partial(deferrable, gemm, weight=w, store=store)
+                        for w in (self.weight1, self.weight2))
+        intermediate = fc1(x)
         if self.bias1 is None:
-            return deferrable(gemm, self._activation(intermediate, probs), self.weight2, self.weight_grad_store)
+            return fc2(self._activation(intermediate, probs))
+        # the biases in the activations' dtype after the GEMMs (fp8 too: TE adds them to the GEMM's 16-bit output)
         if counts is None:
             counts = torch.tensor(list(tokens_per_expert), device=x.device)
         expert_of_row = torch.repeat_interleave(torch.arange(len(tokens_per_expert), device=x.device), counts,
                                                 output_size=x.size(0))
-        out = deferrable(gemm, self._activation(intermediate + self.bias1[expert_of_row], probs), self.weight2,
-                         self.weight_grad_store)
+        out = fc2(self._activation(intermediate + self.bias1[expert_of_row], probs))
         return self._fc2_bias(out, self.bias2[expert_of_row], probs)
 
     def expert_weights(self, local_index: int):
