@@ -115,3 +115,11 @@ def _compare(tp, ep, etp, sp, dispatcher, grouped):
 ])
 def test_biased_experts_under_etp_match_single_rank(tp, ep, etp, sp, dispatcher, grouped):
     run_on_ranks(4, _compare, tp, ep, etp, sp, dispatcher, grouped)
+
+
+def test_hidden_size_that_etp_does_not_divide_is_refused_in_one_line():
+    from ds_megatron.config import ConfigError
+    moe_config(hidden_size=20, **GPT_OSS).check_expert_parallel(1, 4)  # 20 columns: 5 a rank
+    with pytest.raises(ConfigError, match=r"^model.hidden_size=20 is not divisible by "
+                                          r"megatron.expert_tensor_parallel_size=8, which splits the experts' fc2 "):
+        moe_config(hidden_size=20, **GPT_OSS).check_expert_parallel(1, 8)
