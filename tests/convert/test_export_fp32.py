@@ -38,7 +38,7 @@ CASES = {
     "tp2-untied-rope-gqa": (dict(tensor_model_parallel_size=2),
                             dict(position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False,
                                  untie_embeddings_and_output_weights=True, num_query_groups=2)),
-    # gpt-oss's experts: gated, biased, split over ETP 2 (= TP): each rank's fc1 is its [gate; up], fc2's bias by columns
+    # gpt-oss's experts: gated, biased, split over ETP 2 (= TP): each rank's fc1 its [gate; up], fc2's bias by columns
     "tp2-ep2-gpt-oss-moe": (dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
                             dict(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2, gated_linear_unit=True,
                                  activation="quick_gelu", moe_add_bias_linear=True)),
@@ -51,7 +51,8 @@ CASES = {
                                    dict(LLAMA, num_query_groups=1)),
 }
 # Tensors each rank compares with its slice of the export, at least.
-MIN_CHECKED = {"tp2-dp2": 28, "tp2-ep2-moe": 28, "tp2-ep2-gpt-oss-moe": 32, "tp2-pp2": 12, "tp2-untied-rope-gqa": 15, "tp2-llama": 15,
+MIN_CHECKED = {"tp2-dp2": 28, "tp2-ep2-moe": 28, "tp2-ep2-gpt-oss-moe": 32,
+               "tp2-pp2": 12, "tp2-untied-rope-gqa": 15, "tp2-llama": 15,
                "tp4-llama-kv-copies": 17, "tp2-pp2-llama-one-kv-group": 8}
 
 
