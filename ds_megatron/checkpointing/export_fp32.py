@@ -19,7 +19,7 @@ is put together from its rank files:
   tensor must be written, and copies of a tensor (replicated norms, KV copies) must
   agree bit for bit, or nothing is exported.  Experts come from the expert files
   (``layer_L_expert_E_mp_rank_T``, T the expert-tensor rank), concatenated over the
-  expert-tensor ranks, under ``SequentialMLP``'s names.
+  expert-tensor ranks (a gated fc1 half by half), under ``SequentialMLP``'s names.
 * The word embedding keeps the rows of a TP=1 model (the rows added for a larger
   TP's padding are zero and never read), every floating tensor becomes fp32.
 * Under ZeRO 3 (DeepSpeed's optimizer path) the rank files hold no weights
@@ -91,7 +91,8 @@ RECORD_KEY = "ds_megatron_export"
 RECORD_VERSION = 2  # 2: the record carries the model config and the shards are placed by global_shards
 # SequentialMLP's expert weights as the expert files name them ([out, in]): fc1 is split over the
 # expert-tensor ranks along its output rows, fc2 along its input columns (column- / row-parallel).
-EXPERT_PARTITION_DIMS = {"linear_fc1.weight": 0, "linear_fc2.weight": 1}
+# fc1's rows, fc2's columns; gpt-oss's biases: fc1's with its rows, fc2's by hidden columns (moe/experts.py)
+EXPERT_PARTITION_DIMS = {"linear_fc1.weight": 0, "linear_fc2.weight": 1, "linear_fc1.bias": 0, "linear_fc2.bias": 0}
 _EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 
 
@@ -218,7 +219,8 @@ def consolidate(tag_dir: str) -> Dict[str, torch.Tensor]:
     if stages != set(range(first["pp"])):
         raise ExportError(f"{tag_dir}: pipeline stages {sorted(stages)} of {first['pp']} have files; some are missing")
     full = _place_dense(modules) if first["version"] >= 2 else _concatenate_dense(modules)
-    full.update(_experts(tag_dir, first["etp"], sum(r["moe_layers"] for r in records if r["tp_rank"] == 0)))
+    full.update(_experts(tag_dir, first["etp"], sum(r["moe_layers"] for r in records if r["tp_rank"] == 0),
+                         bool(first.get("model", {}).get("gated_linear_unit", False))))
     return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in full.items()}
 
 
@@ -317,7 +319,9 @@ def _concatenate_dense(modules) -> Dict[str, torch.Tensor]:
     return full
 
 
-def _experts(tag_dir: str, etp: int, moe_layers: int) -> Dict[str, torch.Tensor]:
+def _experts(tag_dir: str, etp: int, moe_layers: int, gated: bool) -> Dict[str, torch.Tensor]:
+    """The expert files' tensors joined over the expert-tensor ranks (``gated``: each rank's fc1 rows are its
+    ``[gate; up]`` blocks, joined half by half)."""
     pieces: Dict[str, Dict[int, torch.Tensor]] = {}
     layers = set()
     for path in glob.glob(os.path.join(tag_dir, "layer_*_expert_*_mp_rank_*_model_states.pt")):
@@ -332,7 +336,10 @@ def _experts(tag_dir: str, etp: int, moe_layers: int) -> Dict[str, torch.Tensor]
         leaf = ".".join(key.split(".")[-2:])
         if leaf not in EXPERT_PARTITION_DIMS:
             raise ExportError(f"{tag_dir}: expert weight {key} is not one of {sorted(EXPERT_PARTITION_DIMS)}")
-        out[key] = _cat(by_rank, etp, EXPERT_PARTITION_DIMS[leaf], key)
+        if gated and leaf.startswith("linear_fc1."):  # the whole gate, then the whole up
+            out[key] = torch.cat([_cat({r: t.chunk(2)[i] for r, t in by_rank.items()}, etp, 0, key) for i in (0, 1)])
+        else:
+            out[key] = _cat(by_rank, etp, EXPERT_PARTITION_DIMS[leaf], key)
     return out
 
 

@@ -21,7 +21,7 @@ The layouts (Megatron's, see ``transformer/attention.py``, ``transformer/mlp.py`
 * row-parallel weights (attention ``dense`` or ``o_proj``, fc2, the experts' fc2): a block of columns;
 * the attention sinks (gpt-oss): the rank's heads, a block;
 * experts: global expert index in the name, fc1 / fc2 split over the expert-tensor ranks (fc1's bias as fc1,
-  fc2's whole);
+  fc2's a block of its hidden columns);
 * everything else (norms, biases of row-parallel layers, position embeddings, the router,
   the shared-expert gate) whole on every rank that holds it.
 
@@ -105,8 +105,9 @@ def global_shards(config: GPTConfig, name: str, shape: Tuple[int, ...], tensor_p
     if expert:
         prefix, e, which, kind = expert.groups()
         full = f"{prefix}.local_experts.{e}.{which}.{kind}"  # SequentialMLP's name in the one-rank model
-        if which == "linear_fc2":  # its bias (gpt-oss) whole
-            return _columns(full, shape, rank.etp, rank.etp_rank) if kind == "weight" else _block(full, shape, 1, 0)
+        if which == "linear_fc2":  # its bias (gpt-oss) a block of the hidden columns (moe/experts.py)
+            split = _columns if kind == "weight" else _block
+            return split(full, shape, rank.etp, rank.etp_rank)
         split = _gated if config.gated_linear_unit else _block
         return split(full, shape, rank.etp, rank.etp_rank)
     if name in ("word_embeddings.weight", "output_layer.weight"):

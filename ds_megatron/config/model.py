@@ -566,9 +566,6 @@ class GPTConfig:
         if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
             raise ConfigError("model.moe_shared_expert_gate is true but model.moe_shared_expert_intermediate_size is "
                               "not set; the gate scales the shared expert: set its size or turn the gate off")
-        if self.moe_add_bias_linear and self.fp8 is not None:
-            raise ConfigError("model.moe_add_bias_linear with model.fp8: the fp8 expert GEMMs are built without "
-                              "biases; set fp8 null or moe_add_bias_linear false")
         if self.moe_pad_expert_input_to_capacity and self.moe_capacity_factor is None:
             raise ConfigError("model.moe_pad_expert_input_to_capacity is true but model.moe_capacity_factor is null; "
                               "padding fills experts to their capacity: set a capacity factor or turn padding off")
@@ -662,9 +659,10 @@ class GPTConfig:
             raise ConfigError(f"model.num_experts={self.num_experts} is not divisible by "
                               f"megatron.expert_model_parallel_size={ep}; each EP rank must hold the same number "
                               "of experts: change one of them")
-        if self.moe_add_bias_linear and etp > 1:
-            raise ConfigError(f"model.moe_add_bias_linear with megatron.expert_tensor_parallel_size={etp}: expert "
-                              "biases are built without expert tensor parallelism; set expert_tensor_parallel_size 1")
+        if self.moe_add_bias_linear and self.hidden_size % etp:
+            raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                              f"megatron.expert_tensor_parallel_size={etp}, which splits the experts' fc2 biases "
+                              "(moe_add_bias_linear) over their hidden columns; choose an ETP size that divides it")
         if self.moe_ffn_hidden_size % etp:
             raise ConfigError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} is not divisible by "
                               f"megatron.expert_tensor_parallel_size={etp}; choose an ETP size that divides it")

@@ -19,8 +19,8 @@ attention's up-projections by whole heads, its down-projections and latent norms
 whole; fc1 ``[gate; up]`` rows per rank; row-parallel weights by columns; the vocab
 by rows, padded with zeros to the padded vocab; gpt-oss's attention sinks by heads; norms, the router (gpt-oss's
 with its bias), its expert bias (a buffer: DeepSeek-V3's ``gate.e_score_correction_bias``) and the shared-expert
-gate whole; experts' biases (gpt-oss, ETP 1) whole.  gpt-oss's fused experts are named here per expert
-(``convert.fused_experts`` reads and writes the fused tensors).
+gate whole; experts' biases (gpt-oss) split over ETP, fc1's with its rows and fc2's by hidden columns.
+gpt-oss's fused experts are named here per expert (``convert.fused_experts`` reads and writes the fused tensors).
 """
 from __future__ import annotations
 
@@ -417,9 +417,10 @@ class Mapping:
                                         f, lay.etp, etp_rank, h))
                 out.append(self._row_parallel(ours + "linear_fc2.weight", nm.expert(i, e, "down"), h, f, lay.etp,
                                               etp_rank))
-                if c.moe_add_bias_linear:  # (ETP 1)
+                if c.moe_add_bias_linear:  # fc1's with its rows, fc2's by hidden columns (moe/experts.py)
                     out += [self._column(ours + "linear_fc1.bias", (nm.expert(i, e, "gate", "bias"),
-                                                                    nm.expert(i, e, "up", "bias")), f, 1, 0, 0,
-                                         bias=True),
-                            self._whole(ours + "linear_fc2.bias", nm.expert(i, e, "down", "bias"), (h,))]
+                                                                    nm.expert(i, e, "up", "bias")), f, lay.etp,
+                                         etp_rank, 0, bias=True),
+                            self._column(ours + "linear_fc2.bias", (nm.expert(i, e, "down", "bias"),), h, lay.etp,
+                                         etp_rank, 0, bias=True)]
         return out

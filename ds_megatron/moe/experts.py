@@ -3,7 +3,9 @@
 Each expert is ``fc2(act(fc1(x)) * prob)`` (the routing weight is applied before the
 second GEMM, so un-permuting is a plain sum); with ``bias`` (gpt-oss) fc1 adds its bias and
 fc2 adds ``prob x`` its bias, so the weighted sum is transformers' ``prob x (fc2(...) + b)``
-(biases start at zero; ETP 1 and no fp8, refused at config time otherwise); with
+(biases start at zero); under ETP fc1's bias is split with its rows and fc2's bias ``[h]`` over the hidden
+columns, each rank adding its ``h / ETP`` columns, so that the dispatcher's ETP reduction adds every column's bias
+once and each rank's piece is a distinct shard (gradient, norm, optimizer) like the weights; with
 ``gated_linear_unit`` fc1 gives ``[gate; up]`` and ``act`` is ``act(gate) * up``
 (SwiGLU for Mixtral and Qwen-MoE), each ETP rank holding its gate and up rows.  Weights
 are split over the expert-tensor-parallel (ETP) group like a column-parallel
@@ -23,8 +25,10 @@ the device: grouped with CUDA, sequential on CPU (see ``experts_class``).
 
 With an fp8 recipe (``set_fp8``, which the model's ``attach_fp8`` calls) each expert's fc1 and fc2 have their
 own scaling state (kind "expert": the delayed recipe agrees on it over ETP and expert-DP) and run their three GEMMs
-in fp8 (``fp8.grouped``), in both implementations; with a ``WeightGradStore`` (ZB-H1) their weight-gradient GEMMs
-are deferred on the fp8 copies of X and dY, as the 16-bit experts' are through ``deferrable``.
+in fp8 (``fp8.grouped``), in both implementations, their biases added in the activations' 16-bit dtype after
+the GEMMs (as Transformer Engine adds a bias to the GEMM's output; ``fp8_param_gather`` keeps them 16-bit); with a
+``WeightGradStore`` (ZB-H1) their weight-gradient GEMMs are deferred on the fp8 copies of X and dY, as the 16-bit
+experts' are through ``deferrable``.
 
 Expert params carry the expert marks (``tensor_parallel.params.mark_expert_param``):
 their gradients are reduced over the expert-data-parallel group, not the
@@ -133,6 +137,9 @@ class _ExpertsBase(torch.nn.Module):
         self.local_expert_indices = list(range(ep_rank * self.num_local_experts,
                                                (ep_rank + 1) * self.num_local_experts))
         self.ffn_per_partition = divide(ffn_hidden_size, etp_size, what="moe_ffn_hidden_size")
+        # fc2's bias columns this ETP rank adds (all of them at ETP 1)
+        h_part = divide(hidden_size, etp_size, what="hidden_size") if bias else hidden_size
+        self.hidden_size, self.bias2_cols = hidden_size, slice(etp_rank * h_part, (etp_rank + 1) * h_part)
         self.ep_size, self.etp, self.etp_rank = ep_size, etp, etp_rank
         self.params_dtype = params_dtype
         init_method = init_method or init_method_normal(0.02)
@@ -148,6 +155,13 @@ class _ExpertsBase(torch.nn.Module):
 
     def _activation(self, intermediate: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         return self.activation_func(intermediate) * probs.unsqueeze(-1).to(intermediate.dtype)
+
+    def _fc2_bias(self, out: torch.Tensor, bias_rows: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """``out`` plus ``probs x`` fc2's bias rows ``[N, h / ETP]`` in this rank's columns (see the module doc)."""
+        term = probs.unsqueeze(-1).to(out.dtype) * bias_rows
+        if term.size(-1) != out.size(-1):
+            term = torch.nn.functional.pad(term, (self.bias2_cols.start, self.hidden_size - self.bias2_cols.stop))
+        return out + term
 
     def _new_bias(self, *shape: int) -> torch.nn.Parameter:
         bias = torch.nn.Parameter(torch.zeros(*shape, dtype=self.params_dtype))
@@ -214,7 +228,7 @@ class SequentialMLP(_ExpertsBase):
             mark_expert_param(expert.linear_fc2.weight, self.ep_size, 1)
             if self.has_bias:
                 expert.linear_fc1.bias = self._new_bias(fc1.size(0))
-                expert.linear_fc2.bias = self._new_bias(fc2.size(0))
+                expert.linear_fc2.bias = self._new_bias(self.bias2_cols.stop - self.bias2_cols.start)
             self.local_experts.append(expert)
         del self._local_masters
 
@@ -233,7 +247,7 @@ class SequentialMLP(_ExpertsBase):
             fc1, fc2 = expert.linear_fc1, expert.linear_fc2
             intermediate = fc1(tokens) if fc1.bias is None else fc1(tokens) + fc1.bias
             out = fc2(self._activation(intermediate, p))
-            outputs.append(out if fc2.bias is None else out + p.unsqueeze(-1).to(out.dtype) * fc2.bias)
+            outputs.append(out if fc2.bias is None else self._fc2_bias(out, fc2.bias.expand(out.size(0), -1), p))
         return torch.cat(outputs, dim=0) if outputs else x.new_zeros(0, x.size(-1))
 
     def expert_weights(self, local_index: int):
@@ -267,9 +281,10 @@ class GroupedMLP(_ExpertsBase):
         self.weight2 = torch.nn.Parameter(torch.stack([fc2.t() for _, fc2 in self._local_masters]).to(self.params_dtype))
         mark_expert_param(self.weight1, self.ep_size, 2)
         mark_expert_param(self.weight2, self.ep_size, 1)
-        # [L, fc1 rows] and [L, h]: each local expert's biases (with ``bias``)
+        # [L, fc1 rows] and [L, h / ETP]: each local expert's biases (with ``bias``)
         self.bias1 = self._new_bias(self.weight1.size(0), self.weight1.size(2)) if self.has_bias else None
-        self.bias2 = self._new_bias(self.weight2.size(0), self.weight2.size(2)) if self.has_bias else None
+        self.bias2 = (self._new_bias(self.weight2.size(0), self.bias2_cols.stop - self.bias2_cols.start)
+                      if self.has_bias else None)
         del self._local_masters
         self.weight_grad_store: Optional[WeightGradStore] = None  # the zero-bubble schedule's deferred W
         # set_fp8: every expert's fc1 state, then every expert's fc2 state
@@ -289,31 +304,34 @@ class GroupedMLP(_ExpertsBase):
     def forward(self, x: torch.Tensor, tokens_per_expert: List[int], probs: torch.Tensor,
                 counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``counts``: ``tokens_per_expert`` as a device tensor, when the dispatcher has it (no host copy)."""
+        store = self.weight_grad_store
         if self.fp8 is not None:
-            L, store = self.num_local_experts, self.weight_grad_store
+            L = self.num_local_experts
 
             def transposed(g: torch.Tensor) -> torch.Tensor:
                 return g.transpose(1, 2)
-            # [L, in, out] -> [L, out, in], the layout the fp8 GEMMs take (a view; its gradient is transposed back)
-            intermediate = fp8_grouped_linear(x, self.weight1.transpose(1, 2), tokens_per_expert, self.fp8[:L],
-                                              _fp8_weight_grad(store, self.weight1, transposed),
-                                              _scale_inv(self.weight1))
-            return fp8_grouped_linear(self._activation(intermediate, probs), self.weight2.transpose(1, 2),
-                                      tokens_per_expert, self.fp8[L:],
-                                      _fp8_weight_grad(store, self.weight2, transposed), _scale_inv(self.weight2))
 
-        def gemm(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-            return grouped_gemm(inputs, weights, tokens_per_expert, self.use_grouped_mm, counts)
-        intermediate = deferrable(gemm, x, self.weight1, self.weight_grad_store)
+            def fc(inputs: torch.Tensor, weight: torch.nn.Parameter, states) -> torch.Tensor:
+                # [L, in, out] -> [L, out, in], the layout the fp8 GEMMs take (a view; its gradient transposed back)
+                return fp8_grouped_linear(inputs, weight.transpose(1, 2), tokens_per_expert, states,
+                                          _fp8_weight_grad(store, weight, transposed), _scale_inv(weight))
+            fc1 = functools.partial(fc, weight=self.weight1, states=self.fp8[:L])
+            fc2 = functools.partial(fc, weight=self.weight2, states=self.fp8[L:])
+        else:
+            def gemm(inputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+                return grouped_gemm(inputs, weights, tokens_per_expert, self.use_grouped_mm, counts)
+            fc1, fc2 = (functools.partial(deferrable, gemm, weight=w, store=store)
+                        for w in (self.weight1, self.weight2))
+        intermediate = fc1(x)
         if self.bias1 is None:
-            return deferrable(gemm, self._activation(intermediate, probs), self.weight2, self.weight_grad_store)
+            return fc2(self._activation(intermediate, probs))
+        # the biases in the activations' dtype after the GEMMs (fp8 too: TE adds them to the GEMM's 16-bit output)
         if counts is None:
             counts = torch.tensor(list(tokens_per_expert), device=x.device)
         expert_of_row = torch.repeat_interleave(torch.arange(len(tokens_per_expert), device=x.device), counts,
                                                 output_size=x.size(0))
-        out = deferrable(gemm, self._activation(intermediate + self.bias1[expert_of_row], probs), self.weight2,
-                         self.weight_grad_store)
-        return out + probs.unsqueeze(-1).to(out.dtype) * self.bias2[expert_of_row]
+        out = fc2(self._activation(intermediate + self.bias1[expert_of_row], probs))
+        return self._fc2_bias(out, self.bias2[expert_of_row], probs)
 
     def expert_weights(self, local_index: int):
         """Views of local expert ``local_index``'s weights in ``SequentialMLP``'s layout and names."""

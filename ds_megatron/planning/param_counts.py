@@ -75,8 +75,8 @@ def layer_counts(cfg, layer: int, tp: int, ep: int = 1, etp: int = 1) -> ParamCo
         replicated += cfg.num_experts * (h + int(cfg.moe_add_bias_linear))  # router
         fc1 = 2 if cfg.gated_linear_unit else 1
         expert += (cfg.num_experts // ep) * (fc1 + 1) * h * (cfg.moe_ffn_hidden_size // etp)  # fc1, fc2
-        if cfg.moe_add_bias_linear:  # (ETP 1)
-            expert += (cfg.num_experts // ep) * (fc1 * cfg.moe_ffn_hidden_size + h)
+        if cfg.moe_add_bias_linear:  # fc1's split with its rows, fc2's over the hidden columns (moe/experts.py)
+            expert += (cfg.num_experts // ep) * (fc1 * cfg.moe_ffn_hidden_size + h) // etp
         if cfg.moe_shared_expert_intermediate_size:
             shared = _mlp_counts(h, cfg.moe_shared_expert_intermediate_size, tp, cfg.gated_linear_unit,
                                  cfg.add_bias_linear)

@@ -38,6 +38,10 @@ CASES = {
     "tp2-untied-rope-gqa": (dict(tensor_model_parallel_size=2),
                             dict(position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False,
                                  untie_embeddings_and_output_weights=True, num_query_groups=2)),
+    # gpt-oss's experts: gated, biased, split over ETP 2 (= TP): each rank's fc1 its [gate; up], fc2's bias by columns
+    "tp2-ep2-gpt-oss-moe": (dict(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+                            dict(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2, gated_linear_unit=True,
+                                 activation="quick_gelu", moe_add_bias_linear=True)),
     # Llama's shape: each TP rank's fc1 is its own [gate; up] (no concatenation makes the TP=1 tensor).
     "tp2-llama": (dict(tensor_model_parallel_size=2), LLAMA),
     # Two KV groups on four TP ranks: each group's K/V projection copied on two ranks.
@@ -47,7 +51,8 @@ CASES = {
                                    dict(LLAMA, num_query_groups=1)),
 }
 # Tensors each rank compares with its slice of the export, at least.
-MIN_CHECKED = {"tp2-dp2": 28, "tp2-ep2-moe": 28, "tp2-pp2": 12, "tp2-untied-rope-gqa": 15, "tp2-llama": 15,
+MIN_CHECKED = {"tp2-dp2": 28, "tp2-ep2-moe": 28, "tp2-ep2-gpt-oss-moe": 32,
+               "tp2-pp2": 12, "tp2-untied-rope-gqa": 15, "tp2-llama": 15,
                "tp4-llama-kv-copies": 17, "tp2-pp2-llama-one-kv-group": 8}
 
 
@@ -104,9 +109,14 @@ def _check_slices(engine, state, export):
         for local_index, global_id in enumerate(experts.local_expert_indices):
             for key, w in experts.expert_weights(local_index).items():
                 full = export[f"{to_gpt(layer_name)}.experts.local_experts.{global_id}.{key}"]
-                dim = 0 if key == "linear_fc1.weight" else 1
-                size = w.shape[dim]
-                assert torch.equal(w.detach().float(), full.narrow(dim, state.etp.rank * size, size)), key
+                dim = 1 if key == "linear_fc2.weight" else 0  # fc1 and the biases by rows, fc2 by columns
+                local, r = w.detach().float(), state.etp.rank
+                if key.startswith("linear_fc1") and config.gated_linear_unit:  # [gate; up] blocks of each half
+                    half = local.shape[0] // 2
+                    want = torch.cat([h.narrow(0, r * half, half) for h in full.chunk(2)])
+                else:
+                    want = full.narrow(dim, r * local.shape[dim], local.shape[dim])
+                assert torch.equal(local, want) and (not key.endswith("bias") or local.abs().max() > 0), key
                 checked += 1
     return checked
 

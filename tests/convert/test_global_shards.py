@@ -27,6 +27,9 @@ LLAMA = dict(GPT2, num_query_groups=2, position_embedding_type="rope", normaliza
 QWEN_MOE = dict(LLAMA, num_experts=4, moe_ffn_hidden_size=8, moe_router_topk=2,
                 moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=True)
 MIXTRAL_GPT2 = dict(GPT2, num_experts=4, moe_ffn_hidden_size=8, moe_router_topk=2)
+# gpt-oss's biased experts (random biases: they start at zero): fc1's split with its rows, fc2's by hidden columns
+GPT_OSS_MOE = dict(QWEN_MOE, moe_add_bias_linear=True, moe_shared_expert_intermediate_size=None,
+                   moe_shared_expert_gate=False)
 
 CASES = {  # name: (model, tp, pp, ep, etp)
     "gpt2-tp4": (GPT2, 4, 1, 1, 1),
@@ -37,9 +40,27 @@ CASES = {  # name: (model, tp, pp, ep, etp)
     "qwen-moe-tp2-ep2-etp2": (QWEN_MOE, 2, 1, 2, 2),
     "qwen-moe-tp1-ep4": (QWEN_MOE, 1, 1, 4, 1),
     "gpt2-moe-tp4-ep2-etp2": (MIXTRAL_GPT2, 4, 1, 2, 2),
+    "gpt-oss-moe-tp1-ep2-etp2": (GPT_OSS_MOE, 1, 1, 2, 2),
     # dense layers among the MoE ones (moe_layer_freq's list form): stage 0 holds no expert
     "qwen-moe-dense-first-tp2-pp2-ep2": (dict(QWEN_MOE, num_layers=4, moe_layer_freq=[0, 0, 1, 1]), 2, 2, 2, 1),
 }
+
+
+def _randomize_expert_biases(model, config, etp, etp_rank):
+    """Each expert's biases from a generator of its own (layer, expert), this ETP rank's slices of them: fc1's
+    ``[gate; up]`` rows, each half split, and fc2's hidden columns."""
+    f, h = config.moe_ffn_hidden_size // etp, config.hidden_size // etp
+    for i, layer in enumerate(model.layers):
+        experts = layer.mlp.experts
+        for local, e in enumerate(experts.local_expert_indices):
+            g = torch.Generator().manual_seed(100 * i + e)
+            fc1, fc2 = torch.randn(2 * config.moe_ffn_hidden_size, generator=g), torch.randn(config.hidden_size,
+                                                                                            generator=g)
+            weights = experts.expert_weights(local)
+            with torch.no_grad():
+                weights["linear_fc1.bias"].copy_(torch.cat([half[etp_rank * f:(etp_rank + 1) * f]
+                                                            for half in fc1.chunk(2)]))
+                weights["linear_fc2.bias"].copy_(fc2[etp_rank * h:(etp_rank + 1) * h])
 
 
 def _rank_shards(model_kwargs, tp, pp, ep, etp):
@@ -56,6 +77,8 @@ def _rank_shards(model_kwargs, tp, pp, ep, etp):
         state = ParallelState.build(ParallelLayout(world_size=world, tp=tp, ep=ep, etp=etp))
         torch.manual_seed(3)
         model = GPTModel(config, state)
+    if config.moe_add_bias_linear:
+        _randomize_expert_biases(model, config, etp, state.etp.rank)
     coords = RankCoordinates.of(state)
     split = {id(p): bool(getattr(p, "tensor_model_parallel", False)) for p in model.parameters()}
     mine = []
@@ -68,8 +91,10 @@ def _rank_shards(model_kwargs, tp, pp, ep, etp):
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     torch.manual_seed(3)
-    reference = GPTModel(config, ParallelState.single()).state_dict()
-    return everyone, reference
+    reference = GPTModel(config, ParallelState.single())
+    if config.moe_add_bias_linear:
+        _randomize_expert_biases(reference, config, 1, 0)
+    return everyone, reference.state_dict()
 
 
 def _assemble(everyone):

@@ -23,7 +23,6 @@ from safetensors.torch import save_file
 import hf_models
 from harness import run_on_ranks
 import ds_megatron
-from ds_megatron.config import ConfigError
 from ds_megatron.config.hf_config import hf_from_model, model_from_hf
 from ds_megatron.config.model import GPTConfig
 from ds_megatron.config.pipeline import stage_layer_counts, stage_layer_ranges
@@ -201,16 +200,10 @@ def test_sinks_with_recomputation_equal_the_plain_run():
             _assert_same(run(rows, **recompute), want, recompute)
 
 
-def test_expert_tensor_parallelism_is_refused_in_one_line(gpt_oss):
-    config = HFSource(gpt_oss[1]).gpt_config(seq_length=SEQ)
-    with pytest.raises(ConfigError, match=r"^model.moe_add_bias_linear with megatron.expert_tensor_parallel_size=2"):
-        config.check_expert_parallel(1, 2)
-
-
-# tp, pp, ep, sequence parallel, context parallel (its exchange), read from
-LAYOUTS = [(2, 1, 1, True, None, "hf"), (1, 2, 1, False, None, "ours"), (1, 1, 2, False, None, "ours"),
-           (1, 1, 2, False, None, "hf"), (1, 1, 1, False, "p2p", "hf"), (1, 1, 1, False, "all_gather", "hf"),
-           (1, 1, 1, False, "a2a", "hf")]
+# tp, pp, ep, etp, sequence parallel, context parallel (its exchange), read from
+LAYOUTS = [(2, 1, 1, 1, True, None, "hf"), (1, 2, 1, 1, False, None, "ours"), (1, 1, 2, 1, False, None, "ours"),
+           (1, 1, 2, 1, False, None, "hf"), (1, 1, 1, 1, False, "p2p", "hf"), (1, 1, 1, 1, False, "all_gather", "hf"),
+           (1, 1, 1, 1, False, "a2a", "hf"), (1, 1, 1, 2, False, None, "ours")]  # ETP 2: expert biases split
 
 
 
@@ -218,8 +211,8 @@ def _logits_of_layouts(cases, hf_dir, toks):
     """Our logits at each (layout, path) of ``cases`` in this job: on the last stage's ranks, None on the others;
     under CP with the sinks' and router biases' gradients of the logits' sum of squares, summed over CP."""
     out = []
-    for (tp, pp, ep, sp, cp, _), path in cases:
-        state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep, etp=1,
+    for (tp, pp, ep, etp, sp, cp, _), path in cases:
+        state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, pp=pp, ep=ep, etp=etp,
                                                    cp=2 if cp else 1))
         config = HFSource(hf_dir).gpt_config(sequence_parallel=sp, seq_length=SEQ, cp_comm_type=cp or "p2p")
         stages = [list(r) for r in stage_layer_ranges(stage_layer_counts(config.num_layers, pp, "uniform", None,
@@ -250,9 +243,9 @@ def test_every_layout_equals_transformers_and_round_trips(gpt_oss):
     want = [p.grad for layer in reference.model.layers for p in (layer.self_attn.sinks, layer.mlp.router.bias)]
     cases = []
     for i, lay in enumerate(LAYOUTS):
-        tp, pp, ep, _, _, via = lay
+        tp, pp, ep, etp, _, _, via = lay
         ours = str(tmp / f"ours_{i}")
-        cases.append((lay, hf_to_ours(hf_dir, ours, tp=tp, pp=pp, ep=ep, etp=1) if via == "ours" else hf_dir))
+        cases.append((lay, hf_to_ours(hf_dir, ours, tp=tp, pp=pp, ep=ep, etp=etp) if via == "ours" else hf_dir))
     per_rank = run_on_ranks(2, _logits_of_layouts, cases, hf_dir, toks)
     for i, (lay, path) in enumerate(cases):
         results = [r[i] for r in per_rank if r[i] is not None]

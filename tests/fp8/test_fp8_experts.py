@@ -22,6 +22,7 @@ from ds_megatron.moe import MoELayer
 from ds_megatron.moe.experts import GroupedMLP, SequentialMLP
 from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.parallel_state import ParallelGroup, ParallelState
+from ds_megatron.tensor_parallel import grad_of
 from ds_megatron.tensor_parallel.layers import attach_fp8, fp8_states
 
 K, N = 128, 256  # in and out features: multiples of 128 (blockwise)
@@ -171,13 +172,22 @@ def test_experts_run_fc1_and_fc2_through_their_own_states(cls):
     assert rel > 1e-2, f"fp8 experts within {rel:.1e} of the 16-bit ones"
 
 
-def _moe_ranks_equal_one_rank(ep: int, etp: int, grouped_gemm: bool):
+def _bias_grad(experts, local: int, name: str) -> torch.Tensor:
+    """Local expert ``local``'s ``name`` ("fc1", "fc2") bias gradient, either experts class."""
+    if isinstance(experts, GroupedMLP):
+        return grad_of(experts.bias1 if name == "fc1" else experts.bias2)[local]
+    return grad_of(getattr(experts.local_experts[local], f"linear_{name}").bias)
+
+
+def _moe_ranks_equal_one_rank(ep: int, etp: int, grouped_gemm: bool, bias: bool = False):
     """MoELayer (tensorwise hybrid) at EP x ETP over 2 ranks (each rank its own micro-batch) against the one-rank
-    layer on both micro-batches at once: every expert then sees the same tokens."""
+    layer on both micro-batches at once: every expert then sees the same tokens.  ``bias``: random expert biases
+    (gpt-oss), each rank given its ETP slices (fc1's rows, fc2's hidden columns), their gradients compared too."""
     S, B = 8, 2
     world = dist.get_world_size()
     state = ParallelState.build(ParallelLayout(world_size=world, ep=ep, etp=etp))
-    cfg = moe_config(moe_grouped_gemm=grouped_gemm, hidden_size=32, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.0)
+    cfg = moe_config(moe_grouped_gemm=grouped_gemm, hidden_size=32, moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.0,
+                     moe_add_bias_linear=bias)
     fp8 = FP8Recipe("hybrid", "tensorwise")
     torch.manual_seed(5)
     layer = MoELayer(cfg, parallel_state=state)
@@ -186,6 +196,15 @@ def _moe_ranks_equal_one_rank(ep: int, etp: int, grouped_gemm: bool):
     attach_fp8(layer, fp8)
     attach_fp8(ref, fp8)
     g = torch.Generator().manual_seed(11)
+    f, hp, r = cfg.moe_ffn_hidden_size // etp, 32 // etp, state.etp.rank
+    with torch.no_grad():
+        for e in range(cfg.num_experts):
+            for name in ("linear_fc1.bias", "linear_fc2.bias") if bias else ():
+                full = ref.experts.expert_weights(e)[name]
+                full.copy_(torch.randn(full.shape, generator=g))
+                if e in layer.experts.local_expert_indices:
+                    mine = layer.experts.expert_weights(layer.experts.local_expert_indices.index(e))[name]
+                    mine.copy_(full[r * f:(r + 1) * f] if "fc1" in name else full[r * hp:(r + 1) * hp])
     x, w = torch.randn(world * S, B, 32, generator=g), torch.randn(world * S, B, 32, generator=g)
     mine = slice(dist.get_rank() * S, (dist.get_rank() + 1) * S)  # micro-batches stacked along the sequence
 
@@ -201,12 +220,18 @@ def _moe_ranks_equal_one_rank(ep: int, etp: int, grouped_gemm: bool):
     for (e, name), grad in expert_grads(layer.experts).items():
         expected = ref_grads[(e, name)][cols] if name == "fc1" else ref_grads[(e, name)][:, cols]
         assert torch.allclose(grad, expected, rtol=1e-5, atol=1e-6 * expected.abs().max()), (e, name)
+    for local, e in enumerate(layer.experts.local_expert_indices):
+        for name in ("fc1", "fc2") if bias else ():
+            grad, whole = _bias_grad(layer.experts, local, name), _bias_grad(ref.experts, e, name)
+            expected = whole[r * f:(r + 1) * f] if name == "fc1" else whole[r * hp:(r + 1) * hp]
+            assert torch.allclose(grad, expected, rtol=1e-5, atol=1e-6 * whole.abs().max()), (e, name, "bias")
     state.destroy()
 
 
 def _ep2_and_etp2():
     _moe_ranks_equal_one_rank(2, 1, True)
     _moe_ranks_equal_one_rank(1, 2, False)
+    _moe_ranks_equal_one_rank(1, 2, True, bias=True)  # gpt-oss's expert biases split over ETP, fp8 GEMMs
 
 
 def test_expert_and_expert_tensor_parallel_equal_one_rank():
@@ -319,3 +344,52 @@ def test_deferred_expert_weight_gradients_equal_the_immediate_ones_bit_for_bit(c
     store.run("mb0")
     for p, w in zip(params, want[0]):
         assert torch.equal(p.grad, w)
+
+
+@pytest.mark.parametrize("cls", (GroupedMLP, SequentialMLP))
+def test_biased_experts_add_their_16_bit_biases_after_the_fp8_gemms(cls):
+    """gpt-oss's biased experts in bf16 with fp8 GEMMs: fc1's bias added to the fp8 GEMM's bf16 output, fc2's scaled
+    by the routing weight, both bf16 (the fp8 GEMMs, tested above against float64, given the same inputs give the
+    same outputs and weight and input gradients bit for bit); the biases' gradients are float64 sums of the
+    gradients reaching each expert's GEMM outputs (fc2's weighted by the routing weight)."""
+    torch.manual_seed(3)
+    experts = cls(len(COUNTS), K, N, ep=ParallelGroup.single("ep"), etp=ONE, bias=True).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for e in range(len(COUNTS)):
+            for name, bias in experts.expert_weights(e).items():
+                if name.endswith(".bias"):
+                    bias.copy_(torch.randn(bias.shape, generator=g))
+    x = data(1)[0].bfloat16()
+    probs = torch.rand(x.size(0), generator=g).bfloat16()
+    fp8 = FP8Recipe("hybrid", "tensorwise")
+    attach_fp8(experts, fp8)
+    assert all(b.dtype == torch.bfloat16 for n, b in experts.named_parameters() if "bias" in n)
+    xi = x.clone().requires_grad_()
+    y = experts(xi, COUNTS, probs)
+    y.float().square().sum().backward()
+
+    weights = [experts.expert_weights(e) for e in range(len(COUNTS))]
+    w1, w2 = (torch.stack([w[f"linear_{k}.weight"] for w in weights]).detach().requires_grad_() for k in ("fc1", "fc2"))
+    b1, b2 = (torch.stack([w[f"linear_{k}.bias"] for w in weights]).detach() for k in ("fc1", "fc2"))
+    rows = torch.repeat_interleave(torch.arange(len(COUNTS)), torch.tensor(COUNTS))
+    rx = x.clone().requires_grad_()
+    fc1 = grouped.fp8_grouped_linear(rx, w1, COUNTS, [FP8LinearState(fp8, ONE, K, N) for _ in COUNTS]) + b1[rows]
+    fc2 = grouped.fp8_grouped_linear(experts.activation_func(fc1) * probs[:, None], w2, COUNTS,
+                                     [FP8LinearState(fp8, ONE, N, K) for _ in COUNTS])
+    fc1.retain_grad()
+    fc2.retain_grad()
+    ry = fc2 + probs[:, None] * b2[rows]
+    ry.float().square().sum().backward()
+    assert torch.equal(y, ry.detach()) and torch.equal(xi.grad, rx.grad)
+    got = expert_grads(experts)
+    for e in range(len(COUNTS)):
+        assert torch.equal(got[(e, "fc1")], w1.grad[e]) and torch.equal(got[(e, "fc2")], w2.grad[e]), e
+    for e, (d1, d2, p) in enumerate(zip(*(torch.split(t.double(), COUNTS) for t in (fc1.grad, fc2.grad, probs)))):
+        for name, terms in (("fc1", d1), ("fc2", p[:, None] * d2)):
+            # a sum of n bf16 terms accumulated in bf16 is within (n + 1) u sum |terms| (u = 2^-8) of the exact sum
+            bound = (COUNTS[e] + 1) * 2.0 ** -8 * terms.abs().sum(0)
+            grad = _bias_grad(experts, e, name)
+            assert grad.dtype == torch.bfloat16 and bool(((grad.double() - terms.sum(0)).abs() <= bound).all()), \
+                (e, name)
+    assert _bias_grad(experts, 4, "fc2").abs().max() > 0

@@ -125,11 +125,11 @@ def test_context_parallel_training_with_fp8_param_gather_is_bit_identical_to_wit
     _same_training([16] * 4, cp=2)
 
 
-@pytest.mark.parametrize("grouped,etp", [(False, 1), (True, 1), (True, 2)])
-def test_expert_training_with_fp8_param_gather_is_bit_identical_to_without(grouped, etp):
+@pytest.mark.parametrize("grouped,etp,bias", [(False, 1, False), (True, 1, False), (True, 2, True)])
+def test_expert_training_with_fp8_param_gather_is_bit_identical_to_without(grouped, etp, bias):
     """DP 4 with EP 2: each expert's fp8 weights sharded and their amax agreed over expert-DP (2), or with ETP 2
     (expert-DP 1) over the ETP ranks that split them; the grouped experts' weight holds two experts, each with its
-    own scale."""
-    moe = dict(equivalence.MOE, moe_grouped_gemm=grouped)
+    own scale.  With gpt-oss's expert biases (``bias``) the biases stay 16-bit: the same count of fp8 weights."""
+    moe = dict(equivalence.MOE, moe_grouped_gemm=grouped, moe_add_bias_linear=bias)
     _same_training([8 + (8 if grouped else 16)] * 4, ep=2, model=moe,  # QKV, proj; 2 local experts x fc1, fc2
                    pipeline={"expert_tensor_parallel_size": etp})

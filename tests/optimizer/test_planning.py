@@ -173,7 +173,10 @@ def test_plan_counts_moe_experts_as_built_on_every_rank():
     moe = dict(num_experts=4, moe_ffn_hidden_size=48, moe_layer_freq=2)
     for layout_kwargs, model_kwargs in ((dict(tp=2, ep=4, etp=1), moe),  # folding
                                         (dict(tp=1, ep=2, etp=1), dict(moe, moe_shared_expert_ffn_hidden_size=16,
-                                                                      moe_layer_freq=1))):
+                                                                      moe_layer_freq=1)),
+                                        # gpt-oss's biased experts split over ETP
+                                        (dict(tp=1, ep=2, etp=2), dict(moe, moe_add_bias_linear=True,
+                                                                      gated_linear_unit=True))):
         cfg = GPTConfig(**MODEL, **model_kwargs)
         layout = ParallelConfig(tensor_model_parallel_size=layout_kwargs["tp"],
                                 expert_model_parallel_size=layout_kwargs["ep"],
