@@ -218,8 +218,13 @@ def consolidate(tag_dir: str) -> Dict[str, torch.Tensor]:
     stages = {r["pp_rank"] for r in records}
     if stages != set(range(first["pp"])):
         raise ExportError(f"{tag_dir}: pipeline stages {sorted(stages)} of {first['pp']} have files; some are missing")
+    moe_layers = sum(r["moe_layers"] for r in records if r["tp_rank"] == 0)
+    if "model" not in first and first["etp"] > 1 and moe_layers:  # version 1: is each expert's fc1 [gate; up]?
+        raise ExportError(f"{tag_dir}: a version 1 record does not say whether the experts' fc1 is gated, which "
+                          f"decides how its {first['etp']} expert-tensor shards join; load the checkpoint with this "
+                          "ds_megatron and save it again, then export")
     full = _place_dense(modules) if first["version"] >= 2 else _concatenate_dense(modules)
-    full.update(_experts(tag_dir, first["etp"], sum(r["moe_layers"] for r in records if r["tp_rank"] == 0),
+    full.update(_experts(tag_dir, first["etp"], moe_layers,
                          bool(first.get("model", {}).get("gated_linear_unit", False))))
     return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in full.items()}
 

@@ -121,6 +121,22 @@ def _check_slices(engine, state, export):
     return checked
 
 
+def _refused_as_version_1(saved, legacy):
+    """The same gated experts at ETP 2, their records made version 1 (no model config): refused, not joined."""
+    import shutil
+    from ds_megatron.checkpointing.export_fp32 import ExportError, RECORD_KEY, consolidate
+    shutil.copytree(saved, legacy)
+    for name in os.listdir(legacy):
+        if name.startswith("mp_rank_"):
+            path = os.path.join(legacy, name)
+            state = torch.load(path, weights_only=False)
+            state[RECORD_KEY] = {k: v for k, v in state[RECORD_KEY].items() if k != "model"}
+            state[RECORD_KEY]["version"] = 1
+            torch.save(state, path)
+    with pytest.raises(ExportError, match="does not say whether the experts' fc1 is gated"):
+        consolidate(legacy)
+
+
 def _train_save_export(parallel, moe, tmp):
     cfg = _config(parallel)
     state = ds_megatron.initialize_model_parallel(cfg)
@@ -144,6 +160,8 @@ def _train_save_export(parallel, moe, tmp):
     out = os.path.join(tmp, "model.safetensors" if moe else "model.pt")
     if dist.get_rank() == 0:
         assert cli_main(["export-fp32", tmp, out]) == 0
+        if moe.get("gated_linear_unit"):
+            _refused_as_version_1(os.path.join(tmp, "step2"), os.path.join(tmp, "legacy"))
     dist.barrier()
     if out.endswith(".safetensors"):
         from safetensors.torch import load_file
