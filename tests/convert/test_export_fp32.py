@@ -160,7 +160,7 @@ def _train_save_export(parallel, moe, tmp):
     out = os.path.join(tmp, "model.safetensors" if moe else "model.pt")
     if dist.get_rank() == 0:
         assert cli_main(["export-fp32", tmp, out]) == 0
-        if moe.get("gated_linear_unit"):
+        if moe.get("num_experts") and moe.get("gated_linear_unit"):
             _refused_as_version_1(os.path.join(tmp, "step2"), os.path.join(tmp, "legacy"))
     dist.barrier()
     if out.endswith(".safetensors"):
