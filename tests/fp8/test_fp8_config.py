@@ -82,16 +82,14 @@ def test_accepted_with_context_parallelism_and_experts(megatron):
     split_config(job(model=model, **megatron))[1].layout(2)
 
 
-def test_the_plan_refuses_the_fp8_activations_it_does_not_count_in_one_line():
+def test_the_plan_counts_every_fp8_setting_it_accepts():
     from ds_megatron.planning.report import plan_from_config
     mla = {"multi_latent_attention": True, "position_embedding_type": "rope", "q_lora_rank": 64, "kv_lora_rank": 32,
            "qk_head_dim": 32, "qk_pos_emb_head_dim": 16, "v_head_dim": 32}
-    with pytest.raises(ConfigError) as err:
-        plan_from_config(job(model=mla), 1)
-    assert "\n" not in str(err.value) and "model.multi_latent_attention" in str(err.value)
-    # Counted (tests/fp8/test_fp8_plan.py): every recipe, experts (with a shared expert), CP and ZB-H1.
+    # Counted (tests/fp8/test_fp8_plan.py, tests/optimizer/test_planning.py): every recipe, experts (with a shared
+    # expert), CP, ZB-H1 and MLA.
     zero_bubble = {"pipeline_model_parallel_size": 2, "pipeline_schedule": "zero_bubble"}
-    for model, megatron in (({"fp8_recipe": "blockwise"}, {}), ({"fp8_recipe": "delayed"}, {}),
+    for model, megatron in ((mla, {}), ({"fp8_recipe": "blockwise"}, {}), ({"fp8_recipe": "delayed"}, {}),
                             ({"num_experts": 4, "moe_shared_expert_intermediate_size": 256}, {}),
                             ({"attention_dropout": 0.0}, {"context_parallel_size": 2}),
                             ({}, zero_bubble), ({"num_experts": 4}, zero_bubble)):
