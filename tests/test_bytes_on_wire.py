@@ -325,8 +325,6 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
     "cp2-mla-bf16": (2, {"context_parallel_size": 2}, BF16_ON, MLA),
     # fp8 MLA: five linears a layer's attention, the replicated down-projections' weights never fp8 parameters
     # (their forward reduces both amaxes under fp8_param_gather, and no weight amax of theirs once per step).
-    "tp2-sp-mla-fp8": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, BF16_ON,
-                       dict(MLA, sequence_parallel=True, fp8="e4m3")),
     "tp2-mla-fp8-param-gather-recompute": (2, {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True,
                                                "fp8_param_gather": True}, BF16_ON,
                                            dict(MLA, fp8="e4m3", recompute_granularity="full")),
