@@ -57,7 +57,8 @@ def quantize_1x128(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: 
     width = -(-k // BLOCK) * BLOCK
     tiles = _padded(x, 1).reshape(m, width // BLOCK, BLOCK)
     scale = pow2_scale_from_amax(tiles.abs().amax(-1), fp8_max, margin)
-    return cast(tiles, scale.unsqueeze(-1), dtype).reshape(m, width)[:, :k], 1.0 / scale
+    q = cast(tiles, scale.unsqueeze(-1), dtype).reshape(m, width)
+    return (q[:, :k].clone() if width != k else q), 1.0 / scale  # a copy: a view would keep the padding
 
 
 def quantize_128x128(w: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int = 0
@@ -68,8 +69,8 @@ def quantize_128x128(w: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin
     padded = _padded(w, BLOCK)
     blocks = padded.reshape(padded.size(0) // BLOCK, BLOCK, padded.size(1) // BLOCK, BLOCK)
     scale = pow2_scale_from_amax(blocks.abs().amax(dim=(1, 3)), fp8_max, margin)
-    q = cast(blocks, scale[:, None, :, None], dtype).reshape(padded.shape)[:n, :k]
-    return q, 1.0 / scale
+    q = cast(blocks, scale[:, None, :, None], dtype).reshape(padded.shape)
+    return (q[:n, :k].clone() if padded.shape != w.shape else q), 1.0 / scale  # a copy: a view keeps the padding
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

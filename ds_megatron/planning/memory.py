@@ -213,7 +213,7 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     total = fp8_expert_bytes(cfg, tp, etp, ep, tokens) if moe and not mlp else 0.0
     for k, n, freed in linears:
         x = tokens * k * (1 + 4 / 128 if blockwise else 1)
-        w = n * k * (1 + 4 / 128 ** 2 if blockwise else 1)
+        w = n * k + (4 * -(-n // 128) * -(-k // 128) if blockwise else 0)  # MLA's kv_a: a partial block row
         total += x + w - (tokens * k * act if freed else 0) + (0 if blockwise else 8)
     return total
 
