@@ -323,6 +323,11 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
     "tp2-sp-mla-bf16": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, BF16_ON,
                         dict(MLA, sequence_parallel=True)),
     "cp2-mla-bf16": (2, {"context_parallel_size": 2}, BF16_ON, MLA),
+    # fp8 MLA: five linears a layer's attention, the replicated down-projections' weights never fp8 parameters
+    # (their forward reduces both amaxes under fp8_param_gather, and no weight amax of theirs once per step).
+    "tp2-mla-fp8-param-gather-recompute": (2, {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True,
+                                               "fp8_param_gather": True}, BF16_ON,
+                                           dict(MLA, fp8="e4m3", recompute_granularity="full")),
     # Multi-token prediction: per depth the embedding, eh_proj, a layer and a head more.
     "tp2-mtp2": (2, {"tensor_model_parallel_size": 2}, {}, {"mtp_num_layers": 2}),
     "tp2-sp-mtp1": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {},

@@ -291,12 +291,11 @@ class GPTConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ConfigError(f"model.{name} must be an integer >= {low}, got {v!r}")
         if self.fp8_recipe == "blockwise":
-            if self.multi_latent_attention:
-                raise ConfigError("model.fp8_recipe \"blockwise\" with model.multi_latent_attention: its "
-                                  "projections (kv_lora_rank + qk_pos_emb_head_dim wide) do not tile by 128; use "
-                                  "fp8_recipe \"tensorwise\"")
-            for name in ("hidden_size", "seq_length"):
-                if getattr(self, name) % 128:
+            # MLA's latents feed the up-projections' forward GEMMs (kv_lora_rank + qk_pos_emb_head_dim, an output
+            # width, may leave a partial tile)
+            latents = ("q_lora_rank", "kv_lora_rank") if self.multi_latent_attention else ()
+            for name in ("hidden_size", "seq_length") + latents:
+                if (getattr(self, name) or 0) % 128:  # a null q_lora_rank: no query latent
                     raise ConfigError(f"model.{name}={getattr(self, name)} is not a multiple of 128, which "
                                       "fp8_recipe \"blockwise\" tiles by; choose a multiple of 128 or fp8_recipe "
                                       "\"tensorwise\"")
@@ -707,9 +706,15 @@ class GPTConfig:
                               f"is not divisible by tensor_model_parallel_size={tp}; choose a TP size that divides it")
         if self.fp8_recipe == "blockwise" and self.fp8 is not None:
             widths = {"ffn_hidden_size": self.ffn_hidden_size,
-                      "num_attention_heads * head_dim": self.num_attention_heads * self.head_dim,
-                      "num_query_groups * head_dim": self.query_groups * self.head_dim,
                       "moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size or 0}
+            if self.multi_latent_attention:  # the up-projections' outputs and o_proj's input, split by heads
+                a, qk, v = self.num_attention_heads, self.qk_head_dim + self.qk_pos_emb_head_dim, self.v_head_dim
+                widths.update({"num_attention_heads * (qk_head_dim + qk_pos_emb_head_dim)": a * qk,
+                               "num_attention_heads * (qk_head_dim + v_head_dim)": a * (self.qk_head_dim + v),
+                               "num_attention_heads * v_head_dim": a * v})
+            else:
+                widths.update({"num_attention_heads * head_dim": self.num_attention_heads * self.head_dim,
+                               "num_query_groups * head_dim": self.query_groups * self.head_dim})
             for name, width in widths.items():
                 if width % (128 * tp) and not (name.startswith("num_query") and self.query_groups < tp):
                     raise ConfigError(f"model.{name}={width} is not a multiple of 128 x tensor_model_parallel_size"

@@ -41,32 +41,46 @@ def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return x.to(torch.float32, copy=True).mul_(scale).clamp_(-limit, limit).to(dtype)
 
 
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """fp32 ``x`` with zero rows (to a multiple of ``rows``) and columns (of 128) appended: a partial tile's amax is
+    its own elements' (DeepSeek-V3's kernels tile a width that is not a multiple of 128 so)."""
+    pad_rows, pad_cols = -x.size(0) % rows, -x.size(1) % BLOCK
+    x = x.float()
+    return torch.nn.functional.pad(x, (0, pad_cols, 0, pad_rows)) if pad_rows or pad_cols else x
+
+
 def quantize_1x128(x: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int = 0
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``x [m, k]`` with one power-of-two scale per 1x128 tile: (q [m, k], scale_inv [m, k/128])."""
+    """``x [m, k]`` with one power-of-two scale per 1x128 tile (the last one partial where 128 does not divide k):
+    (q [m, k], scale_inv [m, ceil(k/128)])."""
     m, k = x.shape
-    tiles = x.float().reshape(m, k // BLOCK, BLOCK)
+    width = -(-k // BLOCK) * BLOCK
+    tiles = _padded(x, 1).reshape(m, width // BLOCK, BLOCK)
     scale = pow2_scale_from_amax(tiles.abs().amax(-1), fp8_max, margin)
-    return cast(tiles, scale.unsqueeze(-1), dtype).reshape(m, k), 1.0 / scale
+    q = cast(tiles, scale.unsqueeze(-1), dtype).reshape(m, width)
+    return (q[:, :k].clone() if width != k else q), 1.0 / scale  # a copy: a view would keep the padding
 
 
 def quantize_128x128(w: torch.Tensor, dtype: torch.dtype, fp8_max: float, margin: int = 0
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``w [n, k]`` with one power-of-two scale per 128x128 block: (q [n, k], scale_inv [n/128, k/128])."""
+    """``w [n, k]`` with one power-of-two scale per 128x128 block (partial at the edges where 128 does not divide n
+    or k): (q [n, k], scale_inv [ceil(n/128), ceil(k/128)])."""
     n, k = w.shape
-    blocks = w.float().reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    padded = _padded(w, BLOCK)
+    blocks = padded.reshape(padded.size(0) // BLOCK, BLOCK, padded.size(1) // BLOCK, BLOCK)
     scale = pow2_scale_from_amax(blocks.abs().amax(dim=(1, 3)), fp8_max, margin)
-    q = cast(blocks, scale[:, None, :, None], dtype).reshape(n, k)
-    return q, 1.0 / scale
+    q = cast(blocks, scale[:, None, :, None], dtype).reshape(padded.shape)
+    return (q[:n, :k].clone() if padded.shape != w.shape else q), 1.0 / scale  # a copy: a view keeps the padding
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """fp32 ``q * scale_inv`` for a scalar, 1x128 ([m, k/128]) or 128x128 ([m/128, k/128]) ``scale_inv``."""
+    """fp32 ``q * scale_inv`` for a scalar, 1x128 ([m, ceil(k/128)]) or 128x128 ([ceil(m/128), ceil(k/128)])
+    ``scale_inv``."""
     if scale_inv.dim() == 0:
         return q.float() * scale_inv
-    rows = q.size(0) // scale_inv.size(0)  # 1 for 1x128 tiles, 128 for 128x128 blocks
+    rows = 1 if scale_inv.size(0) == q.size(0) else BLOCK  # 1x128 tiles or 128x128 blocks
     expanded = scale_inv.repeat_interleave(rows, 0).repeat_interleave(BLOCK, 1)
-    return q.float() * expanded
+    return q.float() * expanded[:q.size(0), :q.size(1)]
 
 
 def _kernel_takes(a: torch.Tensor, b: torch.Tensor) -> bool:

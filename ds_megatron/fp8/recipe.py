@@ -78,12 +78,12 @@ class FP8LinearState:
                  device: Optional[torch.device] = None, kind: str = "dense"):
         if kind not in KINDS:
             raise ValueError(f"FP8LinearState kind={kind!r} is unknown; use one of {', '.join(KINDS)}")
-        if recipe.recipe == "blockwise":
-            for name, size in (("input features per TP rank", in_features),
-                               ("output features per TP rank", out_features)):
-                if size % BLOCK:
-                    raise ValueError(f"fp8_recipe \"blockwise\" tiles by {BLOCK}, but this linear layer's {name} "
-                                     f"is {size}; choose model sizes whose per-rank widths are multiples of {BLOCK}")
+        # Blockwise: the output width may leave a partial 128-row weight block and output-gradient tile (MLA's
+        # kv_lora_rank + qk_pos_emb_head_dim, as DeepSeek-V3 trained); the input width is the forward GEMM's.
+        if recipe.recipe == "blockwise" and in_features % BLOCK:
+            raise ValueError(f"fp8_recipe \"blockwise\" tiles by {BLOCK}, but this linear layer's input features per "
+                             f"TP rank is {in_features}; choose model sizes whose per-rank widths are multiples of "
+                             f"{BLOCK}")
         self.recipe, self.amax_group, self.kind = recipe, amax_group, kind
         if recipe.recipe == "delayed":
             n = recipe.amax_history_len

@@ -51,7 +51,9 @@ element in the params dtype):
   (recomputation); delayed, once per step each fp8 linear's three amaxes over
   TP, then dp-cp; blockwise, nothing; with ``fp8_param_gather`` the fp8 layers'
   weights all-gathered as one byte an element, the input's amax alone forward,
-  and once per step the fp8 weights' amaxes (a float each) over dp-cp and TP.
+  and once per step the fp8 weights' amaxes (a float each) over dp-cp and TP;
+  MLA's five (four) fp8 linears a layer's attention, its replicated
+  down-projections' weights never fp8 parameters.
 
 ``tests/test_bytes_on_wire.py`` counts the collectives of real steps and holds
 them to these figures; ``launch/bench/bench_vs_peers.py`` prints both.  MoE
@@ -64,7 +66,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..config.model import pad_vocab_size
 from ..errors import ConfigError
-from .memory import BYTES, fp8_weight_elements, kv_heads_per_rank
+from .memory import BYTES, attention_fp8_linears, fp8_weight_elements, kv_heads_per_rank
 from .param_counts import gpt_param_counts, layer_counts, mla_counts, norm_params, pipeline_rank_chunks
 
 F32, F64 = 4, 8
@@ -143,7 +145,12 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         grads = counts.total * F32
         mtp_layers = [cfg.num_layers + k for k in range(depths)] if last else []
         # blockwise scales need no collective
-        fp8_linears = 4 * sum(cfg.fp8_layer(i) for i in layers + mtp_layers) if cfg.fp8_recipe == "tensorwise" else 0
+        # a layer's fp8 linears: its attention's (MLA: five or four, the replicated down-projections' weights never
+        # fp8 parameters), fc1 and fc2
+        attention = attention_fp8_linears(cfg, t)
+        per_layer, replicated = len(attention) + 2, sum(not split for *_, split in attention)
+        fp8_layers = sum(cfg.fp8_layer(i) for i in layers + mtp_layers)
+        fp8_linears = per_layer * fp8_layers if cfg.fp8_recipe == "tensorwise" else 0
         fp8_weights = fp8_weight_elements(cfg, layers, t, last) if fp8_param_gather else 0
         if distributed_optimizer:
             params = (counts.total - fp8_weights) * a + fp8_weights  # fp8 weights: one byte each
@@ -153,22 +160,26 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         if cfg.fp8 is not None and cfg.fp8_recipe == "delayed":
             # once per step each fp8 linear's three amaxes (input, weight, output gradient) over TP, then dp-cp
             # (fp8.delayed_scaling_groups); its GEMMs use the step's scales, with no collective per micro-batch
-            delayed = 4 * sum(cfg.fp8_layer(i) for i in layers + mtp_layers) * 3 * F32
+            delayed = per_layer * fp8_layers * 3 * F32
             add("tp", _all_reduce(t, delayed))
             add("dp-cp", _all_reduce(dp * cp, delayed))
         if fp8_param_gather:  # the amax of each fp8 weight, agreed over its shards' ranks and TP once per step
-            add("dp-cp", _all_reduce(dp * cp, fp8_linears * F32))
-            add("tp", _all_reduce(t, fp8_linears * F32))
+            weights = (per_layer - replicated) * fp8_layers * F32
+            add("dp-cp", _all_reduce(dp * cp, weights))
+            add("tp", _all_reduce(t, weights))
         # fp8 tensorwise: each linear's amaxes over its amax group (TP x CP), forward (input and weight; the input's
         # alone when the weight comes quantized) and backward (output gradient); the MLP's tiles each quantize
-        # their own tokens.  A rerun forward reduces again: a layer recomputed whole reruns all four linears (the
-        # rerun stops at fc2's saved fp8 copies), a recomputed or tiled MLP its two (each tile's).
+        # their own tokens.  A rerun forward reduces again: a layer recomputed whole reruns all its linears (the
+        # rerun stops at fc2's saved fp8 copies), a recomputed or tiled MLP its two (each tile's).  A replicated
+        # linear's weight is never an fp8 parameter: its forward reduces both amaxes.
         tiles = max(1, cfg.mlp_sequence_tiles)
         fp8_full = sum(cfg.recomputes_layer(j) and cfg.fp8_layer(i) for chunk in chunks for j, i in enumerate(chunk))
-        calls = fp8_linears // 4 * (2 + 2 * tiles)
-        reruns = (fp8_full * 4 + (fp8_linears // 4 * 2 * tiles if selective_mlp else 0)) if fp8_linears else 0
-        add("tp-cp", m * ((calls + reruns) * _all_reduce(t * cp, (1 if fp8_param_gather else 2) * F32)
-                          + calls * _all_reduce(t * cp, F32)))
+        n = fp8_layers if fp8_linears else 0
+        calls = n * (len(attention) + 2 * tiles)
+        reruns = (fp8_full * per_layer + (n * 2 * tiles if selective_mlp else 0)) if n else 0
+        whole = n * replicated + (fp8_full * replicated if n else 0)  # forwards of replicated linears
+        add("tp-cp", m * ((calls + reruns - whole) * _all_reduce(t * cp, (1 if fp8_param_gather else 2) * F32)
+                          + whole * _all_reduce(t * cp, 2 * F32) + calls * _all_reduce(t * cp, F32)))
         # Tensor parallel activations.  A layer's forward reduces twice (SP: gathers its attention and MLP inputs,
         # reduce-scatters their outputs), its backward as much again.  Full recomputation reruns the forward up to
         # the last tensor the backward needs (torch's early stop), the MLP's input: its first reduction (SP: two

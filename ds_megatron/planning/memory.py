@@ -70,7 +70,8 @@ With ``fp8_param_gather`` the fp8 layers' weights are one byte each (``fp8_weigh
 recipe's amax histories and scales live from the build on (``fp8_scaling_state_bytes``,
 ``RankMemory.fp8_scaling_bytes``).  Under CP each rank's copies are of its ``s / cp`` tokens; ZB-H1's deferred W
 keeps the fp8 copies of X and dY (``fp8_deferred_bytes``); MoE experts keep their token groups padded to the
-recipe's alignment, counted at the bound (``fp8_expert_bytes``).
+recipe's alignment, counted at the bound (``fp8_expert_bytes``).  MLA's fp8 linears are its five (or four)
+projections, the down-projections replicated (``attention_fp8_linears``).
 
 MoE parameters: each rank holds ``num_experts / EP`` experts, their fc1 and fc2
 split over ETP (no biases), plus a replicated router and, if configured, a
@@ -212,6 +213,27 @@ def mlp_input_elements(cfg, layer: int, tp: int) -> float:
     return cfg.hidden_size / tp if sp and cfg.is_moe_layer(layer) else cfg.hidden_size
 
 
+def attention_fp8_linears(cfg, tp: int, cp_copy: bool = False) -> List[Tuple[float, float, bool, bool]]:
+    """An fp8 layer's attention linears as (input features per rank, output features per rank, 16-bit input freed,
+    split over TP): QKV and the projection; under MLA the down-projections (replicated: whole on every rank; both
+    read the layer's input, freed once), the up-projections (their inputs, the latent norms' outputs, freed) and
+    ``o_proj`` (its input freed).  The split ones' weight gradients are deferrable by ZB-H1 and their weights gathered in fp8 by
+    ``fp8_param_gather``; a replicated one's are neither.  The projection's input is freed only where a
+    context-parallel core made it as a copy (``cp_copy``, see ``fp8_layer_bytes``)."""
+    h, a = cfg.hidden_size, cfg.num_attention_heads
+    if not cfg.multi_latent_attention:
+        qkv = (a + 2 * cfg.query_groups) * cfg.head_dim
+        return [(h, qkv / tp, True, True), (a * cfg.head_dim / tp, h, cp_copy, True)]
+    qk, v = cfg.head_widths
+    kv_a = (h, cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, False, False)
+    if cfg.q_lora_rank:
+        q = [(h, cfg.q_lora_rank, True, False), kv_a, (cfg.q_lora_rank, a * qk / tp, True, True)]
+    else:
+        q = [(h, a * qk / tp, True, True), kv_a]
+    # o_proj's input is the core's output cut to v_head_dim and re-laid out: a copy only it keeps (measured)
+    return q + [(cfg.kv_lora_rank, a * (cfg.qk_head_dim + v) / tp, True, True), (a * v / tp, h, True, True)]
+
+
 def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1, etp: int = 1,
                     ep: int = 1) -> float:
     """What an fp8 layer keeps beyond ``layer_activation_elements``'s 16-bit count, for ``tokens`` tokens: each
@@ -226,15 +248,13 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
         return 0
     _, mlp = selective_recompute(cfg, cp)
     h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
-    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
-    proj = cfg.num_attention_heads * cfg.head_dim
     glu = 2 if cfg.gated_linear_unit else 1
     # (input features per rank, output features per rank, 16-bit input freed).  The projection's input, the core's
     # output, is kept by a fused core; under CP it is a new tensor, which fp8 frees: the ring's and all-gather's
     # cores keep their fp32 output and hand on a 16-bit copy (the same tensor in fp32), Ulysses's all-to-all
     # makes one (measured for bf16, every cp_comm_type).
     cp_copy = cp > 1 and (act < 4 or cfg.cp_comm_type in ("a2a", "a2a+p2p"))
-    linears = [(h, qkv / tp, True), (proj / tp, h, cp_copy)]
+    linears = [(k, n, freed) for k, n, freed, _ in attention_fp8_linears(cfg, tp, cp_copy)]
     moe = cfg.is_moe_layer(layer)
     sp = cfg.sequence_parallel and tp > 1
     if not mlp and not moe:
@@ -247,7 +267,7 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     total = fp8_expert_bytes(cfg, tp, etp, ep, tokens) if moe and not mlp else 0.0
     for k, n, freed in linears:
         x = tokens * k * (1 + 4 / 128 if blockwise else 1)
-        w = n * k * (1 + 4 / 128 ** 2 if blockwise else 1)
+        w = n * k + (4 * -(-n // 128) * -(-k // 128) if blockwise else 0)  # MLA's kv_a: a partial block row
         total += x + w - (tokens * k * act if freed else 0) + (0 if blockwise else 8)
     return total
 
@@ -561,12 +581,10 @@ def fp8_deferred_bytes(cfg, layer: int, tp: int, tokens: int, act: int, etp: int
     if not cfg.fp8_layer(layer):
         return 0
     h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
-    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
-    proj = cfg.num_attention_heads * cfg.head_dim
     glu = 2 if cfg.gated_linear_unit else 1
     blockwise = cfg.fp8_recipe == "blockwise"
     elem = 1 + 4 / 128 if blockwise else 1
-    linears = [(h, qkv / tp), (proj / tp, h)]  # (in, out) features per rank
+    linears = [(k, n) for k, n, _, split in attention_fp8_linears(cfg, tp) if split]  # (in, out) per rank
     experts = 0.0
     if not cfg.is_moe_layer(layer):
         linears += [(h, glu * ffn / tp), (ffn / tp, h)]
@@ -648,46 +666,33 @@ class RankMemory:
                 + self.optimizer_state_bytes + self.activation_bytes + self.fp8_scaling_bytes)
 
 
-def check_fp8_plannable(cfg) -> None:
-    """The fp8 activations the plan counts (``fp8_layer_bytes``, ``fp8_backward_bytes``): every recipe of a
-    standard-attention model, its experts and shared expert (measured within 10%; the delayed recipe keeps the
-    tensorwise copies and its state, ``fp8_scaling_state_bytes``); MLA is refused in one line rather than planned
-    wrong."""
-    if cfg.fp8 is None:
-        return
-    if cfg.multi_latent_attention:
-        raise ConfigError("model.fp8 with model.multi_latent_attention: the plan does not count MLA's fp8 copies "
-                          "yet; plan with fp8 null and measure the job")
-
-
 def fp8_scaling_state_bytes(cfg, layers: Sequence[int], last_stage: bool = True, ep: int = 1) -> int:
     """The delayed recipe's scaling state of a rank's fp8 linears (``fp8.FP8LinearState``), kept from the model's
     build on: per linear and tensor role (input, weight, output gradient) an fp32 amax history of
-    ``fp8_amax_history_len``, the scale and the step's running amax.  A dense layer's fp8 linears are QKV, the
-    projection, fc1 and fc2, an MoE layer's QKV, the projection, each local expert's fc1 and fc2 and the shared
-    expert's (the last
-    stage's multi-token-prediction layers too).  The kept scale copies of a micro-batch are activations
+    ``fp8_amax_history_len``, the scale and the step's running amax.  A layer's fp8 linears are its attention's
+    (``attention_fp8_linears``: QKV and the projection, or MLA's five or four projections) and fc1 and fc2, an MoE
+    layer's each local expert's fc1 and fc2 and the shared expert's instead (the last stage's multi-token-prediction
+    layers too).  The kept scale copies of a micro-batch are activations
     (``fp8_layer_bytes``); tensorwise and blockwise keep no state."""
     if cfg.fp8 is None or cfg.fp8_recipe != "delayed":
         return 0
     mtp = [cfg.num_layers + k for k in range(cfg.mtp_num_layers or 0)] if last_stage else []
     shared = 2 if cfg.moe_shared_expert_intermediate_size else 0
-    linears = sum((2 + (2 * cfg.num_experts // ep + shared if cfg.is_moe_layer(i) else 2)) * cfg.fp8_layer(i)
-                  for i in list(layers) + mtp)
+    attention = len(attention_fp8_linears(cfg, 1))
+    linears = sum((attention + (2 * cfg.num_experts // ep + shared if cfg.is_moe_layer(i) else 2))
+                  * cfg.fp8_layer(i) for i in list(layers) + mtp)
     return linears * 3 * (cfg.fp8_amax_history_len + 2) * 4
 
 
 def fp8_weight_elements(cfg, layers: Sequence[int], tp: int, last_stage: bool = True, ep: int = 1,
                         etp: int = 1) -> int:
-    """Elements per rank of the weights that ``fp8_param_gather`` keeps as fp8 bytes: QKV, the projection and the
-    MLP's fc1 and fc2 of every fp8 layer among ``layers`` (and the last stage's multi-token-prediction layers); in
-    an MoE layer the local experts' fc1 and fc2 (``num_experts / ep`` of them, split over ETP) and the shared
-    expert's instead of the dense MLP.  Their biases, the norms, the router, embeddings and output layer stay
-    16-bit."""
+    """Elements per rank of the weights that ``fp8_param_gather`` keeps as fp8 bytes: QKV and the projection (MLA:
+    its split projections, not the replicated down-projections) and the MLP's fc1 and fc2 of every fp8 layer among
+    ``layers`` (and the last stage's multi-token-prediction layers); in an MoE layer the local experts' fc1 and fc2
+    (``num_experts / ep`` of them, split over ETP) and the shared expert's instead of the dense MLP.  Their biases,
+    the norms, the router, embeddings and output layer stay 16-bit."""
     h, glu = cfg.hidden_size, 2 if cfg.gated_linear_unit else 1
-    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
-    proj = cfg.num_attention_heads * cfg.head_dim
-    attention = h * (qkv + proj) // tp
+    attention = int(sum(k * n for k, n, _, split in attention_fp8_linears(cfg, tp) if split))
 
     def mlp(layer: int) -> int:
         if not cfg.is_moe_layer(layer):
@@ -734,7 +739,6 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
     ``fp8_param_gather``: the fp8 layers' weights are 1 byte each (``fp8_weight_elements``), the rest 16-bit.
     ``kernels``: the device whose kernels' habits the activations follow (``planning.hardware.DeviceKernels``).
     """
-    check_fp8_plannable(cfg)  # counted (fp8_*_bytes): every recipe, TP / SP / CP / DP, every schedule, experts
     if layout.cp > 1:
         cfg.check_context_parallel(layout.cp, layout.tp)
     pp, v = layout.pp, num_model_chunks

@@ -15,7 +15,7 @@ Every function and layer takes its TP group explicitly, as a ``ParallelGroup``
 """
 from .cross_entropy import LogitsBuffer, linear_vocab_parallel_cross_entropy, vocab_parallel_cross_entropy
 from .init import init_method_normal, initialize_affine_weight_cpu, scaled_init_method_normal
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding
 from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
                        gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
@@ -29,7 +29,7 @@ from .utils import (divide, pad_vocab_size, vocab_range_from_global_vocab_size,
                     vocab_range_from_per_partition_vocab_size)
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+    "ColumnParallelLinear", "ReplicatedLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "linear_vocab_parallel_cross_entropy", "LogitsBuffer",
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",

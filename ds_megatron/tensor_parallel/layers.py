@@ -1,4 +1,4 @@
-"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, VocabParallelEmbedding.
 
 ``Y = X A + b`` with ``A`` stored torch-style as ``weight [out, in]``:
 
@@ -13,13 +13,17 @@
   Its bias is full-size and replicated and is added once, after that
   reduction.
 
+* ReplicatedLinear is held whole by every TP rank (Megatron's "duplicated" Transformer Engine linear, MLA's
+  down-projections); its caller decides what its gradients are partial over.
+
 Column followed by Row (MLP, attention) needs no communication in between.
 Both ``forward`` return ``(output, output_bias)``: ``output_bias`` is the bias
 when ``skip_bias_add`` (the caller fuses the add, e.g. bias-GeLU or
 bias-dropout-add), else None.
 
-``attach_fp8`` gives the linears an fp8 scaling state (``ds_megatron.fp8``): their three GEMMs then run in fp8,
-the input quantized after the sequence-parallel gather; ``fp8_states`` collects every state of a model, the
+``attach_fp8`` gives the linears (replicated ones too, as Transformer Engine runs a duplicated linear in fp8) an fp8
+scaling state (``ds_megatron.fp8``): their three GEMMs then run in fp8, the input quantized after the
+sequence-parallel gather; ``fp8_states`` collects every state of a model, the
 experts' included.
 
 Weights are initialized independently of the TP size (see ``init.py``); biases
@@ -181,17 +185,38 @@ def attach_weight_grad_store(module: torch.nn.Module, store: Optional[WeightGrad
     return count
 
 
+class ReplicatedLinear(torch.nn.Module):
+    """A linear layer every rank of ``tp`` holds whole (``weight [out, in]``, drawn full from the default RNG).
+    With an fp8 state its three GEMMs run in fp8; its amaxes are agreed over the state's group like the split
+    linears' (its input and weight are the same on every TP rank; an output gradient that is a partial sum over TP
+    is quantized per rank with the scale of the largest)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, init_method: InitMethod, *, tp: ParallelGroup):
+        super().__init__()
+        self.tp = tp
+        weight = torch.empty(output_size, input_size)  # float32, as the TP layers draw their masters
+        init_method(weight)
+        self.weight = torch.nn.Parameter(weight)
+        self.bias = torch.nn.Parameter(torch.zeros(output_size)) if bias else None
+        for p in self.parameters():
+            set_tensor_model_parallel_attributes(p, False, -1)
+        self.fp8: Optional[FP8LinearState] = None  # set by attach_fp8: the three GEMMs in fp8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, None, self.fp8)
+
+
 def attach_fp8(module: torch.nn.Module, recipe: Optional[FP8Recipe],
                amax_group: Optional[ParallelGroup] = None) -> int:
-    """Give every column- and row-parallel linear in ``module`` its own fp8 scaling state from ``recipe`` (None:
-    back to 16-bit GEMMs), and ``recipe`` to every module that declares ``set_fp8`` (the MoE experts, which make
-    their own states); returns how many modules took it.  ``amax_group``: the ranks the linears' tensors are split
-    over, whose amaxes they agree on (a model's TP x CP group: CP splits the sequence); None: each linear's TP
-    group.  Quantization happens after the sequence-parallel gather, so the gathered input's amax is the same on
-    every TP rank."""
+    """Give every column-, row-parallel and replicated linear in ``module`` its own fp8 scaling state from
+    ``recipe`` (None: back to 16-bit GEMMs), and ``recipe`` to every module that declares ``set_fp8`` (the MoE
+    experts, which make their own states); returns how many modules took it.  ``amax_group``: the ranks the
+    linears' tensors are split over, whose amaxes they agree on (a model's TP x CP group: CP splits the sequence);
+    None: each linear's TP group.  Quantization happens after the sequence-parallel gather, so the gathered input's
+    amax is the same on every TP rank."""
     count = 0
     for m in module.modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
             out_features, in_features = m.weight.shape
             m.fp8 = None if recipe is None else FP8LinearState(recipe, amax_group or m.tp, in_features,
                                                                out_features, device=m.weight.device)
@@ -214,8 +239,9 @@ def fp8_states(module: torch.nn.Module) -> List[FP8LinearState]:
 
 
 def fp8_weights(module: torch.nn.Module) -> List[Tuple[torch.nn.Parameter, FP8Recipe]]:
-    """(weight, recipe) of ``module``'s fp8 linears in module order, and of the modules that declare
-    ``fp8_weights`` (the MoE experts): what ``fp8_param_gather`` keeps as fp8."""
+    """(weight, recipe) of ``module``'s fp8 column- and row-parallel linears in module order, and of the modules
+    that declare ``fp8_weights`` (the MoE experts): what ``fp8_param_gather`` keeps as fp8.  A replicated linear's
+    weight stays 16-bit (quantized at each use), as Megatron gathers only the split ones in fp8."""
     out: List[Tuple[torch.nn.Parameter, FP8Recipe]] = []
     for m in module.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.fp8 is not None:

@@ -29,6 +29,10 @@ the core is ``context_parallel_attention`` with every exchange type; keys are ``
 qk_pos_emb_head_dim`` wide and values ``v_head_dim``, and the cores carry the two widths as they are
 (V is not padded to K's width: no wasted bytes on the wire).
 
+FP8: every projection runs its three GEMMs in fp8 by the layer's recipe, the down-projections too (megatron-core
+builds them as Transformer Engine linears, which run in fp8 under its autocast); the norms, RoPE and the core stay
+16-bit.  A down-projection's output gradient is this rank's partial sum over its heads: it is quantized per rank.
+
 Weights are drawn in the same order and from the same full tensors whatever the TP size.
 """
 from __future__ import annotations
@@ -40,9 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel_state import ParallelGroup
-from ..tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_tensor_model_parallel_region,
-                               gather_from_sequence_parallel_region, mark_sequence_parallel,
-                               set_tensor_model_parallel_attributes)
+from ..tensor_parallel import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
+                               copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                               mark_sequence_parallel)
 from ..tensor_parallel.random import checkpoint
 from ..tensor_parallel.utils import divide
 from ..tensor_parallel.weight_grad_store import linear
@@ -50,22 +54,6 @@ from .context_parallel import context_parallel_attention, rank_positions
 from .norm import build_norm
 from .packed_seq_params import PackedSeqParams, document_attention
 from .rotary import RotaryEmbedding, yarn_attention_factor
-
-
-class ReplicatedLinear(torch.nn.Module):
-    """A linear layer every TP rank holds whole (``weight [out, in]``, drawn full from the default RNG)."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool, init_method):
-        super().__init__()
-        weight = torch.empty(output_size, input_size)  # float32, as the TP layers draw their masters
-        init_method(weight)
-        self.weight = torch.nn.Parameter(weight)
-        self.bias = torch.nn.Parameter(torch.zeros(output_size)) if bias else None
-        for p in self.parameters():
-            set_tensor_model_parallel_attributes(p, False, -1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 def mla_softmax_scale(config) -> float:
@@ -116,12 +104,13 @@ class MLASelfAttention(torch.nn.Module):
         if config.q_lora_rank is None:
             self.q_proj = up(h, q_width)
         else:
-            self.q_a_proj = ReplicatedLinear(h, config.q_lora_rank, bias, init_method)
+            self.q_a_proj = ReplicatedLinear(h, config.q_lora_rank, bias, init_method, tp=tp)
             # model.norm_epsilon (megatron-core's); transformers' DeepSeek-V3 fixes these two norms' eps at 1e-6
             self.q_a_layernorm = build_norm(config, config.q_lora_rank)
             self.q_b_proj = up(config.q_lora_rank, q_width)
             replicated += [self.q_a_proj, self.q_a_layernorm]
-        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.pos_dim, bias, init_method)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.pos_dim, bias, init_method,
+                                                   tp=tp)
         self.kv_a_layernorm = build_norm(config, self.kv_lora_rank)
         self.kv_b_proj = up(self.kv_lora_rank, n * (self.qk_head_dim + self.v_head_dim))
         replicated += [self.kv_a_proj_with_mqa, self.kv_a_layernorm]
@@ -200,4 +189,4 @@ class MLASelfAttention(torch.nn.Module):
         return f"heads_per_partition={self.heads}, softmax_scale={self.softmax_scale:.6g}"
 
 
-__all__ = ["MLASelfAttention", "ReplicatedLinear", "mla_softmax_scale", "deinterleave"]
+__all__ = ["MLASelfAttention", "mla_softmax_scale", "deinterleave"]

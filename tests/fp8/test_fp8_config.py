@@ -14,6 +14,13 @@ def job(model=None, bf16=True, **megatron):
     return {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": bf16}, "megatron": {"model": model, **megatron}}
 
 
+# blockwise MLA whose widths tile at TP 1: the latents 128, 2 x 64 per head for q and k/v, 2 x 32 for v;
+# kv_lora_rank + qk_pos_emb_head_dim = 160 leaves a partial tile, which the recipe quantizes over its own elements
+MLA_BLOCKWISE = {"fp8_recipe": "blockwise", "multi_latent_attention": True, "position_embedding_type": "rope",
+                 "hidden_size": 128, "q_lora_rank": 128, "kv_lora_rank": 128, "qk_head_dim": 32,
+                 "qk_pos_emb_head_dim": 32, "v_head_dim": 32}
+
+
 def refused(config, world: int = 1) -> str:
     with pytest.raises(ConfigError) as err:
         split_config(config)[1].layout(world)
@@ -49,14 +56,20 @@ def refused(config, world: int = 1) -> str:
     (job(model={"fp8_recipe": "blockwise", "seq_length": 96}), 1, ("model.seq_length=96", "multiple of 128")),
     (job(model={"fp8_recipe": "blockwise", "ffn_hidden_size": 384}, tensor_model_parallel_size=2), 2,
      ("model.ffn_hidden_size=384", "128 x tensor_model_parallel_size=256")),
-    (job(model={"fp8_recipe": "blockwise", "multi_latent_attention": True}), 1,
-     ("multi_latent_attention", "\"tensorwise\"")),
+    (job(model={**MLA_BLOCKWISE, "kv_lora_rank": 64}), 1, ("model.kv_lora_rank=64", "multiple of 128")),
+    (job(model=MLA_BLOCKWISE, tensor_model_parallel_size=2), 2,
+     ("model.num_attention_heads * v_head_dim=128", "128 x tensor_model_parallel_size=256")),
     (job(fp8_param_gather=True), 1, ("fp8_param_gather",)),
 ])
 def test_refused_at_start_naming_the_setting_and_the_fix(config, world, names):
     message = refused(config, world)
     for name in names:
         assert name in message, message
+
+
+def test_blockwise_mla_whose_widths_tile_is_accepted():
+    split_config(job(model=MLA_BLOCKWISE))[1].layout(1)
+    split_config(job(model={**MLA_BLOCKWISE, "num_attention_heads": 8}, tensor_model_parallel_size=2))[1].layout(2)
 
 
 def test_accepted_recipes_and_the_bf16_layers():
@@ -82,16 +95,14 @@ def test_accepted_with_context_parallelism_and_experts(megatron):
     split_config(job(model=model, **megatron))[1].layout(2)
 
 
-def test_the_plan_refuses_the_fp8_activations_it_does_not_count_in_one_line():
+def test_the_plan_counts_every_fp8_setting_it_accepts():
     from ds_megatron.planning.report import plan_from_config
     mla = {"multi_latent_attention": True, "position_embedding_type": "rope", "q_lora_rank": 64, "kv_lora_rank": 32,
            "qk_head_dim": 32, "qk_pos_emb_head_dim": 16, "v_head_dim": 32}
-    with pytest.raises(ConfigError) as err:
-        plan_from_config(job(model=mla), 1)
-    assert "\n" not in str(err.value) and "model.multi_latent_attention" in str(err.value)
-    # Counted (tests/fp8/test_fp8_plan.py): every recipe, experts (with a shared expert), CP and ZB-H1.
+    # Counted (tests/fp8/test_fp8_plan.py, tests/optimizer/test_planning.py): every recipe, experts (with a shared
+    # expert), CP, ZB-H1 and MLA.
     zero_bubble = {"pipeline_model_parallel_size": 2, "pipeline_schedule": "zero_bubble"}
-    for model, megatron in (({"fp8_recipe": "blockwise"}, {}), ({"fp8_recipe": "delayed"}, {}),
+    for model, megatron in ((mla, {}), ({"fp8_recipe": "blockwise"}, {}), ({"fp8_recipe": "delayed"}, {}),
                             ({"num_experts": 4, "moe_shared_expert_intermediate_size": 256}, {}),
                             ({"attention_dropout": 0.0}, {"context_parallel_size": 2}),
                             ({}, zero_bubble), ({"num_experts": 4}, zero_bubble)):

@@ -79,6 +79,35 @@ def test_fp8_gpt_at_context_parallel_2_equals_one_rank_for_every_comm_type():
     print(run_on_ranks(2, _cp2_equals_one_rank)[0])
 
 
+MLA = dict(position_embedding_type="rope", multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
+           qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+
+
+def _cp2_mla_equals_one_rank():
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), cp=2))
+    tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(tokens, -1, 1)
+    torch.manual_seed(7)
+    ref_loss, ref_grads = _loss_and_grads(GPTModel(GPTConfig(**CFG, **MLA)).double(), tokens, labels)
+    for comm in ("p2p",):  # the cores' exchanges are MLA's own test's; here the fp8 linears' chunks
+        torch.manual_seed(7)
+        model = GPTModel(GPTConfig(**CFG, **MLA, cp_comm_type=comm), state).double()
+        loss, grads = _loss_and_grads(model, tokens, labels)
+        assert abs(loss - ref_loss) <= 1e-12 * abs(ref_loss), (comm, loss.item(), ref_loss.item())
+        for name, grad in grads.items():
+            grad = grad.clone()
+            dist.all_reduce(grad, group=state.cp.group)
+            err = ((grad / 2 - ref_grads[name]).abs().max() / ref_grads[name].abs().max()).item()
+            assert err <= GRAD_TOL, f"{comm}: {name} gradient off by {err:.1e} of its largest entry"
+    state.destroy()
+
+
+def test_fp8_mla_at_context_parallel_2_equals_one_rank():
+    """Multi-latent attention, its down-projections in fp8 too: each CP rank's chunks scaled as the whole sequence
+    (amaxes over TP x CP), the ring's core carrying K and the narrower V."""
+    run_on_ranks(2, _cp2_mla_equals_one_rank)
+
+
 def _delayed_scales_at_cp2():
     """The delayed recipe at CP 2: the step's update (MAX over ``delayed_scaling_groups``, which
     ``finalize_model_grads`` and DeepSpeed's path use) gives every rank the scales of the amaxes over the whole

@@ -48,13 +48,22 @@ RECIPES = {"tensorwise": dict(fp8="e4m3"), "delayed": dict(fp8="hybrid", fp8_rec
                                                            fp8_amax_history_len=2, fp8_amax_compute_algo="max")}
 
 
-@pytest.mark.parametrize("schedule,recipe,moe", [("interleaved", "tensorwise", False),
-                                                 ("zero_bubble", "delayed", False), ("zero_bubble", "delayed", True)])
-def test_pipeline_schedules_with_fp8_equal_one_rank(schedule, recipe, moe):
-    """``moe``: every layer's MLP 4 experts in fp8, their weight gradients deferred to ZB-H1's W as well."""
+MLA = dict(position_embedding_type="rope", multi_latent_attention=True, q_lora_rank=8, kv_lora_rank=8, qk_head_dim=4,
+           qk_pos_emb_head_dim=4, v_head_dim=4)
+
+
+@pytest.mark.parametrize("schedule,recipe,moe,mla", [("interleaved", "tensorwise", False, False),
+                                                     ("zero_bubble", "delayed", False, False),
+                                                     ("zero_bubble", "delayed", True, False),
+                                                     ("zero_bubble", "delayed", False, True)])
+def test_pipeline_schedules_with_fp8_equal_one_rank(schedule, recipe, moe, mla):
+    """``moe``: every layer's MLP 4 experts in fp8, their weight gradients deferred to ZB-H1's W as well.  ``mla``:
+    multi-latent attention, its up-projections' and ``o_proj``'s weight gradients deferred, its replicated
+    down-projections' run in B."""
     pipeline = {"1f1b": ONE_CHUNK, "interleaved": V2, "zero_bubble": ZB}[schedule]
-    ref = run_on_ranks(1, _train, RECIPES[recipe], pp=1, tp=1, moe=moe, steps=2)[0]
-    got = run_on_ranks(2, _train, RECIPES[recipe], pp=2, tp=1, pipeline=pipeline, moe=moe, steps=2, timeout=300)[0]
+    fp8 = dict(RECIPES[recipe], **(MLA if mla else {}))
+    ref = run_on_ranks(1, _train, fp8, pp=1, tp=1, moe=moe, steps=2)[0]
+    got = run_on_ranks(2, _train, fp8, pp=2, tp=1, pipeline=pipeline, moe=moe, steps=2, timeout=300)[0]
     (losses, norms, weights, _), (ref_losses, ref_norms, ref_weights, _) = got, ref
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=TOL, atol=TOL)
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=TOL, atol=TOL)

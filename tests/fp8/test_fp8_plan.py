@@ -67,6 +67,28 @@ def test_delayed_recipes_amax_histories_and_scales_are_planned_to_the_byte():
         assert held == planned, (held, planned)
 
 
+@pytest.mark.parametrize("q_lora_rank", [32, None])
+def test_mla_delayed_states_and_fp8_gathered_weights_are_the_planned_ones(q_lora_rank):
+    """An fp8 MLA layer's linears are its five (four without query compression) projections, the replicated
+    down-projections included: the delayed states of a built model hold the planned bytes, and the weights
+    ``fp8_param_gather`` keeps in fp8 are its split projections' (the down-projections' stay 16-bit), at TP 2."""
+    from ds_megatron.planning.memory import fp8_weight_elements
+    from ds_megatron.tensor_parallel.layers import fp8_weights
+    cfg = GPTConfig(**{**ZB_MODEL, **MLA, "q_lora_rank": q_lora_rank, "fp8": "e4m3", "fp8_recipe": "delayed",
+                       "fp8_amax_history_len": 3, "first_last_layers_bf16": True, "num_layers_at_start_in_bf16": 0,
+                       "num_layers_at_end_in_bf16": 1})
+    model = GPTModel(cfg)
+    held = sum(t.numel() * t.element_size() for s in fp8_states(model)
+               for d in (s.amax_history, s.scale, s.step_amax) for t in d.values())
+    linears = (5 if q_lora_rank else 4) + 2  # one fp8 layer of two: its attention's, fc1 and fc2
+    assert plan_memory(cfg, ParallelLayout(world_size=1), "bf16")[0].fp8_scaling_bytes == held == \
+        linears * 3 * (3 + 2) * 4
+    a, h = cfg.num_attention_heads, cfg.hidden_size
+    split = (q_lora_rank or h) * a * 24 + 16 * a * 32 + a * 16 * h + h * 2 * cfg.ffn_hidden_size
+    assert fp8_weight_elements(cfg, range(2), tp=2) == split // 2
+    assert sum(w.numel() for w, _ in fp8_weights(model)) == split
+
+
 ZB_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=512,
                 make_vocab_size_divisible_by=128, hidden_dropout=0.0, attention_dropout=0.0)
 
@@ -96,9 +118,14 @@ def _held_from_b_to_w(extra):
     return held
 
 
+MLA = dict(position_embedding_type="rope", multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16,
+           qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+
+
 @pytest.mark.parametrize("extra", [dict(fp8="hybrid"), dict(fp8="e4m3", fp8_recipe="blockwise", hidden_size=128,
-                                                           ffn_hidden_size=256, seq_length=128)],
-                         ids=["tensorwise", "blockwise"])
+                                                           ffn_hidden_size=256, seq_length=128),
+                                   dict(MLA, fp8="hybrid")],
+                         ids=["tensorwise", "blockwise", "mla"])
 def test_zero_bubbles_deferred_fp8_weight_gradients_keep_the_planned_bytes(extra):
     """From B to W each fp8 linear keeps its fp8 copies of X and dY (1 byte an element; blockwise tiled along the
     tokens with their fp32 scales) instead of the 16-bit X and dY: what stays allocated after B differs from the

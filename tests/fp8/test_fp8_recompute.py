@@ -16,9 +16,14 @@ RECOMPUTE = {"none": {}, "full": dict(recompute_granularity="full"),
              "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "layernorm"])}
 
 
-def _step(recipe, recompute):
+MLA = dict(position_embedding_type="rope", multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16,
+           qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8)
+
+
+def _step(recipe, recompute, mla=False):
     torch.manual_seed(5)
-    model = GPTModel(GPTConfig(**MODEL, fp8="hybrid", fp8_recipe=recipe, **RECOMPUTE[recompute]))
+    extra = {**RECOMPUTE[recompute], **(MLA if mla else {})}
+    model = GPTModel(GPTConfig(**MODEL, fp8="hybrid", fp8_recipe=recipe, **extra))
     for s in fp8_states(model):  # a delayed step after the first: scales other than 1
         if recipe == "delayed":
             s.scale = {r: torch.tensor(v) for r, v in zip(s.scale, (91.0, 3000.0, 2.0 ** 20))}
@@ -29,11 +34,12 @@ def _step(recipe, recompute):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, amaxes
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_recomputed_fp8_forward_equals_the_stored_one(recipe):
-    loss, grads, amaxes = _step(recipe, "none")
+@pytest.mark.parametrize("recipe,mla", [("tensorwise", False), ("delayed", False), ("delayed", True)])
+def test_recomputed_fp8_forward_equals_the_stored_one(recipe, mla):
+    """``mla``: multi-latent attention, its down-projections' fp8 too (selective: its core recomputed)."""
+    loss, grads, amaxes = _step(recipe, "none", mla)
     for recompute in ("full", "selective"):
-        got_loss, got_grads, got_amaxes = _step(recipe, recompute)
+        got_loss, got_grads, got_amaxes = _step(recipe, recompute, mla)
         assert torch.equal(got_loss, loss), recompute
         assert all(torch.equal(got_grads[n], g) for n, g in grads.items()), recompute
         assert got_amaxes == amaxes and (recipe == "tensorwise" or min(amaxes) > 0), recompute

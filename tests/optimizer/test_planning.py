@@ -349,7 +349,10 @@ def _kept_after_forward(tp, extra):
 
 
 @pytest.mark.parametrize("extra", [{}, dict(SWIGLU, num_query_groups=2, first_last_layers_bf16=True,
-                                              num_layers=3, fp8="hybrid")], ids=["gelu", "swiglu-gqa-middle-layer"])
+                                              num_layers=3, fp8="hybrid"), MLA,
+                                   dict(MLA, fp8_recipe="blockwise", hidden_size=128, seq_length=128, q_lora_rank=128,
+                                        kv_lora_rank=128, qk_head_dim=32, qk_pos_emb_head_dim=32, v_head_dim=32)],
+                         ids=["gelu", "swiglu-gqa-middle-layer", "mla", "mla-blockwise"])
 def test_fp8_layers_keep_their_fp8_copies_instead_of_the_16_bit_inputs_to_the_byte(extra):
     """Per layer and linear: the input's and the weight's fp8 copies and two scalar scales kept, the 16-bit inputs
     of QKV, fc1 (the norms' outputs) and fc2 (the activation's output) freed: the kept set changes by exactly the
@@ -362,6 +365,7 @@ def test_fp8_layers_keep_their_fp8_copies_instead_of_the_16_bit_inputs_to_the_by
     bf16 = run_on_ranks(2, _kept_after_forward, tp, bf16_extra)
     fp8 = run_on_ranks(2, _kept_after_forward, tp, {**FP8, **extra})
     for a, b in zip(fp8, bf16):
+        print(f"kept: fp8 - 16-bit {a - b}, planned {planned[1] - planned[0]}")
         assert a - b == planned[1] - planned[0] < 0, (a, b, planned)
 
 
