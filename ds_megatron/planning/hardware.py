@@ -17,6 +17,11 @@ What a program achieves of a peak is a physical constant of the kernels, named h
 
 A measured profile (``cpu``) replaces the curve by its table of GEMM rates by shape and the ring constants by
 measured latency and bus bandwidth per collective.
+
+``comm_overlap``: the share (0..1) of a collective's time that compute running at the same time hides, for the
+collectives a step overlaps (CP's ring, ``overlap_grad_reduce``, ``overlap_param_gather``).  1 on a GPU, where
+NCCL moves bytes on its own SMs and copy engines; ``--calibrate`` measures it on a CPU box, where gloo and the
+GEMMs share the same cores.
 """
 from __future__ import annotations
 
@@ -65,6 +70,7 @@ class Hardware:
     collectives: Optional[Dict[str, Dict[str, CollectiveRate]]] = None
     kernel_launch_s: float = KERNEL_LAUNCH_S
     attention_kernel: str = "flash"  # "flash" (causal blocks skipped) or "materialized" (scores through memory)
+    comm_overlap: float = 1.0  # share of an overlapped collective that concurrent compute hides
     source: str = ""
 
     def peak(self, dtype: str) -> float:
@@ -162,6 +168,9 @@ def hardware_from_dict(doc: Dict, where: str = "hardware") -> Hardware:
     if doc.get("attention_kernel", "flash") not in ("flash", "materialized"):
         raise ConfigError(f"{where}: attention_kernel={doc['attention_kernel']!r} is unknown; use \"flash\" or "
                           "\"materialized\"")
+    if not 0.0 <= doc.get("comm_overlap", 1.0) <= 1.0:
+        raise ConfigError(f"{where}: comm_overlap={doc['comm_overlap']!r} is outside 0..1; give the share of a "
+                          "collective hidden behind concurrent compute (ds-megatron plan --calibrate measures it)")
     try:
         return Hardware(**doc)
     except TypeError as e:
