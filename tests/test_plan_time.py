@@ -241,7 +241,8 @@ def test_cp_ring_hides_the_profiles_overlap_share_behind_attention():
 def test_overlapped_grad_reduce_hides_the_profiles_share_of_all_but_the_last_bucket():
     """DP 2, overlap_grad_reduce with 7M-element buckets: the model's ~13M parameters make two buckets; on a
     fast link the first bucket's reduction (half of it) fits inside the last backward, so ``comm_overlap`` f
-    leaves r / 2 + (1 - f) r / 2 of the whole reduction r (the same step without overlap) exposed."""
+    leaves r / 2 + (1 - f) r / 2 of the whole reduction r (the same step without overlap) exposed; likewise the
+    distributed optimizer's parameter all-gather behind the next forward."""
     rate = CollectiveRate(1e-6, 1e13)
     base = Run(_model(), ParallelLayout(world_size=2), "bf16", 1, 1)
     for f in (0.0, 0.5, 1.0):
@@ -250,6 +251,14 @@ def test_overlapped_grad_reduce_hides_the_profiles_share_of_all_but_the_last_buc
         overlapped = dataclasses.replace(base, overlap_grad_reduce=True, bucket_size=7_000_000)
         assert plan_step_time(overlapped, hw).breakdown["dp_comm_s"] == pytest.approx(
             whole / 2 + (1 - f) * whole / 2, rel=1e-9)
+    # The distributed optimizer's parameter all-gather g behind the next forward: (1 - f) g exposed.
+    base = dataclasses.replace(base, distributed_optimizer=True)
+    for f in (0.0, 0.5, 1.0):
+        hw = dataclasses.replace(A100, comm_overlap=f, collectives={"intra": {"all_reduce": rate}})
+        whole = plan_step_time(base, hw).breakdown["param_gather_s"]
+        overlapped = dataclasses.replace(base, overlap_param_gather=True)
+        assert plan_step_time(overlapped, hw).breakdown.get("param_gather_s", 0.0) == pytest.approx(
+            (1 - f) * whole, rel=1e-9)
     with pytest.raises(ValueError, match="comm_overlap=1.5 is outside 0..1"):
         hardware_from_dict(dict(A100.to_json(), comm_overlap=1.5))
 
