@@ -120,6 +120,11 @@ def test_a_collective_costs_its_latency_and_bus_bytes_at_the_link_bandwidth():
         2 * 7 * 5e-6 + nbytes / (25e9 * LINK_EFFICIENCY))
     measured = dataclasses.replace(A100, collectives={"intra": {"all_gather": CollectiveRate(1e-4, 2e9)}})
     assert measured.collective_time("all_gather", 4, nbytes, False) == pytest.approx(1e-4 + nbytes / 2e9)
+    # Measured over 4 ranks (6 ring steps of an all-reduce), the latency of 2 ranks' (2 steps) is a third of it.
+    four = dataclasses.replace(A100, collectives={"intra": {"all_reduce": CollectiveRate(6e-3, 2e9, ranks=4)}})
+    assert four.collective_time("all_reduce", 2, nbytes, False) == pytest.approx(2e-3 + nbytes / 2e9)
+    assert four.collective_time("all_reduce", 4, nbytes, False) == pytest.approx(6e-3 + nbytes / 2e9)
+    assert four.collective_time("send_recv", 2, nbytes, False) == pytest.approx(2e-3 + nbytes / 2e9)
     layout = ParallelLayout(world_size=64, tp=8, pp=2)
     assert not group_spans_nodes(layout, "tp", 8) and group_spans_nodes(layout, "dp-cp", 8)
     assert group_spans_nodes(layout, "pp", 8) and not group_spans_nodes(layout, "pp", 64)

@@ -100,7 +100,7 @@ def measure_collectives(sizes: Sequence[int] = MESSAGE_ELEMENTS, repeats: int = 
             points.append((_bus_bytes(kind, n, 4 * elements), seconds))
         (small, t_small), (large, t_large) = points
         bandwidth = (large - small) / max(t_large - t_small, 1e-9)
-        out[kind] = {"latency_s": max(t_small - small / bandwidth, 0.0), "bus_bytes_per_s": bandwidth}
+        out[kind] = {"latency_s": max(t_small - small / bandwidth, 0.0), "bus_bytes_per_s": bandwidth, "ranks": n}
     return out
 
 
@@ -112,24 +112,21 @@ def hidden_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
 
 def measure_overlap(elements: int = 1 << 20, gemm_size: int = 256, repeats: int = 5) -> float:
     """On every rank of the default (gloo) group: ``hidden_fraction`` of an fp32 all-reduce of ``elements``
-    started asynchronously while GEMMs of about its length run, against the two one after the other (each the
-    fastest of ``repeats``, every rank at once after a barrier); rank 0's figure is the one to keep."""
+    started asynchronously while GEMMs of about its length run, against the two one after the other (the median
+    of ``repeats`` rounds, every rank at once after a barrier); rank 0's figure is the one to keep."""
     import torch  # as measure_gemms
     import torch.distributed as dist
     buffer = torch.ones(elements)
     a, b = torch.randn(gemm_size, gemm_size), torch.randn(gemm_size, gemm_size)
 
     def timed(fn) -> float:
-        best = float("inf")
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - start)
-        return best
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
 
-    comm = timed(lambda: dist.all_reduce(buffer))
-    one = timed(lambda: torch.mm(a, b))
+    comm = min(timed(lambda: dist.all_reduce(buffer)) for _ in range(repeats))
+    one = min(timed(lambda: torch.mm(a, b)) for _ in range(repeats))
     count = max(1, round(comm / one))  # GEMMs about as long as the collective: the most that can hide
 
     def gemms():
@@ -141,8 +138,10 @@ def measure_overlap(elements: int = 1 << 20, gemm_size: int = 256, repeats: int 
         gemms()
         work.wait()
 
-    compute, comm, together = timed(gemms), timed(lambda: dist.all_reduce(buffer)), timed(both)
-    return hidden_fraction(compute, comm, together)
+    # The three timed side by side in each round, so a round's figure sees one load; the median round kept.
+    rounds = sorted(hidden_fraction(timed(gemms), timed(lambda: dist.all_reduce(buffer)), timed(both))
+                    for _ in range(repeats))
+    return rounds[len(rounds) // 2]
 
 
 def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,

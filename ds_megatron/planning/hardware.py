@@ -41,12 +41,19 @@ KERNEL_LAUNCH_S = 4e-6  # one CUDA kernel's launch and tail, the floor of a smal
 GIB = 2 ** 30
 
 
+def ring_steps(kind: str, n: int) -> int:
+    """The steps of a ring collective over ``n`` ranks, each paying a hop's latency."""
+    return {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(kind, n - 1)
+
+
 @dataclass(frozen=True)
 class CollectiveRate:
-    """A measured collective: time = ``latency_s`` + bus bytes / ``bus_bytes_per_s``."""
+    """A measured collective: time = ``latency_s`` + bus bytes / ``bus_bytes_per_s``, the latency measured over
+    ``ranks`` ranks scaled by ``ring_steps`` to a group of another size (``ranks`` 0: as measured, any size)."""
 
     latency_s: float
     bus_bytes_per_s: float
+    ranks: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,9 +126,11 @@ class Hardware:
         link = "inter" if inter_node else "intra"
         if self.collectives:
             rates = self.collectives.get(link) or self.collectives["intra"]
-            rate = rates.get(kind) or rates["all_reduce"]
-            return rate.latency_s + bus_bytes / rate.bus_bytes_per_s
-        steps = {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(kind, n - 1)
+            kind = kind if kind in rates else "all_reduce"
+            rate = rates[kind]
+            scale = ring_steps(kind, n) / ring_steps(kind, rate.ranks) if rate.ranks else 1.0
+            return rate.latency_s * scale + bus_bytes / rate.bus_bytes_per_s
+        steps = ring_steps(kind, n)
         bandwidth = (self.network_bytes_per_s if inter_node else self.nvlink_bytes_per_s) * LINK_EFFICIENCY
         return steps * self.hop_latency_s[link] + bus_bytes / bandwidth
 
