@@ -12,16 +12,27 @@ from ds_megatron.planning.report import main
 
 
 def _collectives():
-    return calibrate.measure_collectives(sizes=(64, 1 << 14), repeats=2)
+    return calibrate.measure_collectives(sizes=(64, 1 << 14), repeats=2), calibrate.measure_overlap(1 << 14, 64, 2)
+
+
+def test_hidden_fraction_by_hand():
+    """1 s of GEMMs and a 1 s all-reduce: 2 s one after the other hid nothing, 1 s hid all of the shorter; 2 s
+    and 1 s in 2.5 s hid half of the 1 s; a pair slower (faster) than both in turn reads 0 (1)."""
+    assert calibrate.hidden_fraction(1.0, 1.0, 2.0) == 0.0
+    assert calibrate.hidden_fraction(1.0, 1.0, 1.0) == 1.0
+    assert calibrate.hidden_fraction(2.0, 1.0, 2.5) == pytest.approx(0.5)
+    assert calibrate.hidden_fraction(1.0, 1.0, 2.5) == 0.0 and calibrate.hidden_fraction(1.0, 1.0, 0.8) == 1.0
 
 
 def test_calibrate_writes_a_profile_that_hardware_reads(tmp_path, capsys):
-    measured = run_on_ranks(2, _collectives)[0]
-    assert set(measured) == set(calibrate.KINDS)
+    measured, overlap = run_on_ranks(2, _collectives)[0]
+    assert set(measured) == set(calibrate.KINDS) and 0.0 <= overlap <= 1.0
     gemms = calibrate.measure_gemms(sizes=(16, 64), repeats=1)
     path = str(tmp_path / "cpu.json")
-    profile = calibrate.write_profile(path, gemms, calibrate.measure_memory_bandwidth(1 << 16, 1), measured, 2)
-    assert profile == load_hardware(path) and profile.name == "cpu"
+    profile = calibrate.write_profile(path, gemms, calibrate.measure_memory_bandwidth(1 << 16, 1), measured, 2,
+                                       overlap)
+    assert profile == load_hardware(path) and profile.name == "cpu" and profile.comm_overlap == overlap
+    assert calibrate.write_profile(path, gemms, 1e9, measured, 2, 0.25).comm_overlap == 0.25
     # The measured rates are what the plan charges: latency + bus bytes / bus bandwidth, per kind.
     rate = measured["all_gather"]
     assert profile.collective_time("all_gather", 2, 1e6, False) == pytest.approx(

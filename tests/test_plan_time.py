@@ -11,7 +11,8 @@ from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.pipeline_parallel.schedule_table import simulate_pipeline
 from ds_megatron.planning import published
 from ds_megatron.planning.flops import forward_flops, model_flops, narayanan_flops
-from ds_megatron.planning.hardware import LINK_EFFICIENCY, A100, CollectiveRate, Hardware, load_hardware
+from ds_megatron.planning.hardware import (LINK_EFFICIENCY, A100, CollectiveRate, Hardware, hardware_from_dict,
+                                          load_hardware)
 from ds_megatron.planning.report import main, plan_from_config
 from ds_megatron.planning.search import candidate_config, search_layouts
 from ds_megatron.planning.step_time import Run, group_spans_nodes, plan_step_time
@@ -119,6 +120,11 @@ def test_a_collective_costs_its_latency_and_bus_bytes_at_the_link_bandwidth():
         2 * 7 * 5e-6 + nbytes / (25e9 * LINK_EFFICIENCY))
     measured = dataclasses.replace(A100, collectives={"intra": {"all_gather": CollectiveRate(1e-4, 2e9)}})
     assert measured.collective_time("all_gather", 4, nbytes, False) == pytest.approx(1e-4 + nbytes / 2e9)
+    # Measured over 4 ranks (6 ring steps of an all-reduce), the latency of 2 ranks' (2 steps) is a third of it.
+    four = dataclasses.replace(A100, collectives={"intra": {"all_reduce": CollectiveRate(6e-3, 2e9, ranks=4)}})
+    assert four.collective_time("all_reduce", 2, nbytes, False) == pytest.approx(2e-3 + nbytes / 2e9)
+    assert four.collective_time("all_reduce", 4, nbytes, False) == pytest.approx(6e-3 + nbytes / 2e9)
+    assert four.collective_time("send_recv", 2, nbytes, False) == pytest.approx(2e-3 + nbytes / 2e9)
     layout = ParallelLayout(world_size=64, tp=8, pp=2)
     assert not group_spans_nodes(layout, "tp", 8) and group_spans_nodes(layout, "dp-cp", 8)
     assert group_spans_nodes(layout, "pp", 8) and not group_spans_nodes(layout, "pp", 64)
@@ -213,6 +219,53 @@ def test_search_beats_the_papers_layout_at_its_gpu_count():
     hw = published.A100_2021
     first = search_layouts(paper, gpus, hw, global_batch=batch, limit=1).layouts[0]
     assert first.step_time_s <= step, (first, step)
+
+
+def test_cp_ring_hides_the_profiles_overlap_share_behind_attention():
+    """CP 2, p2p ring, one micro-batch: per layer, forward one ring step of the rank's K and V (128 tokens, 8 heads
+    of 64 + 64, bf16), backward one of K, V and their fp32 gradients; each hides ``comm_overlap`` x the part the
+    attention core (flash, causal half of 128 x 256 per head) covers.  A GPU profile hides all of it."""
+    assert A100.comm_overlap == 1.0
+    rate = CollectiveRate(1e-7, 1e12)
+    pair = (S // 2) * (64 + 64)
+    ring_fwd, ring_bwd = 1e-7 + 8 * pair * 2 / 1e12, 1e-7 + 8 * pair * (2 + 4) / 1e12
+    core = 2 * 8 * (S // 2) * S * (64 + 64) / 2
+    attn_fwd, attn_bwd = core / (312e12 * 0.70), 2.5 * core / (312e12 * 0.55)
+    run = Run(_model(), ParallelLayout(world_size=2, cp=2), "bf16", 1, 1)
+    steps = {}
+    for f in (0.0, 0.5, 1.0):
+        hw = dataclasses.replace(A100, comm_overlap=f, collectives={"intra": {"send_recv": rate, "all_reduce": rate}})
+        steps[f] = plan_step_time(run, hw, gpus_per_node=8)
+        expected = L * (ring_fwd - f * min(ring_fwd, attn_fwd) + ring_bwd - f * min(ring_bwd, attn_bwd))
+        assert steps[f].breakdown.get("cp_comm_s", 0.0) == pytest.approx(expected, rel=1e-9)
+    # Nothing else moves: the step grows by the ring exposed.
+    assert steps[0.0].step_time_s - steps[1.0].step_time_s == pytest.approx(
+        L * (min(ring_fwd, attn_fwd) + min(ring_bwd, attn_bwd)), rel=1e-9)
+
+
+def test_overlapped_grad_reduce_hides_the_profiles_share_of_all_but_the_last_bucket():
+    """DP 2, overlap_grad_reduce with 7M-element buckets: the model's ~13M parameters make two buckets; on a
+    fast link the first bucket's reduction (half of it) fits inside the last backward, so ``comm_overlap`` f
+    leaves r / 2 + (1 - f) r / 2 of the whole reduction r (the same step without overlap) exposed; likewise the
+    distributed optimizer's parameter all-gather behind the next forward."""
+    rate = CollectiveRate(1e-6, 1e13)
+    base = Run(_model(), ParallelLayout(world_size=2), "bf16", 1, 1)
+    for f in (0.0, 0.5, 1.0):
+        hw = dataclasses.replace(A100, comm_overlap=f, collectives={"intra": {"all_reduce": rate}})
+        whole = plan_step_time(base, hw).breakdown["dp_comm_s"]
+        overlapped = dataclasses.replace(base, overlap_grad_reduce=True, bucket_size=7_000_000)
+        assert plan_step_time(overlapped, hw).breakdown["dp_comm_s"] == pytest.approx(
+            whole / 2 + (1 - f) * whole / 2, rel=1e-9)
+    # The distributed optimizer's parameter all-gather g behind the next forward: (1 - f) g exposed.
+    base = dataclasses.replace(base, distributed_optimizer=True)
+    for f in (0.0, 0.5, 1.0):
+        hw = dataclasses.replace(A100, comm_overlap=f, collectives={"intra": {"all_reduce": rate}})
+        whole = plan_step_time(base, hw).breakdown["param_gather_s"]
+        overlapped = dataclasses.replace(base, overlap_param_gather=True)
+        assert plan_step_time(overlapped, hw).breakdown.get("param_gather_s", 0.0) == pytest.approx(
+            (1 - f) * whole, rel=1e-9)
+    with pytest.raises(ValueError, match="comm_overlap=1.5 is outside 0..1"):
+        hardware_from_dict(dict(A100.to_json(), comm_overlap=1.5))
 
 
 def test_hardware_files_round_trip(tmp_path):

@@ -4,7 +4,8 @@ The one planning module that loads torch (inside its functions; ``plan`` stays t
 rates by shape (``torch.mm``, one thread per rank, every rank computing at once as in training, so ranks that
 share the cores measure what each gets), the bandwidth a copy streams through memory (likewise), and
 gloo's all-reduce, all-gather, reduce-scatter, all-to-all and send/recv between local ranks, each fitted to
-``latency + bus bytes / bus bandwidth`` from a small and a large message (bus bytes as ``comm_volume`` counts them).
+``latency + bus bytes / bus bandwidth`` from a small and a large message (bus bytes as ``comm_volume`` counts them),
+and how much of an all-reduce started asynchronously a GEMM running meanwhile hides (``comm_overlap``).
 The file is what ``--hardware`` reads; the figures hold for this box at this load.
 """
 from __future__ import annotations
@@ -99,12 +100,52 @@ def measure_collectives(sizes: Sequence[int] = MESSAGE_ELEMENTS, repeats: int = 
             points.append((_bus_bytes(kind, n, 4 * elements), seconds))
         (small, t_small), (large, t_large) = points
         bandwidth = (large - small) / max(t_large - t_small, 1e-9)
-        out[kind] = {"latency_s": max(t_small - small / bandwidth, 0.0), "bus_bytes_per_s": bandwidth}
+        out[kind] = {"latency_s": max(t_small - small / bandwidth, 0.0), "bus_bytes_per_s": bandwidth, "ranks": n}
     return out
 
 
+def hidden_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
+    """The share of the shorter of a computation and a collective that running them at once hid: the time the
+    pair saved against one after the other, over the most it could save, clipped to 0..1."""
+    return min(1.0, max(0.0, (compute_s + comm_s - both_s) / min(compute_s, comm_s)))
+
+
+def measure_overlap(elements: int = 1 << 20, gemm_size: int = 256, repeats: int = 5) -> float:
+    """On every rank of the default (gloo) group: ``hidden_fraction`` of an fp32 all-reduce of ``elements``
+    started asynchronously while GEMMs of about its length run, against the two one after the other (the median
+    of ``repeats`` rounds, every rank at once after a barrier); rank 0's figure is the one to keep."""
+    import torch  # as measure_gemms
+    import torch.distributed as dist
+    buffer = torch.ones(elements)
+    a, b = torch.randn(gemm_size, gemm_size), torch.randn(gemm_size, gemm_size)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    comm = min(timed(lambda: dist.all_reduce(buffer)) for _ in range(repeats))
+    one = min(timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    count = max(1, round(comm / one))  # GEMMs about as long as the collective: the most that can hide
+
+    def gemms():
+        for _ in range(count):
+            torch.mm(a, b)
+
+    def both():
+        work = dist.all_reduce(buffer, async_op=True)
+        gemms()
+        work.wait()
+
+    # The three timed side by side in each round, so a round's figure sees one load; the median round kept.
+    rounds = sorted(hidden_fraction(timed(gemms), timed(lambda: dist.all_reduce(buffer)), timed(both))
+                    for _ in range(repeats))
+    return rounds[len(rounds) // 2]
+
+
 def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
-                  collectives: Dict[str, Dict[str, float]], ranks: int) -> Hardware:
+                  collectives: Dict[str, Dict[str, float]], ranks: int, overlap: float) -> Hardware:
     """The ``cpu`` profile of these measurements, written to ``path`` as ``--hardware`` reads it."""
     peak = max(row[3] for row in gemms)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
@@ -112,7 +153,7 @@ def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
            "memory_bytes": pages / ranks, "nvlink_bytes_per_s": collectives["all_reduce"]["bus_bytes_per_s"],
            "network_bytes_per_s": collectives["all_reduce"]["bus_bytes_per_s"], "gpus_per_node": 1 << 20,
            "sms": 1, "gemm_efficiency": 1.0, "gemm_table": gemms, "collectives": {"intra": collectives},
-           "kernel_launch_s": 0.0, "attention_kernel": "materialized",
+           "kernel_launch_s": 0.0, "attention_kernel": "materialized", "comm_overlap": overlap,
            "device": "cpu",
            "source": f"ds-megatron plan --calibrate, {ranks} gloo ranks, {time.strftime('%Y-%m-%d %H:%M')}"}
     with open(path, "w", encoding="utf-8") as f:
@@ -125,12 +166,12 @@ def _rank_main(rank: int, ranks: int, port: int, queue) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
-    result = measure_collectives()
+    result, overlap = measure_collectives(), measure_overlap()
     # Every rank computes at once, as in training: ranks sharing cores see each other's load.
     dist.barrier()
     gemms, bandwidth = measure_gemms(), measure_memory_bandwidth()
     if rank == 0:
-        queue.put((result, gemms, bandwidth))
+        queue.put((result, overlap, gemms, bandwidth))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -149,7 +190,7 @@ def calibrate(path: str, ranks: int = 4, port: Optional[int] = None) -> Hardware
     procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, queue)) for r in range(ranks)]
     for p in procs:
         p.start()
-    collectives, gemms, bandwidth = queue.get(timeout=600)
+    collectives, overlap, gemms, bandwidth = queue.get(timeout=600)
     for p in procs:
         p.join()
-    return write_profile(path, gemms, bandwidth, collectives, ranks)
+    return write_profile(path, gemms, bandwidth, collectives, ranks, overlap)

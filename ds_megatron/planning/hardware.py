@@ -21,6 +21,11 @@ measured latency and bus bandwidth per collective.
 Where a device's kernels keep different tensors for backward, the activation plan (``planning.memory``) follows
 the profile's ``device``: ``DeviceKernels``, ``CPU_KERNELS`` for the calibrated ``cpu`` profile (what the plan's
 tests measure), ``CUDA_KERNELS`` for the GPUs.
+
+``comm_overlap``: the share (0..1) of a collective's time that compute running at the same time hides, for the
+collectives a step overlaps (CP's ring, ``overlap_grad_reduce``, ``overlap_param_gather``).  1 on a GPU, where
+NCCL moves bytes on its own SMs and copy engines; ``--calibrate`` measures it on a CPU box, where gloo and the
+GEMMs share the same cores.
 """
 from __future__ import annotations
 
@@ -38,6 +43,11 @@ LINK_EFFICIENCY = 0.8  # nccl-tests all-reduce busbw: ~230-240 GB/s of NVLink3's
 FLASH_ATTENTION_EFFICIENCY = (0.70, 0.55)  # FlashAttention-2 on A100, head dim 128: forward, backward
 KERNEL_LAUNCH_S = 4e-6  # one CUDA kernel's launch and tail, the floor of a small GEMM
 GIB = 2 ** 30
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """The steps of a ring collective over ``n`` ranks, each paying a hop's latency."""
+    return {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(kind, n - 1)
 
 
 @dataclass(frozen=True)
@@ -66,10 +76,12 @@ DEVICE_KERNELS = {k.name: k for k in (CPU_KERNELS, CUDA_KERNELS)}
 
 @dataclass(frozen=True)
 class CollectiveRate:
-    """A measured collective: time = ``latency_s`` + bus bytes / ``bus_bytes_per_s``."""
+    """A measured collective: time = ``latency_s`` + bus bytes / ``bus_bytes_per_s``, the latency measured over
+    ``ranks`` ranks scaled by ``ring_steps`` to a group of another size (``ranks`` 0: as measured, any size)."""
 
     latency_s: float
     bus_bytes_per_s: float
+    ranks: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,6 +105,7 @@ class Hardware:
     collectives: Optional[Dict[str, Dict[str, CollectiveRate]]] = None
     kernel_launch_s: float = KERNEL_LAUNCH_S
     attention_kernel: str = "flash"  # "flash" (causal blocks skipped) or "materialized" (scores through memory)
+    comm_overlap: float = 1.0  # share of an overlapped collective that concurrent compute hides
     source: str = ""
     device: str = "cuda"  # whose kernels' habits the activation plan counts (DEVICE_KERNELS): "cuda" or "cpu"
 
@@ -146,9 +159,11 @@ class Hardware:
         link = "inter" if inter_node else "intra"
         if self.collectives:
             rates = self.collectives.get(link) or self.collectives["intra"]
-            rate = rates.get(kind) or rates["all_reduce"]
-            return rate.latency_s + bus_bytes / rate.bus_bytes_per_s
-        steps = {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(kind, n - 1)
+            kind = kind if kind in rates else "all_reduce"
+            rate = rates[kind]
+            scale = ring_steps(kind, n) / ring_steps(kind, rate.ranks) if rate.ranks else 1.0
+            return rate.latency_s * scale + bus_bytes / rate.bus_bytes_per_s
+        steps = ring_steps(kind, n)
         bandwidth = (self.network_bytes_per_s if inter_node else self.nvlink_bytes_per_s) * LINK_EFFICIENCY
         return steps * self.hop_latency_s[link] + bus_bytes / bandwidth
 
@@ -197,6 +212,9 @@ def hardware_from_dict(doc: Dict, where: str = "hardware") -> Hardware:
                           "\"materialized\"")
     if doc.get("device", "cuda") not in DEVICE_KERNELS:
         raise ConfigError(f"{where}: device={doc['device']!r} is unknown; use \"cuda\" or \"cpu\"")
+    if not 0.0 <= doc.get("comm_overlap", 1.0) <= 1.0:
+        raise ConfigError(f"{where}: comm_overlap={doc['comm_overlap']!r} is outside 0..1; give the share of a "
+                          "collective hidden behind concurrent compute (ds-megatron plan --calibrate measures it)")
     try:
         return Hardware(**doc)
     except TypeError as e:

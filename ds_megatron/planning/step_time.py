@@ -13,9 +13,10 @@ Each rank's work per micro-batch and model chunk is priced on a ``planning.hardw
   the embedding, the cross entropy's fp32 logits (backward: ``ELEMENTWISE_BACKWARD`` x the forward's bytes);
 * collectives at the latency and bus bandwidth of the link their group crosses (inside a node or between nodes,
   from the rank order and ``gpus_per_node``), with ``planning.comm_volume``'s bus bytes: TP's reductions (sequence
-  parallel: gathers and scatters), exposed; the CP ring's K/V, hidden behind the attention core but for what
-  exceeds it, the all-gather and all-to-all variants exposed; MoE's all-to-all over EP and, with ETP, the
-  all-gather and reduce-scatter of the routed tokens over ETP, exposed; each pipeline message delays its receiver;
+  parallel: gathers and scatters), exposed; the CP ring's K/V, hidden behind the attention core (the profile's
+  ``comm_overlap`` share of what the core covers: ``exposed``), the all-gather and all-to-all variants exposed;
+  MoE's all-to-all over EP and, with ETP, the all-gather and reduce-scatter of the routed tokens over ETP,
+  exposed; each pipeline message delays its receiver;
 * recomputation's extra forward: a ``"full"`` layer's forward up to the MLP's input (torch's checkpoint stops
   there; ``recompute_whole_layer``: Megatron-LM 2021's reentrant checkpoint reruns all of it), selective
   ``core_attn`` the core, ``mlp`` the MLP;
@@ -26,7 +27,7 @@ Each rank's work per micro-batch and model chunk is priced on a ``planning.hardw
   distributed optimizer), with ``overlap_grad_reduce`` hidden behind the last micro-batch's backward but for its
   last bucket; the tied embedding's all-reduce; the optimizer step (``OPTIMIZER_BYTES`` per owned parameter
   through HBM); the distributed optimizer's parameter all-gather, behind the next forward with
-  ``overlap_param_gather``.
+  ``overlap_param_gather`` (both hidden by the ``comm_overlap`` share, as the ring).
 
 The step is the slowest rank's; the breakdown is that rank's, its parts adding up to the step.
 """
@@ -120,6 +121,13 @@ class StepTime:
         return {"step_time_s": self.step_time_s, "model_tflops_per_gpu": self.model_tflops_per_gpu,
                 "mfu": self.mfu, "flop_convention": "causal attention counted in full (the published tables')",
                 "critical_stage": self.stage, "breakdown": self.breakdown}
+
+
+def exposed(hw: Hardware, comm_s: float, compute_s: float) -> float:
+    """The seconds of a collective of ``comm_s`` left exposed when it runs beside ``compute_s`` of compute: the
+    profile's ``comm_overlap`` share of what the compute covers is hidden (all of it on a GPU, little on a CPU
+    whose cores do both)."""
+    return comm_s - hw.comm_overlap * min(comm_s, compute_s)
 
 
 def group_spans_nodes(layout, token: str, gpus_per_node: int, expert: bool = False) -> bool:
@@ -298,8 +306,8 @@ class _Pricer:
         if cp > 1:
             ring_fwd, ring_bwd = self.context_parallel_exchange()
             if cfg.cp_comm_type == "p2p":  # the ring's next block travels while this one is computed
-                fwd.add("cp_comm", max(0.0, ring_fwd - forward))
-                b.add("cp_comm", max(0.0, ring_bwd - backward))
+                fwd.add("cp_comm", exposed(hw, ring_fwd, forward))
+                b.add("cp_comm", exposed(hw, ring_bwd, backward))
             else:
                 fwd.add("cp_comm", ring_fwd)
                 b.add("cp_comm", ring_bwd)
@@ -475,12 +483,12 @@ def _after_backward(run: Run, hw: Hardware, pricer: _Pricer, stage: int, phases)
         gather, owned = 0.0, dense + expert
     last_backward = sum(b.total + w.total for f, b, w in phases)
     first_forward = sum(f.total for f, b, w in phases)
-    if run.overlap_grad_reduce and reduce:
+    if run.overlap_grad_reduce and reduce:  # every bucket but the last reduced during the backward
         bucket = run.bucket_size or max(40_000_000, 1_000_000 * n_dense)
         buckets = max(1, -(-(dense + expert) // bucket))
-        reduce = max(reduce / buckets, reduce - last_backward)
+        reduce = reduce / buckets + exposed(hw, reduce - reduce / buckets, last_backward)
     if run.overlap_param_gather and gather:
-        gather = max(0.0, gather - first_forward)
+        gather = exposed(hw, gather, first_forward)
     out = {"dp_comm_s": reduce, "param_gather_s": gather}
     if pp > 1 and (stage in (0, pp - 1)) and not cfg.untie_embeddings_and_output_weights:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, lay.tp) // lay.tp

@@ -136,7 +136,8 @@ def main(argv=None):
     hw = load_hardware(args.hardware)
     print(f"{WORLD} gloo ranks on {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; GPT {args.layers} "
           f"layers x hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro_batch}, {args.global_batch} samples "
-          f"per step, fp32 AdamW; median of {args.steps} steps; profile {args.hardware}")
+          f"per step, fp32 AdamW; median of {args.steps} steps; profile {args.hardware} (comm_overlap "
+          f"{hw.comm_overlap:.2f})")
     print(f"{'layout':>26s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s}")
     measured, predicted, fits = [], [], []
     for name, layout in LAYOUTS.items():
