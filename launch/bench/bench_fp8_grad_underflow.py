@@ -181,6 +181,10 @@ def main() -> None:
                     print(f"{'  q / k / v ' + what:<40}"
                           + "".join(f"{mean(rows, f'{what}_{c}'):>13.4%}" for c in "qkv"))
                 print(f"  amax(q, k, v) / amax(dY) at each measured step: {[r['amax_q_k_v_over_amax'] for r in rows]}")
+        worst = max(((r["underflow_e4m3"], i * args.every, name) for name, rows in records.items()
+                     for i, r in enumerate(rows)))
+        print(f"largest e4m3 underflow of one linear at one measured step: {worst[0]:.4%} (step {worst[1]}, "
+              f"{worst[2]})")
         for k in keys:
             print(f"all linears {k}: {sum(mean(rows, k) for rows in records.values()) / len(records):.4%}")
 
