@@ -56,19 +56,7 @@ def _train(gather: bool, pp: int = 1, cp: int = 1, ep: int = 1, pipeline=None, m
     engine, optimizer, *_ = ds_megatron.initialize(model=gpt, config=cfg, parallel_state=state)
     losses = []
     for step in range(STEPS):
-        chunks = equivalence._my_chunks(step, state.dp.size, state.dp.rank)
-        if pp > 1:
-            loss = engine.train_batch(iter([(t, (l, m)) for t, l, m in chunks]))
-        else:
-            loss = 0.0
-            for t, l, m in chunks:
-                micro = engine(t, l, m)
-                engine.backward(micro)
-                engine.step()
-                loss = loss + micro.detach().float() / len(chunks)
-            dist.all_reduce(loss, group=state.dp.group)
-            loss = loss / state.dp.size
-        losses.append(float(loss))
+        losses.append(float(equivalence.step_loss(engine, state, step)))
     name_of = {p: n for n, p in names.items()}
     _, with_main = optimizer.state_dict_params()  # the params of the (gathered) main params, group by group
     expert = f"@ep{state.ep.rank}.etp{state.etp.rank}"  # an expert's weight is keyed by its holder too

@@ -55,6 +55,22 @@ def _my_chunks(step, dp, dp_rank):
     return chunks[dp_rank * per_rank:(dp_rank + 1) * per_rank]
 
 
+def step_loss(engine, state, step: int):
+    """One optimizer step on this rank's micro-batches of ``step``: the pipeline's ``train_batch``, or each one's
+    forward, backward and step; the loss averaged over the micro-batches and data parallelism."""
+    chunks = _my_chunks(step, state.dp.size, state.dp.rank)
+    if state.pp.size > 1:
+        return engine.train_batch(iter([(t, (l, m)) for t, l, m in chunks]))
+    total = 0.0
+    for t, l, m in chunks:
+        micro = engine(t, l, m)
+        engine.backward(micro)
+        engine.step()
+        total = total + micro.detach().float() / len(chunks)
+    dist.all_reduce(total, group=state.dp.group)
+    return total / state.dp.size
+
+
 def _config(pp, tp, dp, precision, distopt, sp, moe, ep, impl, clip=CLIP, pipeline=None):
     gas = GLOBAL // (MBS * dp)
     adam = {"lr": 1e-2, "weight_decay": 0.01, "eps": 1e-4}
@@ -139,20 +155,9 @@ def _train(pp, tp, precision="fp32", distopt=False, sp=False, moe=False, ep=1, i
     engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
     losses, norms, tied_equal = [], [], []
     for step in range(steps):
-        chunks = _my_chunks(step, state.dp.size, state.dp.rank)
-        if pp > 1:
-            loss = engine.train_batch(iter([(t, (l, m)) for t, l, m in chunks]))
-            if moe:  # the pipeline's loss is the LM (and MTP) loss; PP=1's adds the routing losses of every layer
-                loss = loss + _routing_losses(model, state)
-        else:
-            total = 0.0
-            for t, l, m in chunks:
-                micro = engine(t, l, m)
-                engine.backward(micro)
-                engine.step()
-                total = total + micro.detach().float() / len(chunks)
-            dist.all_reduce(total, group=state.dp.group)
-            loss = total / state.dp.size
+        loss = step_loss(engine, state, step)
+        if pp > 1 and moe:  # the pipeline's loss is the LM (and MTP) loss; PP=1's adds every layer's routing losses
+            loss = loss + _routing_losses(model, state)
         losses.append(float(loss))
         if ours and record_order:
             orders.append([(op.forward, op.chunk, op.microbatch, op.part)
