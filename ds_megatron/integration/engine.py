@@ -89,7 +89,7 @@ from .pipeline import (GPTPipelineModule, PipelineModule, check_model_stages, de
 from .pipeline_runtime import PipelineRuntime, attach_pipeline_runtime
 from .runtime import adopt_existing_process_group, init_distributed_from_env
 from .seams import (after_optimizer_step, count_pipeline_sends, engines_built_with_moe, install_rng_tracker,
-                    release_pipeline_engine_outputs, report_precision, set_fp32_clipping, undo_construction_step)
+                    report_precision, set_fp32_clipping, undo_construction_step)
 
 ConfigLike = Union[str, Dict[str, Any]]
 logger = logging.getLogger("ds_megatron")
@@ -109,7 +109,6 @@ class MegatronContext:
     pipeline_module: Optional[PipelineModule] = None  # the stage this rank runs, on DeepSpeed's pipeline engine
     pipeline_runtime: Optional[PipelineRuntime] = None  # our schedule over GPTModelChunks
     stop_counting_sends: Optional[Callable[[], None]] = None  # undoes seams.count_pipeline_sends
-    release_engine_outputs: Optional[Callable[[], None]] = None  # seams.release_pipeline_engine_outputs, bound
 
     def finalize_model_grads(self) -> None:
         """Finish this window's gradient sync now (the optimizer step would): for a loop that reads the reduced
@@ -118,8 +117,7 @@ class MegatronContext:
             finalize_model_grads([self.ddp], self.state)
 
     def destroy(self) -> None:
-        """End of the job (collective): engine hooks detached, the pipeline engine's last step's tensors dropped (they
-        hold it in a cycle gc cannot see), the pipeline module's own groups and ours destroyed.
+        """End of the job (collective): engine hooks detached, the pipeline module's own groups and ours destroyed.
 
         A process that builds engine after engine (tests, notebooks) keeps no groups of the old ones; their gloo
         threads end when the groups are collected (engines and optimizers hold reference cycles: ``gc.collect()``
@@ -131,8 +129,6 @@ class MegatronContext:
             self.ddp_in_engine.detach()
         if self.stop_counting_sends is not None:
             self.stop_counting_sends()
-        if self.release_engine_outputs is not None:
-            self.release_engine_outputs()
         if self.pipeline_module is not None:
             destroy_pipeline_module_groups(self.pipeline_module)
         if self.pipeline_runtime is not None:
@@ -286,7 +282,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if pipeline:  # the stage-to-stage sends DeepSpeed's engine makes, counted inside count_bytes() like ours
         pp_group = parallel_state.pp
         context.stop_counting_sends = count_pipeline_sends(lambda tensor: record("send", pp_group, tensor))
-        context.release_engine_outputs = functools.partial(release_pipeline_engine_outputs, engine)
     engine.megatron = context
     if chunked:  # engine.train_batch / eval_batch run our schedule; its buffers are the reducer
         context.pipeline_runtime = attach_pipeline_runtime(engine, model, parallel_state, opt_path.ddp,

@@ -337,19 +337,6 @@ def release_pipeline_module_groups(module: PipelineModule) -> List[Any]:
     return [g for g in found if g is not None]
 
 
-def release_pipeline_engine_outputs(engine) -> None:
-    """Drop the last step's tensors a ``PipelineEngine`` keeps (``loss``, ``total_loss``, ``outputs``, the
-    ``pipe_buffers`` lists).  Their autograd graph holds the output backward hooks DeepSpeed's forward registers,
-    bound to the engine: a cycle through autograd's C++ side that ``gc`` cannot follow, so the last stage's engine,
-    its optimizer and their gloo groups' threads would otherwise live as long as the process."""
-    if not isinstance(engine, PipelineEngine):
-        return
-    for name in ("loss", "total_loss", "outputs"):
-        setattr(engine, name, None)
-    for buffers in engine.pipe_buffers.values():
-        buffers[:] = [None] * len(buffers)
-
-
 def count_pipeline_sends(record: Callable[[torch.Tensor], None]) -> Callable[[], None]:
     """Have ``record(tensor)`` see every tensor the pipeline engine sends between stages; returns the undo.
 
@@ -587,10 +574,6 @@ SEAMS: List[Seam] = [
          lambda: _sets_in_init(PipelineModule, "forward_funcs", "_local_start")() or _pipeline_layer_file_name()),
     Seam("PipelineModule.world_group, _grid and its *_proc_group groups", "release_pipeline_module_groups",
          lambda: _sets_in_init(PipelineModule, "world_group", "_grid")()),
-    Seam("PipelineEngine.loss, total_loss, outputs and pipe_buffers: the last step's tensors it keeps",
-         "release_pipeline_engine_outputs (integration.engine)",
-         lambda: (_sets_in_init(PipelineEngine, "loss", "total_loss", "pipe_buffers")()
-                  or _reads(PipelineEngine, "_exec_forward_pass", "self.outputs = outputs")())),
     Seam("runtime.pipe.p2p.send(tensor, dest_stage, async_op), called by the pipeline engine for every send",
          "count_pipeline_sends (integration.engine)",
          lambda: (_has(p2p, "send", params=("tensor", "dest_stage"), keywords=("async_op",))()
@@ -617,7 +600,6 @@ __all__ = ["ENGINE_COUNTERS", "PIPELINE_MODULE_OVERRIDES", "SEAMS", "Seam", "aft
            "clear_expert_groups", "count_pipeline_sends", "create_deepspeed_expert_groups", "deepspeed_expert_groups",
            "engine_counters", "engines_built_with_moe", "expert_checkpoint_name", "inside_no_sync",
            "install_rng_tracker", "mark_engine_has_moe", "pipeline_layer_state_dicts", "pipeline_micro_batches",
-           "register_expert_groups", "release_pipeline_engine_outputs", "release_pipeline_module_groups",
-           "report_precision",
+           "register_expert_groups", "release_pipeline_module_groups", "report_precision",
            "set_deepspeed_reduces_gradients", "set_engine_counters", "set_fp32_clipping", "set_pipeline_parts",
            "skip_shm_comm_build", "tied_weights", "undo_construction_step"]
