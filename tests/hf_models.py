@@ -235,6 +235,70 @@ def assert_round_trip(hf_dir, ours, back):
     assert config_json(back) == config_json(hf_dir)
 
 
+def hf_config_json(config_class, base, architecture, **overrides):
+    """A family's config.json as transformers writes it: ``config_class(**base, **overrides)``, with its
+    architecture."""
+    cfg = json.loads(config_class(**{**base, **overrides}).to_json_string())
+    cfg["architectures"] = [architecture]
+    return cfg
+
+
+def saved_family(make, tmp):
+    """(the transformers model ``make()``, its directory as transformers saved it under ``tmp``, tokens, float64
+    logits, ``tmp``): what each family's module fixture holds."""
+    model = make()
+    hf_dir = save(model, str(tmp / "hf"))
+    toks = tokens()
+    return model, hf_dir, toks, reference_logits(model, toks), tmp
+
+
+def mtp_checkpoint(tmp, whole, make, config_class, model_class, base, architecture):
+    """A directory holding ``whole``'s first two layers as the decoder and its third as one multi-token-prediction
+    layer (random ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``; embedding and head copied), as
+    DeepSeek-V3 and GLM-4.5 save it; and the float64 reference of its loss, LM + 0.1 x MTP, computed with
+    transformers' own blocks: (directory, inputs, labels, loss).  ``make(**overrides)``: the family's maker."""
+    from safetensors.torch import save_file
+    h, eps = whole.config.hidden_size, whole.config.rms_norm_eps
+    g = torch.Generator().manual_seed(11)
+    sd = directory_tensors(save(whole, str(tmp / "whole")))  # the checkpoint's names (experts one by one)
+    extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+             "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+             "eh_proj.weight": 0.05 * torch.randn(h, 2 * h, generator=g),
+             "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
+    sd.update({f"model.layers.2.{k}": v.double() for k, v in extra.items()})
+    sd["model.layers.2.embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+    sd["model.layers.2.shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    hf_dir = tmp / "hf"
+    hf_dir.mkdir()
+    save_file(sd, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads(whole.config.to_json_string())
+    cfg.update(num_hidden_layers=2, num_nextn_predict_layers=1, architectures=[architecture])
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    toks = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    inputs, labels = toks[:, :-1], toks[:, 1:]
+    main = make(num_hidden_layers=2)
+    main.load_state_dict({k: v for k, v in whole.state_dict().items() if not k.startswith("model.layers.2.")})
+    block_config = config_class(**{**base, "num_hidden_layers": 1, "first_k_dense_replace": 0})
+    block_config._experts_implementation = "eager"
+    block = model_class(block_config).double()
+    block.layers[0].load_state_dict(whole.model.layers[2].state_dict())
+    block.norm.weight.data.copy_(extra["shared_head.norm.weight"])
+    main, block = float64_reference(main), float64_reference(block)
+    with torch.no_grad():
+        hidden = main.model(inputs).last_hidden_state  # after the final norm
+        lm = torch.nn.functional.cross_entropy(main.lm_head(hidden).flatten(0, 1), labels.flatten())
+        ahead = torch.cat((inputs[:, 1:], torch.zeros_like(inputs[:, :1])), dim=1)
+        x = torch.cat((rms(main.model.embed_tokens(ahead), extra["enorm.weight"].double()),
+                       rms(hidden, extra["hnorm.weight"].double())), dim=-1) @ extra["eh_proj.weight"].double().t()
+        mtp_logits = main.lm_head(block(inputs_embeds=x).last_hidden_state)[:, :-1]  # the last position: no label
+        mtp = torch.nn.functional.cross_entropy(mtp_logits.flatten(0, 1), labels[:, 1:].flatten())
+    return str(hf_dir), inputs, labels, lm + 0.1 * mtp
+
+
 def tokens(batch=2, seed=3):
     return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 

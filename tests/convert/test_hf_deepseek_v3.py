@@ -54,11 +54,7 @@ def _name(tp, pp, ep, etp, sp, cp):
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     """(the transformers model, its directory, tokens, transformers' float64 logits, a directory for ours)."""
-    tmp = tmp_path_factory.mktemp("deepseek_v3")
-    model = hf_models.make_deepseek_v3()
-    hf_dir = hf_models.save(model, str(tmp / "hf"))
-    toks = hf_models.tokens()
-    return model, hf_dir, toks, hf_models.reference_logits(model, toks), tmp
+    return hf_models.saved_family(hf_models.make_deepseek_v3, tmp_path_factory.mktemp("deepseek_v3"))
 
 
 def _convert(hf_dir, dst, tp=1, pp=1, ep=1, etp=None):
@@ -98,9 +94,7 @@ def test_config_maps_every_field():
 
 def _config_json_of(**overrides):
     import transformers as T
-    cfg = json.loads(T.DeepseekV3Config(**{**hf_models.DEEPSEEK_V3, **overrides}).to_json_string())
-    cfg["architectures"] = ["DeepseekV3ForCausalLM"]
-    return cfg
+    return hf_models.hf_config_json(T.DeepseekV3Config, hf_models.DEEPSEEK_V3, "DeepseekV3ForCausalLM", **overrides)
 
 
 def test_kimi_k2_and_the_original_remote_code_config_load_as_the_same_model():
@@ -241,52 +235,14 @@ def test_every_layout_equals_transformers_and_round_trips(deepseek):
 # ahead); hnorm(the main model's last hidden state after its norm)]) (the order vLLM serves DeepSeek-V3's MTP with),
 # and the shared output head.
 
-def _rms(x, w, eps=1e-6):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
 @pytest.fixture(scope="module")
 def deepseek_mtp(tmp_path_factory):
     """(a Hugging Face DeepSeek-V3 directory with one MTP layer, the float64 reference loss of its tokens)."""
     import transformers as T
-    from safetensors.torch import save_file
     tmp = tmp_path_factory.mktemp("deepseek_v3_mtp")
     whole = hf_models.make_deepseek_v3(num_hidden_layers=3)  # layer 2 becomes the MTP layer's block
-    h = whole.config.hidden_size
-    g = torch.Generator().manual_seed(11)
-    sd = hf_models.directory_tensors(hf_models.save(whole, str(tmp / "whole")))  # the checkpoint's names (experts one by one)
-    extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=g), "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-             "eh_proj.weight": 0.05 * torch.randn(h, 2 * h, generator=g),
-             "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
-    sd.update({f"model.layers.2.{k}": v.double() for k, v in extra.items()})
-    sd["model.layers.2.embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
-    sd["model.layers.2.shared_head.head.weight"] = sd["lm_head.weight"].clone()
-    hf_dir = tmp / "hf"
-    hf_dir.mkdir()
-    save_file(sd, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads(whole.config.to_json_string())
-    cfg.update(num_hidden_layers=2, num_nextn_predict_layers=1, architectures=["DeepseekV3ForCausalLM"])
-    (hf_dir / "config.json").write_text(json.dumps(cfg))
-
-    toks = torch.randint(0, hf_models.VOCAB, (2, hf_models.SEQ + 1), generator=torch.Generator().manual_seed(5))
-    inputs, labels = toks[:, :-1], toks[:, 1:]
-    main = hf_models.make_deepseek_v3(num_hidden_layers=2)
-    main.load_state_dict({k: v for k, v in whole.state_dict().items() if not k.startswith("model.layers.2.")})
-    block_config = T.DeepseekV3Config(**{**hf_models.DEEPSEEK_V3, "num_hidden_layers": 1, "first_k_dense_replace": 0})
-    block_config._experts_implementation = "eager"
-    block = T.DeepseekV3Model(block_config).double()
-    block.layers[0].load_state_dict(whole.model.layers[2].state_dict())
-    block.norm.weight.data.copy_(extra["shared_head.norm.weight"])
-    main, block = hf_models.float64_reference(main), hf_models.float64_reference(block)
-    with torch.no_grad():
-        hidden = main.model(inputs).last_hidden_state  # after the final norm
-        lm = torch.nn.functional.cross_entropy(main.lm_head(hidden).flatten(0, 1), labels.flatten())
-        ahead = torch.cat((inputs[:, 1:], torch.zeros_like(inputs[:, :1])), dim=1)
-        x = torch.cat((_rms(main.model.embed_tokens(ahead), extra["enorm.weight"].double()),
-                       _rms(hidden, extra["hnorm.weight"].double())), dim=-1) @ extra["eh_proj.weight"].double().t()
-        mtp_logits = main.lm_head(block(inputs_embeds=x).last_hidden_state)[:, :-1]  # the last position has no label
-        mtp = torch.nn.functional.cross_entropy(mtp_logits.flatten(0, 1), labels[:, 1:].flatten())
-    return str(hf_dir), inputs, labels, lm + 0.1 * mtp, tmp
+    return (*hf_models.mtp_checkpoint(tmp, whole, hf_models.make_deepseek_v3, T.DeepseekV3Config,
+                                      T.DeepseekV3Model, hf_models.DEEPSEEK_V3, "DeepseekV3ForCausalLM"), tmp)
 
 
 def _mtp_loss(path, tp, sp, inputs, labels):

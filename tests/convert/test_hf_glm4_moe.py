@@ -38,19 +38,13 @@ VOCAB, SEQ = hf_models.VOCAB, hf_models.SEQ
 
 def _config_json_of(**overrides):
     import transformers as T
-    cfg = json.loads(T.Glm4MoeConfig(**{**hf_models.GLM4_MOE, **overrides}).to_json_string())
-    cfg["architectures"] = ["Glm4MoeForCausalLM"]
-    return cfg
+    return hf_models.hf_config_json(T.Glm4MoeConfig, hf_models.GLM4_MOE, "Glm4MoeForCausalLM", **overrides)
 
 
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory):
     """(the transformers model, its directory as transformers saved it, tokens, float64 logits, a directory)."""
-    tmp = tmp_path_factory.mktemp("glm4_moe")
-    model = hf_models.make_glm4_moe()
-    hf_dir = hf_models.save(model, str(tmp / "hf"))
-    toks = hf_models.tokens()
-    return model, hf_dir, toks, hf_models.reference_logits(model, toks), tmp
+    return hf_models.saved_family(hf_models.make_glm4_moe, tmp_path_factory.mktemp("glm4_moe"))
 
 
 def test_config_maps_every_field():
@@ -182,52 +176,14 @@ def test_every_layout_equals_transformers_and_round_trips(glm):
 # layer's block, run as a one-layer Glm4MoeModel (its final norm: shared_head.norm) after eh_proj([enorm(embedding of
 # the tokens one ahead); hnorm(the main model's last hidden state after its norm)]), and the shared output head.
 
-def _rms(x, w, eps=1e-5):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
 @pytest.fixture(scope="module")
 def glm_mtp(tmp_path_factory):
     """(a GLM-4.5 directory with one MTP layer, inputs, labels, the float64 reference loss, a directory)."""
     import transformers as T
     tmp = tmp_path_factory.mktemp("glm4_moe_mtp")
     whole = hf_models.make_glm4_moe(num_hidden_layers=3, num_nextn_predict_layers=0)
-    h = whole.config.hidden_size
-    g = torch.Generator().manual_seed(11)
-    sd = hf_models.directory_tensors(hf_models.save(whole, str(tmp / "whole")))
-    extra = {"enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-             "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-             "eh_proj.weight": 0.05 * torch.randn(h, 2 * h, generator=g),
-             "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g)}
-    sd.update({f"model.layers.2.{k}": v.double() for k, v in extra.items()})
-    sd["model.layers.2.embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
-    sd["model.layers.2.shared_head.head.weight"] = sd["lm_head.weight"].clone()
-    hf_dir = tmp / "hf"
-    hf_dir.mkdir()
-    save_file(sd, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads(whole.config.to_json_string())
-    cfg.update(num_hidden_layers=2, num_nextn_predict_layers=1, architectures=["Glm4MoeForCausalLM"])
-    (hf_dir / "config.json").write_text(json.dumps(cfg))
-
-    toks = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(5))
-    inputs, labels = toks[:, :-1], toks[:, 1:]
-    main = hf_models.make_glm4_moe(num_hidden_layers=2)
-    main.load_state_dict({k: v for k, v in whole.state_dict().items() if not k.startswith("model.layers.2.")})
-    block_config = T.Glm4MoeConfig(**{**hf_models.GLM4_MOE, "num_hidden_layers": 1, "first_k_dense_replace": 0})
-    block_config._experts_implementation = "eager"
-    block = T.Glm4MoeModel(block_config).double()
-    block.layers[0].load_state_dict(whole.model.layers[2].state_dict())
-    block.norm.weight.data.copy_(extra["shared_head.norm.weight"])
-    main, block = hf_models.float64_reference(main), hf_models.float64_reference(block)
-    with torch.no_grad():
-        hidden = main.model(inputs).last_hidden_state
-        lm = torch.nn.functional.cross_entropy(main.lm_head(hidden).flatten(0, 1), labels.flatten())
-        ahead = torch.cat((inputs[:, 1:], torch.zeros_like(inputs[:, :1])), dim=1)
-        x = torch.cat((_rms(main.model.embed_tokens(ahead), extra["enorm.weight"].double()),
-                       _rms(hidden, extra["hnorm.weight"].double())), dim=-1) @ extra["eh_proj.weight"].double().t()
-        mtp_logits = main.lm_head(block(inputs_embeds=x).last_hidden_state)[:, :-1]
-        mtp = torch.nn.functional.cross_entropy(mtp_logits.flatten(0, 1), labels[:, 1:].flatten())
-    return str(hf_dir), inputs, labels, lm + 0.1 * mtp, tmp
+    return (*hf_models.mtp_checkpoint(tmp, whole, hf_models.make_glm4_moe, T.Glm4MoeConfig, T.Glm4MoeModel,
+                                      hf_models.GLM4_MOE, "Glm4MoeForCausalLM"), tmp)
 
 
 def test_the_mtp_layer_converts_and_gives_the_mtp_loss(glm_mtp, capsys):

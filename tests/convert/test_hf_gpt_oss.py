@@ -39,19 +39,13 @@ VOCAB, SEQ = hf_models.VOCAB, hf_models.SEQ
 
 def _config_json_of(**overrides):
     import transformers as T
-    cfg = json.loads(T.GptOssConfig(**{**hf_models.GPT_OSS, **overrides}).to_json_string())
-    cfg["architectures"] = ["GptOssForCausalLM"]
-    return cfg
+    return hf_models.hf_config_json(T.GptOssConfig, hf_models.GPT_OSS, "GptOssForCausalLM", **overrides)
 
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
     """(the transformers model, its directory, tokens, float64 logits, a directory)."""
-    tmp = tmp_path_factory.mktemp("gpt_oss")
-    model = hf_models.make_gpt_oss()
-    hf_dir = hf_models.save(model, str(tmp / "hf"))
-    toks = hf_models.tokens()
-    return model, hf_dir, toks, hf_models.reference_logits(model, toks), tmp
+    return hf_models.saved_family(hf_models.make_gpt_oss, tmp_path_factory.mktemp("gpt_oss"))
 
 
 def test_config_maps_every_field():
