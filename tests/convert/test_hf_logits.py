@@ -17,50 +17,19 @@ import hf_models
 from harness import run_on_ranks
 from ds_megatron.config.pipeline import stage_layer_counts, stage_layer_ranges
 from ds_megatron.convert.checkpoint import HFSource, hf_to_ours
-from ds_megatron.convert.model_io import load_weights
-from ds_megatron.models import GPTModel
 from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.parallel_state import ParallelState
 
 WORLD = 4
 
 
-def _gather_vocab(logits, state, vocab):
-    if state.tp.size > 1:
-        parts = [torch.empty_like(logits) for _ in range(state.tp.size)]
-        dist.all_gather(parts, logits.contiguous(), group=state.tp.group)
-        logits = torch.cat(parts, dim=-1)
-    return logits[..., :vocab]
-
-
 def _logits_at(state, path, hf_dir, sp, toks):
     """Our model of ``hf_dir``'s config at ``state``'s layout, its weights read from ``path``: the logits on the last
     stage's ranks (gathered over TP), None on the others."""
-    tp, pp = state.tp.size, state.pp.size
     config = HFSource(hf_dir).gpt_config(sequence_parallel=sp, seq_length=hf_models.SEQ)
-    stages = [list(r) for r in stage_layer_ranges(stage_layer_counts(config.num_layers, pp, "uniform", None, None))]
-    if pp == 1:
-        model = GPTModel(config, state).double().eval()
-        load_weights(model, path, state, stages)
-        with torch.no_grad():
-            return _gather_vocab(model(toks), state, config.vocab_size)
-    from ds_megatron.integration.pipeline import GPTPipelineModule
-    model = GPTPipelineModule(config, state).double().eval()
-    try:
-        load_weights(model, path, state, stages)
-        pipe = state.pp
-        with torch.no_grad():
-            if model.is_first_stage:
-                hidden = model(toks)
-                dist.send(hidden.contiguous(), pipe.ranks[pipe.rank + 1])
-                return None
-            hidden = torch.empty(hf_models.SEQ // (tp if sp else 1), toks.size(0), config.hidden_size,
-                                 dtype=torch.float64)
-            dist.recv(hidden, pipe.ranks[pipe.rank - 1])
-            logits = model(hidden).transpose(0, 1)
-            return _gather_vocab(logits, state, config.vocab_size)
-    finally:
-        model.destroy_process_groups()
+    stages = [list(r) for r in stage_layer_ranges(stage_layer_counts(config.num_layers, state.pp.size, "uniform",
+                                                                     None, None))]
+    return hf_models.layout_logits(config, state, path, stages, toks)
 
 
 def _our_logits(path, hf_dir, tp, pp, ep, sp, toks):
