@@ -160,7 +160,8 @@ def _gemma_dense(q, k, v, dout):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _cp_rank_windowed(names):
+def _cp_rank_cores(names, window=None, softcap=None, sinks=False):
+    """Each comm type's CP core on this rank's zigzag chunks: (out, dq, dk, dv[, the sinks' grad]) per name."""
     import torch.distributed as dist
     from ds_megatron.parallel import ParallelLayout
     from ds_megatron.parallel_state import ParallelState
@@ -175,11 +176,12 @@ def _cp_rank_windowed(names):
                 state.build_hierarchical_context_parallel(int(inner))
                 hierarchical = state.hierarchical_context_parallel
             q, k, v, dout = (zigzag_split(t, cp, state.cp.rank, seq_dim=2) for t in _inputs(2))
-            q, k, v = (t.requires_grad_() for t in (q, k, v))
-            out = context_parallel_attention(q, k, v, state.cp, comm_type=name, softmax_scale=SCALE,
-                                             hierarchical=hierarchical, window=WINDOW, softcap=CAP)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v) + ((SINKS,) if sinks else ())]
+            out = context_parallel_attention(*leaves[:3], state.cp, comm_type=name, softmax_scale=SCALE,
+                                             hierarchical=hierarchical, window=window, softcap=softcap,
+                                             sinks=leaves[3] if sinks else None)
             out.backward(dout)
-            results.append((out.detach(), q.grad, k.grad, v.grad))
+            results.append((out.detach(), *(t.grad for t in leaves)))
         return results
     finally:
         state.destroy()
@@ -190,7 +192,7 @@ def test_sliding_window_and_soft_cap_match_dense_attention():
     log-sum-exp merge, forward and backward (the cap's derivative in the flash-style backward)."""
     names = ["p2p", "all_gather", "a2a", "a2a+p2p:2"]
     expected = _gemma_dense(*_inputs(2))
-    per_rank = run_on_ranks(2, _cp_rank_windowed, names, timeout=120)
+    per_rank = run_on_ranks(2, _cp_rank_cores, names, WINDOW, CAP, timeout=120)
     for j, name in enumerate(names):
         for grad, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
             got = zigzag_unsplit([r[j][i] for r in per_rank], seq_dim=2)
@@ -215,38 +217,13 @@ def _sinks_dense(q, k, v, dout, window):
     return out.detach(), q.grad, k.grad, v.grad, sinks.grad
 
 
-def _cp_rank_sinks(names, window):
-    import torch.distributed as dist
-    from ds_megatron.parallel import ParallelLayout
-    from ds_megatron.parallel_state import ParallelState
-    cp = dist.get_world_size()
-    state = ParallelState.build(ParallelLayout(world_size=cp, cp=cp))
-    try:
-        results = []
-        for name in names:
-            hierarchical = None
-            if name.startswith("a2a+p2p"):
-                name, inner = name.split(":")
-                state.build_hierarchical_context_parallel(int(inner))
-                hierarchical = state.hierarchical_context_parallel
-            q, k, v, dout = (zigzag_split(t, cp, state.cp.rank, seq_dim=2) for t in _inputs(2))
-            q, k, v, sinks = (t.clone().requires_grad_() for t in (q, k, v, SINKS))
-            out = context_parallel_attention(q, k, v, state.cp, comm_type=name, softmax_scale=SCALE,
-                                             hierarchical=hierarchical, window=window, sinks=sinks)
-            out.backward(dout)
-            results.append((out.detach(), q.grad, k.grad, v.grad, sinks.grad))
-        return results
-    finally:
-        state.destroy()
-
-
 @pytest.mark.parametrize("window", [None, WINDOW])
 def test_attention_sinks_match_dense_attention(window):
     """gpt-oss's sinks under CP: every comm type enters the sink once into each query row's merged log-sum-exp,
     forward and backward; the sinks' gradient, summed over the CP ranks, is the dense one."""
     names = ["p2p", "all_gather", "a2a", "a2a+p2p:2"]
     expected = _sinks_dense(*_inputs(2), window)
-    per_rank = run_on_ranks(2, _cp_rank_sinks, names, window, timeout=120)
+    per_rank = run_on_ranks(2, _cp_rank_cores, names, window, None, True, timeout=120)
     for j, name in enumerate(names):
         for grad, i in (("out", 0), ("dq", 1), ("dk", 2), ("dv", 3)):
             got = zigzag_unsplit([r[j][i] for r in per_rank], seq_dim=2)
