@@ -45,6 +45,17 @@ def _fp32_weights(optimizer):
     raise AssertionError(f"no fp32 weights found on {type(optimizer).__name__}")
 
 
+def _optimizer_state(engine):
+    """What the next step starts from: the 16-bit weights, the fp32 master weights, the inner optimizer's state
+    (Adam's moments and step), the loss scale and the learning rate."""
+    optimizer = engine.optimizer
+    inner = optimizer.optimizer.state_dict()["state"]
+    return {"weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            "fp32": _fp32_weights(optimizer),
+            "adam": {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()} for k, v in inner.items()},
+            "loss_scale": getattr(optimizer, "cur_scale", None), "lr": engine.get_lr()}
+
+
 def _train(cfg, resume):
     if "fp16" in cfg:
         # DeepSpeed refuses fp16 on a CPU without mkldnn's fp16 kernels; torch runs this small model in fp16 anyway,
@@ -52,11 +63,37 @@ def _train(cfg, resume):
         from deepspeed.accelerator import get_accelerator
         type(get_accelerator()).is_fp16_supported = lambda self: True
     trainer = Trainer(load_job(cfg, dist.get_world_size()), cfg, resume, show_progress=False)
+    before = {}  # step -> the state it starts from
+    train_batch = trainer.engine.train_batch
+
+    def recorded(*args, **kwargs):
+        before[trainer.run.step + 1] = _optimizer_state(trainer.engine)
+        return train_batch(*args, **kwargs)
+
+    trainer.engine.train_batch = recorded
     losses = trainer.run_loop().losses
-    weights = {n: p.detach().clone() for n, p in trainer.engine.module.named_parameters()}
-    optimizer, fp32 = type(trainer.engine.optimizer).__name__, _fp32_weights(trainer.engine.optimizer)
+    after = _optimizer_state(trainer.engine)
+    optimizer = type(trainer.engine.optimizer).__name__
     trainer.finish()
-    return losses, weights, optimizer, fp32
+    return losses, before[3], after, optimizer
+
+
+def _differences(state, reference):
+    """The names of what differs (bit for bit) between two ``_optimizer_state``s."""
+    out = [k for k in ("loss_scale", "lr") if state[k] != reference[k]]
+    if state["weights"].keys() != reference["weights"].keys():
+        out.append("weights: names")
+    out += [n for n in state["weights"] if n in reference["weights"]
+            and not torch.equal(state["weights"][n], reference["weights"][n])]
+    if len(state["fp32"]) != len(reference["fp32"]) or not all(
+            torch.equal(a, b) for a, b in zip(state["fp32"], reference["fp32"])):
+        out.append("fp32 master weights")
+    if state["adam"].keys() != reference["adam"].keys():
+        out.append("optimizer state: keys")
+    out += [f"optimizer state {k}.{n}" for k in state["adam"] if k in reference["adam"] for n in state["adam"][k]
+            if not (torch.equal(state["adam"][k][n], reference["adam"][k].get(n))
+                    if torch.is_tensor(state["adam"][k][n]) else state["adam"][k][n] == reference["adam"][k].get(n))]
+    return out
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -67,14 +104,21 @@ def test_pipeline_engine_resume_is_bit_exact(case, tmp_path):
     with open(tmp_path / "latest", "w") as f:
         f.write("iter_0000002")  # the checkpoint the run saved on its way
     resumed = run_on_ranks(4, _train, cfg, True)
-    assert {r[2] for r in full + resumed} == {optimizer}
+    assert {r[3] for r in full + resumed} == {optimizer}
     assert sorted(resumed[0][0]) == [3, 4]
-    for rank, ((losses, weights, _, fp32), (full_losses, full_weights, _, full_fp32)) in enumerate(
-            zip(resumed, full)):
+    for rank, ((losses, start, end, _), (full_losses, full_start, full_end, _)) in enumerate(zip(resumed, full)):
+        # What the load restores: step 3 starts from the full run's state, bit for bit.
+        assert not _differences(start, full_start), (rank, _differences(start, full_start))
+        if precision == "fp16":
+            # From that state, fp16 arithmetic once differed in the last bit on a CI box whose fp16 kernels are not
+            # this AMD box's (its step 3 loss 5.3029628, here 5.3029575): the resumed step 3 gave 5.3029623, one
+            # float32 ulp off, never seen here in 40 runs.  The trajectory is held to a bound that a wrong restore
+            # exceeds (Adam's first moment halved at the load moves step 4's loss by 1.7e-3 relative).
+            assert all(abs(losses[s] - full_losses[s]) <= 1e-5 * abs(full_losses[s]) for s in (3, 4)), (
+                rank, losses, full_losses)
+            continue
         assert all(losses[s] == full_losses[s] for s in (3, 4)), (rank, losses, full_losses)
-        assert weights.keys() == full_weights.keys()
-        assert all(torch.equal(weights[n], full_weights[n]) for n in weights), rank
-        assert len(fp32) == len(full_fp32) and all(torch.equal(a, b) for a, b in zip(fp32, full_fp32)), rank
+        assert not _differences(end, full_end), (rank, _differences(end, full_end))
 
 
 MODEL = dict(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=40,
