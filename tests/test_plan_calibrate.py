@@ -1,6 +1,7 @@
 """``ds-megatron plan --calibrate``: the measurements become a profile ``--hardware`` reads (a tiny, fast
 calibration on two warm gloo ranks; the figures themselves are this box's)."""
 import json
+import os
 
 import pytest
 
@@ -30,9 +31,10 @@ def test_calibrate_writes_a_profile_that_hardware_reads(tmp_path, capsys):
     gemms = calibrate.measure_gemms(sizes=(16, 64), repeats=1)
     path = str(tmp_path / "cpu.json")
     profile = calibrate.write_profile(path, gemms, calibrate.measure_memory_bandwidth(1 << 16, 1), measured, 2,
-                                       overlap)
+                                       overlap, calibrate.box_cores())
     assert profile == load_hardware(path) and profile.name == "cpu" and profile.comm_overlap == overlap
-    assert calibrate.write_profile(path, gemms, 1e9, measured, 2, 0.25).comm_overlap == 0.25
+    assert profile.cores == len(os.sched_getaffinity(0))  # the cores the ranks may run on
+    assert calibrate.write_profile(path, gemms, 1e9, measured, 2, 0.25, 1).comm_overlap == 0.25
     # The measured rates are what the plan charges: latency + bus bytes / bus bandwidth, per kind.
     rate = measured["all_gather"]
     assert profile.collective_time("all_gather", 2, 1e6, False) == pytest.approx(

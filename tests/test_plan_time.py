@@ -1,6 +1,7 @@
 """``ds-megatron plan``'s clock against independent references: FLOPs against hand counts, each schedule's bubble
 against its formula, a collective against its profile, the search's memory filter against ``plan``, and the
-published runs (Narayanan et al. Table 1, Korthikanti et al. Table 5) within the goal.  Torch-free."""
+published runs (Narayanan et al. Table 1, Korthikanti et al. Table 5) within the goal; ranks sharing a CPU's cores
+against the step worked out by hand.  Torch-free."""
 import dataclasses
 import json
 
@@ -15,7 +16,8 @@ from ds_megatron.planning.hardware import (LINK_EFFICIENCY, A100, CollectiveRate
                                           load_hardware)
 from ds_megatron.planning.report import main, plan_from_config
 from ds_megatron.planning.search import candidate_config, search_layouts
-from ds_megatron.planning.step_time import Run, group_spans_nodes, plan_step_time
+from ds_megatron.planning.step_time import (Run, _after_backward, _Pricer, group_spans_nodes, plan_step_time,
+                                            stage_phases)
 
 S, H, L, V = 256, 512, 4, 1024
 
@@ -276,3 +278,52 @@ def test_hardware_files_round_trip(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="unknown field 'tflops'"):
         load_hardware(str(path))
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_ranks_sharing_cores_by_hand(pp):
+    """DP 4, or PP 2 x DP 2 (1F1B, 4 micro-batches), 4 ranks on 2 cores, free links: a stage computing alone has
+    the 2 cores to its 2 ranks, both stages computing halve every rank's rate; with no message time a stage waits
+    only while the other computes, so the cores never idle and the step is all ranks' work over the cores: world /
+    pp ranks x every stage's work (its micro-batches' F, B and W, and its optimizer step) / 2.  The same job on a
+    core per rank: PP 2 takes the 1F1B schedule's step; a rate halved throughout (every rank computing at once,
+    what the calibration measured before) would take twice that."""
+    hw = dataclasses.replace(FREE, gemm_table=[[1, 1, 1, 1e11]], hbm_bytes_per_s=1e10, cores=2)
+    run = Run(_model(vocab_size=128, position_embedding_type="rope"), ParallelLayout(world_size=4, pp=pp), "fp32",
+              1, 4)
+    pricer = _Pricer(run, hw, hw.gpus_per_node)
+    phases = stage_phases(run, pricer)
+    work = [4 * sum(f.total + b.total + w.total for f, b, w in stage)
+            + _after_backward(run, hw, pricer, i, stage)["optimizer_s"] for i, stage in enumerate(phases)]
+    step = plan_step_time(run, hw)
+    assert step.step_time_s == pytest.approx(4 // pp * sum(work) / 2, rel=1e-12)
+    assert sum(step.breakdown.values()) == pytest.approx(step.step_time_s, rel=1e-12)
+    alone = plan_step_time(run, dataclasses.replace(hw, cores=4))  # a core per rank
+    assert "core_sharing_s" not in alone.breakdown and step.breakdown["core_sharing_s"] > 0
+    if pp == 2:  # the bubble's cores lent to the busy stage: 0.81x the step at a rate halved throughout
+        assert alone.step_time_s < step.step_time_s < 0.85 * 2 * alone.step_time_s
+    else:  # every rank computes throughout: the rate halved
+        assert step.step_time_s == pytest.approx(2 * alone.step_time_s, rel=1e-12)
+
+
+def test_profiles_without_cores_give_every_rank_its_own():
+    """A GPU profile, and a ``cpu`` profile written before ``cores``, load with ``cores`` None and price a pipeline
+    as ever (no rank shares); as many cores as ranks is the same; ``cores`` must be a count; a profile's cores
+    are one node's, so a job over several nodes is refused."""
+    assert A100.cores is None and A100.core_share(10 ** 6) == 1.0
+    old = FREE.to_json()
+    del old["cores"]
+    hw = hardware_from_dict(dict(old, device="cpu"))
+    assert hw.cores is None
+    run = Run(_model(vocab_size=128), ParallelLayout(world_size=4, pp=2), "fp32", 1, 4)
+    before = plan_step_time(run, hw)
+    assert before == plan_step_time(run, dataclasses.replace(hw, cores=4))
+    assert "core_sharing_s" not in before.breakdown
+    gpu = A100.to_json()
+    del gpu["cores"]
+    assert hardware_from_dict(gpu) == A100
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=f"cores={bad!r} is not a positive number of cores"):
+            hardware_from_dict(dict(old, cores=bad))
+    with pytest.raises(ValueError, match="cores=2 are shared by the ranks of one node, and 4 ranks over 2 per node"):
+        plan_step_time(run, dataclasses.replace(hw, cores=2), gpus_per_node=2)

@@ -20,7 +20,8 @@ its local chunk ``c``).  ``rank_operations`` spells a rank's order out as (forwa
 micro-batch); ``channel_messages`` lists what a rank sends to a neighbour, in the order it sends it,
 which is the order the neighbour must receive it in; ``simulate_pipeline`` runs every rank's order
 against the data dependencies with fixed forward / backward costs: it proves the orders complete and
-gives the step time and bubble of each schedule.
+gives the step time and bubble of each schedule; ``simulate_shared_pipeline`` does the same on ranks that share
+fewer cores than they are (a rank in its bubble lends its core to the ranks computing).
 """
 from __future__ import annotations
 
@@ -423,6 +424,68 @@ def simulate_pipeline(num_microbatches: int, num_model_chunks: int, pipeline_par
     return PipelineTiming(max(clock), tuple(busy), tuple(clock))
 
 
+def simulate_shared_pipeline(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int,
+                             costs: Sequence[Sequence[Tuple[Tuple[float, float], ...]]], rates: Sequence[float],
+                             microbatch_group_size_per_vp_stage: Optional[int] = None,
+                             schedule: str = "interleaved_1f1b", message_time: float = 0.0,
+                             tails: Optional[Sequence[Sequence[Tuple[float, float]]]] = None) -> PipelineTiming:
+    """``simulate_pipeline`` on ranks that share their compute (processor sharing): an operation first computes
+    its work, then waits out its collectives; while ``k`` ranks compute, each advances at ``rates[k]`` of its own
+    rate (a rank waiting for a message or in a collective computes nothing and slows no one).
+    ``costs[rank][chunk]``: the (work in seconds at the full rate, collective seconds) of its forward, B and W
+    (a full backward is B + W); ``tails[rank]``: such pairs the rank runs after its last operation (the step's
+    gradient reduction and optimizer).  ``busy``: each rank's seconds inside its operations and tail."""
+    p, v = pipeline_parallel_size, num_model_chunks
+    programs = _programs(num_microbatches, v, p, microbatch_group_size_per_vp_stage or p, schedule)
+    # Each rank's segments: (work, collective seconds, the message it waits for, the one it sends).
+    segments = []
+    for r in range(p):
+        price = [(f, (b[0] + w[0], b[1] + w[1]), b, w) for f, b, w in costs[r]]
+        own = [price[chunk][kind] + (needed, sent) for kind, chunk, needed, sent in programs[r]]
+        segments.append(own + [(work, comm, -1, -1) for work, comm in (tails[r] if tails else ())])
+    arrived: List[Optional[float]] = [None] * (2 * p * v * num_microbatches)
+    position, phase = [0] * p, [0] * p  # phase: 0 waiting to start the segment, 1 computing, 2 in its collective
+    left, until, start = [0.0] * p, [0.0] * p, [0.0] * p
+    busy, finish = [0.0] * p, [0.0] * p
+    now = 0.0
+    while True:
+        changed = True
+        while changed:  # what starts or ends at ``now`` (a message sent now may start a rank already passed)
+            changed = False
+            for r in range(p):
+                while position[r] < len(segments[r]):
+                    work, comm, needed, sent = segments[r][position[r]]
+                    if phase[r] == 0:
+                        if needed >= 0 and (arrived[needed] is None or arrived[needed] > now):
+                            break
+                        phase[r], left[r], start[r] = 1, work, now
+                    if phase[r] == 1:
+                        if left[r] > 0:
+                            break
+                        phase[r], until[r] = 2, now + comm
+                    if until[r] > now:
+                        break
+                    if sent >= 0:
+                        arrived[sent] = now + message_time
+                    busy[r] += now - start[r]
+                    finish[r] = now
+                    position[r], phase[r], changed = position[r] + 1, 0, True
+        computing = [r for r in range(p) if position[r] < len(segments[r]) and phase[r] == 1]
+        rate = rates[len(computing)]
+        ends = {r: now + left[r] / rate for r in computing}
+        waits = [until[r] for r in range(p) if position[r] < len(segments[r]) and phase[r] == 2]
+        waits += [arrived[segments[r][position[r]][2]] for r in range(p) if position[r] < len(segments[r])
+                  and phase[r] == 0 and arrived[segments[r][position[r]][2]] is not None]
+        if not ends and not waits:
+            if any(position[r] < len(segments[r]) for r in range(p)):
+                raise ValueError(f"the pipeline orders deadlock: ranks wait at segments {position}")
+            return PipelineTiming(max(finish), tuple(busy), tuple(finish))
+        step = min(list(ends.values()) + waits)
+        for r in computing:
+            left[r] = 0.0 if ends[r] <= step else left[r] - (step - now) * rate
+        now = step
+
+
 @functools.lru_cache(maxsize=256)
 def _programs(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int, group: int,
               schedule: str) -> Tuple[Tuple[Tuple[int, int, int, int], ...], ...]:
@@ -461,4 +524,4 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-__all__ = ["Operation", "PipelineTiming", "channel_messages", "check_order", "convert_schedule_table_to_order", "get_num_warmup_microbatches", "get_order", "get_pp_rank_microbatches", "get_schedule_table", "interleaved_bubble", "rank_operations", "receives_of", "sends_of", "simulate_pipeline", "virtual_stage", "zero_bubble_orders"]
+__all__ = ["Operation", "PipelineTiming", "channel_messages", "check_order", "convert_schedule_table_to_order", "get_num_warmup_microbatches", "get_order", "get_pp_rank_microbatches", "get_schedule_table", "interleaved_bubble", "rank_operations", "receives_of", "sends_of", "simulate_pipeline", "simulate_shared_pipeline", "virtual_stage", "zero_bubble_orders"]

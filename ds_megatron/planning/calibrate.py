@@ -1,11 +1,12 @@
 """``ds-megatron plan --calibrate OUT.json``: this box measured into a ``planning.hardware`` profile named ``cpu``.
 
-The one planning module that loads torch (inside its functions; ``plan`` stays torch-free otherwise): fp32 GEMM
-rates by shape (``torch.mm``, one thread per rank, every rank computing at once as in training, so ranks that
-share the cores measure what each gets), the bandwidth a copy streams through memory (likewise), and
-gloo's all-reduce, all-gather, reduce-scatter, all-to-all and send/recv between local ranks, each fitted to
-``latency + bus bytes / bus bandwidth`` from a small and a large message (bus bytes as ``comm_volume`` counts them),
-and how much of an all-reduce started asynchronously a GEMM running meanwhile hides (``comm_overlap``).
+The one planning module that loads torch (inside its functions; ``plan`` stays torch-free otherwise): the cores
+the ranks share (``os.sched_getaffinity``); fp32 GEMM rates by shape and the bandwidth a copy streams through
+memory, each of one thread alone before the ranks start (the step-time model shares the cores out among the
+ranks computing at each moment of the schedule: ``Hardware.core_share``); gloo's all-reduce, all-gather,
+reduce-scatter, all-to-all and send/recv between local ranks, each fitted to ``latency + bus bytes / bus
+bandwidth`` from a small and a large message (bus bytes as ``comm_volume`` counts them); and how much of an
+all-reduce started asynchronously a GEMM running meanwhile hides (``comm_overlap``).
 The file is what ``--hardware`` reads; the figures hold for this box at this load.
 """
 from __future__ import annotations
@@ -144,9 +145,15 @@ def measure_overlap(elements: int = 1 << 20, gemm_size: int = 256, repeats: int 
     return rounds[len(rounds) // 2]
 
 
+def box_cores() -> int:
+    """The cores this process, and the ranks it starts, may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
-                  collectives: Dict[str, Dict[str, float]], ranks: int, overlap: float) -> Hardware:
-    """The ``cpu`` profile of these measurements, written to ``path`` as ``--hardware`` reads it."""
+                  collectives: Dict[str, Dict[str, float]], ranks: int, overlap: float, cores: int) -> Hardware:
+    """The ``cpu`` profile of these measurements (``gemms`` and ``memory_bandwidth`` of one thread alone on a
+    core), written to ``path`` as ``--hardware`` reads it."""
     peak = max(row[3] for row in gemms)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
     doc = {"name": "cpu", "peak_flops": {"fp32": peak}, "hbm_bytes_per_s": memory_bandwidth,
@@ -154,7 +161,7 @@ def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
            "network_bytes_per_s": collectives["all_reduce"]["bus_bytes_per_s"], "gpus_per_node": 1 << 20,
            "sms": 1, "gemm_efficiency": 1.0, "gemm_table": gemms, "collectives": {"intra": collectives},
            "kernel_launch_s": 0.0, "attention_kernel": "materialized", "comm_overlap": overlap,
-           "device": "cpu",
+           "device": "cpu", "cores": cores,
            "source": f"ds-megatron plan --calibrate, {ranks} gloo ranks, {time.strftime('%Y-%m-%d %H:%M')}"}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
@@ -167,20 +174,24 @@ def _rank_main(rank: int, ranks: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
     result, overlap = measure_collectives(), measure_overlap()
-    # Every rank computes at once, as in training: ranks sharing cores see each other's load.
-    dist.barrier()
-    gemms, bandwidth = measure_gemms(), measure_memory_bandwidth()
     if rank == 0:
-        queue.put((result, overlap, gemms, bandwidth))
+        queue.put((result, overlap))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def calibrate(path: str, ranks: int = 4, port: Optional[int] = None) -> Hardware:
-    """Measure this box with ``ranks`` local gloo ranks and write the profile to ``path``."""
+    """Measure this box (one thread alone, then ``ranks`` local gloo ranks) and write the profile to ``path``."""
+    import torch
     import torch.multiprocessing as mp
     if not 2 <= ranks <= 4:
         raise ConfigError(f"--calibrate-ranks {ranks}: measure with 2 to 4 local ranks")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a rank's rate: one thread, as each rank runs
+    try:
+        gemms, bandwidth = measure_gemms(), measure_memory_bandwidth()
+    finally:
+        torch.set_num_threads(threads)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     if port is None:
@@ -190,7 +201,7 @@ def calibrate(path: str, ranks: int = 4, port: Optional[int] = None) -> Hardware
     procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, queue)) for r in range(ranks)]
     for p in procs:
         p.start()
-    collectives, overlap, gemms, bandwidth = queue.get(timeout=600)
+    collectives, overlap = queue.get(timeout=600)
     for p in procs:
         p.join()
-    return write_profile(path, gemms, bandwidth, collectives, ranks, overlap)
+    return write_profile(path, gemms, bandwidth, collectives, ranks, overlap, box_cores())

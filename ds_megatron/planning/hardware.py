@@ -26,6 +26,12 @@ tests measure), ``CUDA_KERNELS`` for the GPUs.
 collectives a step overlaps (CP's ring, ``overlap_grad_reduce``, ``overlap_param_gather``).  1 on a GPU, where
 NCCL moves bytes on its own SMs and copy engines; ``--calibrate`` measures it on a CPU box, where gloo and the
 GEMMs share the same cores.
+
+``cores``: the cores every rank of a one-node CPU job shares (``--calibrate`` reads ``os.sched_getaffinity``).
+Its GEMM and memory rates are one rank's alone on a core; while ``k`` ranks compute, each runs at
+``core_share(k)`` of them, ``min(1, cores / k)`` (the scheduler time-slices the cores among the ranks that
+compute; a rank waiting for a message or in a collective sleeps).  ``None``: a device per rank (the GPUs), and
+the ``cpu`` profiles written before the field, whose rates were measured with every rank computing at once.
 """
 from __future__ import annotations
 
@@ -108,6 +114,11 @@ class Hardware:
     comm_overlap: float = 1.0  # share of an overlapped collective that concurrent compute hides
     source: str = ""
     device: str = "cuda"  # whose kernels' habits the activation plan counts (DEVICE_KERNELS): "cuda" or "cpu"
+    cores: Optional[int] = None  # cores the ranks of a one-node CPU job share; None: a device per rank
+
+    def core_share(self, busy_ranks: float) -> float:
+        """The share of its own rate each of ``busy_ranks`` ranks computing at once gets of the ``cores``."""
+        return 1.0 if not self.cores or busy_ranks <= self.cores else self.cores / busy_ranks
 
     @property
     def kernels(self) -> DeviceKernels:
@@ -215,6 +226,10 @@ def hardware_from_dict(doc: Dict, where: str = "hardware") -> Hardware:
     if not 0.0 <= doc.get("comm_overlap", 1.0) <= 1.0:
         raise ConfigError(f"{where}: comm_overlap={doc['comm_overlap']!r} is outside 0..1; give the share of a "
                           "collective hidden behind concurrent compute (ds-megatron plan --calibrate measures it)")
+    cores = doc.get("cores")
+    if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
+        raise ConfigError(f"{where}: cores={cores!r} is not a positive number of cores; give the cores the ranks "
+                          "share (ds-megatron plan --calibrate records them), or null for a device per rank")
     try:
         return Hardware(**doc)
     except TypeError as e:

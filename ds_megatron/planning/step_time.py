@@ -23,6 +23,10 @@ Each rank's work per micro-batch and model chunk is priced on a ``planning.hardw
 * the pipeline: every rank's order of the schedule table (``pipeline_parallel.schedule_table``: 1F1B,
   interleaved, ZB-H1; uneven stages by their own costs) run against the data dependencies
   (``simulate_pipeline``); the idle time on the slowest rank is the bubble;
+* ranks sharing fewer cores (a ``cpu`` profile's ``cores``, fewer than the job's ranks): the same orders run with
+  every rank's work at ``core_share`` of its rate for the ranks computing at that moment, its collectives, the
+  messages it waits for and its bubble taking no core (``simulate_shared_pipeline``), the step's end (below) in
+  the same timeline; the breakdown's ``core_sharing_s`` is the slowest rank's wait for a core;
 * after the last backward: the gradient reduction over ``dp-cp`` (fp32 buffers; a reduce-scatter with the
   distributed optimizer), with ``overlap_grad_reduce`` hidden behind the last micro-batch's backward but for its
   last bucket; the tied embedding's all-reduce; the optimizer step (``OPTIMIZER_BYTES`` per owned parameter
@@ -37,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config.model import pad_vocab_size
-from ..pipeline_parallel.schedule_table import simulate_pipeline
+from ..errors import ConfigError
+from ..pipeline_parallel.schedule_table import simulate_pipeline, simulate_shared_pipeline
 from .comm_volume import _all_reduce, _gather_or_scatter
 from .flops import model_flops
 from .hardware import FLASH_ATTENTION_EFFICIENCY, Hardware
@@ -50,6 +55,7 @@ FLASH_BACKWARD_FLOPS = 2.5  # FlashAttention's backward: five GEMMs of the forwa
 # the 16-bit param written (2), the grad read again for the global norm (4).  SGD: param, grad, momentum.
 OPTIMIZER_BYTES = {"adam": 34, "adamw": 34, "sgd": 20}
 PARTS = ("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "moe_comm", "recompute")
+COMM_PARTS = ("tp_comm", "cp_comm", "moe_comm")  # a rank in these waits in a collective: it computes nothing
 
 
 @dataclass(frozen=True)
@@ -80,17 +86,22 @@ class Run:
 
 @dataclass
 class Cost:
-    """Seconds by part (``PARTS``) of one phase: a chunk's forward, its B or its W, per micro-batch."""
+    """Seconds by part (``PARTS``) of one phase: a chunk's forward, its B or its W, per micro-batch; ``comm``: the
+    seconds of them the rank waits in collectives (``COMM_PARTS``, and those inside a recomputed forward)."""
 
     parts: Dict[str, float] = field(default_factory=dict)
+    comm: float = 0.0
 
-    def add(self, part: str, seconds: float) -> None:
+    def add(self, part: str, seconds: float, comm: Optional[float] = None) -> None:
+        """``comm``: the collectives' seconds among ``seconds`` (default: all of them for a ``COMM_PARTS``)."""
         if seconds:
             self.parts[part] = self.parts.get(part, 0.0) + seconds
+            self.comm += (seconds if part in COMM_PARTS else 0.0) if comm is None else comm
 
     def merge(self, other: "Cost", scale: float = 1.0, as_part: Optional[str] = None) -> None:
         for part, seconds in other.parts.items():
-            self.add(as_part or part, seconds * scale)
+            self.add(as_part or part, seconds * scale, comm=0.0)
+        self.comm += other.comm * scale
 
     @property
     def total(self) -> float:
@@ -266,7 +277,7 @@ class _Pricer:
                 rerun.merge(fc2, -1.0)
                 rerun.add("elementwise", -hw.memory_time(tail))
                 rerun.parts["tp_comm"] = 3 * tp_one if self.sp else tp_one
-            b.add("recompute", rerun.total)
+            b.add("recompute", rerun.total, comm=sum(rerun.parts.get(part, 0.0) for part in COMM_PARTS))
         else:
             b.add("recompute", (core_fwd if core else 0.0) + (ffn_fwd.total if mlp else 0.0))
         return fwd, b, w
@@ -429,31 +440,61 @@ def plan_step_time(run: Run, hw: Hardware, gpus_per_node: Optional[int] = None,
     """The predicted step of ``run`` on ``hw`` (see the module docstring); ``pricer``: one made for a run of the
     same model, layout and micro-batch (its layers' prices reused)."""
     cfg, lay = run.model, run.layout
-    pricer = pricer or _Pricer(run, hw, gpus_per_node or hw.gpus_per_node)
+    gpus_per_node = gpus_per_node or hw.gpus_per_node
+    pricer = pricer or _Pricer(run, hw, gpus_per_node)
     pp, v, m = lay.pp, run.vpp, run.micro_batches
     phases = stage_phases(run, pricer)
     message_time = pricer.message_time()
-    costs = [[(f.total, b.total, w.total) for f, b, w in stage] for stage in phases]
-    if pp > 1:
-        kind = "zero_bubble" if run.schedule == "zero_bubble" else "interleaved_1f1b"
-        timing = simulate_pipeline(m, v, pp, run.group_size, schedule=kind, costs=costs, message_time=message_time)
-        finish = timing.finish
+    tails = [_after_backward(run, hw, pricer, stage, phases[stage]) for stage in range(pp)]
+    kind = "zero_bubble" if run.schedule == "zero_bubble" else "interleaved_1f1b"
+    shared = hw.cores is not None and lay.world_size > hw.cores
+    if shared:
+        timing = _shared_cores_timing(run, hw, gpus_per_node, phases, tails, kind, message_time)
+        ends = finish = timing.finish
     else:
-        finish = (m * sum(f + b + w for f, b, w in costs[0]),)
-    best = None
-    for stage in range(pp):
-        tail = _after_backward(run, hw, pricer, stage, phases[stage])
-        total = finish[stage] + sum(tail.values())
-        if best is None or total > best[0]:
-            best = (total, stage, tail)
-    total, stage, tail = best
+        if pp > 1:
+            costs = [[(f.total, b.total, w.total) for f, b, w in stage] for stage in phases]
+            finish = simulate_pipeline(m, v, pp, run.group_size, schedule=kind, costs=costs,
+                                       message_time=message_time).finish
+        else:
+            finish = (m * sum(f.total + b.total + w.total for f, b, w in phases[0]),)
+        ends = [finish[stage] + sum(tails[stage].values()) for stage in range(pp)]
+    stage = max(range(pp), key=lambda st: (ends[st], -st))  # the slowest rank, the first of equals
+    total, tail = ends[stage], tails[stage]
     compute = {part: m * sum(ph.parts.get(part, 0.0) for f, b, w in phases[stage] for ph in (f, b, w))
                for part in PARTS}
-    parts = {**{f"{k}_s": s for k, s in compute.items() if s},
-             "pipeline_bubble_s": finish[stage] - sum(compute.values()), **tail}
+    parts = {f"{k}_s": s for k, s in compute.items() if s}
+    if shared:  # the rank's seconds in its work beyond their price at its own rate: waiting for a core
+        parts["core_sharing_s"] = timing.busy[stage] - sum(compute.values()) - sum(tail.values())
+        parts["pipeline_bubble_s"] = total - timing.busy[stage]
+    else:
+        parts["pipeline_bubble_s"] = finish[stage] - sum(compute.values())
+    parts.update(tail)
     peak = hw.peak("fp8" if cfg.fp8 is not None else run.params_dtype)
     flops = pricer.model_flops(run.micro_batch * m * lay.dp)
     return StepTime(total, flops, lay.world_size, peak, {k: s for k, s in parts.items() if s}, stage)
+
+
+def _shared_cores_timing(run: Run, hw: Hardware, gpus_per_node: int, phases, tails, kind: str,
+                         message_time: float):
+    """The schedule run on ``hw.cores`` cores that all ranks of the job share: while ``k`` pipeline stages
+    compute, ``k`` x (world / pp) ranks do, each at ``core_share`` of its rate; collectives, pipeline messages
+    and the bubble take no core.  Each stage's tail after its last backward runs in the same timeline
+    (reduction and collectives first, then the optimizer step, then the parameter all-gather)."""
+    lay = run.layout
+    if lay.world_size > gpus_per_node:
+        raise ConfigError(f"--hardware {hw.name}: cores={hw.cores} are shared by the ranks of one node, and "
+                          f"{lay.world_size} ranks over {gpus_per_node} per node span several; plan a one-node job "
+                          "on this profile")
+    per_stage = lay.world_size // lay.pp
+    rates = [hw.core_share(k * per_stage) for k in range(lay.pp + 1)]
+    costs = [[tuple((c.total - c.comm, c.comm) for c in chunk) for chunk in stage] for stage in phases]
+    segments = []
+    for tail in tails:
+        first = tail.get("dp_comm_s", 0.0) + tail.get("embedding_comm_s", 0.0)
+        segments.append([(0.0, first), (tail.get("optimizer_s", 0.0), tail.get("param_gather_s", 0.0))])
+    return simulate_shared_pipeline(run.micro_batches, run.vpp, lay.pp, costs, rates, run.group_size,
+                                    schedule=kind, message_time=message_time, tails=segments)
 
 
 def _after_backward(run: Run, hw: Hardware, pricer: _Pricer, stage: int, phases) -> Dict[str, float]:

@@ -9,8 +9,9 @@ fresh 4-rank job training the same fp32 GPT through ``ds_megatron.initialize`` (
 the step is the median of ``--steps`` timed steps after one warm-up, max over ranks.  Printed: each layout's
 measured and predicted step, the error, and the Spearman rank correlation and median error over the layouts;
 the search's first choice over these layouts (the one predicted fastest whose plan fits the profile's memory)
-and its measured step against the fastest measured; then ``plan --search``'s first choices over all layouts.  The box's load moves the measurements (ranks share its
-cores): the header prints the core count and the load average.
+and its measured step against the fastest measured; then ``plan --search``'s first choices over all layouts.
+The box's load moves the measurements (ranks share its cores, which the profile's ``cores`` models, but not other
+jobs): the header prints the core count, the load average and the profile's cores.
 """
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ def main(argv=None):
     print(f"{WORLD} gloo ranks on {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; GPT {args.layers} "
           f"layers x hidden {args.hidden}, seq {args.seq}, micro-batch {args.micro_batch}, {args.global_batch} samples "
           f"per step, fp32 AdamW; median of {args.steps} steps; profile {args.hardware} (comm_overlap "
-          f"{hw.comm_overlap:.2f})")
+          f"{hw.comm_overlap:.2f}, cores {hw.cores})")
     print(f"{'layout':>26s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s}")
     measured, predicted, fits = [], [], []
     for name, layout in LAYOUTS.items():
@@ -154,7 +155,8 @@ def main(argv=None):
     names = list(LAYOUTS)
     fastest = measured.index(min(measured))
     print(f"Spearman rank correlation {spearman(measured, predicted):.2f}; median |error| "
-          f"{statistics.median(errors):.1%}; fastest measured {measured[fastest] * 1e3:.1f} ms ({names[fastest]})")
+          f"{statistics.median(errors):.1%} (goals: >= 0.8, <= 20%); fastest measured {measured[fastest] * 1e3:.1f} "
+          f"ms ({names[fastest]})")
     # The search's rule over the measured set: the layout predicted fastest among those whose plan fits memory.
     first = min((i for i in range(len(names)) if fits[i]), key=lambda i: predicted[i])
     print(f"search's first choice among the measured: {names[first]} (predicted {predicted[first] * 1e3:.1f} ms, "
