@@ -79,8 +79,8 @@ def _force_routing(model, chosen):
             bias[list(chosen)] = 10.0
 
 
-def _step_records(megatron, precision, model_extra, micro_batches=1, chosen_experts=None):
-    cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": micro_batches,
+def _step_records(megatron, precision, model_extra, micro_batches=1, chosen_experts=None, batch=B):
+    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro_batches,
            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
            "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "megatron": dict(megatron), **precision}
     state = ds_megatron.initialize_model_parallel(cfg)
@@ -94,7 +94,7 @@ def _step_records(megatron, precision, model_extra, micro_batches=1, chosen_expe
     for step in range(2):
         with count_bytes() as counter:
             for _ in range(micro_batches):  # DeepSpeed steps at the last one
-                tokens = torch.randint(0, V, (B, S + 1), generator=g)
+                tokens = torch.randint(0, V, (batch, S + 1), generator=g)
                 loss = engine({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
                 engine.backward(loss)
                 engine.step()
@@ -428,7 +428,7 @@ def test_the_plans_formula_holds_for_each_pipeline_stage(megatron, m):
 # loss, the expert bias) and the experts' gradients over edp.
 DEEPSEEK = dict(MOE, moe_layer_freq=[0, 1], moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                 moe_shared_expert_intermediate_size=32, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
-MOE_PLAN_CASES = {  # name: (ranks, megatron section, precision section, model options)
+MOE_PLAN_CASES = {  # name: (ranks, megatron section, precision section, model options[, micro-batch size])
     # EP 2 (= dp 2): the global balancing loss and the expert bias's counts over dp
     "ep2-global-aux-expert-bias": (2, {"expert_model_parallel_size": 2}, {},
                                    dict(DEEPSEEK, moe_router_load_balancing_type="global_aux_loss")),
@@ -446,11 +446,12 @@ MOE_PLAN_CASES = {  # name: (ranks, megatron section, precision section, model o
                                            "expert_tensor_parallel_size": 1, "use_distributed_optimizer": True},
                                        BF16_ON, DEEPSEEK),
     # DeepSeek-V3's shape: MLA, the sequence-wise loss and a multi-token-prediction layer (MoE, as the last
-    # decoder layer), on EP 2 x TP 2 with SP: the expert bias's counts of both MoE layers summed once
-    "ep2-tp2-sp-mla-mtp1-seq-aux": (4, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
-                                        "sequence_parallel": True}, {},
-                                    dict(DEEPSEEK, **MLA, sequence_parallel=True, mtp_num_layers=1,
-                                         moe_router_load_balancing_type="seq_aux_loss")),
+    # decoder layer), on EP 2 x TP 2 with SP: the expert bias's counts of both MoE layers summed once; three
+    # sequences a micro-batch (the sequence-wise loss's counts are [b, E])
+    "ep2-tp2-sp-mla-mtp1-seq-aux-b3": (4, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
+                                           "sequence_parallel": True}, {},
+                                       dict(DEEPSEEK, **MLA, sequence_parallel=True, mtp_num_layers=1,
+                                            moe_router_load_balancing_type="seq_aux_loss"), 3),
     # the allgather dispatcher moves the same bytes whatever the routing: not forced
     "ep2-allgather": (2, {"expert_model_parallel_size": 2}, {},
                       dict(MOE, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=1e-2)),
@@ -460,12 +461,13 @@ MOE_PLAN_CASES = {  # name: (ranks, megatron section, precision section, model o
 @pytest.mark.parametrize("name", list(MOE_PLAN_CASES))
 def test_the_plans_formula_is_what_a_moe_step_moves(name):
     from ds_megatron.planning.comm_volume import plan_comm_volume
-    ranks, megatron, precision, model = MOE_PLAN_CASES[name]
+    ranks, megatron, precision, model, *batch = MOE_PLAN_CASES[name]
+    b = batch[0] if batch else B
     distopt = megatron.get("use_distributed_optimizer", False)
     chosen = None if model.get("moe_token_dispatcher_type") == "allgather" else (0, 2)
-    for records, info in run_on_ranks(ranks, _step_records, megatron, precision, model, 1, chosen):
+    for records, info in run_on_ranks(ranks, _step_records, megatron, precision, model, 1, chosen, b):
         planned, = plan_comm_volume(GPTConfig(**MODEL, **model), info["layout"], "bf16" if precision else "fp32",
-                                    micro_batch=B, distributed_optimizer=distopt)
+                                    micro_batch=b, distributed_optimizer=distopt)
         padding = (F32 + BF16) / 2 if distopt else 0.0  # dp = edp = 2 here
         _check_plan(_measured_by_kind(records), planned, 64 * info["buffered_params"] + 128, padding)
 
