@@ -23,7 +23,9 @@ to it and bounded:
   combine all-to-alls move tokens*topk rows of h (each rank sends its own tokens*topk
   in the dispatch, and what it received in the combine); besides them the routing
   probabilities (one float per row of the dispatch, 1/(2h) of the rows' bytes) and
-  the all-gather of the per-expert counts.
+  the all-gather of the per-expert counts.  The plan's MoE formula (balanced routing)
+  is held to steps whose routers send every token to experts 0 and 2, one on each EP
+  rank, so that each rank receives the rows it sends.
 
 * Context parallelism (ring, ``cp_comm_type "p2p"``): per layer each rank sends cp-1
   K/V blocks (2*b*(s/cp)*kv_heads*d, in the model's dtype) forward, and backward
@@ -405,11 +407,16 @@ V2 = {"pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_model_parallel_
     ({"pipeline_schedule": "zero_bubble"}, 3),
     # Multi-token prediction on the last stage, untied: the word and position embeddings' copies summed there.
     ({"pipeline_schedule": "interleaved_1f1b", "model": {"mtp_num_layers": 1,
-                                                         "untie_embeddings_and_output_weights": True}}, 2)],
-    ids=["pp2", "tp2-sp-pp2", "pp2-v2", "tp2-sp-pp2-v2", "pp2-zb", "pp2-mtp-untied"])
+                                                         "untie_embeddings_and_output_weights": True}}, 2),
+    # MoE on the last stage only (the first stage's layer dense: no expert partition there), EP 2 = DP 2; every
+    # token to all four experts, so the routing is balanced whatever the router learns; the expert bias over dp
+    ({"pipeline_schedule": "1f1b", "expert_model_parallel_size": 2,
+      "model": dict(MOE, moe_router_topk=4, moe_layer_freq=[0, 1], moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_aux_loss_coeff=1e-2)}, 2)],
+    ids=["pp2", "tp2-sp-pp2", "pp2-v2", "tp2-sp-pp2-v2", "pp2-zb", "pp2-mtp-untied", "pp2-ep2-moe-last-stage"])
 def test_the_plans_formula_holds_for_each_pipeline_stage(megatron, m):
     from ds_megatron.planning.comm_volume import plan_comm_volume
-    ranks = 2 * megatron.get("tensor_model_parallel_size", 1)
+    ranks = 2 * megatron.get("tensor_model_parallel_size", 1) * megatron.get("expert_model_parallel_size", 1)
     model = {"sequence_parallel": megatron.get("sequence_parallel", False), "num_layers": megatron.get("num_layers", L),
              **megatron.get("model", {})}
     v = megatron.get("virtual_pipeline_model_parallel_size", 1)
@@ -419,7 +426,7 @@ def test_the_plans_formula_holds_for_each_pipeline_stage(megatron, m):
         assert [p.stage for p in planned] == [0, 1]
         _check_plan(_measured_by_kind(records), planned[stage])
         sends = [payload for op, group, payload, _, _ in records if op == "send"]
-        hidden = S * B * H * F32 // ranks * 2  # this rank's slice with SP
+        hidden = S * B * H * F32 // megatron.get("tensor_model_parallel_size", 1)  # this rank's slice with SP
         assert sends == [hidden] * (m * (2 * v - 1)), (stage, sends)
 
 

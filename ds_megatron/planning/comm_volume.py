@@ -350,7 +350,7 @@ def _moe_bus_bytes(cfg, layout, layers: Sequence[int], b: int, m: int, a: int, e
                                                                                              expert_params * a))
     else:
         add("edp", _all_reduce(layout.edp, expert_params * F32))
-        groups = layout.group_ranks()
+        groups = layout.group_ranks()  # (a stage without MoE layers joins it too)
         if {tuple(g) for g in groups["expert-model-parallel"]} != {tuple(g) for g in groups["model-parallel"]}:
             add("optimizer", _all_reduce(etp * ep * layout.pp, F64))
     return out
