@@ -23,7 +23,9 @@ to it and bounded:
   combine all-to-alls move tokens*topk rows of h (each rank sends its own tokens*topk
   in the dispatch, and what it received in the combine); besides them the routing
   probabilities (one float per row of the dispatch, 1/(2h) of the rows' bytes) and
-  the all-gather of the per-expert counts.
+  the all-gather of the per-expert counts.  The plan's MoE formula (balanced routing)
+  is held to steps whose routers send every token to experts 0 and 2, one on each EP
+  rank, so that each rank receives the rows it sends.
 
 * Context parallelism (ring, ``cp_comm_type "p2p"``): per layer each rank sends cp-1
   K/V blocks (2*b*(s/cp)*kv_heads*d, in the model's dtype) forward, and backward
@@ -65,20 +67,36 @@ F32, BF16, F64 = 4, 2, 8
 N = 2  # ranks
 
 
-def _step_records(megatron, precision, model_extra, micro_batches=1):
-    cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": micro_batches,
+def _force_routing(model, chosen):
+    """Make every token of every router pick the experts ``chosen`` (a test-only weight setting): the logits'
+    weight zero, the chosen experts' bias (the router's logits bias, else the expert bias) 10 above the others."""
+    from ds_megatron.moe.router import TopKRouter
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    assert routers
+    with torch.no_grad():
+        for router in routers:
+            router.weight.zero_()
+            bias = router.bias if router.bias is not None else router.expert_bias
+            bias.zero_()
+            bias[list(chosen)] = 10.0
+
+
+def _step_records(megatron, precision, model_extra, micro_batches=1, chosen_experts=None, batch=B):
+    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro_batches,
            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
            "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "megatron": dict(megatron), **precision}
     state = ds_megatron.initialize_model_parallel(cfg)
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**MODEL, **model_extra), state,
                      rng_tracker=model_parallel_seed(0, state.tp.rank, tracker=RNGStatesTracker()))
+    if chosen_experts is not None:
+        _force_routing(model, chosen_experts)
     engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
     g = torch.Generator().manual_seed(10 + state.dp.rank)
     for step in range(2):
         with count_bytes() as counter:
             for _ in range(micro_batches):  # DeepSpeed steps at the last one
-                tokens = torch.randint(0, V, (B, S + 1), generator=g)
+                tokens = torch.randint(0, V, (batch, S + 1), generator=g)
                 loss = engine({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
                 engine.backward(loss)
                 engine.step()
@@ -282,7 +300,7 @@ def _check_plan(measured, planned, padded_params=0, bytes_per_padding=0.0):
     assert sorted(measured) == sorted(planned.bus_bytes), (measured, planned)
     for kind, nbytes in planned.bus_bytes.items():
         excess = measured[kind] - nbytes
-        bound = padded_params * bytes_per_padding if kind == "dp-cp" else 0.0
+        bound = padded_params * bytes_per_padding if kind in ("dp-cp", "edp") else 0.0
         assert -1e-9 <= excess <= bound + 1e-9, (kind, measured[kind], nbytes)
 
 
@@ -389,11 +407,16 @@ V2 = {"pipeline_schedule": "interleaved_1f1b", "virtual_pipeline_model_parallel_
     ({"pipeline_schedule": "zero_bubble"}, 3),
     # Multi-token prediction on the last stage, untied: the word and position embeddings' copies summed there.
     ({"pipeline_schedule": "interleaved_1f1b", "model": {"mtp_num_layers": 1,
-                                                         "untie_embeddings_and_output_weights": True}}, 2)],
-    ids=["pp2", "tp2-sp-pp2", "pp2-v2", "tp2-sp-pp2-v2", "pp2-zb", "pp2-mtp-untied"])
+                                                         "untie_embeddings_and_output_weights": True}}, 2),
+    # MoE on the last stage only (the first stage's layer dense: no expert partition there), EP 2 = DP 2; every
+    # token to all four experts, so the routing is balanced whatever the router learns; the expert bias over dp
+    ({"pipeline_schedule": "1f1b", "expert_model_parallel_size": 2,
+      "model": dict(MOE, moe_router_topk=4, moe_layer_freq=[0, 1], moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_aux_loss_coeff=1e-2)}, 2)],
+    ids=["pp2", "tp2-sp-pp2", "pp2-v2", "tp2-sp-pp2-v2", "pp2-zb", "pp2-mtp-untied", "pp2-ep2-moe-last-stage"])
 def test_the_plans_formula_holds_for_each_pipeline_stage(megatron, m):
     from ds_megatron.planning.comm_volume import plan_comm_volume
-    ranks = 2 * megatron.get("tensor_model_parallel_size", 1)
+    ranks = 2 * megatron.get("tensor_model_parallel_size", 1) * megatron.get("expert_model_parallel_size", 1)
     model = {"sequence_parallel": megatron.get("sequence_parallel", False), "num_layers": megatron.get("num_layers", L),
              **megatron.get("model", {})}
     v = megatron.get("virtual_pipeline_model_parallel_size", 1)
@@ -403,5 +426,66 @@ def test_the_plans_formula_holds_for_each_pipeline_stage(megatron, m):
         assert [p.stage for p in planned] == [0, 1]
         _check_plan(_measured_by_kind(records), planned[stage])
         sends = [payload for op, group, payload, _, _ in records if op == "send"]
-        hidden = S * B * H * F32 // ranks * 2  # this rank's slice with SP
+        hidden = S * B * H * F32 // megatron.get("tensor_model_parallel_size", 1)  # this rank's slice with SP
         assert sends == [hidden] * (m * (2 * v - 1)), (stage, sends)
+
+
+# MoE, for balanced routing: every token picks experts 0 and 2 (one on each EP rank), so each rank's experts receive
+# the T * topk rows it sends.  Dense first layer, shared expert, the router's reductions (z-loss, each balancing
+# loss, the expert bias) and the experts' gradients over edp.
+DEEPSEEK = dict(MOE, moe_layer_freq=[0, 1], moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_shared_expert_intermediate_size=32, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+MOE_PLAN_CASES = {  # name: (ranks, megatron section, precision section, model options[, micro-batch size])
+    # EP 2 (= dp 2): the global balancing loss and the expert bias's counts over dp
+    "ep2-global-aux-expert-bias": (2, {"expert_model_parallel_size": 2}, {},
+                                   dict(DEEPSEEK, moe_router_load_balancing_type="global_aux_loss")),
+    # EP 2 x TP 2 with SP (ETP 2): the ETP gathers, the router's reductions over tp-cp (sequence-wise loss), the
+    # router's logits bias (gpt-oss), a gated shared expert, bf16 rows
+    "ep2-tp2-sp-etp2-seq-aux-bf16": (4, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
+                                         "sequence_parallel": True}, BF16_ON,
+                                     dict(MOE, sequence_parallel=True, moe_add_bias_linear=True,
+                                          moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-2,
+                                          moe_z_loss_coeff=1e-3, moe_router_dtype="fp32",
+                                          moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True)),
+    # EP 2 x TP 2 without SP, ETP 1 (EDP 2), distributed optimizer: each TP rank dispatches its half of the tokens,
+    # the experts' gradients reduce-scattered and their params all-gathered over edp
+    "ep2-tp2-etp1-edp2-distopt-bf16": (4, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
+                                           "expert_tensor_parallel_size": 1, "use_distributed_optimizer": True},
+                                       BF16_ON, DEEPSEEK),
+    # DeepSeek-V3's shape: MLA, the sequence-wise loss and a multi-token-prediction layer (MoE, as the last
+    # decoder layer), on EP 2 x TP 2 with SP: the expert bias's counts of both MoE layers summed once; three
+    # sequences a micro-batch (the sequence-wise loss's counts are [b, E])
+    "ep2-tp2-sp-mla-mtp1-seq-aux-b3": (4, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
+                                           "sequence_parallel": True}, {},
+                                       dict(DEEPSEEK, **MLA, sequence_parallel=True, mtp_num_layers=1,
+                                            moe_router_load_balancing_type="seq_aux_loss"), 3),
+    # the allgather dispatcher moves the same bytes whatever the routing: not forced
+    "ep2-allgather": (2, {"expert_model_parallel_size": 2}, {},
+                      dict(MOE, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=1e-2)),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_PLAN_CASES))
+def test_the_plans_formula_is_what_a_moe_step_moves(name):
+    from ds_megatron.planning.comm_volume import plan_comm_volume
+    ranks, megatron, precision, model, *batch = MOE_PLAN_CASES[name]
+    b = batch[0] if batch else B
+    distopt = megatron.get("use_distributed_optimizer", False)
+    chosen = None if model.get("moe_token_dispatcher_type") == "allgather" else (0, 2)
+    for records, info in run_on_ranks(ranks, _step_records, megatron, precision, model, 1, chosen, b):
+        planned, = plan_comm_volume(GPTConfig(**MODEL, **model), info["layout"], "bf16" if precision else "fp32",
+                                    micro_batch=b, distributed_optimizer=distopt)
+        padding = (F32 + BF16) / 2 if distopt else 0.0  # dp = edp = 2 here
+        _check_plan(_measured_by_kind(records), planned, 64 * info["buffered_params"] + 128, padding)
+
+
+def test_the_moe_plan_refuses_what_it_cannot_count():
+    from ds_megatron.errors import ConfigError
+    from ds_megatron.parallel.layout import ParallelLayout
+    from ds_megatron.planning.comm_volume import plan_comm_volume
+    layout = ParallelLayout(world_size=2, ep=2)
+    for extra, field in [({"moe_capacity_factor": 1.0}, "model.moe_capacity_factor=1.0"),
+                         ({"fp8": "e4m3"}, "model.fp8='e4m3'")]:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            plan_comm_volume(GPTConfig(**MODEL, **MOE, **extra), layout)
+    assert plan_comm_volume(GPTConfig(**MODEL, **MOE), layout)[0].bus_bytes["ep"] > 0

@@ -4,7 +4,7 @@
 | --- | --- |
 | ``param_counts`` | the parameters each rank holds (sharded, replicated, experts); the pipeline split by parameters |
 | ``memory`` | bytes per rank: params, grads, fp32 main params and grads, optimizer states, activations |
-| ``comm_volume`` | bus bytes each rank sends per step, per group (DP, distributed optimizer, TP, SP, CP, PP) |
+| ``comm_volume`` | bus bytes each rank sends per step, per group (DP, distributed optimizer, TP, SP, CP, PP, EP) |
 | ``flops`` | the FLOPs of a step (causal attention counted in full, as the published tables count it) |
 | ``hardware`` | the machine as data: A100, H100, H200, B200 from datasheets, or a JSON profile; ``DeviceKernels`` |
 | ``step_time`` | the predicted step on a profile: GEMMs, attention, memory-bound work, collectives, the bubble |

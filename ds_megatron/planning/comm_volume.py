@@ -55,9 +55,31 @@ element in the params dtype):
   MLA's five (four) fp8 linears a layer's attention, its replicated
   down-projections' weights never fp8 parameters.
 
+* MoE layers (``_moe_bus_bytes``), for balanced routing: each rank's experts
+  receive as many token copies as the rank routes (``T * topk`` rows for its
+  ``T = s*b/tp`` tokens, dropless); per layer and micro-batch, with the
+  ``alltoall`` dispatcher, the per-expert counts all-gathered (int64) over
+  ``ep`` then ``etp``, and the rows (hidden states and their one routing
+  weight each, in the params dtype) all-to-all'd over ``ep`` and all-gathered
+  over ``etp`` forward, back by the ``etp`` reduce-scatter and the reverse
+  all-to-all, the same four again in backward; with ``allgather`` every
+  token, its weights and routing map gathered over ``etp-ep`` and the
+  output reduce-scattered (exact whatever the routing).  The layer's
+  attention keeps its TP traffic, its MLP's is the shared expert's (a dense
+  MLP); without sequence parallelism each TP rank dispatches its slice of the
+  tokens (their gradient and weights' gathered in backward, the output
+  gathered forward).  The router's reductions over its sequence group
+  (``tp-cp`` with SP, else ``cp``): the z-loss, the balancing loss's counts
+  and value (over ``dp`` too for ``global_aux_loss``), once per step the
+  expert bias's counts (fp32, every MoE layer of the stage) over it and
+  ``dp``.  Expert gradients are reduced over ``edp`` as the dense ones over
+  ``dp-cp`` (distributed optimizer: reduce-scatter and all-gather), and the
+  optimizer's float64 goes over the expert-model-parallel group too when its
+  ranks differ.  Token dropping (``moe_capacity_factor``) and fp8 are
+  refused (recomputation and MLP tiles the config refuses with MoE).
+
 ``tests/test_bytes_on_wire.py`` counts the collectives of real steps and holds
-them to these figures; ``launch/bench/bench_vs_peers.py`` prints both.  MoE
-layers are not planned: the all-to-all volume depends on the routing.
+them to these figures; ``launch/bench/bench_vs_peers.py`` prints both.
 """
 from __future__ import annotations
 
@@ -104,9 +126,7 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     Megatron's ``decoder_first/last_pipeline_num_layers``; ``num_model_chunks``: v; ``deepspeed_engine``: the
     stages run on DeepSpeed's ``PipelineEngine`` (a ``GPTPipelineModule``) instead of our runtime;
     ``hierarchical_inner``: the a2a size of ``hierarchical_context_parallel_sizes``."""
-    if cfg.num_experts:
-        raise ConfigError("model.num_experts: the expert all-to-all volume depends on the routing; "
-                          "the communication plan covers dense models")
+    _check_moe(cfg)
     if cfg.fp8 is not None and cfg.recompute_granularity == "full" and cfg.mlp_sequence_tiles > 1:
         raise ConfigError("model.fp8 with recompute_granularity \"full\" and mlp_sequence_tiles > 1: the "
                           "communication plan does not count the tiles' amax reductions in the layer's rerun; "
@@ -133,7 +153,7 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         layers = [i for chunk in chunks for i in chunk]
         recomputed = sum(cfg.recomputes_layer(i) for chunk in chunks for i in range(len(chunk)))
         first, last = stage == 0, stage == pp - 1
-        counts = gpt_param_counts(cfg, t, layers=layers, first_stage=first, last_stage=last)
+        counts = gpt_param_counts(cfg, t, layout.ep, layout.etp, layers=layers, first_stage=first, last_stage=last)
         m, n_layers = micro_batches, len(layers)
         vol: Dict[str, float] = {}
 
@@ -142,7 +162,8 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
                 vol[kind] = vol.get(kind, 0.0) + nbytes
 
         # Gradients and, with the distributed optimizer, params, over dp-cp (the buffers hold fp32 grads).
-        grads = counts.total * F32
+        dense = counts.total - counts.expert  # the experts' gradients go over edp (_moe_bus_bytes)
+        grads = dense * F32
         mtp_layers = [cfg.num_layers + k for k in range(depths)] if last else []
         # blockwise scales need no collective
         # a layer's fp8 linears: its attention's (MLA: five or four, the replicated down-projections' weights never
@@ -153,7 +174,7 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         fp8_linears = per_layer * fp8_layers if cfg.fp8_recipe == "tensorwise" else 0
         fp8_weights = fp8_weight_elements(cfg, layers, t, last) if fp8_param_gather else 0
         if distributed_optimizer:
-            params = (counts.total - fp8_weights) * a + fp8_weights  # fp8 weights: one byte each
+            params = (dense - fp8_weights) * a + fp8_weights  # fp8 weights: one byte each
             add("dp-cp", _gather_or_scatter(dp * cp, grads) + _gather_or_scatter(dp * cp, params))
         else:
             add("dp-cp", _all_reduce(dp * cp, grads))
@@ -256,9 +277,82 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             learned = cfg.position_embedding_type == "learned_absolute"
             add("embedding", _all_reduce(2, (vocab // t * h + (cfg.seq_length * h if depths and learned else 0))
                                          * F32))
+        if cfg.num_experts:
+            for kind, nbytes in _moe_bus_bytes(cfg, layout, layers + mtp_layers, micro_batch, m, a, counts.expert,
+                                               distributed_optimizer).items():
+                add(kind, nbytes)
         holders = t * pp * (dp * cp if distributed_optimizer else 1)
         add("optimizer", _all_reduce(holders, F64))
         out.append(StageComm(stage, vol))
+    return out
+
+
+def _check_moe(cfg) -> None:
+    """Refuse the MoE settings whose traffic the plan cannot count exactly (one line naming the setting)."""
+    if not cfg.num_experts:
+        return
+    if cfg.moe_capacity_factor is not None:
+        raise ConfigError(f"model.moe_capacity_factor={cfg.moe_capacity_factor}: which tokens are dropped (or "
+                          "padded) depends on the routing; the communication plan covers dropless MoE "
+                          "(moe_capacity_factor null)")
+    if cfg.fp8 is not None:
+        raise ConfigError(f"model.fp8={cfg.fp8!r} with num_experts: the communication plan does not count the "
+                          "experts' fp8 amax reductions; plan the MoE model without fp8")
+
+
+def _moe_bus_bytes(cfg, layout, layers: Sequence[int], b: int, m: int, a: int, expert_params: int,
+                   distributed_optimizer: bool) -> Dict[str, float]:
+    """The MoE layers' bus bytes per step on a rank holding ``layers`` (its decoder and MTP layers), by group kind,
+    for balanced routing (see the module docstring); ``tp`` here is the change from counting every layer's MLP
+    as dense."""
+    t, ep, etp = layout.tp, layout.ep, layout.etp
+    s, h, E, k = cfg.seq_length // layout.cp, cfg.hidden_size, cfg.num_experts, cfg.moe_router_topk
+    sp = cfg.sequence_parallel and t > 1
+    n = sum(cfg.is_moe_layer(i) for i in layers)
+    out: Dict[str, float] = {}
+
+    def add(kind: str, nbytes: float) -> None:
+        if nbytes:
+            out[kind] = out.get(kind, 0.0) + nbytes
+
+    tokens = s * b // t  # the tokens this rank dispatches (its SP slice, or its share of the replicated ones)
+    if cfg.moe_token_dispatcher_type == "allgather":
+        g = etp * ep  # every token, its weights [E] and routing map (one byte each) gathered; back by reduce-scatter
+        add("etp-ep", m * n * (4 * _gather_or_scatter(g, g * tokens * h * a)
+                               + 2 * _gather_or_scatter(g, g * tokens * E * a) + _gather_or_scatter(g, g * tokens * E)))
+    else:
+        rows = tokens * k  # sent, and under balanced routing received
+        moved = 4 * rows * h * a + 2 * rows * a  # hidden rows both ways, forward and backward; weights dispatched
+        add("ep", m * n * (_gather_or_scatter(ep, moved) + _gather_or_scatter(ep, ep * E * 8)))
+        add("etp", m * n * (_gather_or_scatter(etp, etp * moved) + _gather_or_scatter(etp, etp * ep * E * 8)))
+    # TP: the MLP's reductions are the shared expert's (or none); without SP the slices are gathered.
+    sbh = s * b * h * a
+    mlp = 4 * _gather_or_scatter(t, sbh) if sp else 2 * _all_reduce(t, sbh)
+    scatter = 0.0 if sp else 2 * _gather_or_scatter(t, sbh) + _gather_or_scatter(t, s * b * E * a)
+    add("tp", m * n * (scatter - (0 if cfg.moe_shared_expert_intermediate_size else mlp)))
+    # The router's reductions over the sequence group, in its dtype (the loss values) or int64 / fp32 (counts).
+    seq_kind, seq = ("tp-cp", t * layout.cp) if sp else ("cp", layout.cp)
+    r = {None: a, "fp32": F32, "fp64": F64}[cfg.moe_router_dtype]
+    router = _all_reduce(seq, r) if cfg.moe_z_loss_coeff > 0 else 0.0
+    balancing = cfg.moe_router_load_balancing_type
+    if cfg.moe_aux_loss_coeff > 0 and balancing != "none":
+        counts = b * E * F32 if balancing == "seq_aux_loss" else E * 8
+        router += _all_reduce(seq, counts) + _all_reduce(seq, r)
+        if balancing == "global_aux_loss":
+            add("dp", m * n * (_all_reduce(layout.dp, E * 8) + _all_reduce(layout.dp, r)))
+    add(seq_kind, m * n * router)
+    if cfg.moe_router_enable_expert_bias:  # once per step, all the stage's MoE layers' counts together
+        add(seq_kind, _all_reduce(seq, n * E * F32))
+        add("dp", _all_reduce(layout.dp, n * E * F32))
+    # The experts' gradients over edp; the optimizer's float64 over the expert-model-parallel group too.
+    if distributed_optimizer:
+        add("edp", _gather_or_scatter(layout.edp, expert_params * F32) + _gather_or_scatter(layout.edp,
+                                                                                             expert_params * a))
+    else:
+        add("edp", _all_reduce(layout.edp, expert_params * F32))
+        groups = layout.group_ranks()  # (a stage without MoE layers joins it too)
+        if {tuple(g) for g in groups["expert-model-parallel"]} != {tuple(g) for g in groups["model-parallel"]}:
+            add("optimizer", _all_reduce(etp * ep * layout.pp, F64))
     return out
 
 

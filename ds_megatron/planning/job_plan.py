@@ -120,6 +120,9 @@ def plan_from_config(config, world_size: int, micro_batch: Optional[int] = None,
                                     fp8_param_gather=job.megatron.ddp.fp8_param_gather)
         except ConfigError as e:
             comm = f"bytes on the wire: not planned ({e})"
+    if job.model.num_experts and not isinstance(comm, str):
+        header += ("\nbytes on the wire: MoE layers are planned for balanced routing (each rank's experts receive "
+                   "topk copies of as many tokens as the rank routes)")
     return header, plans, comm
 
 
