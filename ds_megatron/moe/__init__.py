@@ -3,7 +3,7 @@
 | module | concept |
 | --- | --- |
 | ``router`` | ``TopKRouter``: top-k scores (group-limited, expert bias), capacity dropping/padding, load-balancing and z losses; ``update_expert_bias`` |
-| ``aux_loss_tracker`` | ``MoEAuxLossTracker``: the routing losses per layer, for the training log (kept on the device; a recompute's rerun records nothing) |
+| ``aux_loss_tracker`` | ``MoEAuxLossTracker``: the routing losses per layer, for the training log (kept on the device) |
 | ``comm`` | differentiable all-to-all and uneven all-gather / reduce-scatter (built on gloo's all-to-all) |
 | ``token_dispatcher`` | ``MoEAlltoAllTokenDispatcher`` (EP all-to-all + ETP gather), ``MoEAllGatherTokenDispatcher``, permute/unpermute |
 | ``experts`` | ``SequentialMLP`` and ``GroupedMLP``: the local experts, ETP-split, EP/ETP-independent init |

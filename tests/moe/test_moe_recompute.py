@@ -89,17 +89,15 @@ FAMILIES = {
                         moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="seq_aux_loss",
                         mtp_num_layers=1),
     "gpt-oss": dict(position_embedding_type="rope", normalization="RMSNorm", softmax_type="learnable",
-                    window_size=[3, 0], window_attn_skip_freq=[1, 0, 1], gated_linear_unit=True, activation="quick_gelu",
-                    activation_func_clamp_value=0.3, glu_linear_offset=1.0, moe_add_bias_linear=True,
-                    moe_router_pre_softmax=True),
+                    window_size=[3, 0], window_attn_skip_freq=[1, 0, 1], gated_linear_unit=True,
+                    activation="quick_gelu", activation_func_clamp_value=0.3, glu_linear_offset=1.0,
+                    moe_add_bias_linear=True, moe_router_pre_softmax=True),
 }
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_recomputed_family_layers_equal_the_stored_ones(family):
-    state = ParallelState.single()
-    for recompute in ("full", "moe"):
-        _compare(state, recompute, **FAMILIES[family])
+    _compare(ParallelState.single(), "full", **FAMILIES[family])
 
 
 def _expert_parallel(ep, etp):
@@ -123,3 +121,19 @@ def test_unbuilt_recompute_modules_are_refused(modules, entry):
     with pytest.raises(ConfigError) as err:
         moe_config(recompute_granularity="selective", recompute_modules=modules)
     assert entry in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_plan_and_cuda_graphs_refuse_recomputed_moe_layers_in_one_line():
+    """What is not built for recomputed MoE layers is refused at start: the activation plan, graph capture."""
+    from ds_megatron.config.cuda_graph import CudaGraphConfig
+    from ds_megatron.planning import activation_bytes
+    graphs = CudaGraphConfig(impl="transformer_engine", scope=["attn", "moe_router"])
+    for recompute in ("full", "moe", "block"):
+        cfg = moe_config(**RECOMPUTE[recompute])
+        for check, field in ((lambda: activation_bytes(cfg, 1, 1, "fp32"), "model.recompute_granularity"),
+                             (lambda: graphs.check_moe_settings(cfg), "cuda_graph.impl")):
+            with pytest.raises(ConfigError) as err:
+                check()
+            assert field in str(err.value) and "\n" not in str(err.value), recompute
+    graphs.check_moe_settings(moe_config(recompute_granularity="selective"))  # core_attn: MoE layers not rerun
+    activation_bytes(moe_config(), 1, 1, "fp32")
