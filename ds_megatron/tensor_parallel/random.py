@@ -20,6 +20,10 @@ masks in the recomputed forward.
 No global state is required: create a tracker and pass it around.  For code
 that expects Megatron's ``get_cuda_rng_tracker()``, ``get_rng_tracker()``
 (alias ``get_cuda_rng_tracker``) returns one process-wide default instance.
+
+``checkpoint`` (activation recomputation) replays those streams in its rerun;
+``is_recomputing()`` tells code inside the rerun that it is one (per thread:
+the one home of that fact, read where a forward has effects beyond its outputs).
 """
 from __future__ import annotations
 
