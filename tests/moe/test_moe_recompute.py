@@ -100,20 +100,25 @@ def test_recomputed_family_layers_equal_the_stored_ones(family):
     _compare(ParallelState.single(), "full", **FAMILIES[family])
 
 
-def _expert_parallel(ep, etp):
-    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), ep=ep, etp=etp))
+def _expert_parallel(ep, etp, tp, extra):
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=tp, ep=ep, etp=etp))
     try:
         for recompute in ("full", "moe"):
-            _compare(state, recompute)
-            _compare(state, recompute, moe_grouped_gemm=True, **BIAS)
+            _compare(state, recompute, **extra)
+            _compare(state, recompute, moe_grouped_gemm=True, **BIAS, **extra)
     finally:
         state.destroy()
 
 
-@pytest.mark.parametrize("ep,etp", [(2, 1), (1, 2)])
-def test_recomputed_moe_gpt_equals_the_stored_one_with_expert_parallelism(ep, etp):
-    """Two gloo ranks, EP 2 (the rerun's all-to-alls) or ETP 2."""
-    run_on_ranks(2, _expert_parallel, ep, etp)
+@pytest.mark.parametrize("ep,etp,tp,extra", [
+    (2, 1, 1, {}), (1, 2, 1, {}),
+    (2, 1, 1, dict(moe_token_dispatcher_type="allgather", moe_capacity_factor=1.0,
+                   moe_pad_expert_input_to_capacity=True)),
+    (2, 1, 2, dict(sequence_parallel=True))], ids=["ep2", "etp2", "ep2-allgather-capacity", "tp2-sp-ep2"])
+def test_recomputed_moe_gpt_equals_the_stored_one_with_expert_parallelism(ep, etp, tp, extra):
+    """Two gloo ranks: EP 2 (the rerun's all-to-alls), ETP 2, the all-gather dispatcher with dropping and padding
+    to capacity, TP 2 with sequence parallelism over EP 2."""
+    run_on_ranks(2, _expert_parallel, ep, etp, tp, extra)
 
 
 @pytest.mark.parametrize("modules,entry", [(["moe_act"], "'moe_act'"), (["mla_up_proj"], "'mla_up_proj'")])
