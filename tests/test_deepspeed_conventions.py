@@ -161,5 +161,5 @@ def test_activation_checkpointing_section_maps_onto_recomputation():
     assert job.megatron.notices[-1].startswith("activation_checkpointing: ds-megatron train recomputes every layer")
     with pytest.raises(ConfigError, match=r"^activation_checkpointing.cpu_checkpointing is true"):
         parse_job_config(_job({"activation_checkpointing": {"cpu_checkpointing": True}}))
-    with pytest.raises(ConfigError, match=r"^activation_checkpointing is given but megatron.model.num_experts"):
-        parse_job_config(_job({"activation_checkpointing": {}}, model={"num_experts": 2}))
+    moe = parse_job_config(_job({"activation_checkpointing": {}}, model={"num_experts": 2}))
+    assert moe.model.recompute_granularity == "full"  # MoE layers are recomputed too

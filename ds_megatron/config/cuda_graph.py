@@ -85,6 +85,11 @@ class CudaGraphConfig:
                 raise ConfigError(f"{SECTION}.cuda_graph.scope has {moe_scopes[0]!r} but {where}.num_experts is "
                                   "not set (no MoE layers); drop the moe_* scopes or configure MoE layers")
             return
+        if model.recompute_granularity == "full" or "moe" in (model.recompute_modules or ()):
+            # A rerun of a captured layer would replay the graph and hand its losses back (restore_route) again.
+            raise ConfigError(f"{SECTION}.cuda_graph.impl={self.impl!r} with {where}.recompute_granularity="
+                              f"{model.recompute_granularity!r} recomputing the MoE layers: recomputing captured MoE "
+                              "layers is not built; set cuda_graph.impl \"none\" or recompute only other modules")
         drop_and_pad = moe_capacity_factor is not None and moe_pad_expert_input_to_capacity
         drops_unpadded = moe_capacity_factor is not None and not moe_pad_expert_input_to_capacity
         if "moe_preprocess" in self.scope and drops_unpadded:

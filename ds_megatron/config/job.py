@@ -92,9 +92,6 @@ def map_activation_checkpointing(ds_config: Dict[str, Any], mcfg: MegatronConfig
         raise ConfigError(f"activation_checkpointing.number_checkpoints={section['number_checkpoints']!r}: "
                           f"ds-megatron train recomputes every layer ({SECTION}.model.recompute_granularity "
                           "\"full\"); remove the key")
-    if mcfg.model.num_experts:
-        raise ConfigError(f"activation_checkpointing is given but {SECTION}.model.num_experts is set; activation "
-                          "recomputation is not supported for MoE models yet: remove the section")
     if mcfg.model.recompute_granularity is None:
         mcfg.model.recompute_granularity = "full"
         mcfg.notices.append(f"activation_checkpointing: ds-megatron train recomputes every layer in backward "

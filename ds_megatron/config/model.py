@@ -29,7 +29,7 @@ def pad_vocab_size(orig_vocab_size: int, make_vocab_size_divisible_by: int = 128
 
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "layernorm")
 
 
 def check_context_parallel_seq_length(seq_length: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
@@ -63,7 +63,7 @@ class GPTConfig:
     # Megatron's activation recomputation: None; "full" (a layer keeps only its input and reruns in backward;
     # recompute_method "uniform" (every layer, recompute_num_layers 1) or "block" (the first recompute_num_layers
     # layers of each pipeline stage or chunk)); "selective" (only recompute_modules: "core_attn" (default),
-    # "mlp", "layernorm").
+    # "mlp" (dense MLPs), "moe" (MoE layers, shared experts included), "layernorm").
     recompute_granularity: Optional[str] = None
     recompute_modules: Optional[List[str]] = None
     recompute_method: Optional[str] = None
@@ -211,10 +211,6 @@ class GPTConfig:
         self._check_architecture()
         self._check_rope_scaling()
         self._check_windows()
-        if self.recompute_granularity and self.num_experts:
-            # The MoE layer keeps its routing losses from the forward; a recomputed forward would replace them.
-            raise ConfigError("model.recompute_granularity is set together with model.num_experts; activation "
-                              "recomputation is not supported for MoE models yet: set it to null")
 
     def _check_recompute(self) -> None:
         granularity = self.recompute_granularity
@@ -232,10 +228,11 @@ class GPTConfig:
                 raise ConfigError(f"model.recompute_modules={modules!r} must be a non-empty list of "
                                   f"{', '.join(RECOMPUTE_MODULES)}")
             for m in modules:
-                if m in ("moe", "moe_act", "mla_up_proj"):
-                    raise ConfigError(f"model.recompute_modules entry {m!r} is not supported yet (MoE layers are "
-                                      "not recomputed, nor multi-latent attention's up-projections alone); use "
-                                      "core_attn, mlp, layernorm")
+                if m in ("moe_act", "mla_up_proj"):
+                    raise ConfigError(f"model.recompute_modules entry {m!r} is not supported yet (the experts' "
+                                      "activation alone is not recomputed, nor multi-latent attention's "
+                                      "up-projections alone); use \"moe\" (the whole MoE layer), core_attn, mlp, "
+                                      "layernorm")
                 if m not in RECOMPUTE_MODULES:
                     raise ConfigError(f"model.recompute_modules entry {m!r} is unknown; use "
                                       f"{', '.join(RECOMPUTE_MODULES)}")

@@ -5,6 +5,8 @@ loop reads ``averages()`` once per step (mean over the recorded forwards,
 summed over layers, as Megatron's ``track_moe_metrics`` reports them) and
 calls ``reset()``.  One tracker per model, handed to its routers: no module
 globals.  The losses reach the total loss through the model, not through here.
+A layer recomputed in backward (``tensor_parallel.checkpoint``) routes again;
+records made during that rerun are ignored, so each forward counts once.
 
 Everything stays on the device: ``record`` adds tensors (a ``float()`` there
 would wait for the GPU in every MoE layer of every forward, and is illegal
@@ -17,6 +19,8 @@ from typing import Dict, Tuple
 
 import torch
 
+from ..tensor_parallel.random import is_recomputing
+
 
 class MoEAuxLossTracker:
     def __init__(self):
@@ -24,6 +28,8 @@ class MoEAuxLossTracker:
         self._sums: Dict[Tuple[str, int], Tuple[torch.Tensor, int]] = {}
 
     def record(self, name: str, layer_number: int, value: torch.Tensor) -> None:
+        if is_recomputing():  # the forward being rerun recorded this value already
+            return
         total, count = self._sums.get((name, layer_number), (None, 0))
         value = value.detach()
         self._sums[(name, layer_number)] = (value if total is None else total + value, count + 1)

@@ -460,6 +460,15 @@ def kv_heads_per_rank(cfg, tp: int) -> int:
     return max(cfg.query_groups // tp, 1)
 
 
+def check_recompute_planned(cfg) -> None:
+    """Refuse what the activation plan does not model: MoE layers with recomputation (the plan's rerun and kept
+    sets are the dense layer's)."""
+    if cfg.num_experts and cfg.recompute_granularity:
+        raise ConfigError(f"model.recompute_granularity={cfg.recompute_granularity!r} with model.num_experts: the "
+                          "activation plan does not model recomputed MoE layers yet; plan the config without "
+                          "recompute_granularity")
+
+
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
                      logits: bool = True, cp: int = 1, layers: Optional[Sequence[int]] = None, etp: int = 1,
                      hierarchical_inner: Optional[int] = None, embedding: bool = True, kept_only: bool = False,
@@ -474,6 +483,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     through the layers' backward).  ``kept_only``: what a micro-batch keeps from its forward to its backward,
     without the transients of its backward (a pipeline counts those once, not per micro-batch in flight).
     ``kernels``: the habits of the device planned for (``planning.hardware.DeviceKernels``; a CPU's by default)."""
+    check_recompute_planned(cfg)
     s, b, h, a = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.num_attention_heads
     if layers is None:
         layers = range(cfg.num_layers if num_layers is None else num_layers)

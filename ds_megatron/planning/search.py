@@ -33,7 +33,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from ..config.job import parse_job_config
 from ..errors import ConfigError
 from .hardware import GIB, DeviceKernels, Hardware
-from .memory import BYTES, activation_bytes, optimizer_state_bytes_per_param
+from .memory import BYTES, activation_bytes, check_recompute_planned, optimizer_state_bytes_per_param
 from .param_counts import gpt_param_counts
 from .job_plan import memory_plans, run_from_job
 from ..parallel.layout import ParallelLayout
@@ -190,6 +190,7 @@ def _group_run(job, base: Run, group: Dict, world: int, global_batch: int, layou
                                                 cp_comm_type=group["cp_comm_type"], recompute_modules=None,
                                                 **recompute[group["recompute"]])
     model = models[model_key]
+    check_recompute_planned(model)
     key = (group["tp"], group["pp"], group["cp"], group["ep"], group["etp"])
     if key not in layouts:  # made once per sizes: a layout of 16,384 ranks checks its groups when made
         layouts[key] = ParallelLayout(world_size=world, tp=group["tp"], pp=group["pp"], cp=group["cp"],

@@ -5,7 +5,7 @@
 | ``mappings`` | the conjugate communication operators (f/g, split/gather, sequence-parallel reduce-scatter/gather) |
 | ``layers`` | ``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding`` |
 | ``cross_entropy`` | ``vocab_parallel_cross_entropy``: loss on vocab-split logits without gathering them; ``linear_vocab_parallel_cross_entropy``: the output layer included, logits in a reused ``LogitsBuffer`` |
-| ``random`` | ``RNGStatesTracker``: per-TP-rank dropout streams, checkpointable; ``checkpoint`` (recomputation) |
+| ``random`` | ``RNGStatesTracker``: per-TP-rank dropout streams, checkpointable; ``checkpoint`` (recomputation), ``is_recomputing`` (inside its rerun) |
 | ``init`` | TP-size-independent weight initialization |
 | ``params`` | parameter attributes (TP split, sequence parallel, experts, ``main_grad``) and the grad sync they imply |
 | ``utils`` | ``divide``, vocab ranges, vocab padding (pure) |
@@ -24,7 +24,8 @@ from .params import (allreduce_tp_partial_grads, expert_group_name, grad_of, is_
                      mark_expert_param, mark_sequence_parallel, mark_tp_replica, param_is_not_tensor_parallel_duplicate,
                      register_tp_partial_grad_hooks, tp_partial_params,
                      set_defaults_if_not_set_tensor_model_parallel_attributes, set_tensor_model_parallel_attributes)
-from .random import RNGStatesTracker, checkpoint, get_cuda_rng_tracker, get_rng_tracker, model_parallel_seed
+from .random import (RNGStatesTracker, checkpoint, get_cuda_rng_tracker, get_rng_tracker, is_recomputing,
+                     model_parallel_seed)
 from .utils import (divide, pad_vocab_size, vocab_range_from_global_vocab_size,
                     vocab_range_from_per_partition_vocab_size)
 
@@ -35,7 +36,8 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
-    "RNGStatesTracker", "checkpoint", "get_rng_tracker", "get_cuda_rng_tracker", "model_parallel_seed",
+    "RNGStatesTracker", "checkpoint", "is_recomputing", "get_rng_tracker", "get_cuda_rng_tracker",
+    "model_parallel_seed",
     "init_method_normal", "scaled_init_method_normal", "initialize_affine_weight_cpu",
     "allreduce_tp_partial_grads", "register_tp_partial_grad_hooks", "mark_sequence_parallel", "mark_tp_replica",
     "tp_partial_params", "param_is_not_tensor_parallel_duplicate", "expert_group_name", "mark_expert_param",

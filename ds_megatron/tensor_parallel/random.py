@@ -20,10 +20,15 @@ masks in the recomputed forward.
 No global state is required: create a tracker and pass it around.  For code
 that expects Megatron's ``get_cuda_rng_tracker()``, ``get_rng_tracker()``
 (alias ``get_cuda_rng_tracker``) returns one process-wide default instance.
+
+``checkpoint`` (activation recomputation) replays those streams in its rerun;
+``is_recomputing()`` tells code inside the rerun that it is one (per thread:
+the one home of that fact, read where a forward has effects beyond its outputs).
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable, Dict, Iterator, Optional
 
 import torch
@@ -144,6 +149,30 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0, ep_rank: int 
     return tracker
 
 
+class _Rerun(threading.local):
+    """How many ``checkpoint`` reruns enclose the running code on this thread (the autograd thread that runs
+    backward: a CUDA device's own, the caller's on a CPU)."""
+    depth = 0
+
+
+_RERUN = _Rerun()
+
+
+def is_recomputing() -> bool:
+    """Whether a ``checkpoint`` is rerunning its function in backward.  Code with effects beyond its outputs
+    (the MoE router's logged losses and expert-bias token counts) makes them in the first forward only."""
+    return _RERUN.depth > 0
+
+
+@contextlib.contextmanager
+def _rerunning() -> Iterator[None]:
+    _RERUN.depth += 1
+    try:
+        yield
+    finally:
+        _RERUN.depth -= 1
+
+
 def checkpoint(function: Callable, tracker: Optional[RNGStatesTracker], *args):
     """Megatron's activation recomputation: ``function(*args)`` keeping only its inputs, rerun in backward.
 
@@ -153,26 +182,28 @@ def checkpoint(function: Callable, tracker: Optional[RNGStatesTracker], *args):
     when the forward started, then returned to where backward found them.  The
     tracker is passed in, not looked up: the model that owns it says which.
     Non-reentrant (torch's recommended form), so it composes with
-    ``torch.autograd.grad`` and with gradient hooks.
+    ``torch.autograd.grad`` and with gradient hooks.  ``is_recomputing()`` is
+    true during the rerun.
     """
-    if tracker is None:
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
     forward_states: Dict[str, torch.Tensor] = {}
 
     @contextlib.contextmanager
     def record_forward_states():
-        forward_states.update(tracker.get_states())
+        if tracker is not None:
+            forward_states.update(tracker.get_states())
         yield
 
     @contextlib.contextmanager
     def replay_forward_states():
-        current = tracker.get_states()
-        tracker.set_states(forward_states)
+        current = tracker.get_states() if tracker is not None else None
+        if tracker is not None:
+            tracker.set_states(forward_states)
         try:
-            yield
+            with _rerunning():
+                yield
         finally:
-            tracker.set_states(current)
+            if tracker is not None:
+                tracker.set_states(current)
 
     return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
                                              context_fn=lambda: (record_forward_states(), replay_forward_states()))
-

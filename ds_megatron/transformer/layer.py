@@ -78,10 +78,11 @@ class ParallelTransformerLayer(GraphableLayer):
         self.rng_tracker = rng_tracker
         # Megatron's full activation recomputation ("full"): the layer keeps only its input (its owner turns
         # it off for the layers recompute_method "block" leaves out: set_recompute_method).  "selective":
-        # only the named modules are rerun in backward.
+        # only the named modules are rerun in backward ("mlp" a dense MLP, "moe" an MoE layer, as Megatron's).
         self.recompute = config.recompute_granularity == "full"
         modules = set(config.recompute_modules or ()) if config.recompute_granularity == "selective" else set()
-        self.recompute_mlp, self.recompute_layernorm = "mlp" in modules, "layernorm" in modules
+        self.recompute_mlp = ("moe" if config.is_moe_layer(layer_number) else "mlp") in modules
+        self.recompute_layernorm = "layernorm" in modules
         self.mlp_sequence_tiles = config.mlp_sequence_tiles
         self.input_layernorm = build_norm(config, h, sequence_parallel=sp)
         if config.multi_latent_attention:

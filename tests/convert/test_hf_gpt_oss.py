@@ -6,7 +6,7 @@ swiglu_limit 0.3, which the gate and up values cross).  Our logits equal transfo
 one rank (``from_pretrained`` of its directory and of our converted one) and, in one 2-rank job, at TP=2 with SP,
 PP=2, EP=2 and CP=2 in each exchange (the ring, all-gather, all-to-all), where the sinks' and the router bias's
 gradients equal transformers' too; HF -> ours -> HF is bit-exact with config.json unchanged.  The sinks core
-with packed rows (both forms) and with recomputation (a dense model: MoE refuses it) gives the plain run's logits and
+with packed rows (both forms) and with recomputation (a dense model) gives the plain run's logits and
 gradients.  MXFP4 experts: hand-made blocks and scales dequantize as transformers'
 ``_convert_moe_packed_tensors`` does, and a directory holding them loads with transformers' logits of the
 dequantized model, and exports in the model's dtype without the quantization_config.  The plan counts the model's

@@ -107,19 +107,22 @@ def test_each_document_gets_its_own_logits_loss_and_gradients(name, form):
 
 
 @pytest.mark.parametrize("recompute", [dict(recompute_granularity="full"),
-                                       dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])],
-                         ids=["full", "selective-core_attn-mlp"])
-@pytest.mark.parametrize("name", ["llama", "mla"])
+                                       dict(recompute_granularity="selective",
+                                            recompute_modules=["core_attn", "mlp", "moe"])],
+                         ids=["full", "selective-core_attn-mlp-moe"])
+@pytest.mark.parametrize("name", ["llama", "mla", "mixtral", "deepseek_v3"])
 def test_recomputation_keeps_the_documents_apart(name, recompute):
-    """Recomputed layers (whole, or the attention core and the MLP) rerun with the same documents: the packed loss
-    and gradients of the model without recomputation (dense models: the config refuses recomputation with MoE)."""
+    """Recomputed layers (whole, or the attention core, the MLP and the MoE layer) rerun with the same documents:
+    the packed loss and gradients of the model without recomputation (MoE: its routing losses over real tokens,
+    each document a sequence, DeepSeek-V3's MTP depth too)."""
     tokens, labels, positions, _ = _packed(ROWS)
     batch = {"tokens": tokens, "labels": labels, "position_ids": positions}
     dense = {k: v for k, v in MODELS["deepseek_v3"].items() if not k.startswith(("num_experts", "moe_"))}
     results = []
     for extra in ({}, recompute):
         torch.manual_seed(11)
-        model = (GPTModel(GPTConfig(**dense, **extra)).double() if name == "mla" else _model(name, **extra))
+        model = (GPTModel(GPTConfig(**dense, **extra)).double() if name == "mla"
+                 else _model(name, **ROUTING_LOSSES.get(name, {}), **extra))
         model(batch).backward()
         results.append(_grads(model))
     for n, g in results[0].items():

@@ -262,6 +262,9 @@ CASES = {
     "ours-pp2-zb-mtp-tp2-sp": (4, dict(pp=2, tp=2, sp=True, mtp=1, pipeline=ZB), dict(pp=1, tp=2, sp=True, mtp=1),
                                1e-5),
     "ours-pp2-v2-recompute": (2, dict(pp=2, tp=1, pipeline=V2, recompute=True), dict(pp=1, tp=1), 1e-5),
+    # MoE layers recomputed whole: their routing losses reach the gradients once, through each stage's hook.
+    "ours-pp2-v2-moe-recompute": (2, dict(pp=2, tp=1, moe=True, pipeline=V2, recompute=True),
+                                  dict(pp=1, tp=1, moe=True), 1e-5),
     "ours-pp2-v2-gemma": (2, dict(pp=2, tp=1, pipeline=V2, gemma=True), dict(pp=1, tp=1, gemma=True), 1e-5),
     "ours-pp2-uneven": (2, dict(pp=2, tp=1, pipeline=dict(ONE_CHUNK, decoder_first_pipeline_num_layers=1)),
                         dict(pp=1, tp=1), 1e-5),
