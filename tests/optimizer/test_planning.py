@@ -273,6 +273,25 @@ def _measured_activations(tp, extra, dtype_name, cp=1, inner=None):
     return peak + (kept.numel() * kept.element_size() if kept is not None else 0)
 
 
+def _nets_of_a_dropped_all_reduce(passes):
+    """The bytes left, by ``peak_allocated_bytes``, by a function that all-reduces a fresh tensor and drops it."""
+    from ds_megatron.utils.memory import peak_allocated_bytes
+
+    def reduce_and_drop():
+        t = torch.ones(8)
+        dist.all_reduce(t)
+        del t
+
+    return [peak_allocated_bytes(reduce_and_drop)[1] for _ in range(passes)]
+
+
+def test_a_collectives_tensor_dropped_by_its_caller_is_counted_freed():
+    # Unsettled, gloo's worker thread sometimes frees it where the profiler does not look (28-58 of 300 passes left
+    # 32 bytes on two idle ranks); every memory test here would then count it alive.
+    for nets in run_on_ranks(2, _nets_of_a_dropped_all_reduce, 200):
+        assert set(nets) == {0}, sorted(set(nets))
+
+
 @pytest.mark.parametrize("tp,extra,dtype_name", [
     (1, {}, "fp32"), (1, {}, "bf16"), (1, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, "fp32"),
     (1, DROPOUT, "bf16"), (1, dict(DROPOUT, recompute_granularity="selective",
