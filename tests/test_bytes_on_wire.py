@@ -87,7 +87,7 @@ def _step_records(megatron, precision, model_extra, micro_batches=1, chosen_expe
            "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "megatron": dict(megatron), **precision}
     state = ds_megatron.initialize_model_parallel(cfg)
     torch.manual_seed(0)
-    model = GPTModel(GPTConfig(**MODEL, **model_extra), state,
+    model = GPTModel(GPTConfig(**{**MODEL, **model_extra}), state,
                      rng_tracker=model_parallel_seed(0, state.tp.rank, tracker=RNGStatesTracker()))
     if chosen_experts is not None:
         _force_routing(model, chosen_experts)
@@ -370,6 +370,25 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
                                  {"fp8": "hybrid", "sequence_parallel": True, "recompute_granularity": "selective",
                                   "recompute_modules": ["mlp"]}),
     "tp2-fp8-mlp-tiles": (2, {"tensor_model_parallel_size": 2}, BF16_ON, {"fp8": "e4m3", "mlp_sequence_tiles": 2}),
+    # Full recomputation reruns a layer up to the last tensor its backward needs: with MLP tiles (each its own
+    # checkpoint, in the recomputed layer too) the attention and every tile but the last, whose checkpoint keeps its
+    # input before it runs (2 tiles; 3 over 16 rows: 6 + 5 of them); with hidden dropout (its mask saved after the
+    # MLP) the whole layer, every tile, and an untiled MLP's output reduction.
+    "tp2-sp-fp8-full-recompute-tiles2": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, BF16_ON,
+                                         {"fp8": "e4m3", "sequence_parallel": True, "recompute_granularity": "full",
+                                          "mlp_sequence_tiles": 2}),
+    "tp2-fp8-full-recompute-tiles3": (2, {"tensor_model_parallel_size": 2}, BF16_ON,
+                                      {"fp8": "e4m3", "recompute_granularity": "full", "mlp_sequence_tiles": 3}),
+    "tp2-sp-fp8-full-recompute-tiles3-dropout": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+                                                 BF16_ON, {"fp8": "e4m3", "sequence_parallel": True,
+                                                           "recompute_granularity": "full", "mlp_sequence_tiles": 3,
+                                                           "hidden_dropout": 0.1}),
+    "tp2-fp8-delayed-full-recompute-tiles2": (2, {"tensor_model_parallel_size": 2}, BF16_ON,
+                                              {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_amax_history_len": 4,
+                                               "recompute_granularity": "full", "mlp_sequence_tiles": 2}),
+    "tp2-sp-full-recompute-dropout": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {},
+                                      {"sequence_parallel": True, "recompute_granularity": "full",
+                                       "hidden_dropout": 0.1}),
     # fp8 delayed: no amax collective per micro-batch; once per step each fp8 linear's three amaxes over TP, then
     # dp-cp (two micro-batches: the history advances once).
     "tp2-dp2-fp8-delayed-2-micro-batches": (4, {"tensor_model_parallel_size": 2}, BF16_ON,
@@ -386,7 +405,7 @@ def test_the_plans_formula_is_what_a_step_moves(name):
     dtype = "bf16" if precision else "fp32"
     distopt = megatron.get("use_distributed_optimizer", False)
     for records, info in run_on_ranks(ranks, _step_records, megatron, precision, model, m):
-        planned, = plan_comm_volume(GPTConfig(**MODEL, **model), info["layout"], dtype, micro_batch=B,
+        planned, = plan_comm_volume(GPTConfig(**{**MODEL, **model}), info["layout"], dtype, micro_batch=B,
                                     micro_batches=m, distributed_optimizer=distopt,
                                     fp8_param_gather=megatron.get("fp8_param_gather", False),
                                     hierarchical_inner=(megatron.get("hierarchical_context_parallel_sizes")
@@ -485,7 +504,8 @@ def test_the_moe_plan_refuses_what_it_cannot_count():
     from ds_megatron.planning.comm_volume import plan_comm_volume
     layout = ParallelLayout(world_size=2, ep=2)
     for extra, field in [({"moe_capacity_factor": 1.0}, "model.moe_capacity_factor=1.0"),
-                         ({"fp8": "e4m3"}, "model.fp8='e4m3'")]:
+                         ({"fp8": "e4m3"}, "model.fp8='e4m3'"),
+                         ({"recompute_granularity": "full"}, "model.recompute_granularity='full'")]:
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             plan_comm_volume(GPTConfig(**MODEL, **MOE, **extra), layout)
     assert plan_comm_volume(GPTConfig(**MODEL, **MOE), layout)[0].bus_bytes["ep"] > 0

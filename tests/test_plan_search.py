@@ -41,7 +41,7 @@ def _brute_force(base, world, hw, gpus_per_node, batch):
         for choice in search._variants(group, job.model.num_layers):
             try:
                 candidate = parse_job_config(candidate_config(base, choice, batch, choice["dp"]))
-                _, plans, _ = plan_from_config(candidate, world)
+                _, plans, _ = plan_from_config(candidate, world, kernels=hw.kernels)
                 step = plan_step_time(run_from_job(candidate, world), hw, gpus_per_node).step_time_s
             except ValueError:  # ConfigError too: the config's rules, or stages the uneven ends cannot split
                 continue

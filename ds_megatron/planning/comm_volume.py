@@ -12,10 +12,13 @@ element in the params dtype):
   the params (alignment padding, under 64 elements per param, left out);
 * tensor parallel: per layer and micro-batch two all-reduces of ``s*b*h``
   forward and two backward (with sequence parallelism the same bytes as
-  all-gathers and reduce-scatters), and with full recomputation the first one
-  again (SP: two gathers and a reduce-scatter: torch's checkpoint reruns the
-  forward only up to the MLP's input); besides them the embedding's forward
-  all-reduce (then scattered, with SP), the output layer's input gradient
+  all-gathers and reduce-scatters), and with full recomputation the rerun's,
+  which torch's checkpoint stops at the last tensor the backward needs: the
+  first one (SP: two gathers and a reduce-scatter, the MLP's input gathered);
+  both when hidden dropout or a post-MLP norm saves a tensor after the MLP;
+  with MLP tiles the attention's and every tile's but the last (the last
+  tile's checkpoint keeps its input before it runs); besides them the
+  embedding's forward all-reduce (then scattered, with SP), the output layer's input gradient
   (its input all-gathered, with SP), the vocab-parallel cross entropy's
   ``3*b*s`` floats, and once per step the gradients that are partial sums over
   TP: the replicated norms and biases with SP, the q/k norms and multi-latent
@@ -76,7 +79,8 @@ element in the params dtype):
   ``dp-cp`` (distributed optimizer: reduce-scatter and all-gather), and the
   optimizer's float64 goes over the expert-model-parallel group too when its
   ranks differ.  Token dropping (``moe_capacity_factor``) and fp8 are
-  refused (recomputation and MLP tiles the config refuses with MoE).
+  refused, and so is recomputation (its rerun routes and exchanges again); MLP
+  tiles the config refuses with MoE.
 
 ``tests/test_bytes_on_wire.py`` counts the collectives of real steps and holds
 them to these figures; ``launch/bench/bench_vs_peers.py`` prints both.
@@ -84,7 +88,7 @@ them to these figures; ``launch/bench/bench_vs_peers.py`` prints both.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config.model import pad_vocab_size
 from ..errors import ConfigError
@@ -100,6 +104,21 @@ def _all_reduce(n: int, nbytes: float) -> float:
 
 def _gather_or_scatter(n: int, nbytes: float) -> float:
     return (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def _full_rerun_mlp(cfg, rows: int) -> Tuple[Optional[float], int]:
+    """How far the rerun of a fully recomputed layer goes through its MLP (``rows``: the MLP input's rows on a rank):
+    the share of the rows it carries through the whole MLP, to fc2's output reduction (None: the untiled MLP's rerun
+    stops at fc2's saved input, past fc1's input gather), and the MLP's fp8 linear forwards it runs.  Torch's
+    checkpoint stops at the last tensor the layer's backward needs: one saved after the MLP (hidden dropout's mask,
+    the post-MLP norm's input) takes the rerun through all of it; else, with tiles, the last tile's input, kept by
+    its own checkpoint before it runs, so every tile before it has run whole."""
+    tiles = min(max(1, cfg.mlp_sequence_tiles), rows)
+    if cfg.hidden_dropout > 0 or cfg.post_sublayer_norms:
+        return 1.0, 2 * tiles
+    if tiles > 1:
+        return (rows - rows // tiles) / rows, 2 * (tiles - 1)
+    return None, 2
 
 
 @dataclass(frozen=True)
@@ -127,10 +146,6 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     stages run on DeepSpeed's ``PipelineEngine`` (a ``GPTPipelineModule``) instead of our runtime;
     ``hierarchical_inner``: the a2a size of ``hierarchical_context_parallel_sizes``."""
     _check_moe(cfg)
-    if cfg.fp8 is not None and cfg.recompute_granularity == "full" and cfg.mlp_sequence_tiles > 1:
-        raise ConfigError("model.fp8 with recompute_granularity \"full\" and mlp_sequence_tiles > 1: the "
-                          "communication plan does not count the tiles' amax reductions in the layer's rerun; "
-                          "plan one of the two")
     t, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
     a = BYTES[params_dtype]
     s, b, h, d = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.head_dim
@@ -142,6 +157,9 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
                      or cfg.mlp_sequence_tiles > 1)
     loss_passes = 2 if cfg.loss_sequence_tiles > 1 else 1
     sbh = s * b * h * a
+    rows = s // t if sp else s  # the MLP input's rows on a rank, split into tiles
+    tiles = min(max(1, cfg.mlp_sequence_tiles), rows)
+    rerun_mlp, rerun_linears = _full_rerun_mlp(cfg, rows)
     v = num_model_chunks
     rank_chunks = pipeline_rank_chunks(cfg, layout, partition_method, layers_per_stage, first, last, v)
     kv_heads = kv_heads_per_rank(cfg, t)
@@ -190,32 +208,35 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             add("tp", _all_reduce(t, weights))
         # fp8 tensorwise: each linear's amaxes over its amax group (TP x CP), forward (input and weight; the input's
         # alone when the weight comes quantized) and backward (output gradient); the MLP's tiles each quantize
-        # their own tokens.  A rerun forward reduces again: a layer recomputed whole reruns all its linears (the
-        # rerun stops at fc2's saved fp8 copies), a recomputed or tiled MLP its two (each tile's).  A replicated
+        # their own tokens.  A rerun forward reduces again: a layer recomputed whole reruns its attention's linears
+        # and its MLP's as far as _full_rerun_mlp says (untiled: both, the rerun stops at fc2's saved fp8 copies), a
+        # recomputed or tiled MLP its two (each tile's, in a recomputed layer too).  A replicated
         # linear's weight is never an fp8 parameter: its forward reduces both amaxes.
-        tiles = max(1, cfg.mlp_sequence_tiles)
         fp8_full = sum(cfg.recomputes_layer(j) and cfg.fp8_layer(i) for chunk in chunks for j, i in enumerate(chunk))
         n = fp8_layers if fp8_linears else 0
         calls = n * (len(attention) + 2 * tiles)
-        reruns = (fp8_full * per_layer + (n * 2 * tiles if selective_mlp else 0)) if n else 0
+        reruns = (fp8_full * (len(attention) + rerun_linears) + (n * 2 * tiles if selective_mlp else 0)) if n else 0
         whole = n * replicated + (fp8_full * replicated if n else 0)  # forwards of replicated linears
         add("tp-cp", m * ((calls + reruns - whole) * _all_reduce(t * cp, (1 if fp8_param_gather else 2) * F32)
                           + whole * _all_reduce(t * cp, 2 * F32) + calls * _all_reduce(t * cp, F32)))
         # Tensor parallel activations.  A layer's forward reduces twice (SP: gathers its attention and MLP inputs,
         # reduce-scatters their outputs), its backward as much again.  Full recomputation reruns the forward up to
-        # the last tensor the backward needs (torch's early stop), the MLP's input: its first reduction (SP: two
-        # gathers and a reduce-scatter) again.  The embedding is all-reduced (SP: then scattered, gathered in
+        # the last tensor the backward needs (torch's early stop): the attention's reduction (SP: gather and
+        # reduce-scatter) and the MLP's share (_full_rerun_mlp; untiled without a later save, SP's gather of its
+        # input alone).  The embedding is all-reduced (SP: then scattered, gathered in
         # backward); the output layer's input gradient is reduced (SP: its input gathered, the gradient scattered).
         ar, g = _all_reduce(t, sbh), _gather_or_scatter(t, sbh)
         # Each multi-token-prediction depth (last stage): the embedding's, its layer's and a head's, and eh_proj's
         # [2h] input reduced in backward (SP: gathered, its gradient scattered), its output gathered over TP
         # (SP: then scattered over the sequence, gathered in backward).
         if sp:
-            layer_bytes = n_layers * 8 * g + recomputed * 3 * g + (n_layers * g if selective_mlp else 0)
+            # a fully recomputed layer's rerun: attention's gather and reduce-scatter, and the MLP's share
+            rerun = 2 * g + (g if rerun_mlp is None else 2 * g * rerun_mlp)
+            layer_bytes = n_layers * 8 * g + recomputed * rerun + (n_layers * g if selective_mlp else 0)
             ends = (ar + g) * first + 2 * g * last
             mtp = depths * ((ar + g) + 6 * g + 8 * g + 2 * g + (g if selective_mlp else 0))
         else:
-            layer_bytes = n_layers * 4 * ar + recomputed * ar
+            layer_bytes = n_layers * 4 * ar + recomputed * ar * (1 + (rerun_mlp or 0))
             ends = ar * (first + last)
             mtp = depths * (ar + 2 * ar + g + 4 * ar + ar)
         add("tp", m * (layer_bytes + ends + (mtp if last else 0)))
@@ -298,6 +319,10 @@ def _check_moe(cfg) -> None:
     if cfg.fp8 is not None:
         raise ConfigError(f"model.fp8={cfg.fp8!r} with num_experts: the communication plan does not count the "
                           "experts' fp8 amax reductions; plan the MoE model without fp8")
+    if cfg.recompute_granularity is not None:
+        raise ConfigError(f"model.recompute_granularity={cfg.recompute_granularity!r} with num_experts: the "
+                          "communication plan does not count the MoE layers' exchanges again in the rerun; plan the "
+                          "MoE model without recomputation")
 
 
 def _moe_bus_bytes(cfg, layout, layers: Sequence[int], b: int, m: int, a: int, expert_params: int,

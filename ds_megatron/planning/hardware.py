@@ -65,18 +65,21 @@ class DeviceKernels:
     beside fp32 copies of q, k and v); CUDA's flash / memory-efficient kernels keep the RNG state instead.
     ``fp8_gemm_fp32_copies``: the CPU's ``torch._scaled_mm`` makes fp32 copies of its fp8 operands and an fp32
     output; a GPU's reads the fp8 bytes.  ``dropout_mask_in_input_dtype``: the CPU's dropout keeps its scaled mask
-    in the input's dtype; CUDA's fused dropout a one-byte mask."""
+    in the input's dtype; CUDA's fused dropout a one-byte mask.  ``generator_state_bytes``: one state of the device's
+    random generator, which an activation checkpoint copies (a CPU's mt19937: 5056 bytes; CUDA's Philox seed and
+    offset: 16)."""
 
     name: str
     math_attention_under_dropout: bool
     fp8_gemm_fp32_copies: bool
     dropout_mask_in_input_dtype: bool
+    generator_state_bytes: int
 
 
 CPU_KERNELS = DeviceKernels("cpu", math_attention_under_dropout=True, fp8_gemm_fp32_copies=True,
-                            dropout_mask_in_input_dtype=True)
+                            dropout_mask_in_input_dtype=True, generator_state_bytes=5056)
 CUDA_KERNELS = DeviceKernels("cuda", math_attention_under_dropout=False, fp8_gemm_fp32_copies=False,
-                             dropout_mask_in_input_dtype=False)
+                             dropout_mask_in_input_dtype=False, generator_state_bytes=16)
 DEVICE_KERNELS = {k.name: k for k in (CPU_KERNELS, CUDA_KERNELS)}
 
 

@@ -47,9 +47,14 @@ gradients or the context-parallel core's score blocks
 layer's backward the tied output layer's weight gradient, which waits for the
 embedding's.  Selective recomputation keeps less (``selective_recompute``):
 ``core_attn`` not the core's output nor attention dropout's ``s x s`` tensors,
-``mlp`` and the MLP's tiles not its ffn-wide tensors.
+``mlp`` and the MLP's tiles not its ffn-wide tensors (their checkpoints keep the
+MLP's input as it comes, the sequence-parallel slice).  Every checkpoint
+(selective modules, MLP tiles, a fully recomputed layer) keeps copies of the
+generators' states it replays (``checkpoint_state_bytes``: 15 KB on a CPU, 5 KB
+on a GPU; 16 tiles a layer were 0.82 of the measured peak without them).
 Full recomputation keeps each layer's input and, at most, one layer's set with
-its MLP's gradients, or what the start of backward holds.  (Korthikanti et al.
+its MLP's gradients (with MLP tiles, which a recomputed layer reruns tile by
+tile, that set's backward as a layer's without it), or what the start of backward holds.  (Korthikanti et al.
 2022's estimate, which this replaced, counts the ``s x s`` attention scores and
 the dropout masks that a fused-attention, dropout-free CPU run does not keep:
 it read 2x the measured activations at hidden 256.)  With pipeline parallelism each stage counts its own layers (the
@@ -163,6 +168,28 @@ def hidden_dropout_mask_bytes(cfg, tp: int, tokens: int, act: int, kernels: Devi
     return tokens * cfg.hidden_size / (tp if sp else 1) * (act if kernels.dropout_mask_in_input_dtype else 1)
 
 
+CPU_GENERATOR_STATE_BYTES = 5056  # torch's default CPU generator (mt19937), which every checkpoint copies
+TRACKER_STREAMS = 2  # tensor_parallel.model_parallel_seed's model-parallel and expert-parallel streams
+
+
+def checkpoint_state_bytes(kernels: DeviceKernels = CPU_KERNELS, tracker: bool = True) -> int:
+    """What one activation checkpoint keeps beside its inputs until its rerun, to replay the same random numbers:
+    the default CPU generator's state (always), the GPU's, and with ``tracker`` a copy of each of the tracker's
+    streams (the device's generators)."""
+    device = kernels.generator_state_bytes
+    return CPU_GENERATOR_STATE_BYTES + (device if kernels.name != "cpu" else 0) + TRACKER_STREAMS * device * tracker
+
+
+def layer_checkpoints(cfg, tp: int = 1, cp: int = 1) -> int:
+    """The checkpoints a layer keeps from its forward to its backward beside full recomputation's own: one per MLP
+    tile (or the selectively recomputed MLP's), the recomputed core's and, selective ``layernorm``, one per norm."""
+    core, mlp = selective_recompute(cfg, cp)
+    modules = set(cfg.recompute_modules or ()) if cfg.recompute_granularity == "selective" else set()
+    norms = (4 if cfg.post_sublayer_norms else 2) if "layernorm" in modules else 0
+    rows = cfg.seq_length // cp // (tp if cfg.sequence_parallel and tp > 1 else 1)
+    return int(core) + (min(cfg.mlp_sequence_tiles, rows) if cfg.mlp_sequence_tiles > 1 else int(mlp)) + norms
+
+
 def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 1,
                               micro_batch: Optional[int] = None, kernels: DeviceKernels = CPU_KERNELS) -> float:
     """What one transformer layer keeps for backward, in elements per token of the micro-batch (see the
@@ -208,9 +235,10 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
 def mlp_input_elements(cfg, layer: int, tp: int) -> float:
     """The MLP's kept input per token: a dense MLP's fc1 keeps it gathered under sequence parallelism, an MoE
     layer's router its own sequence-parallel slice (measured; a shared expert keeps its gathered copy, counted in
-    ``mlp_activation_elements``)."""
+    ``mlp_activation_elements``), as does the checkpoint of a recomputed MLP or its tiles (fc1 gathers in it)."""
     sp = cfg.sequence_parallel and tp > 1
-    return cfg.hidden_size / tp if sp and cfg.is_moe_layer(layer) else cfg.hidden_size
+    _, recomputed = selective_recompute(cfg)
+    return cfg.hidden_size / tp if sp and (cfg.is_moe_layer(layer) or recomputed) else cfg.hidden_size
 
 
 def attention_fp8_linears(cfg, tp: int, cp_copy: bool = False) -> List[Tuple[float, float, bool, bool]]:
@@ -497,6 +525,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         extra += math_attention_bytes(cfg, tp, b, s, act, kernels)[0]
     extra += 2 * hidden_dropout_mask_bytes(cfg, tp, s * b, act, kernels)  # the attention's and the MLP's
     extra += context_parallel_saved_bytes(cfg, tp, micro_batch, params_dtype, cp)
+    states = layer_checkpoints(cfg, tp, cp) * checkpoint_state_bytes(kernels)
+    extra += states
     per_layer = [layer_activation_elements(cfg, i, tp, etp, cp, b, kernels) * s * b * act + extra
                  + fp8_layer_bytes(cfg, i, tp, s * b, act, cp, etp, ep) for i in layers]
     backward_start = weight_grad = 0
@@ -524,28 +554,35 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
                   + extra + fp8_layer_bytes(cfg, cfg.num_layers + k, tp, s * b, act, cp, etp, ep)
                   for k in range(depths))
         other_heads = 0 if tiled else depths * one_head * 4  # the loss keeps fp32 logits (16-bit ones freed)
-        backward_start = head + mtp + other_heads + max(loss_phase, weight_phase)
+        loss_checkpoints = cfg.loss_sequence_tiles * checkpoint_state_bytes(kernels, tracker=False) if tiled else 0
+        backward_start = head + mtp + other_heads + max(loss_phase, weight_phase) + loss_checkpoints
     # Context parallelism: the core's score blocks, made in a layer's attention (the head's tensors gone by then
     # in backward), planned beside every layer's activations.
     scores = context_parallel_score_bytes(cfg, tp, micro_batch, params_dtype, cp, hierarchical_inner)
+    tied = weight_grad if logits and embedding and not cfg.untie_embeddings_and_output_weights else 0
     if cfg.recompute_granularity != "full":
         if kept_only:
             return int(sum(per_layer))
-        tied = weight_grad if logits and embedding and not cfg.untie_embeddings_and_output_weights else 0
         layer_peak = max(below + layer_backward_peak_bytes(cfg, i, tp, b, params_dtype, cp, etp, per_layer[k], scores,
                                                            ep, kernels)
                          for k, (i, below) in enumerate(zip(layers, accumulate(per_layer, initial=0))))
         return int(max(sum(per_layer) + backward_start, layer_peak + tied))
-    # Recomputation: the recomputed layers' inputs (recompute_method "block": the first recompute_num_layers of
-    # the stage or chunk), then the larger of what the start of backward holds (with the later, not recomputed
-    # layers' activations) and one recomputed layer's set with its MLP's two ffn-wide gradients (by then the
-    # later layers' backward is done).
+    # Recomputation: the recomputed layers' inputs and checkpoints (their own and those nested in them, made in the
+    # forward; recompute_method "block": the first recompute_num_layers of the stage or chunk), then the larger of what the start of backward holds (with the
+    # later, not recomputed layers' activations) and one recomputed layer's set with its MLP's two ffn-wide
+    # gradients (by then the later layers' backward is done); with MLP tiles, the set's backward as a layer's
+    # without full recomputation (one tile's rerun at a time), beside the tied output layer's weight gradient.
     recomputed = [j for j in range(L) if cfg.recomputes_layer(j)]
-    inputs = len(recomputed) * sbh / (tp if sp else 1) * act
+    inputs = len(recomputed) * (sbh / (tp if sp else 1) * act + checkpoint_state_bytes(kernels) + states)
     ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
-    one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp, etp, ep, kernels)
-                    for j in recomputed) \
-        + 2 * ffn / tp * s * b * act if recomputed else 0
+    if not recomputed:
+        one_layer = 0
+    elif cfg.mlp_sequence_tiles > 1:
+        one_layer = max(layer_backward_peak_bytes(cfg, layers[j], tp, b, params_dtype, cp, etp, per_layer[j] - states,
+                                                  0, ep, kernels) for j in recomputed) + tied
+    else:
+        one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp, etp, ep, kernels)
+                        for j in recomputed) + 2 * ffn / tp * s * b * act
     kept = sum(n for j, n in enumerate(per_layer) if j not in recomputed)
     if kept_only:
         return int(inputs + kept)

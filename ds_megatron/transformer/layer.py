@@ -134,8 +134,14 @@ class ParallelTransformerLayer(GraphableLayer):
         packed = packed_seq_params
         if self.recompute and self.training and torch.is_grad_enabled():
             # Rerun in backward, replaying the default generator and the tracker's streams (the same
-            # dropout masks).  Inside the layer, so that every owner (GPTModel, a pipeline stage) gets it.
-            return checkpoint(super().forward, self.rng_tracker, hidden, packed)
+            # dropout masks).  Inside the layer, so that every owner (GPTModel, a pipeline stage) gets it.  The
+            # rerun tiles the MLP as the forward did (each tile's checkpoint nested in the layer's), so its
+            # intermediates stay one tile's in the layer's backward and fp8 scales each tile as the forward did.
+            return checkpoint(self._forward, self.rng_tracker, hidden, packed)
+        return self._forward(hidden, packed)
+
+    def _forward(self, hidden: torch.Tensor, packed: Optional[PackedSeqParams]) -> torch.Tensor:
+        """The layer with its MLP tiled, recomputed (selective ``mlp``) or plain."""
         if self.mlp_sequence_tiles > 1 and self.training and torch.is_grad_enabled():
             hidden = self.forward_attention(hidden, packed)
             return self.post_mlp(hidden, self._tiled_mlp(self.pre_mlp(hidden)))  # dense MLPs only: per token

@@ -55,3 +55,45 @@ def test_an_evaluation_forward_records_no_amax():
     assert all(float(a) == 0 for s in fp8_states(model) for a in s.step_amax.values())
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     assert all(float(a) > 0 for s in fp8_states(model) for a in s.step_amax.values())
+
+
+def _tp_step(recipe, extra):
+    """One forward and backward at TP 2 with sequence parallelism on this gloo rank: loss, this rank's gradients and
+    the delayed recipe's step amaxes."""
+    import torch.distributed as dist
+    from ds_megatron.parallel.layout import ParallelLayout
+    from ds_megatron.parallel_state import ParallelState
+    from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), tp=2))
+    torch.manual_seed(5)
+    tracker = RNGStatesTracker()
+    cfg = GPTConfig(**{**MODEL, **extra}, fp8="hybrid", fp8_recipe=recipe, sequence_parallel=True)
+    model = GPTModel(cfg, state, rng_tracker=tracker)
+    model_parallel_seed(7, state.tp.rank, tracker=tracker)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(11)
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    amaxes = [float(a) for s in fp8_states(model) if recipe == "delayed" for a in s.step_amax.values()]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    state.destroy()
+    return loss.detach(), grads, amaxes
+
+
+@pytest.mark.parametrize("recipe,dropout", [("tensorwise", 0.0), ("delayed", 0.1)])
+def test_a_fully_recomputed_layer_runs_its_mlp_tiles_as_the_stored_forward_does(recipe, dropout):
+    """TP 2 + SP, three MLP tiles over a rank's 8 rows: a layer recomputed whole runs its MLP tile by tile in the
+    forward and in the rerun (each tile its own checkpoint, rerun again in its backward), so each tile's amax is the
+    one the run without full recomputation reduces: loss, gradients and step amaxes equal that run's, bit for bit.
+    Tensorwise, a tile's scale is its own: the untiled full recomputation's loss differs."""
+    from harness import run_on_ranks
+    tiled = dict(mlp_sequence_tiles=3, hidden_dropout=dropout)
+    stored = run_on_ranks(2, _tp_step, recipe, tiled)
+    rerun = run_on_ranks(2, _tp_step, recipe, dict(tiled, recompute_granularity="full"))
+    for (loss, grads, amaxes), (got_loss, got_grads, got_amaxes) in zip(stored, rerun):
+        assert torch.equal(got_loss, loss)
+        assert all(torch.equal(got_grads[n], g) for n, g in grads.items())
+        assert got_amaxes == amaxes and (recipe == "tensorwise" or min(amaxes) > 0)
+    if recipe == "tensorwise":
+        untiled = run_on_ranks(2, _tp_step, recipe, dict(hidden_dropout=dropout, recompute_granularity="full"))
+        assert all(not torch.equal(u[0], s[0]) for u, s in zip(untiled, stored))
