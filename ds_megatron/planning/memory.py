@@ -119,13 +119,15 @@ def optimizer_state_bytes_per_param(optimizer_type: str, momentum: float = 0.0) 
     raise ConfigError(f"optimizer.type={optimizer_type!r} cannot be planned; use Adam, AdamW or SGD")
 
 
-def selective_recompute(cfg, cp: int = 1) -> Tuple[bool, bool]:
-    """(core attention, MLP) rerun in backward instead of kept: ``recompute_granularity "selective"`` with
-    ``core_attn`` (not under context parallelism: the CP cores are not recomputed) / ``mlp``, or
-    ``mlp_sequence_tiles`` (each tile kept as its input and rerun).  ``layernorm`` saves nothing here: a norm
-    keeps its input, which the recomputation keeps too, and its output is the next linear's saved input."""
+def selective_recompute(cfg, layer: int, cp: int = 1) -> Tuple[bool, bool]:
+    """(core attention, MLP) of layer ``layer`` rerun in backward instead of kept: ``recompute_granularity
+    "selective"`` with ``core_attn`` (not under context parallelism: the CP cores are not recomputed) / ``mlp``
+    (a dense layer's MLP) or ``moe`` (an MoE layer's, shared expert included), or ``mlp_sequence_tiles`` (each tile
+    kept as its input and rerun).  ``layernorm`` saves nothing here: a norm keeps its input, which the
+    recomputation keeps too, and its output is the next linear's saved input."""
     modules = set(cfg.recompute_modules or ()) if cfg.recompute_granularity == "selective" else set()
-    return "core_attn" in modules and cp == 1, "mlp" in modules or cfg.mlp_sequence_tiles > 1
+    mlp = ("moe" if cfg.is_moe_layer(layer) else "mlp") in modules
+    return "core_attn" in modules and cp == 1, mlp or cfg.mlp_sequence_tiles > 1
 
 
 def routed_tokens(cfg, tp: int, etp: int) -> float:
@@ -163,6 +165,23 @@ def hidden_dropout_mask_bytes(cfg, tp: int, tokens: int, act: int, kernels: Devi
     return tokens * cfg.hidden_size / (tp if sp else 1) * (act if kernels.dropout_mask_in_input_dtype else 1)
 
 
+# The generator states a layer's checkpoint keeps (``tensor_parallel.random.checkpoint``): the default generator's
+# and the tracker's two streams' (model-parallel, expert-parallel: ``model_parallel_seed``)
+CHECKPOINT_RNG_STATES = 3
+
+
+def checkpoint_rng_bytes(cfg, layer: int, cp: int = 1, kernels: DeviceKernels = CPU_KERNELS) -> int:
+    """The generator states kept by layer ``layer``'s selective checkpoints until their backward
+    (``CHECKPOINT_RNG_STATES`` per checkpoint, ``DeviceKernels.rng_state_bytes`` each): one for the core
+    (``core_attn``), the MLP (``mlp`` / ``moe``; one per tile with ``mlp_sequence_tiles``), and each norm
+    (``layernorm``: two, four with post_sublayer_norms).  Full recomputation's one per layer: ``activation_bytes``."""
+    core, mlp = selective_recompute(cfg, layer, cp)
+    layernorm = cfg.recompute_granularity == "selective" and "layernorm" in (cfg.recompute_modules or ())
+    mlp_checkpoints = cfg.mlp_sequence_tiles if cfg.mlp_sequence_tiles > 1 else int(mlp)
+    norms = (4 if cfg.post_sublayer_norms else 2) if layernorm else 0
+    return (int(core) + mlp_checkpoints + norms) * CHECKPOINT_RNG_STATES * kernels.rng_state_bytes
+
+
 def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 1,
                               micro_batch: Optional[int] = None, kernels: DeviceKernels = CPU_KERNELS) -> float:
     """What one transformer layer keeps for backward, in elements per token of the micro-batch (see the
@@ -181,7 +200,7 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
     recomputation (``selective_recompute``): the core's output is not kept (``core_attn``: its inputs q, k, v
     are, and the re-layout), nor the MLP's ffn-wide tensors, experts and shared expert (``mlp`` or the MLP's
     tiles: its input is).  ``kernels``: the device's (``planning.hardware.DeviceKernels``)."""
-    core, mlp = selective_recompute(cfg, cp)
+    core, mlp = selective_recompute(cfg, layer, cp)
     h = cfg.hidden_size
     sp = cfg.sequence_parallel and tp > 1
     norms = (4 if cfg.post_sublayer_norms else 2) * (h / tp if sp else h)  # Gemma: the sublayers' outputs too
@@ -246,7 +265,7 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     ``mlp``, its tiles): its linears keep nothing."""
     if not cfg.fp8_layer(layer):
         return 0
-    _, mlp = selective_recompute(cfg, cp)
+    _, mlp = selective_recompute(cfg, layer, cp)
     h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
     glu = 2 if cfg.gated_linear_unit else 1
     # (input features per rank, output features per rank, 16-bit input freed).  The projection's input, the core's
@@ -308,7 +327,7 @@ def fp8_backward_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int 
     if not cfg.fp8_layer(layer):
         return 0
     h, ffn = cfg.hidden_size, cfg.ffn_hidden_size / tp
-    _, mlp = selective_recompute(cfg, cp)
+    _, mlp = selective_recompute(cfg, layer, cp)
     if cfg.is_moe_layer(layer):
         ffn, local = cfg.moe_ffn_hidden_size / etp, cfg.num_experts // ep
         routed = tokens * routed_tokens(cfg, tp, etp)
@@ -335,18 +354,45 @@ def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
     routed = routed_tokens(cfg, tp, etp)
     experts = routed * (2 * h + (ffn_tensors + 1) * cfg.moe_ffn_hidden_size / etp)
     shared = cfg.moe_shared_expert_intermediate_size
-    shared_expert = h + ffn_tensors * shared / tp if shared else 0
+    # under sequence parallelism the shared expert keeps its gathered input (else the router's, counted already)
+    shared_expert = (h if sp else 0) + ffn_tensors * shared / tp if shared else 0
     return experts + shared_expert
 
 
+def moe_rerun_elements(cfg, tp: int, etp: int, ep: int, kernels: DeviceKernels = CPU_KERNELS) -> float:
+    """What an MoE layer's forward holds near its end beyond the tensors it keeps, per token of the micro-batch
+    (``moe_layer``, ``token_dispatcher``, ``experts``), where a recomputed layer's rerun peaks, its gradient
+    waiting (under balanced routing, ``routed_tokens`` rows per token): the larger of
+    * the experts' outputs and their concatenation (two rows per routed token);
+    * over ETP, the reduce-scatter's rows received from every peer and their sum, beside the rows sent;
+    * un-permuting: the combined rows the layer still holds, the rows back from ETP / EP (this rank's ``k / tp``
+      per token) and the scatter-add's zeros and sum (``1 / tp`` per token);
+    with a shared expert, its output beside them (split under sequence parallelism); grouped experts on a device
+    that pads their groups (``DeviceKernels.padded_grouped_gemm``) their fc1's padded input throughout, beside the
+    rows it copies (balanced routing: no padding)."""
+    h, k = cfg.hidden_size, cfg.moe_router_topk
+    routed = routed_tokens(cfg, tp, etp)
+    back = k / tp * h
+    concat = 2 * routed * h
+    scatter = 2 * routed * h + back if etp > 1 else 0
+    unpermute = routed * h + (back if ep * etp > 1 else 0) + 2 / tp * h
+    sp = cfg.sequence_parallel and tp > 1
+    shared = (h / tp if sp else h) if cfg.moe_shared_expert_intermediate_size else 0
+    padded = routed * h if cfg.moe_grouped_gemm and kernels.padded_grouped_gemm else 0
+    return max(concat, scatter, unpermute) + shared + padded
+
+
 def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params_dtype: str, cp: int, etp: int,
-                              kept: float, scores: int, ep: int = 1, kernels: DeviceKernels = CPU_KERNELS) -> float:
+                              kept: float, scores: int, ep: int = 1, kernels: DeviceKernels = CPU_KERNELS,
+                              recomputed: bool = False) -> float:
     """The height of layer ``layer``'s own backward beyond the layers below it, which keep their sets: its kept
     set ``kept`` and the gradient flowing down the residual stream (one [s, b, h], two in attention's backward),
     then the larger of
     * the MLP's backward: one of its two ffn-wide gradients (the first is freed before the second is made);
       recomputed (selective ``mlp``, the MLP's tiles), the rerun's tensors too, one tile's at a time, beside the
-      tiles' input gradient;
+      tiles' input gradient; an MoE layer rerun (selective ``moe``, or the whole layer: ``recomputed``, its kept
+      set ``kept`` made again) its tensors and the larger of the rerun's transients (``moe_rerun_elements``) and
+      the experts' gradients;
     * attention's backward, the MLP's share freed by then (its tensors, its input and the norm's): the core's
       transients, the CP core's score blocks ``scores`` or the core's dq, dk and dv, and the math kernel's
       ``s x s`` gradient (``math_attention_bytes``; recomputed ``core_attn``: its output again, and what the math
@@ -354,7 +400,7 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
     s, b, h, a = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.num_attention_heads
     act = BYTES[params_dtype]
     sp = cfg.sequence_parallel and tp > 1
-    core, mlp = selective_recompute(cfg, cp)
+    core, mlp = selective_recompute(cfg, layer, cp)
     token = s * b * act
     glu = 2 if cfg.gated_linear_unit else 1
     if cfg.is_moe_layer(layer):
@@ -367,11 +413,14 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
     mlp_tensors = mlp_activation_elements(cfg, layer, tp, etp)
     # Measured: the MLP's backward peaks with its tensors and half its gradients (GELU: fc1's output, the
     # activation and the activation's gradient; the activation is freed before fc1's output gradient is made).
-    if mlp:
+    if cfg.is_moe_layer(layer) and (mlp or recomputed):
+        rerun = (mlp_tensors if mlp else 0) + max(moe_rerun_elements(cfg, tp, etp, ep, kernels), grads / 2)
+    elif mlp:
         tiles = max(1, cfg.mlp_sequence_tiles)
         # under sequence parallelism the rerun gathers its input again: the gathered input and the collective's
-        # staging copy (gloo), beside the reduce-scatter's (measured on 2 ranks: 0.87 of the peak without them)
-        rerun = (mlp_tensors + (3 * h if sp else 0) + grads / 2) / tiles + (h if tiles > 1 else 0)
+        # staging copy (gloo; measured on 2 ranks at the lowest of six passes, which a third buffer, gloo's
+        # threads freeing late, only sometimes joins)
+        rerun = (mlp_tensors + (2 * h if sp else 0) + grads / 2) / tiles + (h if tiles > 1 else 0)
     else:
         rerun = grads / 2
     mask = hidden_dropout_mask_bytes(cfg, tp, s * b, act, kernels)  # the MLP's freed first, then the attention's
@@ -461,12 +510,20 @@ def kv_heads_per_rank(cfg, tp: int) -> int:
 
 
 def check_recompute_planned(cfg) -> None:
-    """Refuse what the activation plan does not model: MoE layers with recomputation (the plan's rerun and kept
-    sets are the dense layer's)."""
-    if cfg.num_experts and cfg.recompute_granularity:
-        raise ConfigError(f"model.recompute_granularity={cfg.recompute_granularity!r} with model.num_experts: the "
-                          "activation plan does not model recomputed MoE layers yet; plan the config without "
-                          "recompute_granularity")
+    """Refuse what the activation plan does not model: recomputed MoE layers (full recomputation, selective
+    ``moe``) with the all-gather dispatcher or fp8 experts, whose reruns hold other transients than the
+    all-to-all dispatcher's 16-bit experts counted (``moe_rerun_elements``; planned they read 1.10-1.14 of the
+    measured peak)."""
+    selective = cfg.recompute_granularity == "selective" and "moe" in (cfg.recompute_modules or ())
+    if not cfg.num_experts or not (cfg.recompute_granularity == "full" or selective):
+        return
+    if cfg.moe_token_dispatcher_type == "allgather":
+        raise ConfigError("model.moe_token_dispatcher_type='allgather' with recomputed MoE layers: the activation "
+                          "plan does not model that dispatcher's rerun; plan it with 'alltoall' or without "
+                          "recomputing the MoE layers")
+    if cfg.fp8:
+        raise ConfigError(f"model.fp8={cfg.fp8!r} with recomputed MoE layers: the activation plan does not model "
+                          "fp8 experts' rerun; plan it without fp8 or without recomputing the MoE layers")
 
 
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
@@ -492,13 +549,13 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     sbh = s * b * h
     sp = cfg.sequence_parallel and tp > 1
     extra = 0
-    core_recomputed, mlp_recomputed = selective_recompute(cfg, cp)
-    if not core_recomputed:
+    if not selective_recompute(cfg, 0, cp)[0]:  # core_attn: every layer alike
         extra += math_attention_bytes(cfg, tp, b, s, act, kernels)[0]
     extra += 2 * hidden_dropout_mask_bytes(cfg, tp, s * b, act, kernels)  # the attention's and the MLP's
     extra += context_parallel_saved_bytes(cfg, tp, micro_batch, params_dtype, cp)
     per_layer = [layer_activation_elements(cfg, i, tp, etp, cp, b, kernels) * s * b * act + extra
-                 + fp8_layer_bytes(cfg, i, tp, s * b, act, cp, etp, ep) for i in layers]
+                 + fp8_layer_bytes(cfg, i, tp, s * b, act, cp, etp, ep) + checkpoint_rng_bytes(cfg, i, cp, kernels)
+                 for i in layers]
     backward_start = weight_grad = 0
     if logits:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
@@ -522,7 +579,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         mtp = sum((3 * norm + 3 * h + layer_activation_elements(cfg, cfg.num_layers + k, tp, etp, cp, b, kernels))
                   * s * b * act
                   + extra + fp8_layer_bytes(cfg, cfg.num_layers + k, tp, s * b, act, cp, etp, ep)
-                  for k in range(depths))
+                  + checkpoint_rng_bytes(cfg, cfg.num_layers + k, cp, kernels) for k in range(depths))
         other_heads = 0 if tiled else depths * one_head * 4  # the loss keeps fp32 logits (16-bit ones freed)
         backward_start = head + mtp + other_heads + max(loss_phase, weight_phase)
     # Context parallelism: the core's score blocks, made in a layer's attention (the head's tensors gone by then
@@ -541,15 +598,21 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     # layers' activations) and one recomputed layer's set with its MLP's two ffn-wide gradients (by then the
     # later layers' backward is done).
     recomputed = [j for j in range(L) if cfg.recomputes_layer(j)]
-    inputs = len(recomputed) * sbh / (tp if sp else 1) * act
+    inputs = len(recomputed) * (sbh / (tp if sp else 1) * act + CHECKPOINT_RNG_STATES * kernels.rng_state_bytes)
     ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
+    dense = [j for j in recomputed if not cfg.is_moe_layer(layers[j])]
     one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp, etp, ep, kernels)
-                    for j in recomputed) \
-        + 2 * ffn / tp * s * b * act if recomputed else 0
+                    for j in dense) + 2 * ffn / tp * s * b * act if dense else 0
     kept = sum(n for j, n in enumerate(per_layer) if j not in recomputed)
     if kept_only:
         return int(inputs + kept)
-    return int(inputs + max(backward_start + kept, one_layer + scores, kept + scores))
+    # An MoE layer's backward as a kept one's (the rerun made its set again, the later layers' backward done),
+    # the tied output layer's weight gradient waiting beside it.
+    tied = weight_grad if logits and embedding and not cfg.untie_embeddings_and_output_weights else 0
+    moe_peak = max((layer_backward_peak_bytes(cfg, layers[j], tp, b, params_dtype, cp, etp, per_layer[j], scores, ep,
+                                              kernels, recomputed=True) + tied
+                    for j in recomputed if j not in dense), default=0)
+    return int(inputs + max(backward_start + kept, one_layer + scores, kept + scores, moe_peak))
 
 
 def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, layers: Sequence[int],
