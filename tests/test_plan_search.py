@@ -34,14 +34,15 @@ def _key(layout_or_choice):
 
 def _brute_force(base, world, hw, gpus_per_node, batch):
     """Every candidate the search enumerates, each through the whole config (``parse_job_config``), the full
-    memory plan with its rank lists and a step time of its own pricer: (step, peak, layout key), fastest first."""
+    memory plan with its rank lists (activations as ``hw``'s kernels keep them, as the search plans them) and a
+    step time of its own pricer: (step, peak, layout key), fastest first."""
     job = parse_job_config(base)
     out = []
     for group in search._groups(job, world, gpus_per_node, batch):
         for choice in search._variants(group, job.model.num_layers):
             try:
                 candidate = parse_job_config(candidate_config(base, choice, batch, choice["dp"]))
-                _, plans, _ = plan_from_config(candidate, world)
+                _, plans, _ = plan_from_config(candidate, world, kernels=hw.kernels)
                 step = plan_step_time(run_from_job(candidate, world), hw, gpus_per_node).step_time_s
             except ValueError:  # ConfigError too: the config's rules, or stages the uneven ends cannot split
                 continue

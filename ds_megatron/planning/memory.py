@@ -47,9 +47,14 @@ gradients or the context-parallel core's score blocks
 layer's backward the tied output layer's weight gradient, which waits for the
 embedding's.  Selective recomputation keeps less (``selective_recompute``):
 ``core_attn`` not the core's output nor attention dropout's ``s x s`` tensors,
-``mlp`` and the MLP's tiles not its ffn-wide tensors.
+``mlp`` (dense layers) and the MLP's tiles not its ffn-wide tensors, ``moe`` (MoE
+layers) not its routed tokens' nor its shared expert's; each checkpoint keeps
+generator states (on a CPU: ``checkpoint_rng_bytes``).
 Full recomputation keeps each layer's input and, at most, one layer's set with
-its MLP's gradients, or what the start of backward holds.  (Korthikanti et al.
+its MLP's gradients, or what the start of backward holds; a recomputed MoE layer
+peaks in its backward as a kept one, the rerun's transients near its end
+(``moe_rerun_elements``) in place of the experts' gradients where larger, beside
+the tied output layer's weight gradient.  (Korthikanti et al.
 2022's estimate, which this replaced, counts the ``s x s`` attention scores and
 the dropout masks that a fused-attention, dropout-free CPU run does not keep:
 it read 2x the measured activations at hidden 256.)  With pipeline parallelism each stage counts its own layers (the
