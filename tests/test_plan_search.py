@@ -34,7 +34,8 @@ def _key(layout_or_choice):
 
 def _brute_force(base, world, hw, gpus_per_node, batch):
     """Every candidate the search enumerates, each through the whole config (``parse_job_config``), the full
-    memory plan with its rank lists and a step time of its own pricer: (step, peak, layout key), fastest first."""
+    memory plan with its rank lists (activations as ``hw``'s kernels keep them, as the search plans them) and a
+    step time of its own pricer: (step, peak, layout key), fastest first."""
     job = parse_job_config(base)
     out = []
     for group in search._groups(job, world, gpus_per_node, batch):

@@ -78,9 +78,9 @@ element in the params dtype):
   ``dp``.  Expert gradients are reduced over ``edp`` as the dense ones over
   ``dp-cp`` (distributed optimizer: reduce-scatter and all-gather), and the
   optimizer's float64 goes over the expert-model-parallel group too when its
-  ranks differ.  Token dropping (``moe_capacity_factor``) and fp8 are
-  refused, and so is recomputation (its rerun routes and exchanges again); MLP
-  tiles the config refuses with MoE.
+  ranks differ.  Token dropping (``moe_capacity_factor``), fp8 and
+  recomputed MoE layers (full, selective ``moe``: their reruns' exchanges)
+  are refused (MLP tiles the config refuses with MoE).
 
 ``tests/test_bytes_on_wire.py`` counts the collectives of real steps and holds
 them to these figures; ``launch/bench/bench_vs_peers.py`` prints both.
@@ -319,10 +319,11 @@ def _check_moe(cfg) -> None:
     if cfg.fp8 is not None:
         raise ConfigError(f"model.fp8={cfg.fp8!r} with num_experts: the communication plan does not count the "
                           "experts' fp8 amax reductions; plan the MoE model without fp8")
-    if cfg.recompute_granularity is not None:
-        raise ConfigError(f"model.recompute_granularity={cfg.recompute_granularity!r} with num_experts: the "
-                          "communication plan does not count the MoE layers' exchanges again in the rerun; plan the "
-                          "MoE model without recomputation")
+    if cfg.recompute_granularity == "full" or (cfg.recompute_granularity == "selective"
+                                               and "moe" in (cfg.recompute_modules or ())):
+        raise ConfigError(f"model.recompute_granularity={cfg.recompute_granularity!r} reruns the MoE layers: the "
+                          "communication plan does not count the reruns' dispatcher exchanges; plan the bytes on "
+                          "the wire without recomputing the MoE layers")
 
 
 def _moe_bus_bytes(cfg, layout, layers: Sequence[int], b: int, m: int, a: int, expert_params: int,

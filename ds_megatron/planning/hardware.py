@@ -65,21 +65,26 @@ class DeviceKernels:
     beside fp32 copies of q, k and v); CUDA's flash / memory-efficient kernels keep the RNG state instead.
     ``fp8_gemm_fp32_copies``: the CPU's ``torch._scaled_mm`` makes fp32 copies of its fp8 operands and an fp32
     output; a GPU's reads the fp8 bytes.  ``dropout_mask_in_input_dtype``: the CPU's dropout keeps its scaled mask
-    in the input's dtype; CUDA's fused dropout a one-byte mask.  ``generator_state_bytes``: one state of the device's
-    random generator, which an activation checkpoint copies (a CPU's mt19937: 5056 bytes; CUDA's Philox seed and
-    offset: 16)."""
+    in the input's dtype; CUDA's fused dropout a one-byte mask.  ``padded_grouped_gemm``: grouped MoE experts
+    (``moe_grouped_gemm``) run on a CPU as one batched GEMM over copies of their token groups padded to the largest
+    (kept for backward); CUDA's ``torch._grouped_mm`` reads the rows in place.  ``rng_state_bytes``: a generator
+    state a recomputation checkpoint keeps in the memory planned (a CPU's mt19937 state; a GPU's are host
+    tensors)."""
 
     name: str
     math_attention_under_dropout: bool
     fp8_gemm_fp32_copies: bool
     dropout_mask_in_input_dtype: bool
-    generator_state_bytes: int
+    padded_grouped_gemm: bool
+    rng_state_bytes: int
 
 
 CPU_KERNELS = DeviceKernels("cpu", math_attention_under_dropout=True, fp8_gemm_fp32_copies=True,
-                            dropout_mask_in_input_dtype=True, generator_state_bytes=5056)
+                            dropout_mask_in_input_dtype=True, padded_grouped_gemm=True,
+                            rng_state_bytes=5056)
 CUDA_KERNELS = DeviceKernels("cuda", math_attention_under_dropout=False, fp8_gemm_fp32_copies=False,
-                             dropout_mask_in_input_dtype=False, generator_state_bytes=16)
+                             dropout_mask_in_input_dtype=False, padded_grouped_gemm=False,
+                             rng_state_bytes=0)
 DEVICE_KERNELS = {k.name: k for k in (CPU_KERNELS, CUDA_KERNELS)}
 
 

@@ -47,14 +47,17 @@ gradients or the context-parallel core's score blocks
 layer's backward the tied output layer's weight gradient, which waits for the
 embedding's.  Selective recomputation keeps less (``selective_recompute``):
 ``core_attn`` not the core's output nor attention dropout's ``s x s`` tensors,
-``mlp`` and the MLP's tiles not its ffn-wide tensors (their checkpoints keep the
-MLP's input as it comes, the sequence-parallel slice).  Every checkpoint
-(selective modules, MLP tiles, a fully recomputed layer) keeps copies of the
-generators' states it replays (``checkpoint_state_bytes``: 15 KB on a CPU, 5 KB
-on a GPU; 16 tiles a layer were 0.82 of the measured peak without them).
+``mlp`` (dense layers) and the MLP's tiles not its ffn-wide tensors (their checkpoints keep the MLP's
+input as it comes, the sequence-parallel slice), ``moe`` (MoE layers) not its routed tokens' nor its shared
+expert's.  Every checkpoint (selective modules, MLP tiles, a fully recomputed layer, loss tiles) keeps copies of
+the generator states it replays (``checkpoint_rng_bytes``: 15 KB on a CPU; a GPU's are host tensors; 16 MLP tiles
+a layer were 0.82 of the measured peak without them).
 Full recomputation keeps each layer's input and, at most, one layer's set with
-its MLP's gradients (with MLP tiles, which a recomputed layer reruns tile by
-tile, that set's backward as a layer's without it), or what the start of backward holds.  (Korthikanti et al.
+its MLP's gradients (with MLP tiles, which a recomputed layer reruns tile by tile, that set's backward as a
+layer's without it), or what the start of backward holds; a recomputed MoE layer
+peaks in its backward as a kept one, the rerun's transients near its end
+(``moe_rerun_elements``) in place of the experts' gradients where larger, beside
+the tied output layer's weight gradient.  (Korthikanti et al.
 2022's estimate, which this replaced, counts the ``s x s`` attention scores and
 the dropout masks that a fused-attention, dropout-free CPU run does not keep:
 it read 2x the measured activations at hidden 256.)  With pipeline parallelism each stage counts its own layers (the
@@ -124,13 +127,15 @@ def optimizer_state_bytes_per_param(optimizer_type: str, momentum: float = 0.0) 
     raise ConfigError(f"optimizer.type={optimizer_type!r} cannot be planned; use Adam, AdamW or SGD")
 
 
-def selective_recompute(cfg, cp: int = 1) -> Tuple[bool, bool]:
-    """(core attention, MLP) rerun in backward instead of kept: ``recompute_granularity "selective"`` with
-    ``core_attn`` (not under context parallelism: the CP cores are not recomputed) / ``mlp``, or
-    ``mlp_sequence_tiles`` (each tile kept as its input and rerun).  ``layernorm`` saves nothing here: a norm
-    keeps its input, which the recomputation keeps too, and its output is the next linear's saved input."""
+def selective_recompute(cfg, layer: int, cp: int = 1) -> Tuple[bool, bool]:
+    """(core attention, MLP) of layer ``layer`` rerun in backward instead of kept: ``recompute_granularity
+    "selective"`` with ``core_attn`` (not under context parallelism: the CP cores are not recomputed) / ``mlp``
+    (a dense layer's MLP) or ``moe`` (an MoE layer's, shared expert included), or ``mlp_sequence_tiles`` (each tile
+    kept as its input and rerun).  ``layernorm`` saves nothing here: a norm keeps its input, which the
+    recomputation keeps too, and its output is the next linear's saved input."""
     modules = set(cfg.recompute_modules or ()) if cfg.recompute_granularity == "selective" else set()
-    return "core_attn" in modules and cp == 1, "mlp" in modules or cfg.mlp_sequence_tiles > 1
+    mlp = ("moe" if cfg.is_moe_layer(layer) else "mlp") in modules
+    return "core_attn" in modules and cp == 1, mlp or cfg.mlp_sequence_tiles > 1
 
 
 def routed_tokens(cfg, tp: int, etp: int) -> float:
@@ -168,26 +173,23 @@ def hidden_dropout_mask_bytes(cfg, tp: int, tokens: int, act: int, kernels: Devi
     return tokens * cfg.hidden_size / (tp if sp else 1) * (act if kernels.dropout_mask_in_input_dtype else 1)
 
 
-CPU_GENERATOR_STATE_BYTES = 5056  # torch's default CPU generator (mt19937), which every checkpoint copies
-TRACKER_STREAMS = 2  # tensor_parallel.model_parallel_seed's model-parallel and expert-parallel streams
+# The generator states a checkpoint keeps (``tensor_parallel.random.checkpoint``): the default generator's and the
+# tracker's two streams' (model-parallel, expert-parallel: ``model_parallel_seed``)
+CHECKPOINT_RNG_STATES = 3
 
 
-def checkpoint_state_bytes(kernels: DeviceKernels = CPU_KERNELS, tracker: bool = True) -> int:
-    """What one activation checkpoint keeps beside its inputs until its rerun, to replay the same random numbers:
-    the default CPU generator's state (always), the GPU's, and with ``tracker`` a copy of each of the tracker's
-    streams (the device's generators)."""
-    device = kernels.generator_state_bytes
-    return CPU_GENERATOR_STATE_BYTES + (device if kernels.name != "cpu" else 0) + TRACKER_STREAMS * device * tracker
-
-
-def layer_checkpoints(cfg, tp: int = 1, cp: int = 1) -> int:
-    """The checkpoints a layer keeps from its forward to its backward beside full recomputation's own: one per MLP
-    tile (or the selectively recomputed MLP's), the recomputed core's and, selective ``layernorm``, one per norm."""
-    core, mlp = selective_recompute(cfg, cp)
-    modules = set(cfg.recompute_modules or ()) if cfg.recompute_granularity == "selective" else set()
-    norms = (4 if cfg.post_sublayer_norms else 2) if "layernorm" in modules else 0
+def checkpoint_rng_bytes(cfg, layer: int, tp: int = 1, cp: int = 1, kernels: DeviceKernels = CPU_KERNELS) -> int:
+    """The generator states kept by layer ``layer``'s checkpoints inside it until their backward
+    (``CHECKPOINT_RNG_STATES`` per checkpoint, ``DeviceKernels.rng_state_bytes`` each): one for the core
+    (``core_attn``), the MLP (``mlp`` / ``moe``; one per tile with ``mlp_sequence_tiles``, at most one per row of the
+    rank's sequence), and each norm (``layernorm``: two, four with post_sublayer_norms).  A fully recomputed
+    layer's own checkpoint: ``activation_bytes``."""
+    core, mlp = selective_recompute(cfg, layer, cp)
+    layernorm = cfg.recompute_granularity == "selective" and "layernorm" in (cfg.recompute_modules or ())
     rows = cfg.seq_length // cp // (tp if cfg.sequence_parallel and tp > 1 else 1)
-    return int(core) + (min(cfg.mlp_sequence_tiles, rows) if cfg.mlp_sequence_tiles > 1 else int(mlp)) + norms
+    mlp_checkpoints = min(cfg.mlp_sequence_tiles, rows) if cfg.mlp_sequence_tiles > 1 else int(mlp)
+    norms = (4 if cfg.post_sublayer_norms else 2) if layernorm else 0
+    return (int(core) + mlp_checkpoints + norms) * CHECKPOINT_RNG_STATES * kernels.rng_state_bytes
 
 
 def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 1,
@@ -208,7 +210,7 @@ def layer_activation_elements(cfg, layer: int, tp: int, etp: int = 1, cp: int = 
     recomputation (``selective_recompute``): the core's output is not kept (``core_attn``: its inputs q, k, v
     are, and the re-layout), nor the MLP's ffn-wide tensors, experts and shared expert (``mlp`` or the MLP's
     tiles: its input is).  ``kernels``: the device's (``planning.hardware.DeviceKernels``)."""
-    core, mlp = selective_recompute(cfg, cp)
+    core, mlp = selective_recompute(cfg, layer, cp)
     h = cfg.hidden_size
     sp = cfg.sequence_parallel and tp > 1
     norms = (4 if cfg.post_sublayer_norms else 2) * (h / tp if sp else h)  # Gemma: the sublayers' outputs too
@@ -237,7 +239,7 @@ def mlp_input_elements(cfg, layer: int, tp: int) -> float:
     layer's router its own sequence-parallel slice (measured; a shared expert keeps its gathered copy, counted in
     ``mlp_activation_elements``), as does the checkpoint of a recomputed MLP or its tiles (fc1 gathers in it)."""
     sp = cfg.sequence_parallel and tp > 1
-    _, recomputed = selective_recompute(cfg)
+    _, recomputed = selective_recompute(cfg, layer)
     return cfg.hidden_size / tp if sp and (cfg.is_moe_layer(layer) or recomputed) else cfg.hidden_size
 
 
@@ -274,7 +276,7 @@ def fp8_layer_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1
     ``mlp``, its tiles): its linears keep nothing."""
     if not cfg.fp8_layer(layer):
         return 0
-    _, mlp = selective_recompute(cfg, cp)
+    _, mlp = selective_recompute(cfg, layer, cp)
     h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
     glu = 2 if cfg.gated_linear_unit else 1
     # (input features per rank, output features per rank, 16-bit input freed).  The projection's input, the core's
@@ -336,7 +338,7 @@ def fp8_backward_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int 
     if not cfg.fp8_layer(layer):
         return 0
     h, ffn = cfg.hidden_size, cfg.ffn_hidden_size / tp
-    _, mlp = selective_recompute(cfg, cp)
+    _, mlp = selective_recompute(cfg, layer, cp)
     if cfg.is_moe_layer(layer):
         ffn, local = cfg.moe_ffn_hidden_size / etp, cfg.num_experts // ep
         routed = tokens * routed_tokens(cfg, tp, etp)
@@ -363,18 +365,45 @@ def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
     routed = routed_tokens(cfg, tp, etp)
     experts = routed * (2 * h + (ffn_tensors + 1) * cfg.moe_ffn_hidden_size / etp)
     shared = cfg.moe_shared_expert_intermediate_size
-    shared_expert = h + ffn_tensors * shared / tp if shared else 0
+    # under sequence parallelism the shared expert keeps its gathered input (else the router's, counted already)
+    shared_expert = (h if sp else 0) + ffn_tensors * shared / tp if shared else 0
     return experts + shared_expert
 
 
+def moe_rerun_elements(cfg, tp: int, etp: int, ep: int, kernels: DeviceKernels = CPU_KERNELS) -> float:
+    """What an MoE layer's forward holds near its end beyond the tensors it keeps, per token of the micro-batch
+    (``moe_layer``, ``token_dispatcher``, ``experts``), where a recomputed layer's rerun peaks, its gradient
+    waiting (under balanced routing, ``routed_tokens`` rows per token): the larger of
+    * the experts' outputs and their concatenation (two rows per routed token);
+    * over ETP, the reduce-scatter's rows received from every peer and their sum, beside the rows sent;
+    * un-permuting: the combined rows the layer still holds, the rows back from ETP / EP (this rank's ``k / tp``
+      per token) and the scatter-add's zeros and sum (``1 / tp`` per token);
+    with a shared expert, its output beside them (split under sequence parallelism); grouped experts on a device
+    that pads their groups (``DeviceKernels.padded_grouped_gemm``) their fc1's padded input throughout, beside the
+    rows it copies (balanced routing: no padding)."""
+    h, k = cfg.hidden_size, cfg.moe_router_topk
+    routed = routed_tokens(cfg, tp, etp)
+    back = k / tp * h
+    concat = 2 * routed * h
+    scatter = 2 * routed * h + back if etp > 1 else 0
+    unpermute = routed * h + (back if ep * etp > 1 else 0) + 2 / tp * h
+    sp = cfg.sequence_parallel and tp > 1
+    shared = (h / tp if sp else h) if cfg.moe_shared_expert_intermediate_size else 0
+    padded = routed * h if cfg.moe_grouped_gemm and kernels.padded_grouped_gemm else 0
+    return max(concat, scatter, unpermute) + shared + padded
+
+
 def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params_dtype: str, cp: int, etp: int,
-                              kept: float, scores: int, ep: int = 1, kernels: DeviceKernels = CPU_KERNELS) -> float:
+                              kept: float, scores: int, ep: int = 1, kernels: DeviceKernels = CPU_KERNELS,
+                              recomputed: bool = False) -> float:
     """The height of layer ``layer``'s own backward beyond the layers below it, which keep their sets: its kept
     set ``kept`` and the gradient flowing down the residual stream (one [s, b, h], two in attention's backward),
     then the larger of
     * the MLP's backward: one of its two ffn-wide gradients (the first is freed before the second is made);
       recomputed (selective ``mlp``, the MLP's tiles), the rerun's tensors too, one tile's at a time, beside the
-      tiles' input gradient;
+      tiles' input gradient; an MoE layer rerun (selective ``moe``, or the whole layer: ``recomputed``, its kept
+      set ``kept`` made again) its tensors and the larger of the rerun's transients (``moe_rerun_elements``) and
+      the experts' gradients;
     * attention's backward, the MLP's share freed by then (its tensors, its input and the norm's): the core's
       transients, the CP core's score blocks ``scores`` or the core's dq, dk and dv, and the math kernel's
       ``s x s`` gradient (``math_attention_bytes``; recomputed ``core_attn``: its output again, and what the math
@@ -382,7 +411,7 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
     s, b, h, a = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.num_attention_heads
     act = BYTES[params_dtype]
     sp = cfg.sequence_parallel and tp > 1
-    core, mlp = selective_recompute(cfg, cp)
+    core, mlp = selective_recompute(cfg, layer, cp)
     token = s * b * act
     glu = 2 if cfg.gated_linear_unit else 1
     if cfg.is_moe_layer(layer):
@@ -395,11 +424,14 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
     mlp_tensors = mlp_activation_elements(cfg, layer, tp, etp)
     # Measured: the MLP's backward peaks with its tensors and half its gradients (GELU: fc1's output, the
     # activation and the activation's gradient; the activation is freed before fc1's output gradient is made).
-    if mlp:
+    if cfg.is_moe_layer(layer) and (mlp or recomputed):
+        rerun = (mlp_tensors if mlp else 0) + max(moe_rerun_elements(cfg, tp, etp, ep, kernels), grads / 2)
+    elif mlp:
         tiles = max(1, cfg.mlp_sequence_tiles)
         # under sequence parallelism the rerun gathers its input again: the gathered input and the collective's
-        # staging copy (gloo), beside the reduce-scatter's (measured on 2 ranks: 0.87 of the peak without them)
-        rerun = (mlp_tensors + (3 * h if sp else 0) + grads / 2) / tiles + (h if tiles > 1 else 0)
+        # staging copy (gloo; measured on 2 ranks at the lowest of six passes, which a third buffer, gloo's
+        # threads freeing late, only sometimes joins)
+        rerun = (mlp_tensors + (2 * h if sp else 0) + grads / 2) / tiles + (h if tiles > 1 else 0)
     else:
         rerun = grads / 2
     mask = hidden_dropout_mask_bytes(cfg, tp, s * b, act, kernels)  # the MLP's freed first, then the attention's
@@ -489,12 +521,20 @@ def kv_heads_per_rank(cfg, tp: int) -> int:
 
 
 def check_recompute_planned(cfg) -> None:
-    """Refuse what the activation plan does not model: MoE layers with recomputation (the plan's rerun and kept
-    sets are the dense layer's)."""
-    if cfg.num_experts and cfg.recompute_granularity:
-        raise ConfigError(f"model.recompute_granularity={cfg.recompute_granularity!r} with model.num_experts: the "
-                          "activation plan does not model recomputed MoE layers yet; plan the config without "
-                          "recompute_granularity")
+    """Refuse what the activation plan does not model: recomputed MoE layers (full recomputation, selective
+    ``moe``) with the all-gather dispatcher or fp8 experts, whose reruns hold other transients than the
+    all-to-all dispatcher's 16-bit experts counted (``moe_rerun_elements``; planned they read 1.10-1.14 of the
+    measured peak)."""
+    selective = cfg.recompute_granularity == "selective" and "moe" in (cfg.recompute_modules or ())
+    if not cfg.num_experts or not (cfg.recompute_granularity == "full" or selective):
+        return
+    if cfg.moe_token_dispatcher_type == "allgather":
+        raise ConfigError("model.moe_token_dispatcher_type='allgather' with recomputed MoE layers: the activation "
+                          "plan does not model that dispatcher's rerun; plan it with 'alltoall' or without "
+                          "recomputing the MoE layers")
+    if cfg.fp8:
+        raise ConfigError(f"model.fp8={cfg.fp8!r} with recomputed MoE layers: the activation plan does not model "
+                          "fp8 experts' rerun; plan it without fp8 or without recomputing the MoE layers")
 
 
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
@@ -520,15 +560,13 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     sbh = s * b * h
     sp = cfg.sequence_parallel and tp > 1
     extra = 0
-    core_recomputed, mlp_recomputed = selective_recompute(cfg, cp)
-    if not core_recomputed:
+    if not selective_recompute(cfg, 0, cp)[0]:  # core_attn: every layer alike
         extra += math_attention_bytes(cfg, tp, b, s, act, kernels)[0]
     extra += 2 * hidden_dropout_mask_bytes(cfg, tp, s * b, act, kernels)  # the attention's and the MLP's
     extra += context_parallel_saved_bytes(cfg, tp, micro_batch, params_dtype, cp)
-    states = layer_checkpoints(cfg, tp, cp) * checkpoint_state_bytes(kernels)
-    extra += states
     per_layer = [layer_activation_elements(cfg, i, tp, etp, cp, b, kernels) * s * b * act + extra
-                 + fp8_layer_bytes(cfg, i, tp, s * b, act, cp, etp, ep) for i in layers]
+                 + fp8_layer_bytes(cfg, i, tp, s * b, act, cp, etp, ep) + checkpoint_rng_bytes(cfg, i, tp, cp, kernels)
+                 for i in layers]
     backward_start = weight_grad = 0
     if logits:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, tp)
@@ -552,9 +590,9 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         mtp = sum((3 * norm + 3 * h + layer_activation_elements(cfg, cfg.num_layers + k, tp, etp, cp, b, kernels))
                   * s * b * act
                   + extra + fp8_layer_bytes(cfg, cfg.num_layers + k, tp, s * b, act, cp, etp, ep)
-                  for k in range(depths))
+                  + checkpoint_rng_bytes(cfg, cfg.num_layers + k, tp, cp, kernels) for k in range(depths))
         other_heads = 0 if tiled else depths * one_head * 4  # the loss keeps fp32 logits (16-bit ones freed)
-        loss_checkpoints = cfg.loss_sequence_tiles * checkpoint_state_bytes(kernels, tracker=False) if tiled else 0
+        loss_checkpoints = cfg.loss_sequence_tiles * kernels.rng_state_bytes if tiled else 0  # the default generator's
         backward_start = head + mtp + other_heads + max(loss_phase, weight_phase) + loss_checkpoints
     # Context parallelism: the core's score blocks, made in a layer's attention (the head's tensors gone by then
     # in backward), planned beside every layer's activations.
@@ -573,20 +611,28 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     # gradients (by then the later layers' backward is done); with MLP tiles, the set's backward as a layer's
     # without full recomputation (one tile's rerun at a time), beside the tied output layer's weight gradient.
     recomputed = [j for j in range(L) if cfg.recomputes_layer(j)]
-    inputs = len(recomputed) * (sbh / (tp if sp else 1) * act + checkpoint_state_bytes(kernels) + states)
+    nested = {j: checkpoint_rng_bytes(cfg, layers[j], tp, cp, kernels) for j in recomputed}
+    inputs = sum(sbh / (tp if sp else 1) * act + CHECKPOINT_RNG_STATES * kernels.rng_state_bytes + nested[j]
+                 for j in recomputed)
     ffn = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
-    if not recomputed:
+    dense = [j for j in recomputed if not cfg.is_moe_layer(layers[j])]
+    if not dense:
         one_layer = 0
     elif cfg.mlp_sequence_tiles > 1:
-        one_layer = max(layer_backward_peak_bytes(cfg, layers[j], tp, b, params_dtype, cp, etp, per_layer[j] - states,
-                                                  0, ep, kernels) for j in recomputed) + tied
+        one_layer = max(layer_backward_peak_bytes(cfg, layers[j], tp, b, params_dtype, cp, etp,
+                                                  per_layer[j] - nested[j], 0, ep, kernels) for j in dense) + tied
     else:
         one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp, etp, ep, kernels)
-                        for j in recomputed) + 2 * ffn / tp * s * b * act
+                        for j in dense) + 2 * ffn / tp * s * b * act
     kept = sum(n for j, n in enumerate(per_layer) if j not in recomputed)
     if kept_only:
         return int(inputs + kept)
-    return int(inputs + max(backward_start + kept, one_layer + scores, kept + scores))
+    # An MoE layer's backward as a kept one's (the rerun made its set again, the later layers' backward done),
+    # the tied output layer's weight gradient waiting beside it.
+    moe_peak = max((layer_backward_peak_bytes(cfg, layers[j], tp, b, params_dtype, cp, etp, per_layer[j], scores, ep,
+                                              kernels, recomputed=True) + tied
+                    for j in recomputed if j not in dense), default=0)
+    return int(inputs + max(backward_start + kept, one_layer + scores, kept + scores, moe_peak))
 
 
 def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, layers: Sequence[int],

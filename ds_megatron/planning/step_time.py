@@ -269,7 +269,7 @@ class _Pricer:
         fwd.add("tp_comm", 4 * tp_one if self.sp else 2 * tp_one)
         b.add("tp_comm", 4 * tp_one if self.sp else 2 * tp_one)
         # Recomputation's extra forward, charged to B (it runs right before the layer's backward).
-        core, mlp = selective_recompute(cfg, cp)
+        core, mlp = selective_recompute(cfg, index, cp)
         if recomputed:
             rerun = Cost()
             rerun.merge(fwd)

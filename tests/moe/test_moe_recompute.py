@@ -128,17 +128,37 @@ def test_unbuilt_recompute_modules_are_refused(modules, entry):
     assert entry in str(err.value) and "\n" not in str(err.value)
 
 
-def test_the_plan_and_cuda_graphs_refuse_recomputed_moe_layers_in_one_line():
-    """What is not built for recomputed MoE layers is refused at start: the activation plan, graph capture."""
+def test_the_plan_and_cuda_graphs_refuse_what_they_do_not_model_of_recomputed_moe_layers_in_one_line():
+    """What is not built for recomputed MoE layers is refused at start: graph capture; the activation plan with the
+    all-gather dispatcher or fp8 experts (the all-to-all dispatcher's 16-bit experts are planned:
+    tests/optimizer/test_planning.py)."""
     from ds_megatron.config.cuda_graph import CudaGraphConfig
     from ds_megatron.planning import activation_bytes
     graphs = CudaGraphConfig(impl="transformer_engine", scope=["attn", "moe_router"])
     for recompute in ("full", "moe", "block"):
         cfg = moe_config(**RECOMPUTE[recompute])
-        for check, field in ((lambda: activation_bytes(cfg, 1, 1, "fp32"), "model.recompute_granularity"),
-                             (lambda: graphs.check_moe_settings(cfg), "cuda_graph.impl")):
+        activation_bytes(cfg, 1, 1, "fp32")
+        for check, field in ((lambda: graphs.check_moe_settings(cfg), "cuda_graph.impl"),
+                             (lambda: activation_bytes(moe_config(moe_token_dispatcher_type="allgather",
+                                                                  **RECOMPUTE[recompute]), 1, 1, "fp32"),
+                              "model.moe_token_dispatcher_type"),
+                             (lambda: activation_bytes(moe_config(fp8="e4m3", **RECOMPUTE[recompute]), 1, 1,
+                                                       "bf16"), "model.fp8")):
             with pytest.raises(ConfigError) as err:
                 check()
             assert field in str(err.value) and "\n" not in str(err.value), recompute
     graphs.check_moe_settings(moe_config(recompute_granularity="selective"))  # core_attn: MoE layers not rerun
+    activation_bytes(moe_config(fp8="e4m3", recompute_granularity="selective"), 1, 1, "bf16")
     activation_bytes(moe_config(), 1, 1, "fp32")
+
+
+def test_the_communication_plan_refuses_the_reruns_of_moe_layers_in_one_line():
+    """A recomputed MoE layer's rerun exchanges its tokens again, which the bytes on the wire do not count: refused
+    (``ds-megatron plan`` prints the memory and says why the bytes are not planned)."""
+    from ds_megatron.planning import plan_comm_volume
+    layout = ParallelLayout(world_size=2, ep=2)
+    for recompute in ("full", "moe", "block"):
+        with pytest.raises(ConfigError) as err:
+            plan_comm_volume(moe_config(**RECOMPUTE[recompute]), layout, "fp32", 1, 1)
+        assert "model.recompute_granularity" in str(err.value) and "\n" not in str(err.value), recompute
+    plan_comm_volume(moe_config(recompute_granularity="selective"), layout, "fp32", 1, 1)  # core_attn only
