@@ -2,8 +2,9 @@
 
 The one planning module that loads torch (inside its functions; ``plan`` stays torch-free otherwise): the cores
 the ranks share (``os.sched_getaffinity``); fp32 GEMM rates by shape and the bandwidth a copy streams through
-memory, each of one thread alone before the ranks start (the step-time model shares the cores out among the
-ranks computing at each moment of the schedule: ``Hardware.core_share``); gloo's all-reduce, all-gather,
+memory, one core's with every core of the box computing at once (one thread each, as a rank runs: they share the
+chip's memory bandwidth, caches and clock), before the ranks start (the step-time model shares the cores out
+among the ranks computing at each moment of the schedule: ``Hardware.core_share``); gloo's all-reduce, all-gather,
 reduce-scatter, all-to-all and send/recv between local ranks, each fitted to ``latency + bus bytes / bus
 bandwidth`` from a small and a large message (bus bytes as ``comm_volume`` counts them); and how much of an
 all-reduce started asynchronously a GEMM running meanwhile hides (``comm_overlap``).
@@ -15,7 +16,7 @@ import json
 import os
 import socket
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from .hardware import Hardware, load_hardware
@@ -35,14 +36,18 @@ def _best_of(fn, repeats: int) -> float:
     return best
 
 
-def measure_gemms(sizes: Sequence[int] = GEMM_SIZES, repeats: int = 5) -> List[List[float]]:
-    """``[m, n, k, flop/s]`` of fp32 ``torch.mm`` at each cube size, and the thin shapes of a layer's GEMMs."""
+def measure_gemms(sizes: Sequence[int] = GEMM_SIZES, repeats: int = 5,
+                  together: Optional[Callable[[], Any]] = None) -> List[List[float]]:
+    """``[m, n, k, flop/s]`` of fp32 ``torch.mm`` at each cube size, and the thin shapes of a layer's GEMMs;
+    ``together``: called before each shape (a barrier, so that every core measures the same shape at once)."""
     import torch  # the measurement needs torch; the rest of planning does not
     rows = []
     shapes = [(s, s, s) for s in sizes] + [(4 * s, s, s) for s in sizes[:-1]]
     for m, n, k in shapes:
         a, b = torch.randn(m, k), torch.randn(k, n)
         torch.mm(a, b)
+        if together is not None:
+            together()
         seconds = _best_of(lambda: torch.mm(a, b), repeats)
         rows.append([m, n, k, 2.0 * m * n * k / seconds])
     return rows
@@ -152,8 +157,8 @@ def box_cores() -> int:
 
 def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
                   collectives: Dict[str, Dict[str, float]], ranks: int, overlap: float, cores: int) -> Hardware:
-    """The ``cpu`` profile of these measurements (``gemms`` and ``memory_bandwidth`` of one thread alone on a
-    core), written to ``path`` as ``--hardware`` reads it."""
+    """The ``cpu`` profile of these measurements (``gemms`` and ``memory_bandwidth``: one core's while every core
+    computes), written to ``path`` as ``--hardware`` reads it."""
     peak = max(row[3] for row in gemms)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
     doc = {"name": "cpu", "peak_flops": {"fp32": peak}, "hbm_bytes_per_s": memory_bandwidth,
@@ -166,6 +171,32 @@ def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
     return load_hardware(path)  # read back as --hardware will, so a bad profile fails here
+
+
+def _core_main(barrier, queue) -> None:
+    """One of the box's cores, all measuring at once: a core's GEMM rates and copy bandwidth while the others work
+    too (they share the chip's memory bandwidth, caches and clock)."""
+    import torch
+    torch.set_num_threads(1)
+    gemms = measure_gemms(together=barrier.wait)
+    barrier.wait()
+    queue.put((gemms, measure_memory_bandwidth()))
+
+
+def measure_busy_cores(cores: int) -> Tuple[List[List[float]], float]:
+    """``measure_gemms`` and ``measure_memory_bandwidth`` on each of ``cores`` single-threaded processes at once;
+    each figure the mean over the cores (one core's rate while every core computes)."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(cores), ctx.Queue()
+    procs = [ctx.Process(target=_core_main, args=(barrier, queue)) for _ in range(cores)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    gemms = [row[:3] + [sum(r[0][i][3] for r in results) / cores] for i, row in enumerate(results[0][0])]
+    return gemms, sum(r[1] for r in results) / cores
 
 
 def _rank_main(rank: int, ranks: int, port: int, queue) -> None:
@@ -181,17 +212,12 @@ def _rank_main(rank: int, ranks: int, port: int, queue) -> None:
 
 
 def calibrate(path: str, ranks: int = 4, port: Optional[int] = None) -> Hardware:
-    """Measure this box (one thread alone, then ``ranks`` local gloo ranks) and write the profile to ``path``."""
-    import torch
+    """Measure this box (every core computing at once, then ``ranks`` local gloo ranks) and write the profile to
+    ``path``."""
     import torch.multiprocessing as mp
     if not 2 <= ranks <= 4:
         raise ConfigError(f"--calibrate-ranks {ranks}: measure with 2 to 4 local ranks")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a rank's rate: one thread, as each rank runs
-    try:
-        gemms, bandwidth = measure_gemms(), measure_memory_bandwidth()
-    finally:
-        torch.set_num_threads(threads)
+    gemms, bandwidth = measure_busy_cores(box_cores())
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     if port is None:

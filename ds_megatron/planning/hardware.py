@@ -28,7 +28,7 @@ NCCL moves bytes on its own SMs and copy engines; ``--calibrate`` measures it on
 GEMMs share the same cores.
 
 ``cores``: the cores every rank of a one-node CPU job shares (``--calibrate`` reads ``os.sched_getaffinity``).
-Its GEMM and memory rates are one rank's alone on a core; while ``k`` ranks compute, each runs at
+Its GEMM and memory rates are one rank's on a core while every core computes; while ``k`` ranks compute, each runs at
 ``core_share(k)`` of them, ``min(1, cores / k)`` (the scheduler time-slices the cores among the ranks that
 compute; a rank waiting for a message or in a collective sleeps).  ``None``: a device per rank (the GPUs), and
 the ``cpu`` profiles written before the field, whose rates were measured with every rank computing at once.
