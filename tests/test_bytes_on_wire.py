@@ -25,7 +25,9 @@ to it and bounded:
   probabilities (one float per row of the dispatch, 1/(2h) of the rows' bytes) and
   the all-gather of the per-expert counts.  The plan's MoE formula (balanced routing)
   is held to steps whose routers send every token to experts 0 and 2, one on each EP
-  rank, so that each rank receives the rows it sends.
+  rank, so that each rank receives the rows it sends.  A recomputed MoE layer (full,
+  block, selective ``moe``) reruns its forward up to un-permuting's scatter-add: its
+  shared expert, router reductions, counts, dispatch and combine once more.
 
 * Context parallelism (ring, ``cp_comm_type "p2p"``): per layer each rank sends cp-1
   K/V blocks (2*b*(s/cp)*kv_heads*d, in the model's dtype) forward, and backward
