@@ -25,7 +25,9 @@ to it and bounded:
   probabilities (one float per row of the dispatch, 1/(2h) of the rows' bytes) and
   the all-gather of the per-expert counts.  The plan's MoE formula (balanced routing)
   is held to steps whose routers send every token to experts 0 and 2, one on each EP
-  rank, so that each rank receives the rows it sends.
+  rank, so that each rank receives the rows it sends.  A recomputed MoE layer (full,
+  block, selective ``moe``) reruns its forward up to un-permuting's scatter-add: its
+  shared expert, router reductions, counts, dispatch and combine once more.
 
 * Context parallelism (ring, ``cp_comm_type "p2p"``): per layer each rank sends cp-1
   K/V blocks (2*b*(s/cp)*kv_heads*d, in the model's dtype) forward, and backward
@@ -350,6 +352,10 @@ PLAN_CASES = {  # name: (ranks, megatron section, precision section, model optio
     "tp2-mtp2": (2, {"tensor_model_parallel_size": 2}, {}, {"mtp_num_layers": 2}),
     "tp2-sp-mtp1": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {},
                     {"mtp_num_layers": 1, "sequence_parallel": True}),
+    # full recomputation by "block" (the first layer): the multi-token-prediction layer is recomputed whole too
+    "tp2-sp-mtp1-block-recompute": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {},
+                                    {"mtp_num_layers": 1, "sequence_parallel": True, "recompute_granularity": "full",
+                                     "recompute_method": "block", "recompute_num_layers": 1}),
     "tp2-cp2-sp-dp": (4, {"tensor_model_parallel_size": 2, "context_parallel_size": 2, "sequence_parallel": True},
                       {}, {"sequence_parallel": True}),
     # fp8 tensorwise: each linear's amaxes over TP (input and weight forward, output gradient backward); with
@@ -481,6 +487,36 @@ MOE_PLAN_CASES = {  # name: (ranks, megatron section, precision section, model o
     # the allgather dispatcher moves the same bytes whatever the routing: not forced
     "ep2-allgather": (2, {"expert_model_parallel_size": 2}, {},
                       dict(MOE, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=1e-2)),
+    # Recomputed MoE layers rerun their forward to the un-permuting scatter-add (torch's checkpoint stops at its
+    # saved indices): the shared expert, the router's reductions, the counts, the dispatch and the combine again.
+    # Whole layers under SP (ETP 2, the gated shared expert's gather and reduce-scatter, the sequence-wise loss)
+    "ep2-tp2-sp-etp2-full-recompute-bf16": (4, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
+                                                "sequence_parallel": True}, BF16_ON,
+                                            dict(MOE, sequence_parallel=True, moe_add_bias_linear=True,
+                                                 moe_router_load_balancing_type="seq_aux_loss",
+                                                 moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3,
+                                                 moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True,
+                                                 recompute_granularity="full")),
+    # without SP under hidden dropout (its mask saved after the MLP): the whole layer, the output's TP gather too
+    "ep2-tp2-etp1-full-recompute-dropout": (4, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
+                                                "expert_tensor_parallel_size": 1}, {},
+                                            dict(DEEPSEEK, hidden_dropout=0.1, recompute_granularity="full")),
+    # selective: "moe" the MoE layer (no shared expert), "mlp" the dense first layer's MLP alone
+    "ep2-tp2-sp-selective-mlp-moe": (4, {"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2,
+                                         "sequence_parallel": True}, {},
+                                     dict(MOE, moe_layer_freq=[0, 1], sequence_parallel=True, moe_aux_loss_coeff=1e-2,
+                                          moe_add_bias_linear=True, recompute_granularity="selective",
+                                          recompute_modules=["core_attn", "mlp", "moe", "layernorm"])),
+    # block 1: the MoE first layer rerun (the global loss's counts over dp again), the dense second not
+    "ep2-global-aux-block-recompute-moe-first": (2, {"expert_model_parallel_size": 2}, {},
+                                                 dict(DEEPSEEK, moe_layer_freq=[1, 0],
+                                                      moe_router_load_balancing_type="global_aux_loss",
+                                                      recompute_granularity="full", recompute_method="block",
+                                                      recompute_num_layers=1)),
+    # the allgather dispatcher's rerun gathers again, and stops before the output's reduce-scatter
+    "ep2-allgather-selective-moe": (2, {"expert_model_parallel_size": 2}, {},
+                                    dict(MOE, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=1e-2,
+                                         recompute_granularity="selective", recompute_modules=["moe"])),
 }
 
 
@@ -492,7 +528,7 @@ def test_the_plans_formula_is_what_a_moe_step_moves(name):
     distopt = megatron.get("use_distributed_optimizer", False)
     chosen = None if model.get("moe_token_dispatcher_type") == "allgather" else (0, 2)
     for records, info in run_on_ranks(ranks, _step_records, megatron, precision, model, 1, chosen, b):
-        planned, = plan_comm_volume(GPTConfig(**MODEL, **model), info["layout"], "bf16" if precision else "fp32",
+        planned, = plan_comm_volume(GPTConfig(**{**MODEL, **model}), info["layout"], "bf16" if precision else "fp32",
                                     micro_batch=b, distributed_optimizer=distopt)
         padding = (F32 + BF16) / 2 if distopt else 0.0  # dp = edp = 2 here
         _check_plan(_measured_by_kind(records), planned, 64 * info["buffered_params"] + 128, padding)
@@ -504,8 +540,7 @@ def test_the_moe_plan_refuses_what_it_cannot_count():
     from ds_megatron.planning.comm_volume import plan_comm_volume
     layout = ParallelLayout(world_size=2, ep=2)
     for extra, field in [({"moe_capacity_factor": 1.0}, "model.moe_capacity_factor=1.0"),
-                         ({"fp8": "e4m3"}, "model.fp8='e4m3'"),
-                         ({"recompute_granularity": "full"}, "model.recompute_granularity='full'")]:
+                         ({"fp8": "e4m3"}, "model.fp8='e4m3'")]:
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             plan_comm_volume(GPTConfig(**MODEL, **MOE, **extra), layout)
     assert plan_comm_volume(GPTConfig(**MODEL, **MOE), layout)[0].bus_bytes["ep"] > 0

@@ -26,10 +26,11 @@ KEY = ("tp", "pp", "vpp", "cp", "cp_comm_type", "ep", "dp", "micro_batch", "reco
 def _key(layout_or_choice):
     """A layout's sizes and settings (a search result's, or an enumerated choice's)."""
     if isinstance(layout_or_choice, dict):
-        inner = layout_or_choice["cp_inner"]
-        return tuple(layout_or_choice[k] for k in KEY) + (None if inner is None else (inner, layout_or_choice["cp"]
-                                                                                       // inner),)
-    return tuple(getattr(layout_or_choice, k) for k in KEY) + (layout_or_choice.hierarchical_context_parallel_sizes,)
+        inner, etp = layout_or_choice["cp_inner"], layout_or_choice["etp"]
+        return tuple(layout_or_choice[k] for k in KEY) + (etp if etp is not None else layout_or_choice["tp"],) + (
+            None if inner is None else (inner, layout_or_choice["cp"] // inner),)
+    return tuple(getattr(layout_or_choice, k) for k in KEY) + (layout_or_choice.etp,) + (
+        layout_or_choice.hierarchical_context_parallel_sizes,)
 
 
 def _brute_force(base, world, hw, gpus_per_node, batch):
@@ -72,6 +73,29 @@ def test_search_returns_the_brute_force_ranking():
         if limit < 10:
             assert result.evaluated < len(everything) / 2, "the bounds pruned too little"
     assert any(row[2][-1] for row in reference), "no hierarchical CP among the layouts"
+
+
+MOE_BASE = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "megatron": {"model": dict(BASE["megatron"]["model"], num_experts=4, moe_router_topk=2,
+                                       moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=64)}}
+
+
+def test_search_ranks_recomputed_moe_layers_as_the_brute_force():
+    """An MoE model on 2 GPUs: full and selective ``moe`` recomputation are searched beside none and ``core_attn``,
+    and the list, with a memory that keeps some of each, is the brute force's to the bit."""
+    everything = _brute_force(MOE_BASE, 2, dataclasses.replace(H100, memory_bytes=1e15), 2, 4)
+    kinds = {row[2][KEY.index("recompute")] for row in everything}
+    assert kinds == {"none", "selective", "selective_moe", "full"}, kinds
+    peaks = sorted(row[1] for row in everything)
+    hw = dataclasses.replace(H100, memory_bytes=peaks[len(peaks) // 2])
+    reference = [row for row in everything if row[1] <= hw.memory_bytes]
+    assert {row[2][KEY.index("recompute")] for row in reference} >= {"selective_moe", "full"}
+    result = search_layouts(MOE_BASE, 2, hw, gpus_per_node=2, global_batch=4, limit=10 ** 6)
+    got = [(x.step_time_s, x.peak_memory_gib * 2 ** 30, _key(x)) for x in result.layouts]
+    assert [row[0] for row in got] == [row[0] for row in reference]
+    by_key = {row[2]: row for row in reference}
+    for step, peak, key in got:
+        assert by_key[key][0] == step and by_key[key][1] == pytest.approx(peak, rel=1e-15), key
 
 
 def _phases(costs):

@@ -150,6 +150,45 @@ def test_moe_exchange_is_the_ep_all_to_all_and_the_etp_gather_and_scatter_by_han
     assert step.breakdown["moe_comm_s"] == pytest.approx(L * 2 * per_way, rel=1e-12)
 
 
+def test_recomputed_moe_layer_reruns_its_experts_shared_expert_and_exchanges_by_hand():
+    """Selective ``moe`` at TP 2 + SP, EP 2, ETP 2 (4 GPUs of one node), top-2 of 4 experts and a shared expert: B
+    of each MoE layer carries the layer's rerun, every GEMM of the router, the local experts (fc1 and fc2) and the
+    shared expert, its memory-bound work, the forward's exchange (two all-to-alls over EP, an ETP all-gather and
+    reduce-scatter) and the shared expert's TP gather and reduce-scatter, priced on the A100 by hand.  A whole
+    layer recomputed reruns its forward up to its last saved tensor (un-permuting's indices): all of it but the
+    bias-dropout-add after the MLP; without SP or a shared expert, less the TP reduction the forward is priced
+    beyond attention's."""
+    a, T, t, k, E, ffn, shared = 2, S, 2, 2, 4, 256, 256
+    cfg = _model(num_experts=E, moe_ffn_hidden_size=ffn, moe_router_topk=k, add_bias_linear=False,
+                 sequence_parallel=True, moe_shared_expert_intermediate_size=shared,
+                 recompute_granularity="selective", recompute_modules=["moe"])
+    run = Run(cfg, ParallelLayout(world_size=4, tp=2, ep=2, etp=2), "bf16", 1, 1)
+
+    def one(bus):
+        return 2e-6 + bus / (300e9 * LINK_EFFICIENCY)  # one step of a 2-rank collective inside the node
+    routed, width = T * k * 2 // t, ffn // 2  # rows the rank's experts take (ETP-gathered), fc1's rows per rank
+    gemms = (A100.gemm_time(T // t, E, H, "bf16") + A100.gemm_time(routed / 2, width, H, "bf16", batch=2)
+             + A100.gemm_time(routed / 2, H, width, "bf16", batch=2) + A100.gemm_time(T, shared // t, H, "bf16")
+             + A100.gemm_time(T, H, shared // t, "bf16"))
+    memory = A100.memory_time(routed * 2 * width * a + 4 * routed * H * a + T * 2 * (shared // t) * a)
+    exchange = 2 * one(routed // 2 * H * a / 2) + 2 * one(routed * H * a / 2)
+    shared_tp = 2 * one(T * H * a / 2)
+    step = plan_step_time(run, A100, gpus_per_node=8)
+    assert step.breakdown["recompute_s"] == pytest.approx(L * (gemms + memory + exchange + shared_tp), rel=1e-12)
+    # Whole layers: the forward less the MLP's bias-dropout-add (SP: this rank's rows); with a shared expert under
+    # SP the rerun's TP traffic is the forward's (attention's and the shared expert's gathers and scatters).
+    for sp, extra in [(True, dict(moe_shared_expert_intermediate_size=shared)), (False, {})]:
+        full = _model(num_experts=E, moe_ffn_hidden_size=ffn, moe_router_topk=k, add_bias_linear=False,
+                      sequence_parallel=sp, recompute_granularity="full", **extra)
+        pricer = _Pricer(Run(full, run.layout, "bf16", 1, 1), A100, 8)
+        forward = pricer.layer(0, False)[0].total
+        rerun = pricer.layer(0, True)[1].parts["recompute"]
+        tail = A100.memory_time((T // t if sp else T) * 3 * H * a)
+        # without SP the forward is priced two all-reduces (2 steps, bus 2 x (n-1)/n of T h), the rerun one
+        second = 0.0 if sp else 2 * 2e-6 + T * H * a / (300e9 * LINK_EFFICIENCY)
+        assert rerun == pytest.approx(forward - tail - second, rel=1e-12), sp
+
+
 def test_hierarchical_cp_exchange_by_hand():
     """CP 4 as a2a+p2p [2, 2] (one node): per layer, forward an all-to-all over 2 ranks of the rank's Q, K and V
     heads (64 tokens, 8 + 8 heads of 64 + 64 widths, bf16) and one ring step of its K and V; backward the

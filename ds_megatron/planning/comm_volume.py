@@ -78,9 +78,13 @@ element in the params dtype):
   ``dp``.  Expert gradients are reduced over ``edp`` as the dense ones over
   ``dp-cp`` (distributed optimizer: reduce-scatter and all-gather), and the
   optimizer's float64 goes over the expert-model-parallel group too when its
-  ranks differ.  Token dropping (``moe_capacity_factor``), fp8 and
-  recomputed MoE layers (full, selective ``moe``: their reruns' exchanges)
-  are refused (MLP tiles the config refuses with MoE).
+  ranks differ.  A recomputed MoE layer (full, selective ``moe``) reruns its
+  forward to the un-permuting scatter-add (``MoEReruns``): the shared expert,
+  the router's reductions, the counts, the dispatch and the combine again (the
+  all-gather dispatcher's gathers, not its output's reduce-scatter).  Token
+  dropping (``moe_capacity_factor``) and fp8 are refused (MLP tiles the config
+  refuses with MoE).  Under ``"full"`` a multi-token-prediction layer is
+  recomputed whole whatever ``recompute_method`` says (its owner applies none).
 
 ``tests/test_bytes_on_wire.py`` counts the collectives of real steps and holds
 them to these figures; ``launch/bench/bench_vs_peers.py`` prints both.
@@ -169,8 +173,10 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     out = []
     for stage, chunks in enumerate(rank_chunks):
         layers = [i for chunk in chunks for i in chunk]
-        recomputed = sum(cfg.recomputes_layer(i) for chunk in chunks for i in range(len(chunk)))
         first, last = stage == 0, stage == pp - 1
+        # a multi-token-prediction layer is recomputed whole under "full" (its owner applies no recompute_method)
+        mtp_full = depths if last and cfg.recompute_granularity == "full" else 0
+        recomputed = sum(cfg.recomputes_layer(i) for chunk in chunks for i in range(len(chunk)))
         counts = gpt_param_counts(cfg, t, layout.ep, layout.etp, layers=layers, first_stage=first, last_stage=last)
         m, n_layers = micro_batches, len(layers)
         vol: Dict[str, float] = {}
@@ -212,7 +218,8 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         # and its MLP's as far as _full_rerun_mlp says (untiled: both, the rerun stops at fc2's saved fp8 copies), a
         # recomputed or tiled MLP its two (each tile's, in a recomputed layer too).  A replicated
         # linear's weight is never an fp8 parameter: its forward reduces both amaxes.
-        fp8_full = sum(cfg.recomputes_layer(j) and cfg.fp8_layer(i) for chunk in chunks for j, i in enumerate(chunk))
+        fp8_full = (sum(cfg.recomputes_layer(j) and cfg.fp8_layer(i) for chunk in chunks for j, i in enumerate(chunk))
+                    + (sum(cfg.fp8_layer(i) for i in mtp_layers) if mtp_full else 0))
         n = fp8_layers if fp8_linears else 0
         calls = n * (len(attention) + 2 * tiles)
         reruns = (fp8_full * (len(attention) + rerun_linears) + (n * 2 * tiles if selective_mlp else 0)) if n else 0
@@ -234,11 +241,11 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             rerun = 2 * g + (g if rerun_mlp is None else 2 * g * rerun_mlp)
             layer_bytes = n_layers * 8 * g + recomputed * rerun + (n_layers * g if selective_mlp else 0)
             ends = (ar + g) * first + 2 * g * last
-            mtp = depths * ((ar + g) + 6 * g + 8 * g + 2 * g + (g if selective_mlp else 0))
+            mtp = depths * ((ar + g) + 6 * g + 8 * g + 2 * g + (g if selective_mlp else 0)) + mtp_full * rerun
         else:
             layer_bytes = n_layers * 4 * ar + recomputed * ar * (1 + (rerun_mlp or 0))
             ends = ar * (first + last)
-            mtp = depths * (ar + 2 * ar + g + 4 * ar + ar)
+            mtp = depths * (ar + 2 * ar + g + 4 * ar + ar) + mtp_full * ar * (1 + (rerun_mlp or 0))
         add("tp", m * (layer_bytes + ends + (mtp if last else 0)))
         if last:  # the cross entropy: the max, then the target logit and the sum of exponentials, in fp32
             add("tp", m * (1 + depths) * loss_passes * _all_reduce(t, 3 * s * b * F32))
@@ -299,8 +306,14 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
             add("embedding", _all_reduce(2, (vocab // t * h + (cfg.seq_length * h if depths and learned else 0))
                                          * F32))
         if cfg.num_experts:
+            # MoE layers rerun in backward: recomputed whole (a multi-token-prediction layer always is, under
+            # "full": its owner applies no recompute_method), or selective "moe"
+            full_moe = (sum(cfg.recomputes_layer(j) and cfg.is_moe_layer(i) for chunk in chunks
+                            for j, i in enumerate(chunk))
+                        + (sum(cfg.is_moe_layer(i) for i in mtp_layers) if cfg.recompute_granularity == "full" else 0))
+            reruns = MoEReruns(full_moe, rerun_mlp is not None, selective_mlp)
             for kind, nbytes in _moe_bus_bytes(cfg, layout, layers + mtp_layers, micro_batch, m, a, counts.expert,
-                                               distributed_optimizer).items():
+                                               distributed_optimizer, reruns).items():
                 add(kind, nbytes)
         holders = t * pp * (dp * cp if distributed_optimizer else 1)
         add("optimizer", _all_reduce(holders, F64))
@@ -319,22 +332,39 @@ def _check_moe(cfg) -> None:
     if cfg.fp8 is not None:
         raise ConfigError(f"model.fp8={cfg.fp8!r} with num_experts: the communication plan does not count the "
                           "experts' fp8 amax reductions; plan the MoE model without fp8")
-    if cfg.recompute_granularity == "full" or (cfg.recompute_granularity == "selective"
-                                               and "moe" in (cfg.recompute_modules or ())):
-        raise ConfigError(f"model.recompute_granularity={cfg.recompute_granularity!r} reruns the MoE layers: the "
-                          "communication plan does not count the reruns' dispatcher exchanges; plan the bytes on "
-                          "the wire without recomputing the MoE layers")
+
+
+@dataclass(frozen=True)
+class MoEReruns:
+    """What a stage's MoE layers rerun in backward, beside what the dense count gives them: ``full``, how many are
+    recomputed whole; ``through``, whether that rerun goes past the layer's MLP (a tensor saved after it:
+    ``_full_rerun_mlp``); ``dense_mlp``, whether the dense count reran every layer's MLP (selective ``mlp``, which
+    leaves MoE layers alone)."""
+
+    full: int = 0
+    through: bool = False
+    dense_mlp: bool = False
 
 
 def _moe_bus_bytes(cfg, layout, layers: Sequence[int], b: int, m: int, a: int, expert_params: int,
-                   distributed_optimizer: bool) -> Dict[str, float]:
+                   distributed_optimizer: bool, reruns: MoEReruns = MoEReruns()) -> Dict[str, float]:
     """The MoE layers' bus bytes per step on a rank holding ``layers`` (its decoder and MTP layers), by group kind,
     for balanced routing (see the module docstring); ``tp`` here is the change from counting every layer's MLP
-    as dense."""
+    as dense.
+
+    A rerun MoE layer (``reruns``) runs its forward again up to the last tensor its backward needs, the
+    un-permuting scatter-add's indices (torch's checkpoint stops there): the shared expert whole, the router's
+    reductions, and with the ``alltoall`` dispatcher the counts' gathers, the dispatch and the combine (the
+    forward's half of the exchanges); with ``allgather`` the gathers of the tokens, their weights and routing
+    map, not the output's reduce-scatter, which follows the scatter-add; without sequence parallelism the
+    output's gather over TP only where the rerun goes past the layer."""
     t, ep, etp = layout.tp, layout.ep, layout.etp
     s, h, E, k = cfg.seq_length // layout.cp, cfg.hidden_size, cfg.num_experts, cfg.moe_router_topk
     sp = cfg.sequence_parallel and t > 1
     n = sum(cfg.is_moe_layer(i) for i in layers)
+    selective = (sum(cfg.is_moe_layer(i) for i in layers) if cfg.recompute_granularity == "selective"
+                 and "moe" in (cfg.recompute_modules or ()) else 0)
+    reran = selective + reruns.full  # MoE forwards rerun per micro-batch
     out: Dict[str, float] = {}
 
     def add(kind: str, nbytes: float) -> None:
@@ -344,18 +374,30 @@ def _moe_bus_bytes(cfg, layout, layers: Sequence[int], b: int, m: int, a: int, e
     tokens = s * b // t  # the tokens this rank dispatches (its SP slice, or its share of the replicated ones)
     if cfg.moe_token_dispatcher_type == "allgather":
         g = etp * ep  # every token, its weights [E] and routing map (one byte each) gathered; back by reduce-scatter
-        add("etp-ep", m * n * (4 * _gather_or_scatter(g, g * tokens * h * a)
-                               + 2 * _gather_or_scatter(g, g * tokens * E * a) + _gather_or_scatter(g, g * tokens * E)))
+        rows = _gather_or_scatter(g, g * tokens * h * a)
+        weights, routing_map = _gather_or_scatter(g, g * tokens * E * a), _gather_or_scatter(g, g * tokens * E)
+        add("etp-ep", m * n * (4 * rows + 2 * weights + routing_map) + m * reran * (rows + weights + routing_map))
     else:
         rows = tokens * k  # sent, and under balanced routing received
-        moved = 4 * rows * h * a + 2 * rows * a  # hidden rows both ways, forward and backward; weights dispatched
-        add("ep", m * n * (_gather_or_scatter(ep, moved) + _gather_or_scatter(ep, ep * E * 8)))
-        add("etp", m * n * (_gather_or_scatter(etp, etp * moved) + _gather_or_scatter(etp, etp * ep * E * 8)))
+        forward = 2 * rows * h * a + rows * a  # hidden rows there and back; weights dispatched
+        counts = ep * E * 8
+        add("ep", m * (2 * n + reran) * _gather_or_scatter(ep, forward) + m * (n + reran) * _gather_or_scatter(
+            ep, counts))
+        add("etp", m * (2 * n + reran) * _gather_or_scatter(etp, etp * forward)
+            + m * (n + reran) * _gather_or_scatter(etp, etp * counts))
     # TP: the MLP's reductions are the shared expert's (or none); without SP the slices are gathered.
     sbh = s * b * h * a
-    mlp = 4 * _gather_or_scatter(t, sbh) if sp else 2 * _all_reduce(t, sbh)
-    scatter = 0.0 if sp else 2 * _gather_or_scatter(t, sbh) + _gather_or_scatter(t, s * b * E * a)
+    ar, gs = _all_reduce(t, sbh), _gather_or_scatter(t, sbh)
+    mlp = 4 * gs if sp else 2 * ar
+    scatter = 0.0 if sp else 2 * gs + _gather_or_scatter(t, s * b * E * a)
     add("tp", m * n * (scatter - (0 if cfg.moe_shared_expert_intermediate_size else mlp)))
+    # A rerun's TP: the shared expert's forward (SP: its input's gather and output's reduce-scatter), the output's
+    # gather (no SP) where a whole layer's rerun goes past it; less what the dense count gave a rerun MLP (its
+    # input's gather with SP, its whole forward past the MLP).
+    shared = (2 * gs if sp else ar) if cfg.moe_shared_expert_intermediate_size else 0.0
+    dense_full = (2 * gs if sp else ar) if reruns.through else (gs if sp else 0.0)
+    add("tp", m * (reran * shared + reruns.full * ((0.0 if sp else gs) * reruns.through - dense_full)
+                   - (n * gs if sp and reruns.dense_mlp else 0.0)))
     # The router's reductions over the sequence group, in its dtype (the loss values) or int64 / fp32 (counts).
     seq_kind, seq = ("tp-cp", t * layout.cp) if sp else ("cp", layout.cp)
     r = {None: a, "fp32": F32, "fp64": F64}[cfg.moe_router_dtype]
@@ -365,8 +407,8 @@ def _moe_bus_bytes(cfg, layout, layers: Sequence[int], b: int, m: int, a: int, e
         counts = b * E * F32 if balancing == "seq_aux_loss" else E * 8
         router += _all_reduce(seq, counts) + _all_reduce(seq, r)
         if balancing == "global_aux_loss":
-            add("dp", m * n * (_all_reduce(layout.dp, E * 8) + _all_reduce(layout.dp, r)))
-    add(seq_kind, m * n * router)
+            add("dp", m * (n + reran) * (_all_reduce(layout.dp, E * 8) + _all_reduce(layout.dp, r)))
+    add(seq_kind, m * (n + reran) * router)
     if cfg.moe_router_enable_expert_bias:  # once per step, all the stage's MoE layers' counts together
         add(seq_kind, _all_reduce(seq, n * E * F32))
         add("dp", _all_reduce(layout.dp, n * E * F32))

@@ -3,7 +3,8 @@
 Enumerated: TP (within a node, with sequence parallelism when above 1), CP and its type (``p2p``,
 ``all_gather``, ``a2a``, and hierarchical ``a2a+p2p`` with each split of CP into an all-to-all group of more
 than one and fewer than CP ranks and a ring over those groups), EP and ETP (``1`` or TP) for MoE models, PP, DP (the rest), the micro-batch, the
-recomputation (none, selective ``core_attn``, full), and per such group its variants: v chunks per rank
+recomputation (none, selective ``core_attn``, full; an MoE model's also ``selective_moe``: ``core_attn`` and
+``moe``, where the activation plan plans recomputed MoE layers), and per such group its variants: v chunks per rank
 (interleaved), ZB-H1 for one chunk, Megatron's uneven first / last stages (one layer fewer on each), the
 distributed optimizer.  Each variant is the user's config with these keys replaced, so it passes the config's
 own rules or is dropped (``parse_job_config``, ``MegatronConfig.layout``); it is kept when the plan's peak per
@@ -41,6 +42,16 @@ from .step_time import Run, _Pricer, plan_step_time, stage_phases
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 RECOMPUTE = ("none", "selective", "full")
+# An MoE model's selective recomputation of its MoE layers too (core_attn and moe), searched beside RECOMPUTE's
+SELECTIVE_MOE = "selective_moe"
+RECOMPUTE_SETTINGS = {"none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                                   recompute_modules=None),
+                      "selective": dict(recompute_granularity="selective", recompute_method=None,
+                                        recompute_num_layers=None, recompute_modules=None),
+                      SELECTIVE_MOE: dict(recompute_granularity="selective", recompute_method=None,
+                                          recompute_num_layers=None, recompute_modules=["core_attn", "moe"]),
+                      "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                                   recompute_modules=None)}
 CP_TYPES = ("p2p", "all_gather", "a2a")
 
 
@@ -123,10 +134,7 @@ def candidate_config(base: Dict, choice: Dict, global_batch: int, dp: int) -> Di
         model["cp_comm_type"] = choice["cp_comm_type"]
         if choice.get("cp_inner") is not None:
             mega["hierarchical_context_parallel_sizes"] = [choice["cp_inner"], choice["cp"] // choice["cp_inner"]]
-    if choice["recompute"] == "selective":
-        model["recompute_granularity"] = "selective"
-    elif choice["recompute"] == "full":
-        model.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    model.update({k: v for k, v in RECOMPUTE_SETTINGS[choice["recompute"]].items() if v is not None})
     doc.pop("train_batch_size", None)
     doc["train_micro_batch_size_per_gpu"] = choice["micro_batch"]
     doc["gradient_accumulation_steps"] = global_batch // (dp * choice["micro_batch"])
@@ -150,11 +158,12 @@ def _groups(job, world: int, gpus_per_node: int, global_batch: int) -> Iterator[
                     if model.num_experts:
                         experts = [(ep, etp) for ep in _divisors(model.num_experts) for etp in sorted({1, tp})
                                    if (world // pp) % (ep * etp) == 0]
+                    recomputes = RECOMPUTE + ((SELECTIVE_MOE,) if model.num_experts else ())
                     for ep, etp in experts:
                         for mb in MICRO_BATCHES:
                             if (global_batch // dp) % mb:
                                 continue
-                            for recompute in RECOMPUTE:
+                            for recompute in recomputes:
                                 yield dict(tp=tp, cp=cp, cp_comm_type=cp_type, cp_inner=cp_inner, ep=ep, etp=etp,
                                            pp=pp, dp=dp,
                                            micro_batch=mb, recompute=recompute, vpp=1, schedule="1f1b",
@@ -180,17 +189,13 @@ def _group_run(job, base: Run, group: Dict, world: int, global_batch: int, layou
     """The group's plain variant (one chunk, 1F1B, uniform stages, no distributed optimizer) as a ``Run``, through
     the model's and the layout's own rules (ConfigError or ValueError when they refuse it); the whole config's
     rules are checked for each variant planned in full."""
-    recompute = {"none": dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None),
-                 "selective": dict(recompute_granularity="selective", recompute_method=None,
-                                   recompute_num_layers=None),
-                 "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}
     model_key = (group["tp"] > 1, group["cp_comm_type"], group["recompute"])
     if model_key not in models:  # a few models for thousands of groups
         models[model_key] = dataclasses.replace(job.model, sequence_parallel=group["tp"] > 1,
-                                                cp_comm_type=group["cp_comm_type"], recompute_modules=None,
-                                                **recompute[group["recompute"]])
+                                                cp_comm_type=group["cp_comm_type"],
+                                                **RECOMPUTE_SETTINGS[group["recompute"]])
     model = models[model_key]
-    check_recompute_planned(model)
+    check_recompute_planned(model)  # recomputed MoE layers where the activation plan plans them
     key = (group["tp"], group["pp"], group["cp"], group["ep"], group["etp"])
     if key not in layouts:  # made once per sizes: a layout of 16,384 ranks checks its groups when made
         layouts[key] = ParallelLayout(world_size=world, tp=group["tp"], pp=group["pp"], cp=group["cp"],

@@ -17,9 +17,10 @@ Each rank's work per micro-batch and model chunk is priced on a ``planning.hardw
   ``comm_overlap`` share of what the core covers: ``exposed``), the all-gather and all-to-all variants exposed;
   MoE's all-to-all over EP and, with ETP, the all-gather and reduce-scatter of the routed tokens over ETP,
   exposed; each pipeline message delays its receiver;
-* recomputation's extra forward: a ``"full"`` layer's forward up to the MLP's input (torch's checkpoint stops
-  there; ``recompute_whole_layer``: Megatron-LM 2021's reentrant checkpoint reruns all of it), selective
-  ``core_attn`` the core, ``mlp`` the MLP;
+* recomputation's extra forward: a ``"full"`` layer's forward up to a dense MLP's fc2 input, an MoE layer's through
+  its experts, shared expert and exchanges (torch's checkpoint stops at the last tensor backward needs;
+  ``recompute_whole_layer``: Megatron-LM 2021's reentrant checkpoint reruns all of it), selective ``core_attn`` the
+  core, ``mlp`` the MLP up to fc2, ``moe`` the MoE layer as a whole layer's rerun runs it;
 * the pipeline: every rank's order of the schedule table (``pipeline_parallel.schedule_table``: 1F1B,
   interleaved, ZB-H1; uneven stages by their own costs) run against the data dependencies
   (``simulate_pipeline``); the idle time on the slowest rank is the bubble;
@@ -268,16 +269,27 @@ class _Pricer:
         tp_one = self.tp_collective()
         fwd.add("tp_comm", 4 * tp_one if self.sp else 2 * tp_one)
         b.add("tp_comm", 4 * tp_one if self.sp else 2 * tp_one)
-        # Recomputation's extra forward, charged to B (it runs right before the layer's backward).
+        # Recomputation's extra forward, charged to B (it runs right before the layer's backward).  Torch's
+        # checkpoint stops at the last tensor the backward needs: a dense MLP's fc2 input, an MoE layer's
+        # un-permuting indices, past its experts' fc2, the shared expert and both exchanges (comm_volume's
+        # MoEReruns), the TP traffic of the attention and the shared expert's (none of the output's gather).
         core, mlp = selective_recompute(cfg, index, cp)
+        moe = cfg.is_moe_layer(index)
+        if moe:
+            shared_tp = (2 * tp_one if self.sp else tp_one) if cfg.moe_shared_expert_intermediate_size else 0.0
+            moe_rerun = ffn_fwd.total + fc2.total + exchange + shared_tp
         if recomputed:
             rerun = Cost()
             rerun.merge(fwd)
-            if not run.recompute_whole_layer:  # torch's checkpoint stops at the MLP's input... of fc2
-                rerun.merge(fc2, -1.0)
+            if not run.recompute_whole_layer:
+                if not moe:
+                    rerun.merge(fc2, -1.0)
                 rerun.add("elementwise", -hw.memory_time(tail))
-                rerun.parts["tp_comm"] = 3 * tp_one if self.sp else tp_one
+                attention_tp = 2 * tp_one if self.sp else tp_one
+                rerun.parts["tp_comm"] = attention_tp + (shared_tp if moe else tp_one if self.sp else 0.0)
             b.add("recompute", rerun.total, comm=sum(rerun.parts.get(part, 0.0) for part in COMM_PARTS))
+        elif moe and mlp:
+            b.add("recompute", (core_fwd if core else 0.0) + moe_rerun, comm=exchange + shared_tp)
         else:
             b.add("recompute", (core_fwd if core else 0.0) + (ffn_fwd.total if mlp else 0.0))
         return fwd, b, w
