@@ -152,13 +152,13 @@ def test_the_plan_and_cuda_graphs_refuse_what_they_do_not_model_of_recomputed_mo
     activation_bytes(moe_config(), 1, 1, "fp32")
 
 
-def test_the_communication_plan_refuses_the_reruns_of_moe_layers_in_one_line():
-    """A recomputed MoE layer's rerun exchanges its tokens again, which the bytes on the wire do not count: refused
-    (``ds-megatron plan`` prints the memory and says why the bytes are not planned)."""
+def test_the_communication_plan_counts_the_reruns_of_moe_layers():
+    """A recomputed MoE layer's rerun exchanges its tokens again: the plan's EP bytes grow by it (to the byte against
+    real steps in tests/test_bytes_on_wire.py); selective core_attn alone reruns no MoE layer."""
     from ds_megatron.planning import plan_comm_volume
     layout = ParallelLayout(world_size=2, ep=2)
-    for recompute in ("full", "moe", "block"):
-        with pytest.raises(ConfigError) as err:
-            plan_comm_volume(moe_config(**RECOMPUTE[recompute]), layout, "fp32", 1, 1)
-        assert "model.recompute_granularity" in str(err.value) and "\n" not in str(err.value), recompute
-    plan_comm_volume(moe_config(recompute_granularity="selective"), layout, "fp32", 1, 1)  # core_attn only
+    ep = {recompute: plan_comm_volume(moe_config(**RECOMPUTE[recompute]), layout, "fp32", 1, 1)[0].bus_bytes["ep"]
+          for recompute in ("full", "moe", "block")}
+    plain = plan_comm_volume(moe_config(), layout, "fp32", 1, 1)[0].bus_bytes["ep"]
+    core = plan_comm_volume(moe_config(recompute_granularity="selective"), layout, "fp32", 1, 1)[0].bus_bytes["ep"]
+    assert core == plain and all(nbytes > plain for nbytes in ep.values()), (plain, core, ep)
