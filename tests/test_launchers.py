@@ -55,6 +55,19 @@ def _init_is_a_noop_when_initialized():
     return before == (dist.get_rank(), dist.get_world_size(), os.environ["MASTER_PORT"])
 
 
+def test_a_free_port_is_outside_the_range_connections_take_their_local_ports_from():
+    # A port the kernel hands out from its ephemeral range may become a gloo connection's local end before the store
+    # listens on it (EADDRINUSE at a pool's start, seen once in the suite); ours come from below that range.
+    import socket
+    from ds_megatron.utils.dist_env import _ephemeral_ports
+    low, _ = _ephemeral_ports()
+    for _ in range(20):
+        port = free_port()
+        assert 10000 <= port < low, (port, low)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # still free
+
+
 def test_init_does_nothing_when_already_initialized():
     assert all(run_on_ranks(2, _init_is_a_noop_when_initialized))
 

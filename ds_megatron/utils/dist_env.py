@@ -22,8 +22,9 @@ applies these and starts DeepSpeed's comm layer.
 from __future__ import annotations
 
 import os
+import random
 import socket
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -76,11 +77,30 @@ def torch_env_from_launcher(environ: Mapping[str, str]) -> Dict[str, str]:
     return {k: v for k, v in env.items() if k not in environ}
 
 
+def _ephemeral_ports() -> Tuple[int, int]:
+    """The range the kernel takes a connection's local port from (Linux's default where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = DEFAULT_MASTER_ADDR) -> int:
-    """A TCP port free on ``host`` now (loopback by default; "" for every interface, for multi-node)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free on ``host`` now (loopback by default; "" for every interface, for multi-node), below the
+    ephemeral range: a port the kernel hands out (``bind(0)``) can be taken, before the store listens on it, as the
+    local end of any new connection (gloo's many), which failed a job's start with EADDRINUSE."""
+    low, _ = _ephemeral_ports()
+    candidates = random.Random().sample(range(10000, low), min(64, max(low - 10000, 0)))
+    for port in candidates + [0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port on {host!r}")
 
 
 def _rendezvous_from_mpi4py(environ: Mapping[str, str]) -> Optional[Dict[str, str]]:

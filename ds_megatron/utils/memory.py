@@ -13,8 +13,8 @@ until a gloo worker thread drops the work, a moment after the caller has gone
 on; when the caller drops its tensor first, the free happens on the worker
 thread, unrecorded, and the tensor counts as alive to the end (seen in one
 pass of several: 32 bytes of an 8-float all-reduce in 1 of 7 on two idle
-ranks).  So while it measures, a blocking collective sleeps 2 ms after it
-returns, long enough for the worker to drop the work (0 of 300 so).
+ranks).  So while it measures, a blocking collective sleeps 5 ms after it
+returns, long enough for the worker to drop the work (2 ms: 0 of 300 idle).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                 "all_to_all", "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "send", "recv",
                 "barrier")
-SETTLE_SECONDS = 0.002
+SETTLE_SECONDS = 0.005
 
 
 @contextlib.contextmanager
