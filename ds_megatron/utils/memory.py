@@ -16,9 +16,10 @@ pass of several: 32 bytes of an 8-float all-reduce in 1 of 7 on two idle
 ranks).  So while it measures, a blocking collective sleeps 2 ms after it
 returns, long enough for the worker to drop the work (0 of 300 so): those of
 torch.distributed, and the all-gather and reduce-scatter that
-``utils.collectives`` bound at its import (sequence parallelism's; unsettled,
-a recomputed layer's reruns of them moved the peak of TP 2 + SP by up to 0.28
-of it from pass to pass).
+``utils.collectives`` bound at its import (sequence parallelism's, unsettled
+before).  On a loaded box a pass of a recomputed TP 2 + SP MoE model still
+sometimes counts a reduce-scatter's buffer that the worker frees after the
+sleep (seen: one pass in six or more); tests take the lowest of several.
 """
 from __future__ import annotations
 
