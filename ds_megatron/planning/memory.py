@@ -363,7 +363,10 @@ def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
     if not cfg.is_moe_layer(layer):
         return ffn_tensors * cfg.ffn_hidden_size / tp
     routed = routed_tokens(cfg, tp, etp)
-    experts = routed * (2 * h + (ffn_tensors + 1) * cfg.moe_ffn_hidden_size / etp)
+    # the routed rows' input, their ffn-wide tensors and the rows un-permuting's scatter-add keeps: back from the
+    # ETP reduce-scatter, this rank's k / tp per token (measured: 0.97 of the plan at TP 2 + SP x ETP 2 counted
+    # as the ETP-gathered rows)
+    experts = routed * (h + (ffn_tensors + 1) * cfg.moe_ffn_hidden_size / etp) + cfg.moe_router_topk / tp * h
     shared = cfg.moe_shared_expert_intermediate_size
     # under sequence parallelism the shared expert keeps its gathered input (else the router's, counted already)
     shared_expert = (h if sp else 0) + ffn_tensors * shared / tp if shared else 0
@@ -373,24 +376,30 @@ def mlp_activation_elements(cfg, layer: int, tp: int, etp: int = 1) -> float:
 def moe_rerun_elements(cfg, tp: int, etp: int, ep: int, kernels: DeviceKernels = CPU_KERNELS) -> float:
     """What an MoE layer's forward holds near its end beyond the tensors it keeps, per token of the micro-batch
     (``moe_layer``, ``token_dispatcher``, ``experts``), where a recomputed layer's rerun peaks, its gradient
-    waiting (under balanced routing, ``routed_tokens`` rows per token): the larger of
-    * the experts' outputs and their concatenation (two rows per routed token);
+    waiting (under balanced routing, ``routed_tokens`` rows per token; the rows back from ETP / EP that
+    un-permuting keeps, this rank's ``k / tp`` per token, not made until its end): through the experts, with
+    several local experts, the dispatched rows before their sort by expert (the layer holds them to its end), and
+    the larger of
+    * the experts' outputs and their concatenation;
     * over ETP, the reduce-scatter's rows received from every peer and their sum, beside the rows sent;
-    * un-permuting: the combined rows the layer still holds, the rows back from ETP / EP (this rank's ``k / tp``
-      per token) and the scatter-add's zeros and sum (``1 / tp`` per token);
+    * un-permuting, where the rerun stops (torch's checkpoint stops at the last tensor saved: the scatter-add's
+      inputs, saved before it adds): the combined rows the layer still holds (a copy beside the rows back over
+      ETP / EP) and the scatter-add's zeros (``1 / tp`` per token);
     with a shared expert, its output beside them (split under sequence parallelism); grouped experts on a device
     that pads their groups (``DeviceKernels.padded_grouped_gemm``) their fc1's padded input throughout, beside the
-    rows it copies (balanced routing: no padding)."""
+    rows it copies (balanced routing: no padding).  Measured at EP 2 (all-to-all): 1.08 of the peak with the rows
+    back counted again and the scatter-add's sum, which the stopped rerun never makes."""
     h, k = cfg.hidden_size, cfg.moe_router_topk
     routed = routed_tokens(cfg, tp, etp)
     back = k / tp * h
-    concat = 2 * routed * h
-    scatter = 2 * routed * h + back if etp > 1 else 0
-    unpermute = routed * h + (back if ep * etp > 1 else 0) + 2 / tp * h
+    unsorted = routed * h if cfg.num_experts // ep > 1 else 0
+    concat = 2 * routed * h - back
+    scatter = 2 * routed * h if etp > 1 else 0
+    unpermute = (routed * h if ep * etp > 1 else 0) + h / tp
     sp = cfg.sequence_parallel and tp > 1
     shared = (h / tp if sp else h) if cfg.moe_shared_expert_intermediate_size else 0
     padded = routed * h if cfg.moe_grouped_gemm and kernels.padded_grouped_gemm else 0
-    return max(concat, scatter, unpermute) + shared + padded
+    return unsorted + max(concat, scatter, unpermute) + shared + padded
 
 
 def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params_dtype: str, cp: int, etp: int,
@@ -579,10 +588,12 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         weight_grad = (vocab // tp) * h * act
         # The head's backward in two phases, the larger planned: the loss's (its logits; tiled, beside the weight
         # gradient summed over the tiles before) and the output layer's (the logits' gradient and the new weight
-        # gradient, tiled beside that sum and, from the third tile, the new sum, made before the two are freed).
-        # Measured: fp32 peaks in the second, 16-bit in the first.
+        # gradient, tiled beside that sum and, from the third tile, the new sum, made before the two are freed; the
+        # input's gradient, [tile rows, h], gathered under SP, made before the weight's: 0.96 of the peak of TP 2 + SP
+        # with MoE layers without it).  Measured: fp32 peaks in the second, 16-bit in the first.
         loss_phase = saved_logits + (weight_grad if tiled else 0)
-        weight_phase = one_head * act + weight_grad * (1 if not tiled else 2 if cfg.loss_sequence_tiles == 2 else 3)
+        weight_phase = (one_head + tile_rows * b * h) * act + weight_grad * (
+            1 if not tiled else 2 if cfg.loss_sequence_tiles == 2 else 3)
         # Multi-token prediction (on the last stage): per depth its two input norms, eh_proj's input [2h]
         # (gathered), its transformer layer, final norm and head input, and (untiled) its head's logits.
         depths = cfg.mtp_num_layers or 0

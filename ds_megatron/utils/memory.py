@@ -14,7 +14,12 @@ on; when the caller drops its tensor first, the free happens on the worker
 thread, unrecorded, and the tensor counts as alive to the end (seen in one
 pass of several: 32 bytes of an 8-float all-reduce in 1 of 7 on two idle
 ranks).  So while it measures, a blocking collective sleeps 5 ms after it
-returns, long enough for the worker to drop the work (2 ms: 0 of 300 idle).
+returns, long enough for the worker to drop the work (2 ms: 0 of 300 idle): those of
+torch.distributed, and the all-gather and reduce-scatter that
+``utils.collectives`` bound at its import (sequence parallelism's, unsettled
+before).  On a loaded box a pass of a recomputed TP 2 + SP MoE model still
+sometimes counts a reduce-scatter's buffer that the worker frees after the
+sleep (seen: one pass in six or more); tests take the lowest of several.
 """
 from __future__ import annotations
 
@@ -26,17 +31,22 @@ from typing import Any, Callable, Iterator, Tuple
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from . import collectives
+
 # torch.distributed's blocking collectives (looked up by callers at call time, so a wrapper set here is the one run)
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                 "all_to_all", "all_to_all_single", "broadcast", "reduce", "gather", "scatter", "send", "recv",
                 "barrier")
+# utils.collectives' own references to torch.distributed's single-tensor all-gather and reduce-scatter
+_BOUND_COLLECTIVES = ("_all_gather_single", "_reduce_scatter_single")
 SETTLE_SECONDS = 0.005
 
 
 @contextlib.contextmanager
 def _settled_collectives() -> Iterator[None]:
     """Each blocking collective returns after its gloo worker has let go of its tensors (module docstring)."""
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+    originals = {(dist, name): getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+    originals.update({(collectives, name): getattr(collectives, name) for name in _BOUND_COLLECTIVES})
 
     def settled(collective):
         @functools.wraps(collective)
@@ -47,13 +57,13 @@ def _settled_collectives() -> Iterator[None]:
             return out
         return call
 
-    for name, collective in originals.items():
-        setattr(dist, name, settled(collective))
+    for (owner, name), collective in originals.items():
+        setattr(owner, name, settled(collective))
     try:
         yield
     finally:
-        for name, collective in originals.items():
-            setattr(dist, name, collective)
+        for (owner, name), collective in originals.items():
+            setattr(owner, name, collective)
 
 
 def peak_allocated_bytes(fn: Callable[[], Any]) -> Tuple[int, int, Any]:
