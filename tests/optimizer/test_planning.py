@@ -415,7 +415,8 @@ RECOMPUTED_MOE = [dict(MOE, recompute_granularity="full"),
 
 
 @pytest.mark.parametrize("tp,ep,extra,dtype_name,bound", [
-    (1, 2, MOE, "fp32", 0.03), (1, 2, MOE, "bf16", 0.03),
+    # bf16 within 10% as every bf16 case above: its CPU kernels (oneDNN's on some boxes) are not this box's everywhere
+    (1, 2, MOE, "fp32", 0.03), (1, 2, MOE, "bf16", 0.10),
     (1, 2, dict(MOE, moe_token_dispatcher_type="allgather"), "fp32", 0.03), (2, 2, EP_MOE, "fp32", 0.03),
     (2, 1, EP_MOE, "fp32", 0.03), (1, 2, RECOMPUTED_MOE[0], "fp32", 0.10), (1, 2, RECOMPUTED_MOE[1], "fp32", 0.10),
     (2, 2, RECOMPUTED_MOE[2], "fp32", 0.10)],
