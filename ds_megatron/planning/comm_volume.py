@@ -189,6 +189,13 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         dense = counts.total - counts.expert  # the experts' gradients go over edp (_moe_bus_bytes)
         grads = dense * F32
         mtp_layers = [cfg.num_layers + k for k in range(depths)] if last else []
+
+        def recomputed_whole(kind) -> int:
+            """The stage's layers ``kind`` picks that rerun whole: by recompute_method, and under "full" its MTP
+            layers."""
+            return (sum(cfg.recomputes_layer(j) and kind(i) for chunk in chunks for j, i in enumerate(chunk))
+                    + (sum(kind(i) for i in mtp_layers) if mtp_full else 0))
+
         # blockwise scales need no collective
         # a layer's fp8 linears: its attention's (MLA: five or four, the replicated down-projections' weights never
         # fp8 parameters), fc1 and fc2
@@ -218,8 +225,7 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         # and its MLP's as far as _full_rerun_mlp says (untiled: both, the rerun stops at fc2's saved fp8 copies), a
         # recomputed or tiled MLP its two (each tile's, in a recomputed layer too).  A replicated
         # linear's weight is never an fp8 parameter: its forward reduces both amaxes.
-        fp8_full = (sum(cfg.recomputes_layer(j) and cfg.fp8_layer(i) for chunk in chunks for j, i in enumerate(chunk))
-                    + (sum(cfg.fp8_layer(i) for i in mtp_layers) if mtp_full else 0))
+        fp8_full = recomputed_whole(cfg.fp8_layer)
         n = fp8_layers if fp8_linears else 0
         calls = n * (len(attention) + 2 * tiles)
         reruns = (fp8_full * (len(attention) + rerun_linears) + (n * 2 * tiles if selective_mlp else 0)) if n else 0
@@ -308,10 +314,7 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
         if cfg.num_experts:
             # MoE layers rerun in backward: recomputed whole (a multi-token-prediction layer always is, under
             # "full": its owner applies no recompute_method), or selective "moe"
-            full_moe = (sum(cfg.recomputes_layer(j) and cfg.is_moe_layer(i) for chunk in chunks
-                            for j, i in enumerate(chunk))
-                        + (sum(cfg.is_moe_layer(i) for i in mtp_layers) if cfg.recompute_granularity == "full" else 0))
-            reruns = MoEReruns(full_moe, rerun_mlp is not None, selective_mlp)
+            reruns = MoEReruns(recomputed_whole(cfg.is_moe_layer), rerun_mlp is not None, selective_mlp)
             for kind, nbytes in _moe_bus_bytes(cfg, layout, layers + mtp_layers, micro_batch, m, a, counts.expert,
                                                distributed_optimizer, reruns).items():
                 add(kind, nbytes)
@@ -362,8 +365,7 @@ def _moe_bus_bytes(cfg, layout, layers: Sequence[int], b: int, m: int, a: int, e
     s, h, E, k = cfg.seq_length // layout.cp, cfg.hidden_size, cfg.num_experts, cfg.moe_router_topk
     sp = cfg.sequence_parallel and t > 1
     n = sum(cfg.is_moe_layer(i) for i in layers)
-    selective = (sum(cfg.is_moe_layer(i) for i in layers) if cfg.recompute_granularity == "selective"
-                 and "moe" in (cfg.recompute_modules or ()) else 0)
+    selective = n if cfg.recompute_granularity == "selective" and "moe" in (cfg.recompute_modules or ()) else 0
     reran = selective + reruns.full  # MoE forwards rerun per micro-batch
     out: Dict[str, float] = {}
 
