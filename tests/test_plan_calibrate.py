@@ -7,6 +7,7 @@ import pytest
 
 from harness import run_on_ranks
 
+from ds_megatron.errors import ConfigError
 from ds_megatron.planning import calibrate
 from ds_megatron.planning.hardware import load_hardware
 from ds_megatron.planning.report import main
@@ -23,6 +24,38 @@ def test_hidden_fraction_by_hand():
     assert calibrate.hidden_fraction(1.0, 1.0, 1.0) == 1.0
     assert calibrate.hidden_fraction(2.0, 1.0, 2.5) == pytest.approx(0.5)
     assert calibrate.hidden_fraction(1.0, 1.0, 2.5) == 0.0 and calibrate.hidden_fraction(1.0, 1.0, 0.8) == 1.0
+
+
+def test_latency_and_bandwidth_fitted_by_least_squares_by_hand():
+    """Exact points give back their line; the four sizes' means are fitted as a whole (noise on one point moves the
+    fit by the least-squares formula, worked by hand), and a line through below zero reads as no latency."""
+    exact = [(x, 1e-3 + x / 2e9) for x in (1e3, 1e5, 1e6, 4e6)]
+    assert calibrate.fit_latency_bandwidth(exact) == pytest.approx((1e-3, 2e9))
+    # (0, 1), (1, 3), (2, 3): means (1, 7/3), slope 2 / 2 = 1, intercept 7/3 - 1 = 4/3
+    assert calibrate.fit_latency_bandwidth([(0, 1), (1, 3), (2, 3)]) == pytest.approx((4 / 3, 1.0))
+    assert calibrate.fit_latency_bandwidth([(1e6, 1e-4), (2e6, 1.2e-3)]) == pytest.approx((0.0, 1e6 / 1.1e-3))
+
+
+def test_compute_efficiency_divides_every_compute_price(tmp_path):
+    """A profile's ``compute_efficiency`` divides its GEMM, memory-bound and attention prices, not its collectives';
+    the reference layers' price (``calibrate.reference_price``, all compute) divides by it as a whole, which is
+    what the calibration's efficiency (price over measured time) relies on.  Out of (0, 2]: refused."""
+    gemms = [[64, 64, 64, 5e10], [256, 256, 256, 1e11]]
+    rate = {"latency_s": 1e-3, "bus_bytes_per_s": 1e9, "ranks": 2}
+    collectives = {kind: dict(rate) for kind in calibrate.KINDS}
+    one = calibrate.write_profile(str(tmp_path / "one.json"), gemms, 2e10, collectives, 2, 0.0, 2)
+    slow = calibrate.write_profile(str(tmp_path / "slow.json"), gemms, 2e10, collectives, 2, 0.0, 2, 0.8)
+    assert one.compute_efficiency == 1.0 and slow.compute_efficiency == 0.8
+    assert slow.gemm_time(128, 128, 128, "fp32") == pytest.approx(one.gemm_time(128, 128, 128, "fp32") / 0.8)
+    assert slow.memory_time(1e6) == pytest.approx(one.memory_time(1e6) / 0.8)
+    assert slow.collective_time("all_reduce", 2, 1e6, False) == one.collective_time("all_reduce", 2, 1e6, False)
+    assert calibrate.reference_price(slow) == pytest.approx(calibrate.reference_price(one) / 0.8, rel=1e-12)
+    for bad in (0.0, 2.5, True):
+        doc = json.loads((tmp_path / "one.json").read_text())
+        doc["compute_efficiency"] = bad
+        (tmp_path / "bad.json").write_text(json.dumps(doc))
+        with pytest.raises(ConfigError, match="compute_efficiency"):
+            load_hardware(str(tmp_path / "bad.json"))
 
 
 def test_calibrate_writes_a_profile_that_hardware_reads(tmp_path, capsys):

@@ -132,6 +132,32 @@ def test_a_collective_costs_its_latency_and_bus_bytes_at_the_link_bandwidth():
     assert group_spans_nodes(layout, "pp", 8) and not group_spans_nodes(layout, "pp", 64)
 
 
+def test_tensor_parallel_collectives_priced_by_kind_by_hand():
+    """TP 2, one micro-batch, bf16, on a profile whose all-gather, reduce-scatter and all-reduce cost apart (gloo's
+    reduce-scatter is the slowest on a CPU).  Per layer, forward and again backward: with SP two all-gathers and two
+    reduce-scatters of the rank's [s, b, h] (bus: half of it), without SP two all-reduces (bus: all of it); the
+    embedding's sum (SP: a reduce-scatter), the output layer's gather (SP) forward and its input gradient's
+    reduction backward, and the cross entropy's two all-reduces of a float per token."""
+    gather, scatter, reduce = CollectiveRate(1e-3, 1e9), CollectiveRate(3e-3, 2e8), CollectiveRate(2e-3, 5e8)
+    hw = dataclasses.replace(A100, collectives={"intra": {"all_gather": gather, "reduce_scatter": scatter,
+                                                          "all_reduce": reduce}})
+    whole = S * H * 2
+
+    def cost(rate, bus):
+        return rate.latency_s + bus / rate.bus_bytes_per_s
+    stats = 2 * cost(reduce, 4 * S)
+    for sp in (True, False):
+        run = Run(_model(sequence_parallel=sp), ParallelLayout(world_size=2, tp=2), "bf16", 1, 1)
+        if sp:
+            g, r = cost(gather, whole / 2), cost(scatter, whole / 2)
+            expected = L * 2 * 2 * (g + r) + (g + stats + r) + r
+        else:
+            r = cost(reduce, whole)
+            expected = L * 2 * 2 * r + (stats + r) + r
+        step = plan_step_time(run, hw, gpus_per_node=8)
+        assert step.breakdown["tp_comm_s"] == pytest.approx(expected, rel=1e-12), sp
+
+
 def test_moe_exchange_is_the_ep_all_to_all_and_the_etp_gather_and_scatter_by_hand():
     """TP 2 + SP, EP 2, ETP 2 on 4 GPUs of one node, top-2 of 4 experts: per MoE layer, forward and again
     backward, two all-to-alls over EP of the rank's 128 tokens x 2 copies and an all-gather plus a
@@ -264,12 +290,13 @@ def test_search_beats_the_papers_layout_at_its_gpu_count():
 
 def test_cp_ring_hides_the_profiles_overlap_share_behind_attention():
     """CP 2, p2p ring, one micro-batch: per layer, forward one ring step of the rank's K and V (128 tokens, 8 heads
-    of 64 + 64, bf16), backward one of K, V and their fp32 gradients; each hides ``comm_overlap`` x the part the
-    attention core (flash, causal half of 128 x 256 per head) covers.  A GPU profile hides all of it."""
+    of 64 + 64, bf16), backward two messages: K and V again, then their fp32 gradients' accumulator (each a
+    latency); each hides ``comm_overlap`` x the part the attention core (flash, causal half of 128 x 256 per head)
+    covers.  A GPU profile hides all of it."""
     assert A100.comm_overlap == 1.0
     rate = CollectiveRate(1e-7, 1e12)
     pair = (S // 2) * (64 + 64)
-    ring_fwd, ring_bwd = 1e-7 + 8 * pair * 2 / 1e12, 1e-7 + 8 * pair * (2 + 4) / 1e12
+    ring_fwd, ring_bwd = 1e-7 + 8 * pair * 2 / 1e12, 2e-7 + 8 * pair * (2 + 4) / 1e12
     core = 2 * 8 * (S // 2) * S * (64 + 64) / 2
     attn_fwd, attn_bwd = core / (312e12 * 0.70), 2.5 * core / (312e12 * 0.55)
     run = Run(_model(), ParallelLayout(world_size=2, cp=2), "bf16", 1, 1)

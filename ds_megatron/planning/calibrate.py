@@ -6,8 +6,10 @@ memory, one core's with every core of the box computing at once (one thread each
 chip's memory bandwidth, caches and clock), before the ranks start (the step-time model shares the cores out
 among the ranks computing at each moment of the schedule: ``Hardware.core_share``); gloo's all-reduce, all-gather,
 reduce-scatter, all-to-all and send/recv between local ranks, each fitted to ``latency + bus bytes / bus
-bandwidth`` from a small and a large message (bus bytes as ``comm_volume`` counts them); and how much of an
-all-reduce started asynchronously a GEMM running meanwhile hides (``comm_overlap``).
+bandwidth`` over the mean call at four sizes (bus bytes as ``comm_volume`` counts them); how much of an
+all-reduce started asynchronously a GEMM running meanwhile hides (``comm_overlap``); and the share of the clock's
+kernel-by-kernel price a training loop reaches (``compute_efficiency``: reference GPT layers timed forward and
+backward against the clock's price of them).
 The file is what ``--hardware`` reads; the figures hold for this box at this load.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..errors import ConfigError
 from .hardware import Hardware, load_hardware
 
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
-MESSAGE_ELEMENTS = (256, 1 << 20)  # fp32: 1 KiB (latency) and 4 MiB (bandwidth)
+MESSAGE_ELEMENTS = (256, 1 << 14, 1 << 17, 1 << 20)  # fp32: 1 KiB to 4 MiB, a layer's messages among them
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
@@ -61,6 +63,60 @@ def measure_memory_bandwidth(elements: int = 1 << 24, repeats: int = 5) -> float
     return 2 * 4 * elements / _best_of(lambda: dst.copy_(src), repeats)
 
 
+# The reference the clock's prices are checked against on this box: a stack of pre-LN GPT layers (norm, fused
+# QKV, causal attention, projection, residual add, norm, fc1, GELU, fc2, residual add), fp32, no dropout.
+REFERENCE = dict(hidden=256, heads=8, seq=256, batch=2, layers=8)
+
+
+def measure_reference_layers(hidden: int = REFERENCE["hidden"], heads: int = REFERENCE["heads"],
+                             seq: int = REFERENCE["seq"], batch: int = REFERENCE["batch"],
+                             layers: int = REFERENCE["layers"], repeats: int = 3) -> float:
+    """Seconds of one reference layer's forward and backward in a training loop (the median of ``repeats`` passes
+    of the whole stack, per layer): what a step pays beyond its kernels' rates alone (allocations, dispatch and
+    autograd per operator, activations gone cold in cache by the time backward reads them) is in it."""
+    import torch  # as measure_gemms
+    import torch.nn.functional as F
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+            self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+            self.fc1, self.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+
+        def forward(self, x):  # [s, b, h]
+            q, k, v = self.qkv(self.norm1(x)).view(seq, batch, 3, heads, hidden // heads).permute(2, 1, 3, 0, 4)
+            core = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(core.permute(2, 0, 1, 3).reshape(seq, batch, hidden))
+            return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+    stack = torch.nn.Sequential(*[Layer() for _ in range(layers)])
+    x = torch.randn(seq, batch, hidden, requires_grad=True)
+
+    def once():
+        stack(x).sum().backward()
+
+    once()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] / layers
+
+
+def reference_price(hw: Hardware) -> float:
+    """The clock's price on ``hw`` of one reference layer's forward and backward (``measure_reference_layers``)."""
+    from ..config.model import GPTConfig
+    from ..parallel.layout import ParallelLayout
+    from .step_time import Run, _Pricer
+    model = GPTConfig(num_layers=1, hidden_size=REFERENCE["hidden"], num_attention_heads=REFERENCE["heads"],
+                      seq_length=REFERENCE["seq"], vocab_size=1024, hidden_dropout=0.0, attention_dropout=0.0,
+                      position_embedding_type="learned_absolute")
+    run = Run(model, ParallelLayout(1), "fp32", REFERENCE["batch"])
+    return sum(cost.total for cost in _Pricer(run, hw, 1).layer(0, False))
+
+
 def _bus_bytes(kind: str, n: int, nbytes: float) -> float:
     """nccl-tests' bus bytes of a collective over ``n`` ranks on a ``nbytes`` tensor (the whole one for the
     gathers, scatters and all-to-all, the message for send/recv)."""
@@ -69,12 +125,30 @@ def _bus_bytes(kind: str, n: int, nbytes: float) -> float:
     return nbytes if kind == "send_recv" else (n - 1) / n * nbytes
 
 
-def measure_collectives(sizes: Sequence[int] = MESSAGE_ELEMENTS, repeats: int = 5) -> Dict[str, Dict[str, float]]:
-    """On every rank of the default (gloo) group: each collective's latency and bus bandwidth, fitted from a small
-    and a large message; rank 0's figures are the ones to keep (every rank returns its own)."""
+def fit_latency_bandwidth(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
+    """``(latency_s, bytes_per_s)`` of ``seconds = latency + bytes / bandwidth`` fitted by least squares to
+    ``(bytes, seconds)`` points (two or more sizes); a negative intercept reads as no latency."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = max(sum((x - mx) * (y - my) for x, y in points) / sxx, 1e-18) if sxx else 1e-18
+    return max(my - slope * mx, 0.0), 1.0 / slope
+
+
+def measure_collectives(sizes: Sequence[int] = MESSAGE_ELEMENTS, repeats: int = 30,
+                        gemm_size: int = 256) -> Dict[str, Dict[str, float]]:
+    """On every rank of the default (gloo) group: each collective's latency and bus bandwidth, fitted to the mean
+    time of ``repeats`` calls at each message size, each call right after a GEMM of about a millisecond on every
+    rank (as a step runs them: compute, then a collective).  The mean, not the fastest: a gloo call on a CPU box is bimodal (a
+    512 KiB all-reduce between two ranks took 0.25 ms at best and 2.4-2.7 ms on average, a training step's TP
+    reductions 2.8 ms each), and a step pays the average over hundreds of them.  Send/recv: a round trip between
+    the ranks of each pair (0-1, 2-3), halved.  Rank 0's figures are the ones to keep (every rank returns its own)."""
     import torch  # as measure_gemms
     import torch.distributed as dist
     n, rank = dist.get_world_size(), dist.get_rank()
+    a, b = torch.randn(gemm_size, gemm_size), torch.randn(gemm_size, 4 * gemm_size)  # about 1 ms on one core
+    peer = rank ^ 1 if (rank ^ 1) < n else None
     out = {}
     for kind in KINDS:
         points = []
@@ -92,21 +166,26 @@ def measure_collectives(sizes: Sequence[int] = MESSAGE_ELEMENTS, repeats: int = 
                     dist.reduce_scatter_tensor(part, whole)
                 elif kind == "all_to_all":
                     dist.all_to_all_single(whole.clone(), whole)
-                elif rank < 2:  # send/recv between ranks 0 and 1, a round trip halved
-                    if rank == 0:
-                        dist.send(whole, 1)
-                        dist.recv(whole, 1)
+                elif peer is not None:
+                    if rank % 2 == 0:
+                        dist.send(whole, peer)
+                        dist.recv(whole, peer)
                     else:
-                        dist.recv(whole, 0)
-                        dist.send(whole, 0)
-                dist.barrier()
+                        dist.recv(whole, peer)
+                        dist.send(whole, peer)
 
             once()
-            seconds = _best_of(once, repeats) / (2 if kind == "send_recv" else 1)
+            dist.barrier()
+            total = 0.0
+            for _ in range(repeats):
+                torch.mm(a, b)
+                start = time.perf_counter()
+                once()
+                total += time.perf_counter() - start
+            seconds = total / repeats / (2 if kind == "send_recv" else 1)
             points.append((_bus_bytes(kind, n, 4 * elements), seconds))
-        (small, t_small), (large, t_large) = points
-        bandwidth = (large - small) / max(t_large - t_small, 1e-9)
-        out[kind] = {"latency_s": max(t_small - small / bandwidth, 0.0), "bus_bytes_per_s": bandwidth, "ranks": n}
+        latency, bandwidth = fit_latency_bandwidth(points)
+        out[kind] = {"latency_s": latency, "bus_bytes_per_s": bandwidth, "ranks": n}
     return out
 
 
@@ -156,9 +235,10 @@ def box_cores() -> int:
 
 
 def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
-                  collectives: Dict[str, Dict[str, float]], ranks: int, overlap: float, cores: int) -> Hardware:
+                  collectives: Dict[str, Dict[str, float]], ranks: int, overlap: float, cores: int,
+                  efficiency: float = 1.0) -> Hardware:
     """The ``cpu`` profile of these measurements (``gemms`` and ``memory_bandwidth``: one core's while every core
-    computes), written to ``path`` as ``--hardware`` reads it."""
+    computes; ``efficiency``: ``compute_efficiency``), written to ``path`` as ``--hardware`` reads it."""
     peak = max(row[3] for row in gemms)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
     doc = {"name": "cpu", "peak_flops": {"fp32": peak}, "hbm_bytes_per_s": memory_bandwidth,
@@ -166,7 +246,7 @@ def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
            "network_bytes_per_s": collectives["all_reduce"]["bus_bytes_per_s"], "gpus_per_node": 1 << 20,
            "sms": 1, "gemm_efficiency": 1.0, "gemm_table": gemms, "collectives": {"intra": collectives},
            "kernel_launch_s": 0.0, "attention_kernel": "materialized", "comm_overlap": overlap,
-           "device": "cpu", "cores": cores,
+           "device": "cpu", "cores": cores, "compute_efficiency": efficiency,
            "source": f"ds-megatron plan --calibrate, {ranks} gloo ranks, {time.strftime('%Y-%m-%d %H:%M')}"}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
@@ -180,12 +260,15 @@ def _core_main(barrier, queue) -> None:
     torch.set_num_threads(1)
     gemms = measure_gemms(together=barrier.wait)
     barrier.wait()
-    queue.put((gemms, measure_memory_bandwidth()))
+    bandwidth = measure_memory_bandwidth()
+    barrier.wait()
+    queue.put((gemms, bandwidth, measure_reference_layers()))
 
 
-def measure_busy_cores(cores: int) -> Tuple[List[List[float]], float]:
-    """``measure_gemms`` and ``measure_memory_bandwidth`` on each of ``cores`` single-threaded processes at once;
-    each figure the mean over the cores (one core's rate while every core computes)."""
+def measure_busy_cores(cores: int) -> Tuple[List[List[float]], float, float]:
+    """``measure_gemms``, ``measure_memory_bandwidth`` and ``measure_reference_layers`` on each of ``cores``
+    single-threaded processes at once; each figure the mean over the cores (one core's while every core
+    computes)."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(cores), ctx.Queue()
@@ -196,7 +279,7 @@ def measure_busy_cores(cores: int) -> Tuple[List[List[float]], float]:
     for p in procs:
         p.join()
     gemms = [row[:3] + [sum(r[0][i][3] for r in results) / cores] for i, row in enumerate(results[0][0])]
-    return gemms, sum(r[1] for r in results) / cores
+    return gemms, sum(r[1] for r in results) / cores, sum(r[2] for r in results) / cores
 
 
 def _rank_main(rank: int, ranks: int, port: int, queue) -> None:
@@ -217,7 +300,7 @@ def calibrate(path: str, ranks: int = 4, port: Optional[int] = None) -> Hardware
     import torch.multiprocessing as mp
     if not 2 <= ranks <= 4:
         raise ConfigError(f"--calibrate-ranks {ranks}: measure with 2 to 4 local ranks")
-    gemms, bandwidth = measure_busy_cores(box_cores())
+    gemms, bandwidth, reference = measure_busy_cores(box_cores())
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     if port is None:
@@ -230,4 +313,6 @@ def calibrate(path: str, ranks: int = 4, port: Optional[int] = None) -> Hardware
     collectives, overlap = queue.get(timeout=600)
     for p in procs:
         p.join()
-    return write_profile(path, gemms, bandwidth, collectives, ranks, overlap, box_cores())
+    priced = write_profile(path, gemms, bandwidth, collectives, ranks, overlap, box_cores())
+    return write_profile(path, gemms, bandwidth, collectives, ranks, overlap, box_cores(),
+                         reference_price(priced) / reference)

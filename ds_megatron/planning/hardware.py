@@ -27,6 +27,14 @@ collectives a step overlaps (CP's ring, ``overlap_grad_reduce``, ``overlap_param
 NCCL moves bytes on its own SMs and copy engines; ``--calibrate`` measures it on a CPU box, where gloo and the
 GEMMs share the same cores.
 
+``compute_efficiency``: the share of the clock's kernel-by-kernel price (GEMMs at the profile's rates, memory-bound
+work at its bandwidth) a training loop reaches; every compute price is divided by it.  1 on the GPUs, whose
+``gemm_efficiency`` and ``HBM_EFFICIENCY`` are sustained figures already.  On a CPU the kernels' rates alone miss
+what a step also pays per operator (allocation, dispatch, autograd) and for activations that have gone cold in
+cache by backward: ``--calibrate`` times a stack of reference GPT layers (``calibrate.REFERENCE``) forward and
+backward on every core at once and divides the clock's price of them by the time (0.80 on this project's 2-core
+EPYC box).
+
 ``cores``: the cores every rank of a one-node CPU job shares (``--calibrate`` reads ``os.sched_getaffinity``).
 Its GEMM and memory rates are one rank's on a core while every core computes; while ``k`` ranks compute, each runs at
 ``core_share(k)`` of them, ``min(1, cores / k)`` (the scheduler time-slices the cores among the ranks that
@@ -123,6 +131,7 @@ class Hardware:
     source: str = ""
     device: str = "cuda"  # whose kernels' habits the activation plan counts (DEVICE_KERNELS): "cuda" or "cpu"
     cores: Optional[int] = None  # cores the ranks of a one-node CPU job share; None: a device per rank
+    compute_efficiency: float = 1.0  # the share of the kernel-by-kernel price a training loop reaches
 
     def core_share(self, busy_ranks: float) -> float:
         """The share of its own rate each of ``busy_ranks`` ranks computing at once gets of the ``cores``."""
@@ -145,13 +154,13 @@ class Hardware:
             return 0.0
         flops = 2.0 * m * n * k * batch
         if self.gemm_table:
-            return flops / self._table_rate(m, n, k) + self.kernel_launch_s
+            return flops / (self._table_rate(m, n, k) * self.compute_efficiency) + self.kernel_launch_s
         tiles = math.ceil(m / TILE[0]) * math.ceil(n / TILE[1]) * batch
         waves = math.ceil(tiles / self.sms)
         compute = flops / (self.peak(dtype) * self.gemm_efficiency * tiles / (waves * self.sms))
         size = 1 if dtype == "fp8" else 4 if dtype == "fp32" else 2
         memory = (m * k + k * n + m * n) * batch * size / (self.hbm_bytes_per_s * HBM_EFFICIENCY)
-        return max(compute, memory) + self.kernel_launch_s
+        return max(compute, memory) / self.compute_efficiency + self.kernel_launch_s
 
     def _table_rate(self, m: float, n: float, k: float) -> float:
         """The measured rate at the nearest size (geometric mean of the three sides, on a log scale),
@@ -167,7 +176,7 @@ class Hardware:
 
     def memory_time(self, nbytes: float) -> float:
         """Seconds to stream ``nbytes`` through HBM (read and written bytes counted apart)."""
-        return nbytes / (self.hbm_bytes_per_s * HBM_EFFICIENCY)
+        return nbytes / (self.hbm_bytes_per_s * HBM_EFFICIENCY * self.compute_efficiency)
 
     def collective_time(self, kind: str, n: int, bus_bytes: float, inter_node: bool) -> float:
         """Seconds of one collective of ``kind`` over ``n`` ranks moving ``bus_bytes`` (nccl-tests bus bytes,
@@ -234,6 +243,10 @@ def hardware_from_dict(doc: Dict, where: str = "hardware") -> Hardware:
     if not 0.0 <= doc.get("comm_overlap", 1.0) <= 1.0:
         raise ConfigError(f"{where}: comm_overlap={doc['comm_overlap']!r} is outside 0..1; give the share of a "
                           "collective hidden behind concurrent compute (ds-megatron plan --calibrate measures it)")
+    efficiency = doc.get("compute_efficiency", 1.0)
+    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0.0 < efficiency <= 2.0:
+        raise ConfigError(f"{where}: compute_efficiency={efficiency!r} is outside (0, 2]; give the share of the "
+                          "kernel-by-kernel price a training loop reaches (ds-megatron plan --calibrate measures it)")
     cores = doc.get("cores")
     if cores is not None and (isinstance(cores, bool) or not isinstance(cores, int) or cores < 1):
         raise ConfigError(f"{where}: cores={cores!r} is not a positive number of cores; give the cores the ranks "

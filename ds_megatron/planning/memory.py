@@ -561,7 +561,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     without the transients of its backward (a pipeline counts those once, not per micro-batch in flight).
     ``kernels``: the habits of the device planned for (``planning.hardware.DeviceKernels``; a CPU's by default)."""
     check_recompute_planned(cfg)
-    s, b, h, a = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.num_attention_heads
+    s, b, h = cfg.seq_length // cp, micro_batch, cfg.hidden_size
     if layers is None:
         layers = range(cfg.num_layers if num_layers is None else num_layers)
     L = len(layers)
@@ -664,7 +664,6 @@ def deferred_weight_grad_bytes(cfg, tp: int, micro_batch: int, params_dtype: str
     dense = mlp(cfg.ffn_hidden_size, s * b, tp)
     moe = 0
     if cfg.num_experts:
-        sp = cfg.sequence_parallel and tp > 1
         moe = mlp(cfg.moe_ffn_hidden_size, s * b * routed_tokens(cfg, tp, etp), etp)
         if cfg.moe_shared_expert_intermediate_size:
             moe += mlp(cfg.moe_shared_expert_intermediate_size, s * b, tp)

@@ -265,10 +265,11 @@ class _Pricer:
             other += T * 2 * (heads + kv_heads_per_rank(cfg, t)) * qk * a
         fwd.add("elementwise", hw.memory_time(other + tail))
         b.add("elementwise", ELEMENTWISE_BACKWARD * hw.memory_time(other + tail + elementwise))
-        # Tensor parallelism: two reductions forward (SP: two gathers, two scatters), as many backward.
-        tp_one = self.tp_collective()
-        fwd.add("tp_comm", 4 * tp_one if self.sp else 2 * tp_one)
-        b.add("tp_comm", 4 * tp_one if self.sp else 2 * tp_one)
+        # Tensor parallelism: two reductions forward (SP: two gathers, two scatters), as many backward (each
+        # gather's backward a scatter, each scatter's a gather; without SP, the input copies' all-reduces).
+        gather, reduce = self.tp_collective("gather"), self.tp_collective("reduce")
+        fwd.add("tp_comm", 2 * (gather + reduce))
+        b.add("tp_comm", 2 * (gather + reduce))
         # Recomputation's extra forward, charged to B (it runs right before the layer's backward).  Torch's
         # checkpoint stops at the last tensor the backward needs: a dense MLP's fc2 input, an MoE layer's
         # un-permuting indices, past its experts' fc2, the shared expert and both exchanges (comm_volume's
@@ -276,7 +277,7 @@ class _Pricer:
         core, mlp = selective_recompute(cfg, index, cp)
         moe = cfg.is_moe_layer(index)
         if moe:
-            shared_tp = (2 * tp_one if self.sp else tp_one) if cfg.moe_shared_expert_intermediate_size else 0.0
+            shared_tp = gather + reduce if cfg.moe_shared_expert_intermediate_size else 0.0
             moe_rerun = ffn_fwd.total + fc2.total + exchange + shared_tp
         if recomputed:
             rerun = Cost()
@@ -285,8 +286,8 @@ class _Pricer:
                 if not moe:
                     rerun.merge(fc2, -1.0)
                 rerun.add("elementwise", -hw.memory_time(tail))
-                attention_tp = 2 * tp_one if self.sp else tp_one
-                rerun.parts["tp_comm"] = attention_tp + (shared_tp if moe else tp_one if self.sp else 0.0)
+                # The attention's gather and reduction, and a dense MLP's gather up to fc2's input.
+                rerun.parts["tp_comm"] = gather + reduce + (shared_tp if moe else gather)
             b.add("recompute", rerun.total, comm=sum(rerun.parts.get(part, 0.0) for part in COMM_PARTS))
         elif moe and mlp:
             b.add("recompute", (core_fwd if core else 0.0) + moe_rerun, comm=exchange + shared_tp)
@@ -294,13 +295,16 @@ class _Pricer:
             b.add("recompute", (core_fwd if core else 0.0) + (ffn_fwd.total if mlp else 0.0))
         return fwd, b, w
 
-    def tp_collective(self) -> float:
-        """One of a layer's TP reductions (SP: one gather or scatter) of the rank's [s, b, h]."""
+    def tp_collective(self, kind: str) -> float:
+        """One TP collective of the rank's [s, b, h]: ``"reduce"``, an all-reduce (SP: a reduce-scatter), or
+        ``"gather"``, SP's all-gather (none without SP).  Priced apart: gloo's reduce-scatter is several times its
+        all-gather's cost on a CPU."""
         t = self.layout.tp
         nbytes = self.tokens * self.cfg.hidden_size * self.act
-        if self.sp:
-            return self.coll("all_gather", "tp", t, _gather_or_scatter(t, nbytes))
-        return self.coll("all_reduce", "tp", t, _all_reduce(t, nbytes))
+        if not self.sp:
+            return self.coll("all_reduce", "tp", t, _all_reduce(t, nbytes)) if kind == "reduce" else 0.0
+        return self.coll("all_gather" if kind == "gather" else "reduce_scatter", "tp", t,
+                         _gather_or_scatter(t, nbytes))
 
     def attention(self, fwd: Cost, b: Cost) -> Tuple[float, float]:
         """The core's forward and backward seconds (added to ``fwd`` and ``b``), with the context-parallel
@@ -313,6 +317,7 @@ class _Pricer:
         if hw.attention_kernel == "flash":
             flops = 2 * bsz * heads * sq * sk * (qk + v) / 2  # causal: the kernel skips the masked half
             peak = hw.peak(self.run.params_dtype)
+            peak *= hw.compute_efficiency
             forward = flops / (peak * FLASH_ATTENTION_EFFICIENCY[0])
             backward = FLASH_BACKWARD_FLOPS * flops / (peak * FLASH_ATTENTION_EFFICIENCY[1])
         else:
@@ -360,7 +365,8 @@ class _Pricer:
             gather = self.coll("all_gather", "cp", cp, _gather_or_scatter(cp, cp * kv * a))
             return gather, self.coll("reduce_scatter", "cp", cp, _gather_or_scatter(cp, cp * kv * acc))
         step_fwd = self.coll("send_recv", "cp", 2, kv * a)
-        step_bwd = self.coll("send_recv", "cp", 2, kv * (a + acc))
+        # Backward: K/V travel the ring again, and each block's dK/dV accumulator after them, two messages a step.
+        step_bwd = self.coll("send_recv", "cp", 2, kv * a) + self.coll("send_recv", "cp", 2, kv * acc)
         return (cp - 1) * step_fwd, (cp - 1) * step_bwd
 
     def head(self) -> Tuple[Cost, Cost, Cost]:
@@ -372,9 +378,11 @@ class _Pricer:
         logits = T * vocab * 4 * 3  # fp32: max, exp-sum, target pass
         fwd.add("elementwise", self.hw.memory_time(logits + 2 * T * cfg.hidden_size * a))
         b.add("elementwise", ELEMENTWISE_BACKWARD * self.hw.memory_time(logits / 3))
-        one = self.tp_collective()
-        fwd.add("tp_comm", one)
-        b.add("tp_comm", one)
+        # SP's gather of the hidden states (backward: its scatter; without SP, the input copy's all-reduce), and
+        # the vocab-parallel cross entropy's two small all-reduces (the logits' max, then the sums), forward.
+        stats = 2 * self.coll("all_reduce", "tp", lay.tp, _all_reduce(lay.tp, 4 * T))
+        fwd.add("tp_comm", self.tp_collective("gather") + stats)
+        b.add("tp_comm", self.tp_collective("reduce"))
         return fwd, b, w
 
     def embedding(self) -> Tuple[Cost, Cost, Cost]:
@@ -382,8 +390,7 @@ class _Pricer:
         rows = self.tokens * self.cfg.hidden_size * self.act
         fwd.add("elementwise", self.hw.memory_time(2 * rows))
         w.add("elementwise", self.hw.memory_time(2 * rows))
-        one = self.tp_collective()
-        fwd.add("tp_comm", one)
+        fwd.add("tp_comm", self.tp_collective("reduce"))  # the vocab-parallel lookup's sum (SP: its scatter)
         return fwd, b, w
 
     def message_time(self) -> float:
@@ -484,7 +491,8 @@ def plan_step_time(run: Run, hw: Hardware, gpus_per_node: Optional[int] = None,
     parts.update(tail)
     peak = hw.peak("fp8" if cfg.fp8 is not None else run.params_dtype)
     flops = pricer.model_flops(run.micro_batch * m * lay.dp)
-    return StepTime(total, flops, lay.world_size, peak, {k: s for k, s in parts.items() if s}, stage)
+    # Parts of a few ulps are the rounding of a difference (a bubble of none), not time.
+    return StepTime(total, flops, lay.world_size, peak, {k: s for k, s in parts.items() if abs(s) > 1e-12}, stage)
 
 
 def _shared_cores_timing(run: Run, hw: Hardware, gpus_per_node: int, phases, tails, kind: str,
