@@ -288,6 +288,25 @@ def test_search_beats_the_papers_layout_at_its_gpu_count():
     assert first.step_time_s <= step, (first, step)
 
 
+def test_cp_ring_blocks_on_a_materialized_profile_by_hand():
+    """CP 2, p2p, on a profile whose attention goes through memory (a CPU's): per layer and rank, 5 block pairs of
+    c = 64 tokens square (two diagonal), 8 heads of 64, fp32 scores; forward Q K^T and P V per pair, backward the
+    scores again, dV, dP, dQ and dK; passes over the scores and the output rows as ``RING_PAIR_PASSES`` (tested
+    against the ring itself in test_plan_ring.py), each diagonal pair's mask one more each way."""
+    hw = dataclasses.replace(A100, attention_kernel="materialized")
+    c, n, d = S // 4, 8, 64
+    scores, rows = n * c * c * 4, n * c * d * 4
+
+    def g(m, n_, k):
+        return hw.gemm_time(m, n_, k, "bf16", n)
+    forward = 5 * (g(c, c, d) + g(c, d, c) + hw.memory_time(7 * scores + 7 * rows)) + 2 * hw.memory_time(2 * scores)
+    backward = (5 * (2 * g(c, c, d) + g(c, d, c) + 2 * g(c, d, c) + hw.memory_time(11 * scores + 13 * rows))
+                + 2 * hw.memory_time(2 * scores))
+    run = Run(_model(), ParallelLayout(world_size=2, cp=2), "bf16", 1, 1)
+    step = plan_step_time(run, hw, gpus_per_node=8)
+    assert step.breakdown["attention_s"] == pytest.approx(L * (forward + backward), rel=1e-12)
+
+
 def test_cp_ring_hides_the_profiles_overlap_share_behind_attention():
     """CP 2, p2p ring, one micro-batch: per layer, forward one ring step of the rank's K and V (128 tokens, 8 heads
     of 64 + 64, bf16), backward two messages: K and V again, then their fp32 gradients' accumulator (each a

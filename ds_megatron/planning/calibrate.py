@@ -20,8 +20,11 @@ import socket
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..config.model import GPTConfig
 from ..errors import ConfigError
+from ..parallel.layout import ParallelLayout
 from .hardware import Hardware, load_hardware
+from .step_time import Run, _Pricer
 
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
 MESSAGE_ELEMENTS = (256, 1 << 14, 1 << 17, 1 << 20)  # fp32: 1 KiB to 4 MiB, a layer's messages among them
@@ -107,9 +110,6 @@ def measure_reference_layers(hidden: int = REFERENCE["hidden"], heads: int = REF
 
 def reference_price(hw: Hardware) -> float:
     """The clock's price on ``hw`` of one reference layer's forward and backward (``measure_reference_layers``)."""
-    from ..config.model import GPTConfig
-    from ..parallel.layout import ParallelLayout
-    from .step_time import Run, _Pricer
     model = GPTConfig(num_layers=1, hidden_size=REFERENCE["hidden"], num_attention_heads=REFERENCE["heads"],
                       seq_length=REFERENCE["seq"], vocab_size=1024, hidden_dropout=0.0, attention_dropout=0.0,
                       position_embedding_type="learned_absolute")

@@ -55,6 +55,13 @@ FLASH_BACKWARD_FLOPS = 2.5  # FlashAttention's backward: five GEMMs of the forwa
 # Adam's step per owned parameter: the fp32 param and both moments read and written (24), the fp32 grad read (4),
 # the 16-bit param written (2), the grad read again for the global norm (4).  SGD: param, grad, momentum.
 OPTIMIZER_BYTES = {"adam": 34, "adamw": 34, "sgd": 20}
+# The p2p ring's passes per block pair over its fp32 scores and over its output rows (``ring_blocks``), forward and
+# backward, as ``transformer.context_parallel`` runs them (counted at the dispatcher by tests/test_plan_ring.py):
+# forward the scale, the log-sum-exp's read, ``s - lse`` and ``exp`` (7); the merge's two rescales and its add (7);
+# backward the scale, ``s - lse``, ``exp``, ``dP - delta`` and ``P * (...)`` (11); ``dQ`` and ``dK`` scaled and
+# three accumulations (13).  A diagonal pair's mask: one more read and write of its scores each way.
+RING_PAIR_PASSES = {"forward": (7, 7), "backward": (11, 13)}
+RING_MASK_PASSES = 2
 PARTS = ("gemm", "attention", "elementwise", "tp_comm", "cp_comm", "moe_comm", "recompute")
 COMM_PARTS = ("tp_comm", "cp_comm", "moe_comm")  # a rank in these waits in a collective: it computes nothing
 
@@ -320,6 +327,8 @@ class _Pricer:
             peak *= hw.compute_efficiency
             forward = flops / (peak * FLASH_ATTENTION_EFFICIENCY[0])
             backward = FLASH_BACKWARD_FLOPS * flops / (peak * FLASH_ATTENTION_EFFICIENCY[1])
+        elif cp > 1 and cfg.cp_comm_type == "p2p":
+            forward, backward = self.ring_blocks()
         else:
             dtype, batch = self.run.params_dtype, bsz * heads
             forward = hw.gemm_time(sq, sk, qk, dtype, batch) + hw.gemm_time(sq, v, sk, dtype, batch)
@@ -340,6 +349,29 @@ class _Pricer:
                 fwd.add("cp_comm", ring_fwd)
                 b.add("cp_comm", ring_bwd)
         return forward, backward
+
+    def ring_blocks(self) -> Tuple[float, float]:
+        """The p2p ring's core on a materialized profile (a CPU), as ``transformer.context_parallel`` computes it:
+        each (query half, key half) pair of zigzag chunks the causal mask does not skip (``2 cp + 1`` of ``4 cp``,
+        two of them diagonal, each ``c = s / 2cp`` tokens square; a sliding window masks inside them, priced alike), its GEMMs one by one (forward ``Q K^T`` and
+        ``P V``; backward the scores again, ``dV``, ``dP``, ``dQ``, ``dK``) and its passes over the fp32 scores and
+        its output rows (``RING_PAIR_PASSES``, read and written counted apart; a diagonal pair's mask two more)."""
+        cfg, lay, hw = self.cfg, self.layout, self.hw
+        cp, heads = lay.cp, cfg.num_attention_heads // lay.tp
+        qk, v = cfg.head_widths
+        batch, c = self.run.micro_batch * heads, cfg.seq_length / (2 * cp)
+        pairs, diagonal = 2 * cp + 1, 2  # the GPT's mask is causal
+        scores, rows = batch * c * c * 4, batch * c * v * 4
+        dtype = self.run.params_dtype
+        forward = pairs * (hw.gemm_time(c, c, qk, dtype, batch) + hw.gemm_time(c, v, c, dtype, batch)
+                           + hw.memory_time(RING_PAIR_PASSES["forward"][0] * scores
+                                            + RING_PAIR_PASSES["forward"][1] * rows))
+        backward = pairs * (hw.gemm_time(c, c, qk, dtype, batch) + hw.gemm_time(c, v, c, dtype, batch)
+                            + hw.gemm_time(c, c, v, dtype, batch) + 2 * hw.gemm_time(c, qk, c, dtype, batch)
+                            + hw.memory_time(RING_PAIR_PASSES["backward"][0] * scores
+                                             + RING_PAIR_PASSES["backward"][1] * rows))
+        mask = diagonal * hw.memory_time(RING_MASK_PASSES * scores)
+        return forward + mask, backward + mask
 
     def context_parallel_exchange(self) -> Tuple[float, float]:
         """Seconds of a layer's CP traffic forward and backward (``comm_volume``'s bytes for each type)."""
