@@ -9,6 +9,7 @@ Each rank's work per micro-batch and model chunk is priced on a ``planning.hardw
 * the attention core: a flash kernel does half the ``s x s`` work of causal attention, at FlashAttention-2's
   efficiency (backward 2.5x the forward's FLOPs); a ``"materialized"`` kernel (Megatron-LM 2021's, the CPU's)
   runs ``Q K^T`` and ``P V`` as batched GEMMs in full and streams the scores through memory (softmax, dropout);
+  under CP's p2p ring there, the ring's block pairs one by one as it computes them (``ring_blocks``);
 * memory-bound work at HBM bandwidth: norms, bias-dropout-residual adds, the activation, RoPE, MoE's permutes,
   the embedding, the cross entropy's fp32 logits (backward: ``ELEMENTWISE_BACKWARD`` x the forward's bytes);
 * collectives at the latency and bus bandwidth of the link their group crosses (inside a node or between nodes,
@@ -353,9 +354,10 @@ class _Pricer:
     def ring_blocks(self) -> Tuple[float, float]:
         """The p2p ring's core on a materialized profile (a CPU), as ``transformer.context_parallel`` computes it:
         each (query half, key half) pair of zigzag chunks the causal mask does not skip (``2 cp + 1`` of ``4 cp``,
-        two of them diagonal, each ``c = s / 2cp`` tokens square; a sliding window masks inside them, priced alike), its GEMMs one by one (forward ``Q K^T`` and
-        ``P V``; backward the scores again, ``dV``, ``dP``, ``dQ``, ``dK``) and its passes over the fp32 scores and
-        its output rows (``RING_PAIR_PASSES``, read and written counted apart; a diagonal pair's mask two more)."""
+        two of them diagonal, each ``c = s / 2cp`` tokens square; a sliding window masks inside them, priced
+        alike), its GEMMs one by one (forward ``Q K^T`` and ``P V``; backward the scores again, ``dV``, ``dP``,
+        ``dQ``, ``dK``) and its passes over the fp32 scores and its output rows (``RING_PAIR_PASSES``, read and
+        written counted apart; a diagonal pair's mask two more)."""
         cfg, lay, hw = self.cfg, self.layout, self.hw
         cp, heads = lay.cp, cfg.num_attention_heads // lay.tp
         qk, v = cfg.head_widths
