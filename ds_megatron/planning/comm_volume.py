@@ -96,7 +96,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config.model import pad_vocab_size
 from ..errors import ConfigError
-from .memory import BYTES, attention_fp8_linears, fp8_weight_elements, kv_heads_per_rank
+from .memory import BYTES, attention_fp8_linears, fp8_weight_elements, kv_heads_per_rank, mlp_tiles
 from .param_counts import gpt_param_counts, layer_counts, mla_counts, norm_params, pipeline_rank_chunks
 
 F32, F64 = 4, 8
@@ -117,7 +117,7 @@ def _full_rerun_mlp(cfg, rows: int) -> Tuple[Optional[float], int]:
     checkpoint stops at the last tensor the layer's backward needs: one saved after the MLP (hidden dropout's mask,
     the post-MLP norm's input) takes the rerun through all of it; else, with tiles, the last tile's input, kept by
     its own checkpoint before it runs, so every tile before it has run whole."""
-    tiles = min(max(1, cfg.mlp_sequence_tiles), rows)
+    tiles = mlp_tiles(cfg, rows)
     if cfg.hidden_dropout > 0 or cfg.post_sublayer_norms:
         return 1.0, 2 * tiles
     if tiles > 1:
@@ -162,7 +162,7 @@ def plan_comm_volume(cfg, layout, params_dtype: str = "fp32", micro_batch: int =
     loss_passes = 2 if cfg.loss_sequence_tiles > 1 else 1
     sbh = s * b * h * a
     rows = s // t if sp else s  # the MLP input's rows on a rank, split into tiles
-    tiles = min(max(1, cfg.mlp_sequence_tiles), rows)
+    tiles = mlp_tiles(cfg, rows)
     rerun_mlp, rerun_linears = _full_rerun_mlp(cfg, rows)
     v = num_model_chunks
     rank_chunks = pipeline_rank_chunks(cfg, layout, partition_method, layers_per_stage, first, last, v)

@@ -178,6 +178,11 @@ def hidden_dropout_mask_bytes(cfg, tp: int, tokens: int, act: int, kernels: Devi
 CHECKPOINT_RNG_STATES = 3
 
 
+def mlp_tiles(cfg, rows: int) -> int:
+    """The tiles a rank's MLP input of ``rows`` rows runs in: ``mlp_sequence_tiles``, at most one per row."""
+    return min(max(1, cfg.mlp_sequence_tiles), rows)
+
+
 def checkpoint_rng_bytes(cfg, layer: int, tp: int = 1, cp: int = 1, kernels: DeviceKernels = CPU_KERNELS) -> int:
     """The generator states kept by layer ``layer``'s checkpoints inside it until their backward
     (``CHECKPOINT_RNG_STATES`` per checkpoint, ``DeviceKernels.rng_state_bytes`` each): one for the core
@@ -187,7 +192,7 @@ def checkpoint_rng_bytes(cfg, layer: int, tp: int = 1, cp: int = 1, kernels: Dev
     core, mlp = selective_recompute(cfg, layer, cp)
     layernorm = cfg.recompute_granularity == "selective" and "layernorm" in (cfg.recompute_modules or ())
     rows = cfg.seq_length // cp // (tp if cfg.sequence_parallel and tp > 1 else 1)
-    mlp_checkpoints = min(cfg.mlp_sequence_tiles, rows) if cfg.mlp_sequence_tiles > 1 else int(mlp)
+    mlp_checkpoints = mlp_tiles(cfg, rows) if cfg.mlp_sequence_tiles > 1 else int(mlp)
     norms = (4 if cfg.post_sublayer_norms else 2) if layernorm else 0
     return (int(core) + mlp_checkpoints + norms) * CHECKPOINT_RNG_STATES * kernels.rng_state_bytes
 
