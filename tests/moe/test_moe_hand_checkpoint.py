@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 from harness import run_on_ranks
 from moe_helpers import moe_config
 from ds_megatron.models import GPTModel
+from ds_megatron.models.gpt_chunks import GPTModelChunks
 from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.parallel_state import ParallelState
 from ds_megatron.tensor_parallel import RNGStatesTracker, model_parallel_seed
@@ -96,3 +97,76 @@ def _expert_parallel():
 def test_hand_checkpointed_moe_gpt_equals_the_unwrapped_one_at_ep2():
     """Two gloo ranks, EP 2: the reruns' all-to-alls in backward; every wrapping, both routings."""
     run_on_ranks(2, _expert_parallel)
+
+
+class _Checkpointed(torch.nn.Module):
+    """A layer called through a checkpoint whole (its forward hooks inside), as ``checkpoint(layer, hidden)``."""
+
+    def __init__(self, layer, checkpoint):
+        super().__init__()
+        self.layer, self.checkpoint = layer, checkpoint
+
+    def forward(self, hidden, packed_seq_params=None):
+        return self.checkpoint(self.layer, hidden, packed_seq_params)
+
+
+def _pipeline_step(state, wrap, style, **extra):
+    """PP 2, one layer per stage, run by hand (the stage's MoE layer gets its routing losses' gradient from the
+    stage's scale, not from a loss term): (loss, gradients, tracker records, expert-bias counts) of this rank."""
+    torch.manual_seed(21)
+    cfg = moe_config(**{**KW, **extra})
+    tracker = RNGStatesTracker()
+    model = GPTModelChunks(cfg, state, rng_tracker=tracker).double()
+    model_parallel_seed(5, state.tp.rank, tracker=tracker)
+    model.set_aux_loss_gradient_scale(lambda: 1.0)
+    chunk = model.chunks[0]
+    for i, layer in enumerate(chunk.layers):
+        if wrap is not None and style == "forward":
+            layer.forward = functools.partial(_wrap, WRAPS[wrap], layer.forward)
+        elif wrap is not None:
+            chunk.layers[i] = _Checkpointed(layer, WRAPS[wrap])
+    g = torch.Generator().manual_seed(100)
+    tokens, labels = (torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g) for _ in range(2))
+    loss = torch.zeros((), dtype=torch.float64)
+    if state.pp.rank == 0:
+        hidden = chunk(tokens)
+        dist.send(hidden.detach(), 1)
+        grad = torch.empty_like(hidden)
+        dist.recv(grad, 1)
+        hidden.backward(grad)
+    else:
+        hidden = torch.empty(cfg.seq_length, 2, cfg.hidden_size, dtype=torch.float64)
+        dist.recv(hidden, 0)
+        hidden.requires_grad_()
+        loss = chunk(hidden, labels)
+        loss.backward()
+        dist.send(hidden.grad, 0)
+    records = {key: count for key, (_, count) in model.moe_aux_loss_tracker._sums.items()}
+    routers = [m for m in model.modules() if hasattr(m, "local_tokens_per_expert")]
+    counts = [r.local_tokens_per_expert.clone() for r in routers if r.local_tokens_per_expert is not None]
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], records, counts
+
+
+def _pipeline(extra):
+    state = ParallelState.build(ParallelLayout(world_size=dist.get_world_size(), pp=2))
+    try:
+        ref_loss, ref_grads, ref_records, ref_counts = _pipeline_step(state, None, None, **extra)
+        assert ref_records and set(ref_records.values()) == {1}, ref_records
+        for wrap in WRAPS:
+            for style in ("forward", "module"):
+                loss, grads, records, counts = _pipeline_step(state, wrap, style, **extra)
+                what = f"{wrap} {style} {extra}"
+                assert torch.equal(loss, ref_loss), what
+                for grad, ref in zip(grads, ref_grads, strict=True):
+                    torch.testing.assert_close(grad, ref, rtol=1e-12, atol=1e-15, msg=what)
+                assert records == ref_records, (what, records)
+                assert all(torch.equal(a, b) for a, b in zip(counts, ref_counts, strict=True)), what
+    finally:
+        state.destroy()
+
+
+@pytest.mark.parametrize("routing", ["softmax", "sigmoid-expert-bias"])
+def test_hand_checkpointed_pipeline_stages_equal_the_unwrapped_ones(routing):
+    """Two gloo ranks, PP 2 (GPTModelChunks): each wrapping around the layer's forward and around the layer whole
+    (its routing-loss hook inside the checkpoint)."""
+    run_on_ranks(2, _pipeline, BIAS if routing != "softmax" else {})
