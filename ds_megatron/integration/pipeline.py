@@ -49,7 +49,7 @@ from ..config.parallel import ParallelConfig
 from ..config.pipeline import pipeline_grid_axes
 from ..errors import ConfigError
 from ..models.gpt import build_gpt_modules, language_model_loss, output_logits, set_recompute_method
-from ..models.gpt_chunks import GPTModelChunks, routing_loss_hook
+from ..models.gpt_chunks import GPTModelChunks, register_routing_loss_hooks
 from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer
 from ..parallel.layout import ParallelLayout
@@ -186,7 +186,7 @@ class GPTPipelineModule(PipelineModule):
         set_recompute_method([specs[2 + i] for i in self.stage_layers], config)  # "block": the stage's first
         for spec in specs[2:n_items - 2]:
             if spec is not None and isinstance(getattr(spec, "mlp", None), BaseMoELayer):
-                spec.register_forward_hook(routing_loss_hook(self._routing_loss_scale))
+                register_routing_loss_hooks(spec, self._routing_loss_scale)
         super().__init__(specs, topology=topology, loss_fn=self._loss, partition_method="megatron",
                          activation_checkpoint_interval=0)
 

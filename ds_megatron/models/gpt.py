@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..config.model import GPTConfig
 from ..fp8 import FP8Recipe
+from ..moe.aux_loss_scaler import RoutingLossGradient, reentrant_rerun_hook
 from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer, MoELayer
 from ..parallel_state import ParallelGroup, ParallelState
@@ -476,6 +477,11 @@ class GPTModel(torch.nn.Module):
             if name == "position_embeddings":
                 self.layers = torch.nn.ModuleList()  # registered here: parameters() follow the build order
         set_recompute_method(self.layers, config)
+        # Layers wrapped by hand in a reentrant checkpoint: their reruns take the routing losses' weight from here.
+        self.routing_loss_gradient = RoutingLossGradient()
+        for layer in list(self.layers) + [m.layer for m in (self.mtp or ())]:
+            if isinstance(getattr(layer, "mlp", None), BaseMoELayer):
+                layer.mlp.register_forward_hook(reentrant_rerun_hook(self.routing_loss_gradient.weight))
         self.logits_buffer = LogitsBuffer()  # the tied output layer's [V/tp, tokens] logits on a CPU, step to step
         self.weight_grad_store: Optional[WeightGradStore] = None  # may defer the tied output layer's W
 
@@ -507,7 +513,9 @@ class GPTModel(torch.nn.Module):
 
     def moe_aux_loss(self):
         """The routing losses (load balancing, z) of the last forward, summed over MoE layers (the multi-token
-        prediction layers' too, as megatron-core's routers add theirs wherever they are); 0 without MoE."""
+        prediction layers' too, as megatron-core's routers add theirs wherever they are); 0 without MoE.  Add it to
+        the loss (``forward`` with labels does): layers wrapped in a reentrant checkpoint take its gradient from it."""
         if self.moe_aux_loss_tracker is None:
             return 0.0
-        return moe_aux_loss_sum(list(self.layers) + [m.layer for m in (self.mtp or ())])
+        total = moe_aux_loss_sum(list(self.layers) + [m.layer for m in (self.mtp or ())])
+        return self.routing_loss_gradient.term(total)

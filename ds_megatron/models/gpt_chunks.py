@@ -21,25 +21,35 @@ import torch
 
 from ..config.model import GPTConfig
 from ..config.pipeline import rank_layers, stage_layer_counts, stage_layer_ranges
-from ..moe.aux_loss_scaler import MoEAuxLossAutoScaler
+from ..moe.aux_loss_scaler import MoEAuxLossAutoScaler, reentrant_rerun_hook
 from ..moe.aux_loss_tracker import MoEAuxLossTracker
 from ..moe.moe_layer import BaseMoELayer
 from ..parallel_state import ParallelState
-from ..tensor_parallel import LogitsBuffer, RNGStatesTracker, pad_vocab_size
+from ..tensor_parallel import LogitsBuffer, RNGStatesTracker, is_recomputing, pad_vocab_size
 from ..transformer.packed_seq_params import PackedSeqParams
 from .gpt import build_gpt_modules, embed, language_model_head, mtp_loss, set_recompute_method
 
 
 def routing_loss_hook(scale: Callable[[], torch.Tensor]):
     """A forward hook for a transformer layer with an MoE MLP: its routing losses reach the gradients as if added
-    to the loss, weighted by ``scale()`` (loss scale / micro-batches), from whichever stage holds the layer."""
+    to the loss, weighted by ``scale()`` (loss scale / micro-batches), from whichever stage holds the layer.  In
+    the forward only: a checkpoint's rerun of the layer is not (a reentrant one's attaches its losses itself,
+    ``register_routing_loss_hooks``)."""
 
     def hook(layer, _inputs, output):
         aux = sum(layer.mlp.aux_losses.values(), 0.0)
         if not torch.is_tensor(aux) or not (layer.training and torch.is_grad_enabled() and aux.requires_grad):
             return output
-        return MoEAuxLossAutoScaler.apply(output, aux, scale)
+        return output if is_recomputing() else MoEAuxLossAutoScaler.apply(output, aux, scale)
     return hook
+
+
+def register_routing_loss_hooks(layer: torch.nn.Module, scale: Callable[[], torch.Tensor]) -> None:
+    """The routing losses of ``layer``'s MoE MLP reach the gradients weighted by ``scale()``: from the layer's
+    output in the forward, from the MoE layer's in a reentrant checkpoint's rerun (a layer wrapped by hand in
+    DeepSpeed's or torch's reentrant checkpoint routes under no_grad in the forward)."""
+    layer.register_forward_hook(routing_loss_hook(scale))
+    layer.mlp.register_forward_hook(reentrant_rerun_hook(scale))
 
 
 class GPTModelChunk(torch.nn.Module):
@@ -144,13 +154,13 @@ class GPTModelChunks(torch.nn.Module):
             elif name.startswith("layers.") and int(name.split(".")[1]) in where:
                 where[int(name.split(".")[1])].layers.append(module)
                 if isinstance(getattr(module, "mlp", None), BaseMoELayer):
-                    module.register_forward_hook(routing_loss_hook(self._routing_loss_scale))
+                    register_routing_loss_hooks(module, self._routing_loss_scale)
             elif name in ("final_layernorm", "output_layer") and last:
                 setattr(self.chunks[-1], name, module)
             elif name.startswith("mtp.") and last:
                 self.chunks[-1].mtp.append(module)
                 if isinstance(getattr(module.layer, "mlp", None), BaseMoELayer):
-                    module.layer.register_forward_hook(routing_loss_hook(self._routing_loss_scale))
+                    register_routing_loss_hooks(module.layer, self._routing_loss_scale)
             del module  # pieces of other stages are dropped as they come
         for chunk in self.chunks:  # recompute_method "block": the first layers of each chunk
             set_recompute_method(chunk.layers, config)
@@ -193,4 +203,4 @@ class GPTModelChunks(torch.nn.Module):
         return [m for m in self.modules() if isinstance(m, BaseMoELayer)]
 
 
-__all__ = ["GPTModelChunk", "GPTModelChunks", "routing_loss_hook"]
+__all__ = ["GPTModelChunk", "GPTModelChunks", "register_routing_loss_hooks", "routing_loss_hook"]

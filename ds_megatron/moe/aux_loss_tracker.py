@@ -5,8 +5,10 @@ loop reads ``averages()`` once per step (mean over the recorded forwards,
 summed over layers, as Megatron's ``track_moe_metrics`` reports them) and
 calls ``reset()``.  One tracker per model, handed to its routers: no module
 globals.  The losses reach the total loss through the model, not through here.
-A layer recomputed in backward (``tensor_parallel.checkpoint``) routes again;
-records made during that rerun are ignored, so each forward counts once.
+A layer recomputed in backward (``tensor_parallel.checkpoint``, or a checkpoint
+the user wrapped it in: torch's or DeepSpeed's, reentrant or not) routes again;
+records made during that rerun are ignored, so each forward counts once (a
+reentrant checkpoint's forward records them under no_grad).
 
 Everything stays on the device: ``record`` adds tensors (a ``float()`` there
 would wait for the GPU in every MoE layer of every forward, and is illegal

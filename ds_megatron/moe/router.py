@@ -89,7 +89,7 @@ import torch
 
 from ..parallel_state import ParallelGroup
 from ..tensor_parallel.init import InitMethod, init_method_normal
-from ..tensor_parallel.random import is_recomputing
+from ..tensor_parallel.random import is_recomputing, is_reentrant_rerun
 from ..utils.collectives import all_reduce
 from .aux_loss_tracker import MoEAuxLossTracker
 
@@ -405,9 +405,10 @@ class TopKRouter(torch.nn.Module):
             real_map = routing_map & keep
             routing_map = keep if self.pad_to_capacity else real_map
             routing_probs = routing_probs * routing_map.to(routing_probs.dtype)
-        if self.enable_expert_bias and training and not is_recomputing():
-            # The tokens the experts really get (capacity padding slots and padding tokens are not load); a
-            # recomputed forward's rerun counted them in the forward already.
+        if self.enable_expert_bias and training and (not is_recomputing() or is_reentrant_rerun()):
+            # The tokens the experts really get (capacity padding slots and padding tokens are not load), counted
+            # in the one pass with grad and a graph: the forward, whose non-reentrant rerun does not count them
+            # again, or a reentrant checkpoint's rerun, whose forward ran under no_grad.
             with torch.no_grad():
                 load = real_map if valid is None else real_map & valid.unsqueeze(-1)
                 self.local_tokens_per_expert += load.sum(dim=0).to(torch.float32)

@@ -22,8 +22,10 @@ that expects Megatron's ``get_cuda_rng_tracker()``, ``get_rng_tracker()``
 (alias ``get_cuda_rng_tracker``) returns one process-wide default instance.
 
 ``checkpoint`` (activation recomputation) replays those streams in its rerun;
-``is_recomputing()`` tells code inside the rerun that it is one (per thread:
-the one home of that fact, read where a forward has effects beyond its outputs).
+``is_recomputing()`` tells code inside a rerun in backward that it is one (ours or
+any other checkpoint's), ``is_reentrant_rerun()`` whether that rerun's graph is
+the one backpropagated: the one home of these facts, read where a forward has
+effects beyond its outputs.
 """
 from __future__ import annotations
 
@@ -159,9 +161,22 @@ _RERUN = _Rerun()
 
 
 def is_recomputing() -> bool:
-    """Whether a ``checkpoint`` is rerunning its function in backward.  Code with effects beyond its outputs
-    (the MoE router's logged losses and expert-bias token counts) makes them in the first forward only."""
-    return _RERUN.depth > 0
+    """Whether an activation checkpoint is rerunning its function in backward: ours (``checkpoint``), torch's or
+    DeepSpeed's, reentrant or not (a forward that autograd runs inside a backward is a checkpoint's rerun).  Code
+    with effects beyond its outputs (the MoE router's logged losses and expert-bias token counts) makes them once:
+    see ``is_reentrant_rerun`` for the rerun that is the only forward with a graph."""
+    return _RERUN.depth > 0 or torch._C._current_graph_task_id() != -1
+
+
+def is_reentrant_rerun() -> bool:
+    """Whether this is a reentrant checkpoint's rerun (DeepSpeed's ``checkpointing.checkpoint``, torch's
+    ``use_reentrant=True``): its forward ran under no_grad, and the graph this rerun builds is the one
+    backpropagated.  A non-reentrant checkpoint (ours, torch's ``use_reentrant=False``, DeepSpeed's
+    ``non_reentrant_checkpoint``) reruns under saved-tensor hooks only to refill the forward's graph, whose
+    other nodes stay; its rerun's graph is dropped."""
+    if not (is_recomputing() and torch.is_grad_enabled()) or _RERUN.depth > 0:
+        return False
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
 @contextlib.contextmanager
