@@ -54,6 +54,7 @@ class RNGStatesTracker:
         self.device = device
         self.states_: Dict[str, torch.Tensor] = {}
         self.seeds_ = set()
+        self._replayed_in = -1  # the backward (graph task) in which a checkpoint last put back saved states
 
     # The generator this tracker swaps.
     def _get_state(self) -> torch.Tensor:
@@ -75,14 +76,17 @@ class RNGStatesTracker:
         """Forget every tracked state and seed."""
         self.states_ = {}
         self.seeds_ = set()
+        self._replayed_in = -1
 
     def get_states(self) -> Dict[str, torch.Tensor]:
         """A copy of the name -> state map (for checkpoints and activation recomputation)."""
         return {name: state.clone() for name, state in self.states_.items()}
 
     def set_states(self, states: Dict[str, torch.Tensor]) -> None:
-        """Replace every tracked state with ``states`` (as returned by ``get_states``)."""
+        """Replace every tracked state with ``states`` (as returned by ``get_states``).  A checkpoint that does so
+        in backward (ours; DeepSpeed's, which ``integration.engine`` hands this tracker) replays the streams."""
         self.states_ = {name: state.clone() for name, state in states.items()}
+        self._replayed_in = torch._C._current_graph_task_id()
 
     def add(self, name: str, seed: int) -> None:
         """Track a new stream ``name`` seeded with ``seed``; the current generator state is untouched."""
@@ -106,12 +110,25 @@ class RNGStatesTracker:
             raise KeyError(f"RNG stream {name!r} is not tracked; call model_parallel_seed(...) or "
                            f"tracker.add({name!r}, seed) first")
         orig = self._get_state()
-        self._set_state(self.states_[name])
+        start = self.states_[name]
+        self._set_state(start)
         try:
             yield
         finally:
             self.states_[name] = self._get_state()
             self._set_state(orig)
+            # A rerun in backward by a checkpoint that did not put this tracker's states back (torch's; DeepSpeed's
+            # with its own tracker) draws other dropout masks than the forward did: a wrong gradient, refused.  In
+            # ``finally``: torch's non-reentrant rerun leaves the block by an exception once it has what it needs.
+            if (_foreign_rerun() and self._replayed_in != torch._C._current_graph_task_id()
+                    and not torch.equal(self.states_[name], start)):
+                raise RuntimeError(
+                    f"a checkpoint that does not replay ds_megatron's RNG tracker (torch.utils.checkpoint, or "
+                    f"deepspeed.checkpointing before ds_megatron.initialize) reran a layer that draws from its stream "
+                    f"{name!r} (attention dropout, or dropout under sequence parallelism): the rerun's dropout masks "
+                    "would not be the forward's and the gradients would be wrong; recompute with "
+                    "megatron.model.recompute_granularity or deepspeed.checkpointing.checkpoint after "
+                    "ds_megatron.initialize, or set that dropout to 0")
 
 
 _DEFAULT_TRACKER: Optional[RNGStatesTracker] = None
@@ -166,6 +183,12 @@ def is_recomputing() -> bool:
     with effects beyond its outputs (the MoE router's logged losses and expert-bias token counts) makes them once:
     see ``is_reentrant_rerun`` for the rerun that is the only forward with a graph."""
     return _RERUN.depth > 0 or torch._C._current_graph_task_id() != -1
+
+
+def _foreign_rerun() -> bool:
+    """A rerun in backward by someone else's checkpoint (torch's, DeepSpeed's), which replays the default
+    generators' states but not this tracker's streams."""
+    return _RERUN.depth == 0 and torch._C._current_graph_task_id() != -1
 
 
 def is_reentrant_rerun() -> bool:

@@ -94,8 +94,13 @@ def test_tracker_refuses_misuse():
 
 def test_deepspeed_activation_checkpointing_replays_fork_streams_with_our_tracker():
     """DeepSpeed's recomputation saves and restores the tracker it finds in its
-    checkpointing module; with ours installed there, recomputed dropout inside
-    fork() matches the original forward (gradients equal to no checkpointing)."""
+    checkpointing module; with ours installed there (``ds_megatron.initialize``
+    does), recomputed dropout inside fork() matches the original forward
+    (gradients equal to no checkpointing).  With DeepSpeed's own tracker, or
+    under torch's checkpoint (reentrant or not), the rerun would draw other
+    masks from our stream: its backward is refused, not a wrong gradient."""
+    import functools
+    import torch.utils.checkpoint
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
     tracker = RNGStatesTracker(device="cpu")
 
@@ -105,18 +110,29 @@ def test_deepspeed_activation_checkpointing_replays_fork_streams_with_our_tracke
             x = F.dropout(x * 2.0, 0.5, training=True)
         return x * 3.0
 
-    def grads(checkpointed):
+    def grads(checkpoint=None):
         model_parallel_seed(5, tp_rank=1, tracker=tracker)
         x = torch.randn(N, requires_grad=True)
-        y = ds_ckpt.checkpoint(block, x) if checkpointed else block(x)
+        y = checkpoint(block, x) if checkpoint else block(x)
         (y * torch.arange(float(N))).sum().backward()
         return x.grad
 
-    plain = grads(False)
-    assert not torch.equal(grads(True), plain), "DeepSpeed's own tracker should not know our stream"
+    plain = grads()
+    foreign = [ds_ckpt.checkpoint] + [functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=r)
+                                      for r in (True, False)]
+    for checkpoint in foreign:  # DeepSpeed's own tracker does not know our stream, nor does torch
+        with pytest.raises(RuntimeError, match="recompute_granularity"):
+            grads(checkpoint)
     saved = ds_ckpt._CUDA_RNG_STATE_TRACKER
     ds_ckpt._CUDA_RNG_STATE_TRACKER = tracker
     try:
-        assert torch.equal(grads(True), plain)
+        assert torch.equal(grads(ds_ckpt.checkpoint), plain)
     finally:
         ds_ckpt._CUDA_RNG_STATE_TRACKER = saved
+    # Nothing drawn from our stream in the rerun (dropout outside fork only): every checkpoint is right.
+    def outside(x):
+        return F.dropout(x * 2.0, 0.5, training=True) * 3.0
+    block = outside
+    plain = grads()
+    for checkpoint in foreign:
+        assert torch.equal(grads(checkpoint), plain)
