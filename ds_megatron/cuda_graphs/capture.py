@@ -36,6 +36,7 @@ import torch
 from ..config.cuda_graph import CudaGraphConfig
 from ..errors import ConfigError
 from ..moe.moe_layer import BaseMoELayer
+from ..tensor_parallel.layers import fp8_states
 from ..transformer.layer import GraphableLayer
 from .backends import Capturer
 from .partial_capture import EarlyReturnLayout, early_return_step, moe_front, moe_rest, prepare_moe_for_scope
@@ -222,6 +223,22 @@ def _forward_pre_hooks(module: torch.nn.Module) -> List[Tuple[Callable, tuple]]:
     return hooks
 
 
+class _FP8StateKept:
+    """The delayed fp8 recipe's state of the captured parts, put back after the capture.  The capturer's warm-up
+    runs each part forward and backward on the static buffers with made-up output gradients (torch's and Transformer
+    Engine's ``make_graphed_callables``: uninitialized ones), whose amaxes the passes fold into the step's; the step
+    must see its own micro-batches' only.  Put back in place: the graphs read these storages."""
+
+    def __init__(self, parts: Sequence[torch.nn.Module]):
+        tensors = {id(t): t for part in parts for state in fp8_states(part) for t in state.state_tensors()}
+        self._saved = [(t, t.clone()) for t in tensors.values()]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for tensor, value in self._saved:
+            tensor.copy_(value)
+
+
 class _ModulesCalled:
     """Records which modules' ``__call__`` ran (a global forward pre-hook), to find the captured submodules."""
 
@@ -321,11 +338,13 @@ class CudaGraphHelper:
             for hook, hook_args in _forward_pre_hooks(module):
                 hook(*hook_args)
             module._forward_pre_hooks.clear()
+        kept = _FP8StateKept(parts)
         try:
             graphs = self.capturer(parts, sample_args, order=self.plan.order,
                                    num_layers_per_chunk=self.plan.num_layers_per_chunk,
                                    num_warmup_iters=self.num_warmup_iters, reuse_buffers=self.plan.order is not None)
         finally:
+            kept.restore()
             for module, hooks in stashed:
                 module._forward_pre_hooks.update(hooks)
         self._assign(graphs)
