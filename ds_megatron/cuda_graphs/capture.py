@@ -15,7 +15,8 @@ attention / pre-MLP / post-MLP, Megatron's ``GraphableMegatronModule``):
    ``_order`` and ``_reuse_graph_input_output_buffers``, torch's, or eager for
    tests) the ``CapturedPart`` of each layer: attention, and for MoE layers
    the pre-MLP norm plus route (and preprocess), stopping at the
-   partial-capture signal.
+   partial-capture signal.  The delayed fp8 recipe's state of the parts is put
+   back after it (what the capturer's warm-up passes recorded is not the step's).
 4. **Assign** one graph callable per micro-batch to each layer (one in all
    without PP) and **replay** by ``current_microbatch`` modulo their number;
    the layer's remaining part runs eagerly on the graph's outputs (for MoE
@@ -235,6 +236,8 @@ class _FP8StateKept:
 
     @torch.no_grad()
     def restore(self) -> None:
+        if any(t.is_cuda for t, _ in self._saved):
+            torch.cuda.synchronize()  # the warm-up ran on the capturer's own stream
         for tensor, value in self._saved:
             tensor.copy_(value)
 
