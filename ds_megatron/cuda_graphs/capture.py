@@ -36,6 +36,7 @@ import torch
 
 from ..config.cuda_graph import CudaGraphConfig
 from ..errors import ConfigError
+from ..fp8.param import is_fp8_param
 from ..moe.moe_layer import BaseMoELayer
 from ..tensor_parallel.layers import fp8_states
 from ..transformer.layer import GraphableLayer
@@ -125,6 +126,7 @@ class LayerGraphRunner:
         self.part = CapturedPart(layer, self.eager_forward, scope)
         self.cuda_graphs: List[Callable] = []
         self.cuda_graph_manual_hooks: List[Tuple[Callable, tuple]] = []
+        self.fp8_weights: List[torch.nn.Parameter] = []  # fp8_param_gather's weights the graphs use
         self.current_microbatch = 0
         self.input_spec: Optional[InputSpec] = None
         self.stale = False  # an input no longer matches the captured shapes
@@ -181,6 +183,8 @@ class LayerGraphRunner:
             hidden = layer.forward_attention(hidden)  # outside the scope: eager, in front of the graph
         graph = self.cuda_graphs[self.current_microbatch % len(self.cuda_graphs)]
         outputs = graph(hidden)
+        if self.fp8_weights:
+            outputs = _MainGradAdded.apply(self.fp8_weights, *outputs)
         if part.whole_layer:
             return outputs[0]
         pos = 0
@@ -196,6 +200,7 @@ class LayerGraphRunner:
     def drop_graphs(self) -> None:
         self.cuda_graphs = []
         self.cuda_graph_manual_hooks = []
+        self.fp8_weights = []
         self.stale = False
 
 
@@ -225,14 +230,18 @@ def _forward_pre_hooks(module: torch.nn.Module) -> List[Tuple[Callable, tuple]]:
 
 
 class _FP8StateKept:
-    """The delayed fp8 recipe's state of the captured parts, put back after the capture.  The capturer's warm-up
-    runs each part forward and backward on the static buffers with made-up output gradients (torch's and Transformer
-    Engine's ``make_graphed_callables``: uninitialized ones), whose amaxes the passes fold into the step's; the step
-    must see its own micro-batches' only.  Put back in place: the graphs read these storages."""
+    """What fp8 keeps across steps in the captured parts, put back after the capture: the delayed recipe's state,
+    and ``fp8_param_gather``'s weights' ``main_grad`` and readiness flag.  The capturer's warm-up runs each part
+    forward and backward on the static buffers with made-up output gradients (torch's and Transformer Engine's
+    ``make_graphed_callables``: uninitialized ones): the passes fold their amaxes into the step's and add their fp8
+    weight gradients to ``main_grad``; the step must hold its own micro-batches' only.  Put back in place: the
+    graphs read and write these storages."""
 
-    def __init__(self, parts: Sequence[torch.nn.Module]):
+    def __init__(self, parts: Sequence[torch.nn.Module], fp8_weights: Sequence[torch.nn.Parameter]):
         tensors = {id(t): t for part in parts for state in fp8_states(part) for t in state.state_tensors()}
+        tensors.update({id(p.main_grad): p.main_grad for p in fp8_weights if hasattr(p, "main_grad")})
         self._saved = [(t, t.clone()) for t in tensors.values()]
+        self._flags = [(p, getattr(p, "grad_added_to_main_grad", False)) for p in fp8_weights]
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -240,6 +249,26 @@ class _FP8StateKept:
             torch.cuda.synchronize()  # the warm-up ran on the capturer's own stream
         for tensor, value in self._saved:
             tensor.copy_(value)
+        for param, flag in self._flags:
+            param.grad_added_to_main_grad = flag
+
+
+class _MainGradAdded(torch.autograd.Function):
+    """On a replayed graph's outputs: the captured backward adds each fp8 weight's gradient (``fp8_param_gather``)
+    to its ``main_grad``, but the Python that tells the gradient buffer so (``grad_added_to_main_grad``, read by its
+    hook once the weight's gradient is in) does not run in a replay; this backward runs just before the graph's and
+    says it."""
+
+    @staticmethod
+    def forward(ctx, fp8_weights, *outputs):
+        ctx.fp8_weights = fp8_weights
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for param in ctx.fp8_weights:
+            param.grad_added_to_main_grad = True
+        return (None, *grads)
 
 
 class _ModulesCalled:
@@ -341,7 +370,7 @@ class CudaGraphHelper:
             for hook, hook_args in _forward_pre_hooks(module):
                 hook(*hook_args)
             module._forward_pre_hooks.clear()
-        kept = _FP8StateKept(parts)
+        kept = _FP8StateKept(parts, [p for r in self.runners for p in r.fp8_weights])
         try:
             graphs = self.capturer(parts, sample_args, order=self.plan.order,
                                    num_layers_per_chunk=self.plan.num_layers_per_chunk,
@@ -366,6 +395,7 @@ class CudaGraphHelper:
             seen = set()
             modules = [m for m in called.modules if id(m) not in replayed_eagerly and not (id(m) in seen or seen.add(id(m)))]
             runner.cuda_graph_manual_hooks = [h for m in modules for h in _forward_pre_hooks(m)]
+            runner.fp8_weights = [p for m in modules for p in m.parameters(recurse=False) if is_fp8_param(p)]
             hooked.extend(m for m in modules if m._forward_pre_hooks)
         return hooked
 

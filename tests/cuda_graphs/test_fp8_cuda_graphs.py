@@ -12,6 +12,8 @@ import copy
 import pytest
 import torch
 
+from harness import run_on_ranks
+
 from ds_megatron.config import CudaGraphConfig
 from ds_megatron.cuda_graphs.backends import EagerCapturer
 from ds_megatron.fp8 import delayed_scaling_groups, update_delayed_scaling
@@ -75,10 +77,26 @@ class _BackwardLeaves(torch.autograd.Function):
         return grad
 
 
+class _ReplayedFP8Weight(torch.nn.Parameter):
+    """An fp8 weight (``fp8_param_gather``) whose ``grad_added_to_main_grad`` ignores what a captured part's Python
+    sets: a replay runs the captured kernels only."""
+
+    @property
+    def grad_added_to_main_grad(self):
+        return self.__dict__.get("_added", False)
+
+    @grad_added_to_main_grad.setter
+    def grad_added_to_main_grad(self, value):
+        if not _InPart.active:
+            self.__dict__["_added"] = value
+
+
 class WarmedCapturer(EagerCapturer):
     """``make_graphed_callables``' warm-up, then the parts called (counted) with host reads refused.  The warm-up's
     output gradients are uninitialized memory in torch and Transformer Engine: here a large constant, which any
-    amax the passes record would show; its parameter gradients go through ``autograd.grad`` (not into ``.grad``)."""
+    amax the passes record would show; its parameter gradients go through ``autograd.grad`` (not into ``.grad``;
+    an fp8 weight's into its ``main_grad``, as in the GEMM's backward).  The fp8 weights' readiness flag is what
+    a replay leaves it (``_ReplayedFP8Weight``)."""
 
     name = "warmed_eager"
 
@@ -88,6 +106,8 @@ class WarmedCapturer(EagerCapturer):
 
     def __call__(self, modules, sample_args, *, order, num_layers_per_chunk, num_warmup_iters, reuse_buffers,
                  pool=None):
+        for p in (p for module in modules for p in module.parameters() if p.dtype == torch.float8_e4m3fn):
+            p.__class__ = _ReplayedFP8Weight
         for module, args in zip(modules, sample_args):
             inputs = [a for a in args if a.requires_grad] + [p for p in module.parameters() if p.requires_grad]
             for _ in range(num_warmup_iters):
@@ -238,3 +258,57 @@ def test_the_delayed_scales_replay_reads_are_the_storages_of_the_capture(no_host
     # 2 layers x (QKV, projection) x 3 roles, read at the capture step and the last one
     assert len(per_step[1][0]) == 12 and per_step[-1][0] == per_step[1][0]
     assert not all(torch.equal(a, b) for a, b in zip(per_step[-1][1], per_step[1][1]))  # the scales moved
+
+
+def _train_with_fp8_param_gather(graphs: bool):
+    """DP 2, the distributed optimizer's fp8 weights (``fp8_param_gather``) with overlapped reductions: each
+    micro-batch's loss, whether each bucket group's reduction started in the step's last backward, the fp8 bytes and
+    scales after the last step."""
+    import ds_megatron
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
+           "steps_per_print": 10 ** 9, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+           "megatron": {"use_distributed_optimizer": True, "fp8_param_gather": True, "overlap_grad_reduce": True,
+                        "overlap_param_gather": True, "bucket_size": 4000}}
+    state = ds_megatron.initialize_model_parallel(cfg)
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=80, seq_length=16,
+                               vocab_size=64, make_vocab_size_divisible_by=8, hidden_dropout=0.0,
+                               attention_dropout=0.0, fp8="e4m3"), state)
+    engine, *_ = ds_megatron.initialize(model=model, config=cfg, parallel_state=state)
+    capturer = WarmedCapturer() if graphs else None
+    if graphs:
+        attach_cuda_graphs(engine, CudaGraphConfig(impl="transformer_engine", scope=["attn"],
+                                                   warmup_steps=WARMUP_STEPS), capturer=capturer)
+    losses, started = [], []
+    for step in range(STEPS):
+        for micro in range(GAS):
+            g = torch.Generator().manual_seed(100 * step + 10 * micro + state.dp.rank)
+            tokens = torch.randint(0, 64, (1, 17), generator=g)
+            loss = engine({"tokens": tokens[:, :-1], "labels": tokens[:, 1:]})
+            engine.backward(loss)
+            if micro == GAS - 1:
+                started.append([group.grad_reduce_handles is not None
+                                for group in engine.megatron.ddp.bucket_groups])
+            engine.step()
+            losses.append(loss.item())
+    fp8 = [(p.detach().view(torch.uint8).clone(), p.fp8_scale_inv.clone())
+           for p in model.parameters() if p.dtype == torch.float8_e4m3fn]
+    engine.megatron.destroy()
+    return losses, started, fp8, capturer.replays if graphs else 0
+
+
+def _both_with_fp8_param_gather():
+    return _train_with_fp8_param_gather(False), _train_with_fp8_param_gather(True)
+
+
+def test_fp8_param_gather_under_graphs_trains_as_eager_and_its_buckets_still_start_in_backward():
+    """The captured fp8 weights' gradients enter ``main_grad`` inside the graph's backward: the warm-up's are taken
+    back, and a replay tells the buffer they are in (the GEMM's Python does not run), so every bucket group's
+    reduction still starts in backward; the losses and the fp8 weights are the eager run's, bit for bit."""
+    for (losses, started, fp8, _), (g_losses, g_started, g_fp8, replays) in run_on_ranks(
+            2, _both_with_fp8_param_gather):
+        assert replays == (STEPS - WARMUP_STEPS) * GAS * 2
+        assert g_losses == losses and len(set(losses)) == len(losses)
+        assert all(all(s) for s in started) and g_started == started, (started, g_started)
+        assert len(fp8) == 8 and all(torch.equal(a, b) and torch.equal(sa, sb) for (a, sa), (b, sb) in zip(g_fp8, fp8))

@@ -31,8 +31,6 @@ def refused(config, world: int = 1) -> str:
 
 @pytest.mark.parametrize("config,world,names", [
     (job(bf16=False), 1, ("model.fp8", "bf16.enabled")),
-    (job(cuda_graph={"impl": "local"}, fp8_param_gather=True, use_distributed_optimizer=True), 1,
-     ("fp8_param_gather with megatron.cuda_graph.impl='local'", "drop fp8_param_gather", "\"none\"")),
     (job(model={"num_query_groups": 1}, tensor_model_parallel_size=2), 2,
      ("num_query_groups=1 below tensor_model_parallel_size=2", "replicated KV")),
     (job(model={"num_experts": 4, "fp8_recipe": "blockwise", "moe_ffn_hidden_size": 128},
@@ -76,6 +74,11 @@ def test_every_recipe_is_accepted_with_cuda_graphs(recipe, cuda_graph):
     cfg = split_config(job(model={"fp8_recipe": recipe, "fp8": "hybrid", **experts}, cuda_graph=cuda_graph))[1]
     cfg.layout(1)
     assert cfg.cuda_graph.enabled and cfg.model.fp8_recipe == recipe
+    if recipe == "tensorwise":  # fp8_param_gather too
+        cfg = split_config(job(model=experts, cuda_graph=cuda_graph, fp8_param_gather=True,
+                               use_distributed_optimizer=True))[1]
+        cfg.layout(1)
+        assert cfg.cuda_graph.enabled and cfg.ddp.fp8_param_gather
 
 
 def test_blockwise_mla_whose_widths_tile_is_accepted():
