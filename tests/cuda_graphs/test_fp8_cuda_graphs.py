@@ -292,6 +292,8 @@ def _train_with_fp8_param_gather(graphs: bool):
                                 for group in engine.megatron.ddp.bucket_groups])
             engine.step()
             losses.append(loss.item())
+    for group in engine.megatron.ddp.all_bucket_groups:
+        group.finish_param_sync()  # the last step's all-gather of the fp8 bytes, overlapped with a next forward
     fp8 = [(p.detach().view(torch.uint8).clone(), p.fp8_scale_inv.clone())
            for p in model.parameters() if p.dtype == torch.float8_e4m3fn]
     engine.megatron.destroy()
