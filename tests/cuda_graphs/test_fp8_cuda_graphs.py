@@ -6,6 +6,8 @@ them, with every host read of a tensor's value raising while a part runs, forwar
 For each recipe: the loss and every gradient equal the same model's trained without graphs, bit for bit (same
 process, same kernels); the delayed recipe's state tensors keep their storages for the whole run while their values
 move; the scales the captured GEMMs read are those storages, the ones a replay reads (the addresses of the capture).
+With ``fp8_param_gather`` (DP 2, overlapped reductions): the losses and fp8 weights of the eager run, and every
+bucket group's reduction still started in backward though a replay runs none of the GEMM's Python.
 """
 import copy
 
