@@ -15,8 +15,9 @@ attention / pre-MLP / post-MLP, Megatron's ``GraphableMegatronModule``):
    ``_order`` and ``_reuse_graph_input_output_buffers``, torch's, or eager for
    tests) the ``CapturedPart`` of each layer: attention, and for MoE layers
    the pre-MLP norm plus route (and preprocess), stopping at the
-   partial-capture signal.  The delayed fp8 recipe's state of the parts is put
-   back after it (what the capturer's warm-up passes recorded is not the step's).
+   partial-capture signal.  The parts' fp8 state (the delayed recipe's, and
+   ``fp8_param_gather``'s weights' ``main_grad``) is put back after it: what
+   the capturer's warm-up passes recorded is not the step's.
 4. **Assign** one graph callable per micro-batch to each layer (one in all
    without PP) and **replay** by ``current_microbatch`` modulo their number;
    the layer's remaining part runs eagerly on the graph's outputs (for MoE
@@ -25,6 +26,8 @@ attention / pre-MLP / post-MLP, Megatron's ``GraphableMegatronModule``):
    forward pre-hooks (for example a distributed optimizer's param all-gather
    wait) would be skipped.  They are found at capture (after the eager
    warm-up steps), kept out of the capture, and called before each replay.
+   Likewise the flag a captured fp8 weight's backward sets for its gradient
+   buffer (``fp8_param_gather``) is set by the replay's caller.
 """
 from __future__ import annotations
 
