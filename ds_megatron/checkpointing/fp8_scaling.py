@@ -91,10 +91,9 @@ def load_scaling_tensors(module: torch.nn.Module, saved: Dict[str, torch.Tensor]
             raise ValueError(f"{where} was saved with model.fp8_amax_history_len={history.size(-1)}, this job "
                              f"has {state.recipe.amax_history_len}; resume with {history.size(-1)}")
         scale = saved[f"{PREFIX}{name}.scale"]
-        device = state.scale[ROLES[0]].device
-        for i, role in enumerate(ROLES):
+        for i, role in enumerate(ROLES):  # into the state's own tensors: a captured CUDA graph reads those
             state.amax_history[role].copy_(history[i])
-            state.scale[role] = scale[i].to(device=device, copy=True)
+            state.scale[role].copy_(scale[i])
             state.step_amax[role].zero_()
 
 

@@ -151,7 +151,7 @@ class MegatronConfig:
                               "several documents per row, whose attention runs one kernel per document with boundaries "
                               "read on the host, which a captured graph cannot replay; set cuda_graph.impl \"none\"")
         _check_expert_bias(model, precision, nested["cuda_graph"])
-        _check_fp8(model, precision, nested["cuda_graph"], ddp)
+        _check_fp8(model, precision, ddp)
         if not precision.owns_optimizer:
             notice = check_deepspeed_optimizer(
                 precision, deepspeed_section(ds_config, "zero_optimization").get("stage", 0),
@@ -226,10 +226,10 @@ def _check_expert_bias(model: Optional[GPTConfig], precision: PrecisionConfig, c
                           "checked under graph replay; turn cuda_graph off or the expert bias off")
 
 
-def _check_fp8(model: Optional[GPTConfig], precision: PrecisionConfig, cuda_graph: CudaGraphConfig,
-               ddp: DistributedDataParallelConfig) -> None:
+def _check_fp8(model: Optional[GPTConfig], precision: PrecisionConfig, ddp: DistributedDataParallelConfig) -> None:
     """FP8 GEMMs need bf16 training, and part of Megatron's fp8 compositions is not built yet: refused here.
-    ``fp8_param_gather`` needs fp8 and casts weights by the tensorwise recipe."""
+    ``fp8_param_gather`` needs fp8 and casts weights by the tensorwise recipe.  CUDA graphs compose with every
+    recipe (``fp8.recipe``) and with ``fp8_param_gather`` (``cuda_graphs.capture``)."""
     if ddp.fp8_param_gather and model is not None and model.fp8 is None:
         raise ConfigError(f"{SECTION}.fp8_param_gather is true but {SECTION}.model.fp8 is null; there are no fp8 "
                           "weights to gather: set model.fp8 or drop fp8_param_gather")
@@ -243,9 +243,6 @@ def _check_fp8(model: Optional[GPTConfig], precision: PrecisionConfig, cuda_grap
     if precision.params_dtype != "bf16":
         raise ConfigError(f"{what} needs bf16 training (fp8 GEMMs on bf16 params with fp32 main params); set "
                           "bf16.enabled true")
-    if cuda_graph.enabled:
-        raise ConfigError(f"{what} with {SECTION}.cuda_graph.impl={cuda_graph.impl!r}: fp8 does not compose with it "
-                          "yet; set cuda_graph.impl \"none\" or set model.fp8 null")
 
 
 def _check_fp8_layout(model: Optional[GPTConfig], layout, data) -> None:

@@ -15,7 +15,9 @@ attention / pre-MLP / post-MLP, Megatron's ``GraphableMegatronModule``):
    ``_order`` and ``_reuse_graph_input_output_buffers``, torch's, or eager for
    tests) the ``CapturedPart`` of each layer: attention, and for MoE layers
    the pre-MLP norm plus route (and preprocess), stopping at the
-   partial-capture signal.
+   partial-capture signal.  The parts' fp8 state (the delayed recipe's, and
+   ``fp8_param_gather``'s weights' ``main_grad``) is put back after it: what
+   the capturer's warm-up passes recorded is not the step's.
 4. **Assign** one graph callable per micro-batch to each layer (one in all
    without PP) and **replay** by ``current_microbatch`` modulo their number;
    the layer's remaining part runs eagerly on the graph's outputs (for MoE
@@ -24,6 +26,8 @@ attention / pre-MLP / post-MLP, Megatron's ``GraphableMegatronModule``):
    forward pre-hooks (for example a distributed optimizer's param all-gather
    wait) would be skipped.  They are found at capture (after the eager
    warm-up steps), kept out of the capture, and called before each replay.
+   Likewise the flag a captured fp8 weight's backward sets for its gradient
+   buffer (``fp8_param_gather``) is set by the replay's caller.
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ import torch
 
 from ..config.cuda_graph import CudaGraphConfig
 from ..errors import ConfigError
+from ..fp8.param import is_fp8_param
 from ..moe.moe_layer import BaseMoELayer
+from ..tensor_parallel.layers import fp8_states
 from ..transformer.layer import GraphableLayer
 from .backends import Capturer
 from .partial_capture import EarlyReturnLayout, early_return_step, moe_front, moe_rest, prepare_moe_for_scope
@@ -123,6 +129,7 @@ class LayerGraphRunner:
         self.part = CapturedPart(layer, self.eager_forward, scope)
         self.cuda_graphs: List[Callable] = []
         self.cuda_graph_manual_hooks: List[Tuple[Callable, tuple]] = []
+        self.fp8_weights: List[torch.nn.Parameter] = []  # fp8_param_gather's weights the graphs use
         self.current_microbatch = 0
         self.input_spec: Optional[InputSpec] = None
         self.stale = False  # an input no longer matches the captured shapes
@@ -179,6 +186,8 @@ class LayerGraphRunner:
             hidden = layer.forward_attention(hidden)  # outside the scope: eager, in front of the graph
         graph = self.cuda_graphs[self.current_microbatch % len(self.cuda_graphs)]
         outputs = graph(hidden)
+        if self.fp8_weights:
+            outputs = _MainGradAdded.apply(self.fp8_weights, *outputs)
         if part.whole_layer:
             return outputs[0]
         pos = 0
@@ -194,6 +203,7 @@ class LayerGraphRunner:
     def drop_graphs(self) -> None:
         self.cuda_graphs = []
         self.cuda_graph_manual_hooks = []
+        self.fp8_weights = []
         self.stale = False
 
 
@@ -220,6 +230,48 @@ def _forward_pre_hooks(module: torch.nn.Module) -> List[Tuple[Callable, tuple]]:
         args = (module, (), {}) if hook_id in module._forward_pre_hooks_with_kwargs else (module, ())
         hooks.append((hook, args))
     return hooks
+
+
+class _FP8StateKept:
+    """What fp8 keeps across steps in the captured parts, put back after the capture: the delayed recipe's state,
+    and ``fp8_param_gather``'s weights' ``main_grad`` and readiness flag.  The capturer's warm-up runs each part
+    forward and backward on the static buffers with made-up output gradients (torch's and Transformer Engine's
+    ``make_graphed_callables``: uninitialized ones): the passes fold their amaxes into the step's and add their fp8
+    weight gradients to ``main_grad``; the step must hold its own micro-batches' only.  Put back in place: the
+    graphs read and write these storages."""
+
+    def __init__(self, parts: Sequence[torch.nn.Module], fp8_weights: Sequence[torch.nn.Parameter]):
+        tensors = {id(t): t for part in parts for state in fp8_states(part) for t in state.state_tensors()}
+        tensors.update({id(p.main_grad): p.main_grad for p in fp8_weights if hasattr(p, "main_grad")})
+        self._saved = [(t, t.clone()) for t in tensors.values()]
+        self._flags = [(p, getattr(p, "grad_added_to_main_grad", False)) for p in fp8_weights]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        if any(t.is_cuda for t, _ in self._saved):
+            torch.cuda.synchronize()  # the warm-up ran on the capturer's own stream
+        for tensor, value in self._saved:
+            tensor.copy_(value)
+        for param, flag in self._flags:
+            param.grad_added_to_main_grad = flag
+
+
+class _MainGradAdded(torch.autograd.Function):
+    """On a replayed graph's outputs: the captured backward adds each fp8 weight's gradient (``fp8_param_gather``)
+    to its ``main_grad``, but the Python that tells the gradient buffer so (``grad_added_to_main_grad``, read by its
+    hook once the weight's gradient is in) does not run in a replay; this backward runs just before the graph's and
+    says it."""
+
+    @staticmethod
+    def forward(ctx, fp8_weights, *outputs):
+        ctx.fp8_weights = fp8_weights
+        return tuple(o.view_as(o) for o in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for param in ctx.fp8_weights:
+            param.grad_added_to_main_grad = True
+        return (None, *grads)
 
 
 class _ModulesCalled:
@@ -321,11 +373,13 @@ class CudaGraphHelper:
             for hook, hook_args in _forward_pre_hooks(module):
                 hook(*hook_args)
             module._forward_pre_hooks.clear()
+        kept = _FP8StateKept(parts, [p for r in self.runners for p in r.fp8_weights])
         try:
             graphs = self.capturer(parts, sample_args, order=self.plan.order,
                                    num_layers_per_chunk=self.plan.num_layers_per_chunk,
                                    num_warmup_iters=self.num_warmup_iters, reuse_buffers=self.plan.order is not None)
         finally:
+            kept.restore()
             for module, hooks in stashed:
                 module._forward_pre_hooks.update(hooks)
         self._assign(graphs)
@@ -344,6 +398,7 @@ class CudaGraphHelper:
             seen = set()
             modules = [m for m in called.modules if id(m) not in replayed_eagerly and not (id(m) in seen or seen.add(id(m)))]
             runner.cuda_graph_manual_hooks = [h for m in modules for h in _forward_pre_hooks(m)]
+            runner.fp8_weights = [p for m in modules for p in m.parameters(recurse=False) if is_fp8_param(p)]
             hooked.extend(m for m in modules if m._forward_pre_hooks)
         return hooked
 

@@ -98,7 +98,8 @@ class _FP8Linear(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 grad_weight = ctx.weight_grad(lambda: scaled_gemm(qdy.t(), sdy, qx.t(), sx, w_dtype))
         if ctx.fp8_param is not None and grad_weight is not None:
-            # An fp8 param's .grad would be fp8: the gradient goes into its buffer, and the buffer's hook is told.
+            # An fp8 param's .grad would be fp8: the gradient goes into its buffer, and the buffer's hook is told
+            # (by a replayed CUDA graph's caller where a graph holds this: cuda_graphs.capture).
             ctx.fp8_param.main_grad.add_(grad_weight)
             ctx.fp8_param.grad_added_to_main_grad = True
             grad_weight = None

@@ -15,7 +15,8 @@ other experts), a grouped experts' weight with one scale per expert, as their GE
 Each main shard is first rounded to the params' 16-bit dtype, as Megatron does: the bytes are then exactly those
 the layer makes from its 16-bit weight without ``fp8_param_gather`` (the max of a rounded tensor is the rounded
 max, and the cast is elementwise): both runs do the same arithmetic, but for the gradient norm, summed over DP
-shards that the fp8 buffer moves (with gradient clipping they part by rounding).
+shards that the fp8 buffer moves (with gradient clipping they part by rounding).  Bytes and scales are written in
+place (``copy_``): a captured CUDA graph's GEMMs read them at the addresses of the capture.
 """
 from __future__ import annotations
 

@@ -13,6 +13,12 @@ Scales follow Transformer Engine's convention: a tensor is quantized as ``fp8(x 
   uses scale 1.
 * ``"blockwise"`` (DeepSeek-V3): a power-of-two scale per 1x128 tile of activations and gradients (along the
   GEMM's reduction dimension) and per 128x128 block of weights; no collective needed.
+
+Every recipe composes with CUDA graphs (``cuda_graphs``): tensorwise and blockwise compute their scales on the
+device from the tensors at hand (tensorwise's amax all-reduce is a collective inside the graph), and the delayed
+state's tensors keep their storages, written in place only (``record_amax`` in the captured passes, ``advance``
+between optimizer steps, outside the graphs), so a replay reads the current scales; nothing reads a value on the
+host.
 """
 from __future__ import annotations
 
@@ -92,7 +98,8 @@ class FP8LinearState:
             self.step_amax = {r: torch.zeros((), dtype=torch.float32, device=device) for r in ROLES}
 
     def follow(self, device: torch.device) -> None:
-        """Delayed recipe: keep the history and scales on the layer's device (a model moved after it was built)."""
+        """Delayed recipe: keep the history and scales on the layer's device (a model moved after it was built,
+        which happens before any capture: a CUDA graph then finds them on its device and never moved again)."""
         if self.scale["input"].device != device:
             for d in (self.amax_history, self.scale, self.step_amax):
                 d.update({r: t.to(device) for r, t in d.items()})
@@ -113,8 +120,16 @@ class FP8LinearState:
             amax = history[0] if r.amax_compute_algo == "most_recent" else history.max()
             new = torch.full_like(amax, r.fp8_max(role)) / amax / (2.0 ** r.margin)  # not float / tensor: 2 roundings
             keep = ~torch.isfinite(amax) | (amax <= 0)
-            self.scale[role] = torch.where(keep, self.scale[role], new)
+            self.scale[role].copy_(torch.where(keep, self.scale[role], new))
             self.step_amax[role].zero_()
+
+    def state_tensors(self) -> List[torch.Tensor]:
+        """Delayed recipe: every tensor of the state (histories, scales, step amaxes; none for the other recipes).
+        Each keeps its storage for the whole run, updated in place only: a captured CUDA graph replays the kernels
+        that read and write them at the addresses they had at capture."""
+        if self.recipe.recipe != "delayed":
+            return []
+        return [d[r] for d in (self.amax_history, self.scale, self.step_amax) for r in ROLES]
 
 
 def delayed_scaling_groups(parallel_state: ParallelState) -> Dict[str, List[ParallelGroup]]:

@@ -87,6 +87,8 @@ def test_histories_meet_a_job_of_another_recipe_as_decided(caplog):
     with caplog.at_level(logging.WARNING, logger="ds_megatron"):
         load_scaling_tensors(_model(fp8_recipe="tensorwise"), saved, "ckpt")  # ignored, one line
         loading = _model()
+        held = [t for st in fp8_states(loading) for t in st.state_tensors()]  # held: no storage is reused
+        storages = [t.untyped_storage().data_ptr() for t in held]
         load_scaling_tensors(loading, saved, "ckpt")
         fresh = _model()
         load_scaling_tensors(fresh, {}, "ckpt")  # started as a fresh run, one line
@@ -95,6 +97,8 @@ def test_histories_meet_a_job_of_another_recipe_as_decided(caplog):
     for got, want in zip(fp8_states(loading), fp8_states(saving)):
         assert all(torch.equal(got.amax_history[r], want.amax_history[r]) and torch.equal(got.scale[r], want.scale[r])
                    for r in want.scale)
+    # loaded into the state's own tensors: a CUDA graph captured before the load reads those
+    assert [t.untyped_storage().data_ptr() for st in fp8_states(loading) for t in st.state_tensors()] == storages
     assert all(float(s.scale["input"]) == 1.0 for s in fp8_states(fresh))
     with pytest.raises(ValueError, match="fp8_amax_history_len=3, this job has 4; resume with 3"):
         load_scaling_tensors(_model(fp8_amax_history_len=4), saved, "ckpt")  # a loop's own load, past the record

@@ -31,7 +31,6 @@ def refused(config, world: int = 1) -> str:
 
 @pytest.mark.parametrize("config,world,names", [
     (job(bf16=False), 1, ("model.fp8", "bf16.enabled")),
-    (job(cuda_graph={"impl": "local"}), 1, ("cuda_graph.impl", "\"none\"")),
     (job(model={"num_query_groups": 1}, tensor_model_parallel_size=2), 2,
      ("num_query_groups=1 below tensor_model_parallel_size=2", "replicated KV")),
     (job(model={"num_experts": 4, "fp8_recipe": "blockwise", "moe_ffn_hidden_size": 128},
@@ -65,6 +64,21 @@ def test_refused_at_start_naming_the_setting_and_the_fix(config, world, names):
     message = refused(config, world)
     for name in names:
         assert name in message, message
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+@pytest.mark.parametrize("cuda_graph", [{"impl": "local"}, {"impl": "transformer_engine", "scope": ["attn"]},
+                                        {"impl": "transformer_engine", "scope": ["attn", "moe_router"]}])
+def test_every_recipe_is_accepted_with_cuda_graphs(recipe, cuda_graph):
+    experts = {"num_experts": 4} if "moe_router" in cuda_graph.get("scope", ()) else {}
+    cfg = split_config(job(model={"fp8_recipe": recipe, "fp8": "hybrid", **experts}, cuda_graph=cuda_graph))[1]
+    cfg.layout(1)
+    assert cfg.cuda_graph.enabled and cfg.model.fp8_recipe == recipe
+    if recipe == "tensorwise":  # fp8_param_gather too
+        cfg = split_config(job(model=experts, cuda_graph=cuda_graph, fp8_param_gather=True,
+                               use_distributed_optimizer=True))[1]
+        cfg.layout(1)
+        assert cfg.cuda_graph.enabled and cfg.ddp.fp8_param_gather
 
 
 def test_blockwise_mla_whose_widths_tile_is_accepted():
