@@ -88,6 +88,7 @@ def _train(gather: bool, tp: int = 1, checkpoint_dir=None):
         reload = "accepted"
     except ValueError as e:
         reload = str(e)
+    optimizer.finish_param_sync()  # the last step's overlapped all-gather writes the bytes read next
     fp8 = {n: (p.detach().view(torch.uint8).clone(), p.fp8_scale_inv.clone())
            for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
     buffers = [(str(b.param_dtype), b.numel, sum(p.numel() for p in b.params), b.param_data.numel()
