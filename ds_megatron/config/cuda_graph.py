@@ -71,8 +71,9 @@ class CudaGraphConfig:
         false) makes the number of permuted tokens depend on the routing.
         Without dropping it is ``tokens x topk`` (static), and with drop-and-pad
         ``capacity x experts`` (static).  Capturing whole MoE layers (empty scope)
-        also puts dispatch and experts in the graph, whose per-expert shapes are
-        static only with drop-and-pad.
+        also puts dispatch and experts in the graph: refused, since the dispatch
+        reads its token counts on the host (even where drop-and-pad makes them
+        static).
         """
         if model is None or not self.enabled:
             return
@@ -103,3 +104,11 @@ class CudaGraphConfig:
                               f"{moe_capacity_factor}, moe_pad_expert_input_to_capacity="
                               f"{moe_pad_expert_input_to_capacity}); use impl \"transformer_engine\" with scope "
                               "[\"attn\", \"moe_router\", \"moe_preprocess\"], or pad to capacity")
+        if self.whole_layer:
+            # Static shapes are not enough: the dispatch reads its split sizes on the host (the one sync of the
+            # all-to-all dispatcher, Megatron's cuda_sync_point; the all-gather one reads its token counts) and the
+            # grouped GEMM its offsets, which a capture refuses with a CUDA error midway through the first step.
+            raise ConfigError(f"{SECTION}.cuda_graph captures whole layers (empty scope, impl {self.impl!r}) and "
+                              f"{where}.num_experts={num_experts}: the MoE dispatch reads its token counts on the "
+                              "host, which a captured graph cannot; use impl \"transformer_engine\" with scope "
+                              "[\"attn\", \"moe_router\", \"moe_preprocess\"]")
