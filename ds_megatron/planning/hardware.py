@@ -32,7 +32,7 @@ work at its bandwidth) a training loop reaches; every compute price is divided b
 ``gemm_efficiency`` and ``HBM_EFFICIENCY`` are sustained figures already.  On a CPU the kernels' rates alone miss
 what a step also pays per operator (allocation, dispatch, autograd) and for activations that have gone cold in
 cache by backward: ``--calibrate`` times a stack of reference GPT layers (``calibrate.REFERENCE``) forward and
-backward on every core at once and divides the clock's price of them by the time (0.80 on this project's 2-core
+backward on every core at once and divides the clock's price of them by the time (0.83-0.90 on this project's 2-core
 EPYC box).
 
 ``cores``: the cores every rank of a one-node CPU job shares (``--calibrate`` reads ``os.sched_getaffinity``).
