@@ -139,16 +139,17 @@ def fit_latency_bandwidth(points: Sequence[Tuple[float, float]]) -> Tuple[float,
 def measure_collectives(sizes: Sequence[int] = MESSAGE_ELEMENTS, repeats: int = 30,
                         gemm_size: int = 256) -> Dict[str, Dict[str, float]]:
     """On every rank of the default (gloo) group: each collective's latency and bus bandwidth, fitted to the mean
-    time of ``repeats`` calls at each message size, each call right after a GEMM of about a millisecond on every
-    rank (as a step runs them: compute, then a collective).  The mean, not the fastest: a gloo call on a CPU box
+    time of ``repeats`` calls at each message size, each call right after a GEMM of about 5 ms on every rank (as
+    a step runs them: a layer's compute, then a collective).  The mean, not the fastest: a gloo call on a CPU box
     is bimodal (a 512 KiB all-reduce between two ranks took 0.25 ms at best and 2.4-2.7 ms on average, a training
-    step's TP reductions 2.8 ms each), and a step pays the average over hundreds of them.  Send/recv: a round trip
-    between the ranks of each pair (0-1, 2-3), halved.  Rank 0's figures are the ones to keep (every rank returns
-    its own)."""
+    step's TP reductions 2.8 ms each), and a step pays the average over hundreds of them; the longer the compute
+    before it, the slower the call (after a 1 ms GEMM 0.9-2.5 ms on average, after 5 ms 2.6-3.1 ms).  Send/recv: a
+    round trip between the ranks of each pair (0-1, 2-3), halved.  Rank 0's figures are the ones to keep (every
+    rank returns its own)."""
     import torch  # as measure_gemms
     import torch.distributed as dist
     n, rank = dist.get_world_size(), dist.get_rank()
-    a, b = torch.randn(gemm_size, gemm_size), torch.randn(gemm_size, 4 * gemm_size)  # about 1 ms on one core
+    a, b = torch.randn(gemm_size, gemm_size), torch.randn(gemm_size, 16 * gemm_size)  # about 5 ms on one core
     peer = rank ^ 1 if (rank ^ 1) < n else None
     out = {}
     for kind in KINDS:
