@@ -39,13 +39,15 @@ def test_latency_and_bandwidth_fitted_by_least_squares_by_hand():
 def test_compute_efficiency_divides_every_compute_price(tmp_path):
     """A profile's ``compute_efficiency`` divides its GEMM, memory-bound and attention prices, not its collectives';
     the reference layers' price (``calibrate.reference_price``, all compute) divides by it as a whole, which is
-    what the calibration's efficiency (price over measured time) relies on.  Out of (0, 2]: refused."""
+    what the calibration's efficiency (price over measured time) relies on: a reference measured at 1/0.8 of its
+    price gives 0.8.  Out of (0, 2]: refused."""
     gemms = [[64, 64, 64, 5e10], [256, 256, 256, 1e11]]
     rate = {"latency_s": 1e-3, "bus_bytes_per_s": 1e9, "ranks": 2}
     collectives = {kind: dict(rate) for kind in calibrate.KINDS}
     one = calibrate.write_profile(str(tmp_path / "one.json"), gemms, 2e10, collectives, 2, 0.0, 2)
-    slow = calibrate.write_profile(str(tmp_path / "slow.json"), gemms, 2e10, collectives, 2, 0.0, 2, 0.8)
-    assert one.compute_efficiency == 1.0 and slow.compute_efficiency == 0.8
+    slow = calibrate.write_profile(str(tmp_path / "slow.json"), gemms, 2e10, collectives, 2, 0.0, 2,
+                                   reference=calibrate.reference_price(one) / 0.8)
+    assert one.compute_efficiency == 1.0 and slow.compute_efficiency == pytest.approx(0.8, rel=1e-12)
     assert slow.gemm_time(128, 128, 128, "fp32") == pytest.approx(one.gemm_time(128, 128, 128, "fp32") / 0.8)
     assert slow.memory_time(1e6) == pytest.approx(one.memory_time(1e6) / 0.8)
     assert slow.collective_time("all_reduce", 2, 1e6, False) == one.collective_time("all_reduce", 2, 1e6, False)

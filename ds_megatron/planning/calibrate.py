@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ..config.model import GPTConfig
 from ..errors import ConfigError
 from ..parallel.layout import ParallelLayout
-from .hardware import Hardware, load_hardware
+from .hardware import Hardware, hardware_from_dict, load_hardware
 from .step_time import Run, _Pricer
 
 GEMM_SIZES = (32, 64, 128, 256, 512, 1024)
@@ -238,9 +238,10 @@ def box_cores() -> int:
 
 def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
                   collectives: Dict[str, Dict[str, float]], ranks: int, overlap: float, cores: int,
-                  efficiency: float = 1.0) -> Hardware:
+                  reference: Optional[float] = None) -> Hardware:
     """The ``cpu`` profile of these measurements (``gemms`` and ``memory_bandwidth``: one core's while every core
-    computes; ``efficiency``: ``compute_efficiency``), written to ``path`` as ``--hardware`` reads it."""
+    computes; ``reference``: the seconds of ``measure_reference_layers``, whose price on the profile over them is
+    its ``compute_efficiency``, 1 without), written to ``path`` as ``--hardware`` reads it."""
     peak = max(row[3] for row in gemms)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
     doc = {"name": "cpu", "peak_flops": {"fp32": peak}, "hbm_bytes_per_s": memory_bandwidth,
@@ -248,8 +249,10 @@ def write_profile(path: str, gemms: List[List[float]], memory_bandwidth: float,
            "network_bytes_per_s": collectives["all_reduce"]["bus_bytes_per_s"], "gpus_per_node": 1 << 20,
            "sms": 1, "gemm_efficiency": 1.0, "gemm_table": gemms, "collectives": {"intra": collectives},
            "kernel_launch_s": 0.0, "attention_kernel": "materialized", "comm_overlap": overlap,
-           "device": "cpu", "cores": cores, "compute_efficiency": efficiency,
+           "device": "cpu", "cores": cores, "compute_efficiency": 1.0,
            "source": f"ds-megatron plan --calibrate, {ranks} gloo ranks, {time.strftime('%Y-%m-%d %H:%M')}"}
+    if reference is not None:
+        doc["compute_efficiency"] = reference_price(hardware_from_dict(doc, where=path)) / reference
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
     return load_hardware(path)  # read back as --hardware will, so a bad profile fails here
@@ -315,6 +318,4 @@ def calibrate(path: str, ranks: int = 4, port: Optional[int] = None) -> Hardware
     collectives, overlap = queue.get(timeout=600)
     for p in procs:
         p.join()
-    priced = write_profile(path, gemms, bandwidth, collectives, ranks, overlap, box_cores())
-    return write_profile(path, gemms, bandwidth, collectives, ranks, overlap, box_cores(),
-                         reference_price(priced) / reference)
+    return write_profile(path, gemms, bandwidth, collectives, ranks, overlap, box_cores(), reference)

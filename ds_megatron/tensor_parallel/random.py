@@ -197,7 +197,7 @@ def is_reentrant_rerun() -> bool:
     backpropagated.  A non-reentrant checkpoint (ours, torch's ``use_reentrant=False``, DeepSpeed's
     ``non_reentrant_checkpoint``) reruns under saved-tensor hooks only to refill the forward's graph, whose
     other nodes stay; its rerun's graph is dropped."""
-    if not (is_recomputing() and torch.is_grad_enabled()) or _RERUN.depth > 0:
+    if not (_foreign_rerun() and torch.is_grad_enabled()):
         return False
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
