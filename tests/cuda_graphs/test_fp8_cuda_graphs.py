@@ -1,7 +1,8 @@
 """FP8 under partial CUDA graphs, on CPU: the engine hook's capture path (``CudaGraphHelper``) with a capturer that
 does what torch's and Transformer Engine's ``make_graphed_callables`` do before they capture (warm-up passes of each
 part on its static inputs, backward with made-up output gradients), then calls the parts instead of replaying
-them, with every host read of a tensor's value raising while a part runs, forward and backward.
+them, with every host read of a tensor's value and every host-to-device copy (``host_reads``, the MoE host-sync
+test's list) raising while a part runs, forward and backward.
 
 For each recipe: the loss and every gradient equal the same model's trained without graphs, bit for bit (same
 process, same kernels); the delayed recipe's state tensors keep their storages for the whole run while their values
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from harness import run_on_ranks
+from host_reads import TENSOR_METHODS, TORCH_FUNCTIONS
 
 from ds_megatron.config import CudaGraphConfig
 from ds_megatron.cuda_graphs.backends import EagerCapturer
@@ -31,7 +33,6 @@ MODEL = dict(num_layers=2, hidden_size=128, num_attention_heads=2, ffn_hidden_si
              make_vocab_size_divisible_by=8, hidden_dropout=0.0, attention_dropout=0.0)
 MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128, moe_shared_expert_intermediate_size=128)
 STEPS, GAS, WARMUP_STEPS = 3, 2, 1
-HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
 class _InPart:
@@ -42,13 +43,14 @@ class _InPart:
 
 @pytest.fixture
 def no_host_reads_in_parts(monkeypatch):
-    for name in HOST_READS:
-        def read(self, *args, _real=getattr(torch.Tensor, name), _name=name, **kwargs):
-            if _InPart.active:
-                raise AssertionError(f"Tensor.{_name}() inside a captured part: a host sync, which a CUDA graph "
-                                     "cannot record")
-            return _real(self, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, name, read)
+    for owner, names in ((torch.Tensor, TENSOR_METHODS), (torch, TORCH_FUNCTIONS)):
+        for name in names:
+            def read(*args, _real=getattr(owner, name), _name=f"{owner.__name__}.{name}", **kwargs):
+                if _InPart.active:
+                    raise AssertionError(f"{_name}() inside a captured part: a host sync, which a CUDA graph "
+                                         "cannot record")
+                return _real(*args, **kwargs)
+            monkeypatch.setattr(owner, name, read)
     yield
     _InPart.active = False
 

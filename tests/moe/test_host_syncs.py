@@ -17,13 +17,12 @@ import torch
 import torch.distributed as dist
 
 from harness import run_on_ranks
+from host_reads import TENSOR_METHODS, TORCH_FUNCTIONS
 from moe_helpers import MOE, moe_config
 from ds_megatron.models import GPTModel
 from ds_megatron.parallel.layout import ParallelLayout
 from ds_megatron.parallel_state import ParallelState
 
-TENSOR_METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy", "nonzero")
-TORCH_FUNCTIONS = ("nonzero", "unique", "masked_select", "tensor", "as_tensor")
 
 
 @contextlib.contextmanager
