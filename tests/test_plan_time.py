@@ -288,6 +288,19 @@ def test_search_beats_the_papers_layout_at_its_gpu_count():
     assert first.step_time_s <= step, (first, step)
 
 
+def test_compute_efficiency_divides_every_compute_part_of_a_gpu_step():
+    """On a GPU profile too (its flash attention core priced from the peak, not a GEMM table): at a
+    ``compute_efficiency`` of 0.5 every compute part of the step doubles, its collectives do not move (nor a
+    kernel's launch, left out here: it is not compute)."""
+    run = Run(_model(sequence_parallel=True), ParallelLayout(world_size=2, tp=2), "bf16", 1, 4)
+    gpu = dataclasses.replace(A100, kernel_launch_s=0.0)
+    one = plan_step_time(run, gpu, gpus_per_node=8).breakdown
+    half = plan_step_time(run, dataclasses.replace(gpu, compute_efficiency=0.5), gpus_per_node=8).breakdown
+    for part in ("gemm_s", "attention_s", "elementwise_s", "optimizer_s"):
+        assert half[part] == pytest.approx(2 * one[part], rel=1e-12), part
+    assert half["tp_comm_s"] == one["tp_comm_s"]
+
+
 def test_cp_ring_blocks_on_a_materialized_profile_by_hand():
     """CP 2, p2p, on a profile whose attention goes through memory (a CPU's): per layer and rank, 5 block pairs of
     c = 64 tokens square (two diagonal), 8 heads of 64, fp32 scores; forward Q K^T and P V per pair, backward the
