@@ -11,7 +11,7 @@ from ds_megatron.config.job import parse_job_config
 from ds_megatron.pipeline_parallel.schedule_table import (_programs, rank_operations, receives_of, sends_of,
                                                           simulate_pipeline, zero_bubble_orders)
 from ds_megatron.planning import search
-from ds_megatron.planning.hardware import H100
+from ds_megatron.planning.hardware import H100, CollectiveRate
 from ds_megatron.planning.job_plan import plan_from_config, run_from_job
 from ds_megatron.planning.search import candidate_config, pipeline_floor, search_layouts
 from ds_megatron.planning.step_time import Cost, plan_step_time
@@ -75,6 +75,22 @@ def test_search_returns_the_brute_force_ranking():
     assert any(row[2][-1] for row in reference), "no hierarchical CP among the layouts"
 
 
+def test_search_ranks_as_the_brute_force_on_ranks_sharing_cores():
+    """4 ranks on 2 cores of one node, collectives taking processor time (a calibrated CPU's kind: a collective
+    run while fewer ranks compute ends before its measured wall time, so a phase's plain total is no floor; the
+    bounds read ``least_time``): the top 1, 3 and 10 with pruning are the brute force's to the bit."""
+    rates = {kind: CollectiveRate(2e-3, 1e9, 4, 1e-3, 2e9) for kind in ("all_reduce", "all_gather",
+                                                                       "reduce_scatter", "all_to_all")}
+    rates["send_recv"] = CollectiveRate(1.4e-3, 2e9, 4, 0.7e-3, 4e9)
+    hw = dataclasses.replace(H100, cores=2, gpus_per_node=4, collectives={"intra": rates}, memory_bytes=1e15)
+    reference = _brute_force(BASE, 4, hw, 4, 8)
+    assert len(reference) > 10
+    for limit in (1, 3, 10):
+        result = search_layouts(BASE, 4, hw, gpus_per_node=4, global_batch=8, limit=limit)
+        assert [x.step_time_s for x in result.layouts] == [row[0] for row in reference[:limit]], limit
+        assert result.evaluated < len(reference), "the bounds pruned nothing"
+
+
 MOE_BASE = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
             "megatron": {"model": dict(BASE["megatron"]["model"], num_experts=4, moe_router_topk=2,
                                        moe_ffn_hidden_size=64, moe_shared_expert_intermediate_size=64)}}
@@ -122,7 +138,7 @@ def test_pipeline_floor_is_below_the_simulation_and_the_formula_for_equal_stages
         kind = "zero_bubble" if schedule == "zero_bubble" else "interleaved_1f1b"
         finish = max(simulate_pipeline(m, v, p, schedule=kind, costs=costs, message_time=message).finish)
         run = dataclasses.make_dataclass("R", ["micro_batches", "schedule"])(m, schedule)
-        floor = pipeline_floor(run, _phases(costs), message)
+        floor = pipeline_floor(run, _phases(costs), message, H100)
         assert floor <= finish, (p, v, m, costs, message)
         if equal and message == 0.0 and schedule != "zero_bubble":
             f, b, w = one

@@ -392,7 +392,7 @@ def test_ranks_sharing_cores_by_hand(pp):
     pricer = _Pricer(run, hw, hw.gpus_per_node)
     phases = stage_phases(run, pricer)
     work = [4 * sum(f.total + b.total + w.total for f, b, w in stage)
-            + _after_backward(run, hw, pricer, i, stage)["optimizer_s"] for i, stage in enumerate(phases)]
+            + _after_backward(run, hw, pricer, i, stage)[0]["optimizer_s"] for i, stage in enumerate(phases)]
     step = plan_step_time(run, hw)
     assert step.step_time_s == pytest.approx(4 // pp * sum(work) / 2, rel=1e-12)
     assert sum(step.breakdown.values()) == pytest.approx(step.step_time_s, rel=1e-12)
@@ -402,6 +402,61 @@ def test_ranks_sharing_cores_by_hand(pp):
         assert alone.step_time_s < step.step_time_s < 0.85 * 2 * alone.step_time_s
     else:  # every rank computes throughout: the rate halved
         assert step.step_time_s == pytest.approx(2 * alone.step_time_s, rel=1e-12)
+    # Messages whose processor time c is all of their measured wall time at the measured share (no delay left):
+    # the cores still never idle, and each stage's ranks add c for each of their 2m messages.
+    c = 1e-3
+    messages = _measured(hw, 0.0, send_recv_cpu=c, latency=0.0)
+    step = plan_step_time(run, messages)
+    assert step.step_time_s == pytest.approx(4 // pp * (sum(work) + (pp > 1) * pp * 2 * 4 * c) / 2, rel=1e-12)
+    assert sum(step.breakdown.values()) == pytest.approx(step.step_time_s, rel=1e-12)
+    assert step.breakdown.get("pp_comm_s", 0.0) == pytest.approx((pp > 1) * 2 * 4 * c, rel=1e-12)
+
+
+def _measured(hw, cpu_share, send_recv_cpu=0.0, latency=1e-3):
+    """``hw`` with collectives measured over 4 ranks (``latency`` + bus bytes at 1 GB/s; free with 0), each taking
+    ``cpu_share`` of its wall time in processor time at the measured core share (0.5: 4 ranks on 2 cores), a
+    send/recv ``send_recv_cpu`` s of processor time and twice that of wall time."""
+    rate = CollectiveRate(latency, 1e9 if latency else 1e30, 4, cpu_share * latency / 2,
+                          1e9 / (cpu_share / 2) if cpu_share else 0.0)
+    rates = {kind: rate for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")}
+    rates["send_recv"] = CollectiveRate(2 * send_recv_cpu, 1e30, 4, send_recv_cpu, 0.0)
+    return dataclasses.replace(hw, collectives={"intra": rates})
+
+
+def test_collectives_processor_time_takes_a_core_by_hand():
+    """A measured collective's processor time: its CPU fit (latency scaled by ring steps as the wall time's), 0
+    where none was measured; while every rank computes as in the calibration (TP 4 on 2 cores), taking that time
+    from a core at the measured share leaves each collective its measured wall time, so the step equals the one
+    priced without the CPU fit; PP 2 x TP 2 with collectives that are all processor time: the cores never idle.
+    Each pipeline message's processor time is its sender's and its receiver's work
+    (``test_ranks_sharing_cores_by_hand``)."""
+    base = dataclasses.replace(FREE, gemm_table=[[1, 1, 1, 1e11]], hbm_bytes_per_s=1e10, cores=2)
+    hw = _measured(base, 0.6)
+    assert hw.measured_core_share() == 0.5 and base.measured_core_share() == 1.0
+    assert hw.collective_cpu_time("all_gather", 2, 2e6, False) == pytest.approx(0.3e-3 / 3 + 2e6 * 0.3 / 1e9)
+    assert hw.collective_cpu_time("all_reduce", 4, 2e6, False) == pytest.approx(0.3e-3 + 2e6 * 0.3 / 1e9)
+    assert _measured(base, 0.0).collective_cpu_time("all_reduce", 4, 2e6, False) == 0.0
+    assert A100.collective_cpu_time("all_reduce", 8, 2e6, False) == 0.0
+    model = _model(vocab_size=128, sequence_parallel=True)
+    tp4 = Run(model, ParallelLayout(world_size=4, tp=4), "fp32", 1, 4)
+    with_cpu, without = plan_step_time(tp4, hw), plan_step_time(tp4, _measured(base, 0.0))
+    assert with_cpu.breakdown["tp_comm_s"] > 0.2 * with_cpu.step_time_s
+    assert with_cpu.step_time_s == pytest.approx(without.step_time_s, rel=1e-12)
+    # Collectives all processor time at the measured share (half their wall time; none left to wait) and free
+    # messages, PP 2 x TP 2: a stage waits only while the other computes, so the cores never idle and the step is
+    # all ranks' work over the 2 cores, each collective's share half its wall time.
+    hw = _measured(base, 1.0)
+    run = Run(model, ParallelLayout(world_size=4, tp=2, pp=2), "fp32", 1, 4)
+    pricer = _Pricer(run, hw, hw.gpus_per_node)
+    work = 0.0
+    for stage, phases in enumerate(stage_phases(run, pricer)):
+        tail = _after_backward(run, hw, pricer, stage, phases)[0]
+        work += 4 * sum(c.total - c.comm / 2 for phase in phases for c in phase) + tail["optimizer_s"] + (
+            tail.get("dp_comm_s", 0.0) + tail.get("embedding_comm_s", 0.0)) / 2
+    step = plan_step_time(run, hw)
+    assert step.breakdown["tp_comm_s"] > 0.05 * step.step_time_s
+    assert step.step_time_s == pytest.approx(2 * work / 2, rel=1e-12)
+    assert step.step_time_s != pytest.approx(plan_step_time(run, _measured(base, 0.0)).step_time_s, rel=1e-3)
 
 
 def test_profiles_without_cores_give_every_rank_its_own():

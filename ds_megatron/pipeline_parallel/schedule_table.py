@@ -428,20 +428,24 @@ def simulate_shared_pipeline(num_microbatches: int, num_model_chunks: int, pipel
                              costs: Sequence[Sequence[Tuple[Tuple[float, float], ...]]], rates: Sequence[float],
                              microbatch_group_size_per_vp_stage: Optional[int] = None,
                              schedule: str = "interleaved_1f1b", message_time: float = 0.0,
-                             tails: Optional[Sequence[Sequence[Tuple[float, float]]]] = None) -> PipelineTiming:
+                             tails: Optional[Sequence[Sequence[Tuple[float, float]]]] = None,
+                             message_work: float = 0.0) -> PipelineTiming:
     """``simulate_pipeline`` on ranks that share their compute (processor sharing): an operation first computes
     its work, then waits out its collectives; while ``k`` ranks compute, each advances at ``rates[k]`` of its own
     rate (a rank waiting for a message or in a collective computes nothing and slows no one).
     ``costs[rank][chunk]``: the (work in seconds at the full rate, collective seconds) of its forward, B and W
     (a full backward is B + W); ``tails[rank]``: such pairs the rank runs after its last operation (the step's
-    gradient reduction and optimizer).  ``busy``: each rank's seconds inside its operations and tail."""
+    gradient reduction and optimizer); ``message_work``: the work a message adds to the operation that sends it
+    and to the one that receives it (a CPU's copies through the socket).  ``busy``: each rank's seconds inside its
+    operations and tail."""
     p, v = pipeline_parallel_size, num_model_chunks
     programs = _programs(num_microbatches, v, p, microbatch_group_size_per_vp_stage or p, schedule)
     # Each rank's segments: (work, collective seconds, the message it waits for, the one it sends).
     segments = []
     for r in range(p):
         price = [(f, (b[0] + w[0], b[1] + w[1]), b, w) for f, b, w in costs[r]]
-        own = [price[chunk][kind] + (needed, sent) for kind, chunk, needed, sent in programs[r]]
+        own = [(price[chunk][kind][0] + message_work * ((needed >= 0) + (sent >= 0)), price[chunk][kind][1],
+                needed, sent) for kind, chunk, needed, sent in programs[r]]
         segments.append(own + [(work, comm, -1, -1) for work, comm in (tails[r] if tails else ())])
     arrived: List[Optional[float]] = [None] * (2 * p * v * num_microbatches)
     position, phase = [0] * p, [0] * p  # phase: 0 waiting to start the segment, 1 computing, 2 in its collective

@@ -6,7 +6,8 @@ memory, one core's with every core of the box computing at once (one thread each
 chip's memory bandwidth, caches and clock), before the ranks start (the step-time model shares the cores out
 among the ranks computing at each moment of the schedule: ``Hardware.core_share``); gloo's all-reduce, all-gather,
 reduce-scatter, all-to-all and send/recv between local ranks, each fitted to ``latency + bus bytes / bus
-bandwidth`` over the mean call at four sizes (bus bytes as ``comm_volume`` counts them); how much of an
+bandwidth`` over the mean call at four sizes (bus bytes as ``comm_volume`` counts them), and the processor time
+each rank spends in them fitted alike; how much of an
 all-reduce started asynchronously a GEMM running meanwhile hides (``comm_overlap``); and the share of the clock's
 kernel-by-kernel price a training loop reaches (``compute_efficiency``: reference GPT layers timed forward and
 backward against the clock's price of them).
@@ -144,8 +145,11 @@ def measure_collectives(sizes: Sequence[int] = MESSAGE_ELEMENTS, repeats: int = 
     is bimodal (a 512 KiB all-reduce between two ranks took 0.25 ms at best and 2.4-2.7 ms on average, a training
     step's TP reductions 2.8 ms each), and a step pays the average over hundreds of them; the longer the compute
     before it, the slower the call (after a 1 ms GEMM 0.9-2.5 ms on average, after 5 ms 2.6-3.1 ms).  Send/recv: a
-    round trip between the ranks of each pair (0-1, 2-3), halved.  Rank 0's figures are the ones to keep (every
-    rank returns its own)."""
+    round trip between the ranks of each pair (0-1, 2-3), halved.  The processor time the rank spent in each call
+    (``time.process_time``, gloo's threads included: its copies, sums and polling) is fitted alike (``cpu_*``): on
+    a box whose ranks share the cores it is taken from the ranks computing meanwhile (0.8 ms a 4 KiB message each
+    side here with 4 ranks on 2 cores, 0.2 ms with 2).  Rank 0's figures are the ones to keep (every rank returns
+    its own)."""
     import torch  # as measure_gemms
     import torch.distributed as dist
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -153,7 +157,7 @@ def measure_collectives(sizes: Sequence[int] = MESSAGE_ELEMENTS, repeats: int = 
     peer = rank ^ 1 if (rank ^ 1) < n else None
     out = {}
     for kind in KINDS:
-        points = []
+        points, cpu_points = [], []
         for elements in sizes:
             elements -= elements % n
             whole = torch.ones(elements)
@@ -178,16 +182,21 @@ def measure_collectives(sizes: Sequence[int] = MESSAGE_ELEMENTS, repeats: int = 
 
             once()
             dist.barrier()
-            total = 0.0
+            total = cpu = 0.0
             for _ in range(repeats):
                 torch.mm(a, b)
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 once()
                 total += time.perf_counter() - start
-            seconds = total / repeats / (2 if kind == "send_recv" else 1)
-            points.append((_bus_bytes(kind, n, 4 * elements), seconds))
+                cpu += time.process_time() - start_cpu
+            calls = repeats * (2 if kind == "send_recv" else 1)
+            bus = _bus_bytes(kind, n, 4 * elements)
+            points.append((bus, total / calls))
+            cpu_points.append((bus, cpu / calls))
         latency, bandwidth = fit_latency_bandwidth(points)
-        out[kind] = {"latency_s": latency, "bus_bytes_per_s": bandwidth, "ranks": n}
+        cpu_latency, cpu_bandwidth = fit_latency_bandwidth(cpu_points)
+        out[kind] = {"latency_s": latency, "bus_bytes_per_s": bandwidth, "ranks": n, "cpu_latency_s": cpu_latency,
+                     "cpu_bytes_per_s": cpu_bandwidth}
     return out
 
 

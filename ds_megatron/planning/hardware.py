@@ -38,7 +38,9 @@ EPYC box).
 ``cores``: the cores every rank of a one-node CPU job shares (``--calibrate`` reads ``os.sched_getaffinity``).
 Its GEMM and memory rates are one rank's on a core while every core computes; while ``k`` ranks compute, each runs at
 ``core_share(k)`` of them, ``min(1, cores / k)`` (the scheduler time-slices the cores among the ranks that
-compute; a rank waiting for a message or in a collective sleeps).  ``None``: a device per rank (the GPUs), and
+compute; a rank waiting for a message sleeps).  A collective's processor time (gloo copies, sums and polls on the
+same cores: ``CollectiveRate``'s CPU fit, 0.2-1.2 ms a call here) is work that takes its share of the cores like
+compute; the rest of its wall time the rank waits.  ``None``: a device per rank (the GPUs), and
 the ``cpu`` profiles written before the field, whose rates were measured with every rank computing at once.
 """
 from __future__ import annotations
@@ -99,11 +101,15 @@ DEVICE_KERNELS = {k.name: k for k in (CPU_KERNELS, CUDA_KERNELS)}
 @dataclass(frozen=True)
 class CollectiveRate:
     """A measured collective: time = ``latency_s`` + bus bytes / ``bus_bytes_per_s``, the latency measured over
-    ``ranks`` ranks scaled by ``ring_steps`` to a group of another size (``ranks`` 0: as measured, any size)."""
+    ``ranks`` ranks scaled by ``ring_steps`` to a group of another size (``ranks`` 0: as measured, any size).
+    ``cpu_latency_s`` and ``cpu_bytes_per_s``: the same fit of the processor time each rank spent in the call
+    (gloo's copies, sums and polling on a CPU box, which the cores computing meanwhile do not get); 0: none."""
 
     latency_s: float
     bus_bytes_per_s: float
     ranks: int = 0
+    cpu_latency_s: float = 0.0
+    cpu_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -194,6 +200,25 @@ class Hardware:
         steps = ring_steps(kind, n)
         bandwidth = (self.network_bytes_per_s if inter_node else self.nvlink_bytes_per_s) * LINK_EFFICIENCY
         return steps * self.hop_latency_s[link] + bus_bytes / bandwidth
+
+    def collective_cpu_time(self, kind: str, n: int, bus_bytes: float, inter_node: bool) -> float:
+        """Processor seconds each rank spends in that collective (``CollectiveRate``'s CPU fit, its latency scaled
+        as ``collective_time`` scales it); 0 where none was measured (the GPUs: NCCL moves bytes on the device)."""
+        if n <= 1 or bus_bytes <= 0 or not self.collectives:
+            return 0.0
+        rates = self.collectives.get("inter" if inter_node else "intra") or self.collectives["intra"]
+        rate = rates[kind if kind in rates else "all_reduce"]
+        if not rate.cpu_latency_s and not rate.cpu_bytes_per_s:
+            return 0.0
+        scale = ring_steps(kind, n) / ring_steps(kind, rate.ranks) if rate.ranks else 1.0
+        return rate.cpu_latency_s * scale + (bus_bytes / rate.cpu_bytes_per_s if rate.cpu_bytes_per_s else 0.0)
+
+    def measured_core_share(self) -> float:
+        """The ``core_share`` each rank had while the collectives were measured (every measuring rank in the call
+        at once): a call's processor time took its wall time over this much of a core."""
+        ranks = max((rate.ranks for rates in (self.collectives or {}).values() for rate in rates.values()),
+                    default=0)
+        return self.core_share(ranks) if ranks else 1.0
 
     def to_json(self) -> Dict:
         return asdict(self)

@@ -38,7 +38,7 @@ from .memory import BYTES, activation_bytes, check_recompute_planned, optimizer_
 from .param_counts import gpt_param_counts
 from .job_plan import memory_plans, run_from_job
 from ..parallel.layout import ParallelLayout
-from .step_time import Run, _Pricer, plan_step_time, stage_phases
+from .step_time import Run, _Pricer, least_message_time, least_time, plan_step_time, stage_phases
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 RECOMPUTE = ("none", "selective", "full")
@@ -232,25 +232,26 @@ def _memory_floor(run: Run, kernels: DeviceKernels) -> float:
 
 
 def _bound(run: Run, pricer: _Pricer) -> float:
-    """A step no variant of this group beats: every layer's work spread evenly over the stages."""
-    model, pp = run.model, run.layout.pp
+    """A step no variant of this group beats: every layer's work spread evenly over the stages (each phase at its
+    ``least_time``)."""
+    model, pp, hw = run.model, run.layout.pp, pricer.hw
     work = 0.0
     for i in range(model.num_layers):
-        work += sum(c.total for c in pricer.layer(i, model.recomputes_layer(0)))
-    work += sum(c.total for c in pricer.head()) + sum(c.total for c in pricer.embedding())
+        work += sum(least_time(c, hw) for c in pricer.layer(i, model.recomputes_layer(0)))
+    work += sum(least_time(c, hw) for c in pricer.head()) + sum(least_time(c, hw) for c in pricer.embedding())
     return run.micro_batches * work / pp
 
 
-def pipeline_floor(run: Run, phases, message_time: float) -> float:
+def pipeline_floor(run: Run, phases, message_time: float, hw: Hardware) -> float:
     """A time no rank of ``run``'s pipeline finishes its last backward after, below what ``simulate_pipeline``
     gives (``tests/test_plan_time.py`` holds it so; equal to it for 1F1B and interleaved stages of equal costs):
     rank r starts no work before the first micro-batch's forwards of chunk 0 on ranks 0..r-1 and their messages
     (``head``), then computes its own work (``busy``); its last backward of chunk 0 then has each lower rank's
     backward of chunk 0 and a message to wait for (``chain``).  That backward is a 1F1B or interleaved rank's
     last operation; under ZB-H1 only W's follow it (at most every W of the rank).  Less one part in 10^9 for the
-    rounding of the simulation's own sums."""
+    rounding of the simulation's own sums.  Each phase at its ``least_time``, each message at its least delay."""
     m, zero_bubble = run.micro_batches, run.schedule == "zero_bubble"
-    costs = [[(f.total, b.total, w.total) for f, b, w in stage] for stage in phases]
+    costs = [[tuple(least_time(c, hw) for c in phase) for phase in stage] for stage in phases]
     floor = head = chain = 0.0
     for stage in costs:
         busy = m * sum(f + b + w for f, b, w in stage)
@@ -302,7 +303,8 @@ def search_layouts(config, world_size: int, hw: Hardware, gpus_per_node: Optiona
                 phases = stage_phases(variant, pricer)
             except ValueError:  # stages the uneven ends cannot split
                 continue
-            if len(best) >= limit and pipeline_floor(variant, phases, pricer.message_time()) >= -best[0][0]:
+            if len(best) >= limit and pipeline_floor(variant, phases, least_message_time(pricer.message_time(), hw),
+                                                            hw) >= -best[0][0]:
                 continue  # its pipeline's critical path alone is slower than the list's last
             step = plan_step_time(variant, hw, gpn, pricer)
             if len(best) >= limit and step.step_time_s >= -best[0][0]:

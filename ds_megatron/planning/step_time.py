@@ -26,9 +26,11 @@ Each rank's work per micro-batch and model chunk is priced on a ``planning.hardw
   interleaved, ZB-H1; uneven stages by their own costs) run against the data dependencies
   (``simulate_pipeline``); the idle time on the slowest rank is the bubble;
 * ranks sharing fewer cores (a ``cpu`` profile's ``cores``, fewer than the job's ranks): the same orders run with
-  every rank's work at ``core_share`` of its rate for the ranks computing at that moment, its collectives, the
-  messages it waits for and its bubble taking no core (``simulate_shared_pipeline``), the step's end (below) in
-  the same timeline; the breakdown's ``core_sharing_s`` is the slowest rank's wait for a core;
+  every rank's work at ``core_share`` of its rate for the ranks computing at that moment, the processor time of
+  its collectives and of each pipeline message it sends or receives (gloo's copies and polling) as work too, the
+  rest of a collective's time, a message's delay and the bubble taking no core (``shared_parts``,
+  ``simulate_shared_pipeline``), the step's end (below) in the same timeline; the breakdown's ``pp_comm_s`` is the
+  slowest rank's messages' processor time, ``core_sharing_s`` its wait for a core;
 * after the last backward: the gradient reduction over ``dp-cp`` (fp32 buffers; a reduce-scatter with the
   distributed optimizer), with ``overlap_grad_reduce`` hidden behind the last micro-batch's backward but for its
   last bucket; the tied embedding's all-reduce; the optimizer step (``OPTIMIZER_BYTES`` per owned parameter
@@ -93,24 +95,56 @@ class Run:
     recompute_whole_layer: bool = False
 
 
+@dataclass(frozen=True)
+class Comm:
+    """A collective's (or several's) seconds: ``wall``, what the rank waits in it (or, hidden behind compute, what
+    is left exposed), and ``cpu``, the processor time it takes on the rank's core meanwhile (gloo on a CPU box:
+    ``Hardware.collective_cpu_time``; 0 on a GPU), hidden or not."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    def __add__(self, other: "Comm") -> "Comm":
+        return Comm(self.wall + other.wall, self.cpu + other.cpu)
+
+    def __mul__(self, k: float) -> "Comm":
+        return Comm(self.wall * k, self.cpu * k)
+
+    __rmul__ = __mul__
+
+
 @dataclass
 class Cost:
     """Seconds by part (``PARTS``) of one phase: a chunk's forward, its B or its W, per micro-batch; ``comm``: the
-    seconds of them the rank waits in collectives (``COMM_PARTS``, and those inside a recomputed forward)."""
+    seconds of them the rank waits in collectives (``COMM_PARTS``, and those inside a recomputed forward);
+    ``cpu``: by part, the processor seconds of its collectives (``Comm.cpu``)."""
 
     parts: Dict[str, float] = field(default_factory=dict)
     comm: float = 0.0
+    cpu: Dict[str, float] = field(default_factory=dict)
 
-    def add(self, part: str, seconds: float, comm: Optional[float] = None) -> None:
-        """``comm``: the collectives' seconds among ``seconds`` (default: all of them for a ``COMM_PARTS``)."""
+    def add(self, part: str, seconds, comm: Optional[float] = None, cpu: float = 0.0) -> None:
+        """``seconds``: a float, or a ``Comm`` (its wall time, its processor time added to ``cpu``); ``comm``: the
+        collectives' seconds among them (default: all of them for a ``COMM_PARTS``); ``cpu``: their processor
+        time."""
+        if isinstance(seconds, Comm):
+            seconds, cpu = seconds.wall, cpu + seconds.cpu
         if seconds:
             self.parts[part] = self.parts.get(part, 0.0) + seconds
             self.comm += (seconds if part in COMM_PARTS else 0.0) if comm is None else comm
+        if cpu:
+            self.cpu[part] = self.cpu.get(part, 0.0) + cpu
 
     def merge(self, other: "Cost", scale: float = 1.0, as_part: Optional[str] = None) -> None:
         for part, seconds in other.parts.items():
             self.add(as_part or part, seconds * scale, comm=0.0)
+        for part, seconds in other.cpu.items():
+            self.add(as_part or part, 0.0, comm=0.0, cpu=seconds * scale)
         self.comm += other.comm * scale
+
+    @property
+    def comm_cpu(self) -> float:
+        return sum(self.cpu.values())
 
     @property
     def total(self) -> float:
@@ -143,11 +177,16 @@ class StepTime:
                 "critical_stage": self.stage, "breakdown": self.breakdown}
 
 
-def exposed(hw: Hardware, comm_s: float, compute_s: float) -> float:
-    """The seconds of a collective of ``comm_s`` left exposed when it runs beside ``compute_s`` of compute: the
-    profile's ``comm_overlap`` share of what the compute covers is hidden (all of it on a GPU, little on a CPU
-    whose cores do both)."""
-    return comm_s - hw.comm_overlap * min(comm_s, compute_s)
+def exposed(hw: Hardware, comm: Comm, compute_s: float) -> Comm:
+    """A collective ``comm`` run beside ``compute_s`` of compute: the profile's ``comm_overlap`` share of the wall
+    time the compute covers is hidden (all of it on a GPU, little on a CPU whose cores do both); its processor
+    time is not."""
+    return Comm(comm.wall - hw.comm_overlap * min(comm.wall, compute_s), comm.cpu)
+
+
+def collective(hw: Hardware, kind: str, n: int, bus: float, inter_node: bool) -> Comm:
+    """One collective's wall and processor seconds on ``hw``."""
+    return Comm(hw.collective_time(kind, n, bus, inter_node), hw.collective_cpu_time(kind, n, bus, inter_node))
 
 
 def group_spans_nodes(layout, token: str, gpus_per_node: int, expert: bool = False) -> bool:
@@ -186,8 +225,8 @@ class _Pricer:
         self.flops: Dict[float, float] = {}
         self.splits: Dict[Tuple, List[List[range]]] = {}
 
-    def coll(self, kind: str, group: str, n: int, bus: float) -> float:
-        return self.hw.collective_time(kind, n, bus, self.inter[group])
+    def coll(self, kind: str, group: str, n: int, bus: float) -> Comm:
+        return collective(self.hw, kind, n, bus, self.inter[group])
 
     def gemm(self, fwd: Cost, b: Cost, w: Cost, m: float, n: float, k: float, dtype: str, batch: float = 1,
              weight: bool = True) -> float:
@@ -285,8 +324,9 @@ class _Pricer:
         core, mlp = selective_recompute(cfg, index, cp)
         moe = cfg.is_moe_layer(index)
         if moe:
-            shared_tp = gather + reduce if cfg.moe_shared_expert_intermediate_size else 0.0
-            moe_rerun = ffn_fwd.total + fc2.total + exchange + shared_tp
+            shared_tp = gather + reduce if cfg.moe_shared_expert_intermediate_size else Comm()
+            moe_comm = exchange + shared_tp
+            moe_rerun = ffn_fwd.total + fc2.total + moe_comm.wall
         if recomputed:
             rerun = Cost()
             rerun.merge(fwd)
@@ -295,22 +335,24 @@ class _Pricer:
                     rerun.merge(fc2, -1.0)
                 rerun.add("elementwise", -hw.memory_time(tail))
                 # The attention's gather and reduction, and a dense MLP's gather up to fc2's input.
-                rerun.parts["tp_comm"] = gather + reduce + (shared_tp if moe else gather)
-            b.add("recompute", rerun.total, comm=sum(rerun.parts.get(part, 0.0) for part in COMM_PARTS))
+                tp_rerun = gather + reduce + (shared_tp if moe else gather)
+                rerun.parts["tp_comm"], rerun.cpu["tp_comm"] = tp_rerun.wall, tp_rerun.cpu
+            b.add("recompute", rerun.total, comm=sum(rerun.parts.get(part, 0.0) for part in COMM_PARTS),
+                  cpu=rerun.comm_cpu)
         elif moe and mlp:
-            b.add("recompute", (core_fwd if core else 0.0) + moe_rerun, comm=exchange + shared_tp)
+            b.add("recompute", (core_fwd if core else 0.0) + moe_rerun, comm=moe_comm.wall, cpu=moe_comm.cpu)
         else:
             b.add("recompute", (core_fwd if core else 0.0) + (ffn_fwd.total if mlp else 0.0))
         return fwd, b, w
 
-    def tp_collective(self, kind: str) -> float:
+    def tp_collective(self, kind: str) -> Comm:
         """One TP collective of the rank's [s, b, h]: ``"reduce"``, an all-reduce (SP: a reduce-scatter), or
         ``"gather"``, SP's all-gather (none without SP).  Priced apart: gloo's reduce-scatter is several times its
         all-gather's cost on a CPU."""
         t = self.layout.tp
         nbytes = self.tokens * self.cfg.hidden_size * self.act
         if not self.sp:
-            return self.coll("all_reduce", "tp", t, _all_reduce(t, nbytes)) if kind == "reduce" else 0.0
+            return self.coll("all_reduce", "tp", t, _all_reduce(t, nbytes)) if kind == "reduce" else Comm()
         return self.coll("all_gather" if kind == "gather" else "reduce_scatter", "tp", t,
                          _gather_or_scatter(t, nbytes))
 
@@ -375,7 +417,7 @@ class _Pricer:
         mask = diagonal * hw.memory_time(RING_MASK_PASSES * scores)
         return forward + mask, backward + mask
 
-    def context_parallel_exchange(self) -> Tuple[float, float]:
+    def context_parallel_exchange(self) -> Tuple[Comm, Comm]:
         """Seconds of a layer's CP traffic forward and backward (``comm_volume``'s bytes for each type)."""
         cfg, lay, a = self.cfg, self.layout, self.act
         t, cp = lay.tp, lay.cp
@@ -390,7 +432,7 @@ class _Pricer:
             kv_heads = kv_heads_per_rank(cfg, t)
             moved = (heads + (kv_heads if kv_heads % inner == 0 else heads)) * pair * a
             one = self.coll("all_to_all", "cp", inner, _gather_or_scatter(inner, moved))
-            ring = 0.0
+            ring = Comm()
             if kind == "a2a+p2p" and cp // inner > 1:
                 message = (kv_heads if kv_heads % inner == 0 else heads) * pair * a
                 ring = (cp // inner - 1) * self.coll("send_recv", "cp", 2, message)
@@ -427,10 +469,10 @@ class _Pricer:
         fwd.add("tp_comm", self.tp_collective("reduce"))  # the vocab-parallel lookup's sum (SP: its scatter)
         return fwd, b, w
 
-    def message_time(self) -> float:
+    def message_time(self) -> Comm:
         """One pipeline message (a micro-batch's activation or its gradient) between neighbouring stages."""
         if self.layout.pp == 1:
-            return 0.0
+            return Comm()
         message = self.tokens * self.cfg.hidden_size * self.act / (self.layout.tp if self.sp else 1)
         return self.coll("send_recv", "pp", 2, message)
 
@@ -497,18 +539,18 @@ def plan_step_time(run: Run, hw: Hardware, gpus_per_node: Optional[int] = None,
     pricer = pricer or _Pricer(run, hw, gpus_per_node)
     pp, v, m = lay.pp, run.vpp, run.micro_batches
     phases = stage_phases(run, pricer)
-    message_time = pricer.message_time()
-    tails = [_after_backward(run, hw, pricer, stage, phases[stage]) for stage in range(pp)]
+    message = pricer.message_time()
+    tails, tails_cpu = zip(*(_after_backward(run, hw, pricer, stage, phases[stage]) for stage in range(pp)))
     kind = "zero_bubble" if run.schedule == "zero_bubble" else "interleaved_1f1b"
     shared = hw.cores is not None and lay.world_size > hw.cores
     if shared:
-        timing = _shared_cores_timing(run, hw, gpus_per_node, phases, tails, kind, message_time)
+        timing = _shared_cores_timing(run, hw, gpus_per_node, phases, tails, tails_cpu, kind, message)
         ends = finish = timing.finish
     else:
         if pp > 1:
             costs = [[(f.total, b.total, w.total) for f, b, w in stage] for stage in phases]
             finish = simulate_pipeline(m, v, pp, run.group_size, schedule=kind, costs=costs,
-                                       message_time=message_time).finish
+                                       message_time=message.wall).finish
         else:
             finish = (m * sum(f.total + b.total + w.total for f, b, w in phases[0]),)
         ends = [finish[stage] + sum(tails[stage].values()) for stage in range(pp)]
@@ -517,8 +559,13 @@ def plan_step_time(run: Run, hw: Hardware, gpus_per_node: Optional[int] = None,
     compute = {part: m * sum(ph.parts.get(part, 0.0) for f, b, w in phases[stage] for ph in (f, b, w))
                for part in PARTS}
     parts = {f"{k}_s": s for k, s in compute.items() if s}
-    if shared:  # the rank's seconds in its work beyond their price at its own rate: waiting for a core
-        parts["core_sharing_s"] = timing.busy[stage] - sum(compute.values()) - sum(tail.values())
+    if shared:
+        # Its pipeline messages' processor time at its own rate, and the rest of the rank's seconds in its work
+        # beyond their price at its own rate: waiting for a core (less, where a collective ran with fewer ranks
+        # computing than when it was measured).
+        parts["pp_comm_s"] = rank_messages(run, stage) * message.cpu
+        parts["core_sharing_s"] = (timing.busy[stage] - sum(compute.values()) - sum(tail.values())
+                                   - parts["pp_comm_s"])
         parts["pipeline_bubble_s"] = total - timing.busy[stage]
     else:
         parts["pipeline_bubble_s"] = finish[stage] - sum(compute.values())
@@ -529,12 +576,42 @@ def plan_step_time(run: Run, hw: Hardware, gpus_per_node: Optional[int] = None,
     return StepTime(total, flops, lay.world_size, peak, {k: s for k, s in parts.items() if abs(s) > 1e-12}, stage)
 
 
-def _shared_cores_timing(run: Run, hw: Hardware, gpus_per_node: int, phases, tails, kind: str,
-                         message_time: float):
+def shared_parts(cost: Cost, hw: Hardware) -> Tuple[float, float]:
+    """(work, wait) of a phase on ranks sharing cores: its compute and its collectives' processor time take a
+    core (at ``core_share`` of the rank's rate while others compute too); of the collectives' wall time the rank
+    waits what is left once their processor time is taken out as it was measured (``measured_core_share``: the
+    calibration's ranks all in the call at once), so a collective priced alone as measured takes its wall time."""
+    cpu = cost.comm_cpu
+    return cost.total - cost.comm + cpu, max(0.0, cost.comm - cpu / hw.measured_core_share())
+
+
+def least_time(cost: Cost, hw: Hardware) -> float:
+    """The least time a phase ``cost`` can take on ``hw``: its total, or, on ranks sharing cores, its work at a
+    whole core and its wait (``shared_parts``); the search's bounds add these up."""
+    return cost.total if hw.cores is None else sum(shared_parts(cost, hw))
+
+
+def least_message_time(message: Comm, hw: Hardware) -> float:
+    """The least delay a pipeline message puts between its sender's operation and its receiver's."""
+    return message.wall if hw.cores is None else max(0.0, message.wall - message.cpu / hw.measured_core_share())
+
+
+def rank_messages(run: Run, stage: int) -> int:
+    """The pipeline messages pipeline rank ``stage`` sends and receives in a step: each micro-batch's activation
+    into and out of each of its chunks and their gradients back, less what the first and the last virtual stage
+    lack."""
+    pp, v, m = run.layout.pp, run.vpp, run.micro_batches
+    return 0 if pp == 1 else 4 * v * m - 2 * m * ((stage == 0) + (stage == pp - 1))
+
+
+def _shared_cores_timing(run: Run, hw: Hardware, gpus_per_node: int, phases, tails, tails_cpu, kind: str,
+                         message: Comm):
     """The schedule run on ``hw.cores`` cores that all ranks of the job share: while ``k`` pipeline stages
-    compute, ``k`` x (world / pp) ranks do, each at ``core_share`` of its rate; collectives, pipeline messages
-    and the bubble take no core.  Each stage's tail after its last backward runs in the same timeline
-    (reduction and collectives first, then the optimizer step, then the parameter all-gather)."""
+    compute, ``k`` x (world / pp) ranks do, each at ``core_share`` of its rate; the collectives' processor time
+    is work like compute, the rest of their time and the bubble take no core (``shared_parts``); a pipeline
+    message's processor time is work of its sender's and its receiver's operations.  Each stage's tail after its
+    last backward runs in the same timeline (reduction and collectives first, then the optimizer step, then the
+    parameter all-gather)."""
     lay = run.layout
     if lay.world_size > gpus_per_node:
         raise ConfigError(f"--hardware {hw.name}: cores={hw.cores} are shared by the ranks of one node, and "
@@ -542,18 +619,26 @@ def _shared_cores_timing(run: Run, hw: Hardware, gpus_per_node: int, phases, tai
                           "on this profile")
     per_stage = lay.world_size // lay.pp
     rates = [hw.core_share(k * per_stage) for k in range(lay.pp + 1)]
-    costs = [[tuple((c.total - c.comm, c.comm) for c in chunk) for chunk in stage] for stage in phases]
+    costs = [[tuple(shared_parts(c, hw) for c in chunk) for chunk in stage] for stage in phases]
     segments = []
-    for tail in tails:
-        first = tail.get("dp_comm_s", 0.0) + tail.get("embedding_comm_s", 0.0)
-        segments.append([(0.0, first), (tail.get("optimizer_s", 0.0), tail.get("param_gather_s", 0.0))])
+    for tail, cpu in zip(tails, tails_cpu):
+        first = Cost()
+        for part in ("dp_comm_s", "embedding_comm_s"):
+            first.add(part, tail.get(part, 0.0), comm=tail.get(part, 0.0), cpu=cpu.get(part, 0.0))
+        gather = Cost()
+        gather.add("optimizer_s", tail.get("optimizer_s", 0.0), comm=0.0)
+        gather.add("param_gather_s", tail.get("param_gather_s", 0.0), comm=tail.get("param_gather_s", 0.0),
+                   cpu=cpu.get("param_gather_s", 0.0))
+        segments.append([shared_parts(first, hw), shared_parts(gather, hw)])
     return simulate_shared_pipeline(run.micro_batches, run.vpp, lay.pp, costs, rates, run.group_size,
-                                    schedule=kind, message_time=message_time, tails=segments)
+                                    schedule=kind, message_time=least_message_time(message, hw),
+                                    message_work=message.cpu, tails=segments)
 
 
-def _after_backward(run: Run, hw: Hardware, pricer: _Pricer, stage: int, phases) -> Dict[str, float]:
+def _after_backward(run: Run, hw: Hardware, pricer: _Pricer, stage: int,
+                    phases) -> Tuple[Dict[str, float], Dict[str, float]]:
     """The exposed seconds after the stage's last backward: gradient reduction, the tied embedding's sum, the
-    optimizer step, the parameter all-gather."""
+    optimizer step, the parameter all-gather; and the processor seconds of those collectives (``Comm.cpu``)."""
     cfg, lay = run.model, run.layout
     pp = lay.pp
     counts = pricer.stage_counts([i for c in pricer.rank_chunks(run)[stage] for i in c], first_stage=stage == 0,
@@ -561,36 +646,32 @@ def _after_backward(run: Run, hw: Hardware, pricer: _Pricer, stage: int, phases)
     grad = 4 if run.grad_fp32 else BYTES[run.params_dtype]
     dense, expert = counts.sharded + counts.replicated, counts.expert
     n_dense, n_expert = lay.dp * lay.cp, lay.edp
+    dp, edp = pricer.inter["dp-cp"], pricer.inter["edp"]
     if run.distributed_optimizer:
-        reduce = (hw.collective_time("reduce_scatter", n_dense, _gather_or_scatter(n_dense, dense * grad),
-                                     pricer.inter["dp-cp"])
-                  + hw.collective_time("reduce_scatter", n_expert, _gather_or_scatter(n_expert, expert * grad),
-                                       pricer.inter["edp"]))
-        gather = (hw.collective_time("all_gather", n_dense, _gather_or_scatter(n_dense, dense * pricer.act),
-                                     pricer.inter["dp-cp"])
-                  + hw.collective_time("all_gather", n_expert, _gather_or_scatter(n_expert, expert * pricer.act),
-                                       pricer.inter["edp"]))
+        reduce = (collective(hw, "reduce_scatter", n_dense, _gather_or_scatter(n_dense, dense * grad), dp)
+                  + collective(hw, "reduce_scatter", n_expert, _gather_or_scatter(n_expert, expert * grad), edp))
+        gather = (collective(hw, "all_gather", n_dense, _gather_or_scatter(n_dense, dense * pricer.act), dp)
+                  + collective(hw, "all_gather", n_expert, _gather_or_scatter(n_expert, expert * pricer.act), edp))
         owned = -(-dense // n_dense) + -(-expert // max(n_expert, 1))
     else:
-        reduce = (hw.collective_time("all_reduce", n_dense, _all_reduce(n_dense, dense * grad), pricer.inter["dp-cp"])
-                  + hw.collective_time("all_reduce", n_expert, _all_reduce(n_expert, expert * grad),
-                                       pricer.inter["edp"]))
-        gather, owned = 0.0, dense + expert
+        reduce = (collective(hw, "all_reduce", n_dense, _all_reduce(n_dense, dense * grad), dp)
+                  + collective(hw, "all_reduce", n_expert, _all_reduce(n_expert, expert * grad), edp))
+        gather, owned = Comm(), dense + expert
     last_backward = sum(b.total + w.total for f, b, w in phases)
     first_forward = sum(f.total for f, b, w in phases)
-    if run.overlap_grad_reduce and reduce:  # every bucket but the last reduced during the backward
+    if run.overlap_grad_reduce and reduce.wall:  # every bucket but the last reduced during the backward
         bucket = run.bucket_size or max(40_000_000, 1_000_000 * n_dense)
         buckets = max(1, -(-(dense + expert) // bucket))
-        reduce = reduce / buckets + exposed(hw, reduce - reduce / buckets, last_backward)
-    if run.overlap_param_gather and gather:
+        reduce = reduce * (1 / buckets) + exposed(hw, reduce * (1 - 1 / buckets), last_backward)
+    if run.overlap_param_gather and gather.wall:
         gather = exposed(hw, gather, first_forward)
     out = {"dp_comm_s": reduce, "param_gather_s": gather}
     if pp > 1 and (stage in (0, pp - 1)) and not cfg.untie_embeddings_and_output_weights:
         vocab = pad_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, lay.tp) // lay.tp
-        out["embedding_comm_s"] = hw.collective_time("all_reduce", 2, _all_reduce(2, vocab * cfg.hidden_size * 4),
-                                                     pricer.inter["pp"])
-    out["optimizer_s"] = hw.memory_time(owned * OPTIMIZER_BYTES.get(run.optimizer_type.lower(), 34))
-    return {k: s for k, s in out.items() if s}
+        out["embedding_comm_s"] = collective(hw, "all_reduce", 2, _all_reduce(2, vocab * cfg.hidden_size * 4),
+                                             pricer.inter["pp"])
+    out["optimizer_s"] = Comm(hw.memory_time(owned * OPTIMIZER_BYTES.get(run.optimizer_type.lower(), 34)))
+    return ({k: c.wall for k, c in out.items() if c.wall}, {k: c.cpu for k, c in out.items() if c.cpu})
 
 
 def format_step_time(step: StepTime, hw: Hardware) -> str:

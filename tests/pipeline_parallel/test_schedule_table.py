@@ -116,6 +116,12 @@ def test_shared_pipeline_two_stages_on_shared_cores_by_hand():
     tails = [[(0.0, 0.0)], [(0.0, 1.0), (1.0, 0.0)]]
     timing = simulate_shared_pipeline(2, 1, 2, work, [1.0, 1.0, 0.5], tails=tails)
     assert timing.finish == (13.0, 13.0) and timing.busy == (10.0, 12.0)
+    # Each message's processor time (0.5) is work of the operation sending it and of the one receiving it (every
+    # operation here has one): F 1.5, B 2.5.  0-1.5 r0 F0; 1.5-4.5 r0 F1 and r1 F0 at half; 4.5-7 r1 B0 alone;
+    # 7-10 r0 B0 and r1 F1 at half (B0 1.5 done); 10-12 r0 B0's last 1 and r1 B1 at half (B1 1 done); 12-13.5 r1
+    # B1 alone; 13.5-16 r0 B1.
+    timing = simulate_shared_pipeline(2, 1, 2, work, [1.0, 1.0, 0.5], message_work=0.5)
+    assert timing.finish == (16.0, 13.5) and timing.busy == (12.0, 12.0)
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble"])
