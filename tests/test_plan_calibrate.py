@@ -78,6 +78,10 @@ def test_calibrate_writes_a_profile_that_hardware_reads(tmp_path, capsys):
     assert profile.collective_cpu_time("all_gather", 2, 1e6, False) == pytest.approx(
         rate["cpu_latency_s"] + 1e6 / rate["cpu_bytes_per_s"])
     assert all(profile.collective_cpu_time(kind, 2, 1e4, False) > 0 for kind in calibrate.KINDS)
+    # Measured after a long and a short gap of compute; right after another collective the short fit is charged.
+    assert 0 < rate["short_gap_s"] < rate["gap_s"]
+    assert profile.collective_time("all_gather", 2, 1e6, False, gap=0.0) == pytest.approx(
+        rate["short_latency_s"] + 1e6 / rate["short_bus_bytes_per_s"])
     big, small = max(gemms, key=lambda r: r[0] * r[1] * r[2]), min(gemms, key=lambda r: r[0] * r[1] * r[2])
     assert profile.gemm_time(*big[:3], "fp32") == pytest.approx(2 * big[0] * big[1] * big[2] / big[3])
     assert profile.gemm_time(*small[:3], "fp32") == pytest.approx(2 * small[0] * small[1] * small[2] / small[3])

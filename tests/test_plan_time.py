@@ -156,6 +156,37 @@ def test_tensor_parallel_collectives_priced_by_kind_by_hand():
             expected = L * 2 * 2 * r + (stats + r) + r
         step = plan_step_time(run, hw, gpus_per_node=8)
         assert step.breakdown["tp_comm_s"] == pytest.approx(expected, rel=1e-12), sp
+    # Measured after a short gap too (a CPU's gloo: cheaper right after another collective), and after a long one
+    # shorter than any work here: SP's gathers (right after the previous scatter, a norm between) take the short
+    # fit, every reduction (after its block's work) the long one.
+    short = dict(gap_s=1e-9, short_gap_s=1e-12, short_latency_s=0.2e-3, short_bus_bytes_per_s=4e9)
+    fits = {kind: dataclasses.replace(rate, **short) for kind, rate in
+            (("all_gather", gather), ("reduce_scatter", scatter), ("all_reduce", reduce))}
+    hw = dataclasses.replace(A100, collectives={"intra": fits})
+    g_short, g, r = 0.2e-3 + whole / 2 / 4e9, cost(gather, whole / 2), cost(scatter, whole / 2)
+    assert hw.collective_time("all_gather", 2, whole / 2, False, gap=0.0) == pytest.approx(g_short)
+    assert hw.collective_time("all_gather", 2, whole / 2, False) == pytest.approx(g) != g_short
+    run = Run(_model(sequence_parallel=True), ParallelLayout(world_size=2, tp=2), "bf16", 1, 1)
+    step = plan_step_time(run, hw, gpus_per_node=8)
+    assert step.breakdown["tp_comm_s"] == pytest.approx(L * 2 * 2 * (g_short + r) + (g_short + stats + r) + r,
+                                                        rel=1e-12)
+
+
+def test_a_collective_priced_by_the_compute_before_it_by_hand():
+    """A rate measured after a long and after a short gap of compute: at or past the long gap (or no gap given)
+    the long fit, at or below the short gap the short fit, between them on a log scale of the gap (a gap 10x the
+    short of a range 100x: halfway); the latency scales by ring steps in both."""
+    rate = CollectiveRate(4e-3, 1e9, 4, gap_s=1e-2, short_gap_s=1e-4, short_latency_s=1e-3, short_bus_bytes_per_s=2e9)
+    long, short = 4e-3 + 1e6 / 1e9, 1e-3 + 1e6 / 2e9
+    assert rate.seconds(1.0, 1e6) == rate.seconds(1.0, 1e6, gap=5e-2) == pytest.approx(long)
+    assert rate.seconds(1.0, 1e6, gap=0.0) == rate.seconds(1.0, 1e6, gap=1e-4) == pytest.approx(short)
+    assert rate.seconds(1.0, 1e6, gap=1e-3) == pytest.approx((long + short) / 2)
+    assert rate.seconds(0.5, 1e6, gap=0.0) == pytest.approx(0.5e-3 + 1e6 / 2e9)
+    hw = dataclasses.replace(A100, collectives={"intra": {"all_gather": rate}})
+    assert hw.collective_time("all_gather", 2, 1e6, False, gap=1e-3) == pytest.approx(
+        (4e-3 / 3 + 1e6 / 1e9 + 1e-3 / 3 + 1e6 / 2e9) / 2)
+    without = dataclasses.replace(rate, short_gap_s=0.0)  # no short fit measured: the long one at any gap
+    assert without.seconds(1.0, 1e6, gap=0.0) == pytest.approx(long)
 
 
 def test_moe_exchange_is_the_ep_all_to_all_and_the_etp_gather_and_scatter_by_hand():

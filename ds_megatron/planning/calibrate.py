@@ -141,62 +141,74 @@ def measure_collectives(sizes: Sequence[int] = MESSAGE_ELEMENTS, repeats: int = 
                         gemm_size: int = 256) -> Dict[str, Dict[str, float]]:
     """On every rank of the default (gloo) group: each collective's latency and bus bandwidth, fitted to the mean
     time of ``repeats`` calls at each message size, each call right after a GEMM of about 5 ms on every rank (as
-    a step runs them: a layer's compute, then a collective).  The mean, not the fastest: a gloo call on a CPU box
-    is bimodal (a 512 KiB all-reduce between two ranks took 0.25 ms at best and 2.4-2.7 ms on average, a training
-    step's TP reductions 2.8 ms each), and a step pays the average over hundreds of them; the longer the compute
-    before it, the slower the call (after a 1 ms GEMM 0.9-2.5 ms on average, after 5 ms 2.6-3.1 ms).  Send/recv: a
+    a step runs them: a layer's compute, then a collective), and again after one of about 0.15 ms (``short_*``: a
+    collective right after another, as sequence parallelism's gather after the previous scatter).  The mean, not
+    the fastest: a gloo call on a CPU box is bimodal (a 512 KiB all-reduce between two ranks took 0.25 ms at best
+    and 2.4-2.7 ms on average, a training step's TP reductions 2.8 ms each), and a step pays the average over
+    hundreds of them; the longer the compute before it, the slower the call (a 128 KiB all-gather over 4 ranks on
+    2 cores: 4.2 ms after 0.5 ms of GEMM, 6.1 after 1.7, 9.6 after 9.5: the ranks arrive further apart and their
+    gloo threads have gone to sleep).  ``gap_s`` and ``short_gap_s``: the GEMMs' mean wall time.  Send/recv: a
     round trip between the ranks of each pair (0-1, 2-3), halved.  The processor time the rank spent in each call
-    (``time.process_time``, gloo's threads included: its copies, sums and polling) is fitted alike (``cpu_*``): on
-    a box whose ranks share the cores it is taken from the ranks computing meanwhile (0.8 ms a 4 KiB message each
-    side here with 4 ranks on 2 cores, 0.2 ms with 2).  Rank 0's figures are the ones to keep (every rank returns
-    its own)."""
+    (``time.process_time``, gloo's threads included: its copies, sums and polling) is fitted alike (``cpu_*``, after
+    the long GEMM): on a box whose ranks share the cores it is taken from the ranks computing meanwhile (0.8 ms a
+    4 KiB message each side here with 4 ranks on 2 cores, 0.2 ms with 2).  Rank 0's figures are the ones to keep
+    (every rank returns its own)."""
     import torch  # as measure_gemms
     import torch.distributed as dist
     n, rank = dist.get_world_size(), dist.get_rank()
-    a, b = torch.randn(gemm_size, gemm_size), torch.randn(gemm_size, 16 * gemm_size)  # about 5 ms on one core
+    a = torch.randn(gemm_size, gemm_size)
+    gaps = {"long": torch.randn(gemm_size, 16 * gemm_size),  # about 5 ms on one core
+            "short": torch.randn(gemm_size, gemm_size // 2)}  # about 0.15 ms
     peer = rank ^ 1 if (rank ^ 1) < n else None
     out = {}
     for kind in KINDS:
-        points, cpu_points = [], []
-        for elements in sizes:
-            elements -= elements % n
-            whole = torch.ones(elements)
-            part = torch.ones(elements // n)
+        fits = {}
+        for gap, b in gaps.items():
+            points, cpu_points, computed = [], [], 0.0
+            for elements in sizes:
+                elements -= elements % n
+                whole = torch.ones(elements)
+                part = torch.ones(elements // n)
 
-            def once():
-                if kind == "all_reduce":
-                    dist.all_reduce(whole)
-                elif kind == "all_gather":
-                    dist.all_gather_into_tensor(whole, part)
-                elif kind == "reduce_scatter":
-                    dist.reduce_scatter_tensor(part, whole)
-                elif kind == "all_to_all":
-                    dist.all_to_all_single(whole.clone(), whole)
-                elif peer is not None:
-                    if rank % 2 == 0:
-                        dist.send(whole, peer)
-                        dist.recv(whole, peer)
-                    else:
-                        dist.recv(whole, peer)
-                        dist.send(whole, peer)
+                def once():
+                    if kind == "all_reduce":
+                        dist.all_reduce(whole)
+                    elif kind == "all_gather":
+                        dist.all_gather_into_tensor(whole, part)
+                    elif kind == "reduce_scatter":
+                        dist.reduce_scatter_tensor(part, whole)
+                    elif kind == "all_to_all":
+                        dist.all_to_all_single(whole.clone(), whole)
+                    elif peer is not None:
+                        if rank % 2 == 0:
+                            dist.send(whole, peer)
+                            dist.recv(whole, peer)
+                        else:
+                            dist.recv(whole, peer)
+                            dist.send(whole, peer)
 
-            once()
-            dist.barrier()
-            total = cpu = 0.0
-            for _ in range(repeats):
-                torch.mm(a, b)
-                start, start_cpu = time.perf_counter(), time.process_time()
                 once()
-                total += time.perf_counter() - start
-                cpu += time.process_time() - start_cpu
-            calls = repeats * (2 if kind == "send_recv" else 1)
-            bus = _bus_bytes(kind, n, 4 * elements)
-            points.append((bus, total / calls))
-            cpu_points.append((bus, cpu / calls))
-        latency, bandwidth = fit_latency_bandwidth(points)
-        cpu_latency, cpu_bandwidth = fit_latency_bandwidth(cpu_points)
+                dist.barrier()
+                total = cpu = 0.0
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    torch.mm(a, b)
+                    computed += time.perf_counter() - start
+                    start, start_cpu = time.perf_counter(), time.process_time()
+                    once()
+                    total += time.perf_counter() - start
+                    cpu += time.process_time() - start_cpu
+                calls = repeats * (2 if kind == "send_recv" else 1)
+                bus = _bus_bytes(kind, n, 4 * elements)
+                points.append((bus, total / calls))
+                cpu_points.append((bus, cpu / calls))
+            fits[gap] = (fit_latency_bandwidth(points), fit_latency_bandwidth(cpu_points),
+                         computed / (repeats * len(sizes)))
+        (latency, bandwidth), (cpu_latency, cpu_bandwidth), gap_s = fits["long"]
+        (short_latency, short_bandwidth), _, short_gap_s = fits["short"]
         out[kind] = {"latency_s": latency, "bus_bytes_per_s": bandwidth, "ranks": n, "cpu_latency_s": cpu_latency,
-                     "cpu_bytes_per_s": cpu_bandwidth}
+                     "cpu_bytes_per_s": cpu_bandwidth, "gap_s": gap_s, "short_gap_s": short_gap_s,
+                     "short_latency_s": short_latency, "short_bus_bytes_per_s": short_bandwidth}
     return out
 
 

@@ -103,13 +103,33 @@ class CollectiveRate:
     """A measured collective: time = ``latency_s`` + bus bytes / ``bus_bytes_per_s``, the latency measured over
     ``ranks`` ranks scaled by ``ring_steps`` to a group of another size (``ranks`` 0: as measured, any size).
     ``cpu_latency_s`` and ``cpu_bytes_per_s``: the same fit of the processor time each rank spent in the call
-    (gloo's copies, sums and polling on a CPU box, which the cores computing meanwhile do not get); 0: none."""
+    (gloo's copies, sums and polling on a CPU box, which the cores computing meanwhile do not get); 0: none.
+    ``gap_s``: the wall time each rank computed before each measured call; ``short_*``: the same fit measured after
+    ``short_gap_s`` of compute (on a CPU box a call right after another costs less than one after a layer's work:
+    its ranks arrive together and their gloo threads are awake); a call after a gap between the two is priced
+    between the fits, on a log scale of the gap; 0: no dependence measured."""
 
     latency_s: float
     bus_bytes_per_s: float
     ranks: int = 0
     cpu_latency_s: float = 0.0
     cpu_bytes_per_s: float = 0.0
+    gap_s: float = 0.0
+    short_gap_s: float = 0.0
+    short_latency_s: float = 0.0
+    short_bus_bytes_per_s: float = 0.0
+
+    def seconds(self, latency_scale: float, bus_bytes: float, gap: Optional[float] = None) -> float:
+        """One call's wall time: the fit at ``gap_s`` (``gap`` None: a call after a layer's work or more), or
+        after ``gap`` seconds of compute, between the short and the long fit on a log scale of the gap."""
+        long = self.latency_s * latency_scale + bus_bytes / self.bus_bytes_per_s
+        if gap is None or not self.short_gap_s or gap >= self.gap_s:
+            return long
+        short = self.short_latency_s * latency_scale + bus_bytes / self.short_bus_bytes_per_s
+        if gap <= self.short_gap_s:
+            return short
+        share = math.log(gap / self.short_gap_s) / math.log(self.gap_s / self.short_gap_s)
+        return short + (long - short) * share
 
 
 @dataclass(frozen=True)
@@ -184,10 +204,12 @@ class Hardware:
         """Seconds to stream ``nbytes`` through HBM (read and written bytes counted apart)."""
         return nbytes / (self.hbm_bytes_per_s * HBM_EFFICIENCY * self.compute_efficiency)
 
-    def collective_time(self, kind: str, n: int, bus_bytes: float, inter_node: bool) -> float:
+    def collective_time(self, kind: str, n: int, bus_bytes: float, inter_node: bool,
+                        gap: Optional[float] = None) -> float:
         """Seconds of one collective of ``kind`` over ``n`` ranks moving ``bus_bytes`` (nccl-tests bus bytes,
         as ``planning.comm_volume`` counts them): the latency of its steps plus the bytes at the bus bandwidth
-        of the link it crosses."""
+        of the link it crosses; ``gap``: the wall seconds its ranks computed before it, where a measured rate
+        depends on them (``CollectiveRate.seconds``; None: a layer's work or more)."""
         if n <= 1 or bus_bytes <= 0:
             return 0.0
         link = "inter" if inter_node else "intra"
@@ -196,7 +218,7 @@ class Hardware:
             kind = kind if kind in rates else "all_reduce"
             rate = rates[kind]
             scale = ring_steps(kind, n) / ring_steps(kind, rate.ranks) if rate.ranks else 1.0
-            return rate.latency_s * scale + bus_bytes / rate.bus_bytes_per_s
+            return rate.seconds(scale, bus_bytes, gap)
         steps = ring_steps(kind, n)
         bandwidth = (self.network_bytes_per_s if inter_node else self.nvlink_bytes_per_s) * LINK_EFFICIENCY
         return steps * self.hop_latency_s[link] + bus_bytes / bandwidth

@@ -13,8 +13,9 @@ Each rank's work per micro-batch and model chunk is priced on a ``planning.hardw
 * memory-bound work at HBM bandwidth: norms, bias-dropout-residual adds, the activation, RoPE, MoE's permutes,
   the embedding, the cross entropy's fp32 logits (backward: ``ELEMENTWISE_BACKWARD`` x the forward's bytes);
 * collectives at the latency and bus bandwidth of the link their group crosses (inside a node or between nodes,
-  from the rank order and ``gpus_per_node``), with ``planning.comm_volume``'s bus bytes: TP's reductions (sequence
-  parallel: gathers and scatters), exposed; the CP ring's K/V, hidden behind the attention core (the profile's
+  from the rank order and ``gpus_per_node``), with ``planning.comm_volume``'s bus bytes (a measured profile's rate
+  by the compute before the collective: ``Hardware.collective_time``'s ``gap``): TP's reductions, each after its
+  block's work (sequence parallel: gathers right after the previous scatter, scatters after a block), exposed; the CP ring's K/V, hidden behind the attention core (the profile's
   ``comm_overlap`` share of what the core covers: ``exposed``), the all-gather and all-to-all variants exposed;
   MoE's all-to-all over EP and, with ETP, the all-gather and reduce-scatter of the routed tokens over ETP,
   exposed; each pipeline message delays its receiver;
@@ -184,9 +185,9 @@ def exposed(hw: Hardware, comm: Comm, compute_s: float) -> Comm:
     return Comm(comm.wall - hw.comm_overlap * min(comm.wall, compute_s), comm.cpu)
 
 
-def collective(hw: Hardware, kind: str, n: int, bus: float, inter_node: bool) -> Comm:
-    """One collective's wall and processor seconds on ``hw``."""
-    return Comm(hw.collective_time(kind, n, bus, inter_node), hw.collective_cpu_time(kind, n, bus, inter_node))
+def collective(hw: Hardware, kind: str, n: int, bus: float, inter_node: bool, gap: Optional[float] = None) -> Comm:
+    """One collective's wall and processor seconds on ``hw`` (``gap``: the wall seconds of compute before it)."""
+    return Comm(hw.collective_time(kind, n, bus, inter_node, gap), hw.collective_cpu_time(kind, n, bus, inter_node))
 
 
 def group_spans_nodes(layout, token: str, gpus_per_node: int, expert: bool = False) -> bool:
@@ -225,8 +226,8 @@ class _Pricer:
         self.flops: Dict[float, float] = {}
         self.splits: Dict[Tuple, List[List[range]]] = {}
 
-    def coll(self, kind: str, group: str, n: int, bus: float) -> Comm:
-        return collective(self.hw, kind, n, bus, self.inter[group])
+    def coll(self, kind: str, group: str, n: int, bus: float, gap: Optional[float] = None) -> Comm:
+        return collective(self.hw, kind, n, bus, self.inter[group], gap)
 
     def gemm(self, fwd: Cost, b: Cost, w: Cost, m: float, n: float, k: float, dtype: str, batch: float = 1,
              weight: bool = True) -> float:
@@ -268,6 +269,7 @@ class _Pricer:
             self.gemm(fwd, b, w, T, (heads + 2 * kv) * cfg.head_dim, h, dtype)
         self.gemm(fwd, b, w, T, h, heads * v, dtype)
         core_fwd, core_bwd = self.attention(fwd, b)
+        attention_work = (fwd.total - fwd.comm, b.total - b.comm + w.total)  # before its TP reduction, each way
         # The MLP (dense, or MoE's router, experts and shared expert).
         ffn_fwd = Cost()
         gated = 2 if cfg.gated_linear_unit else 1
@@ -301,6 +303,8 @@ class _Pricer:
             self.gemm(fc2, b, w, T, h, ffn, dtype)
             elementwise = T * (gated + 1) * ffn * a  # the fused bias-activation: read fc1's output, write its own
         ffn_fwd.add("elementwise", hw.memory_time(elementwise))
+        mlp_work = (ffn_fwd.total - ffn_fwd.comm + fc2.total,
+                    b.total - b.comm + w.total - attention_work[1])  # the MLP's, before its TP reduction
         fwd.merge(ffn_fwd)
         fwd.merge(fc2)
         # Norms, bias-dropout-residual adds (this rank's slice of the sequence with SP), RoPE.
@@ -313,10 +317,15 @@ class _Pricer:
         fwd.add("elementwise", hw.memory_time(other + tail))
         b.add("elementwise", ELEMENTWISE_BACKWARD * hw.memory_time(other + tail + elementwise))
         # Tensor parallelism: two reductions forward (SP: two gathers, two scatters), as many backward (each
-        # gather's backward a scatter, each scatter's a gather; without SP, the input copies' all-reduces).
-        gather, reduce = self.tp_collective("gather"), self.tp_collective("reduce")
-        fwd.add("tp_comm", 2 * (gather + reduce))
-        b.add("tp_comm", 2 * (gather + reduce))
+        # gather's backward a scatter, each scatter's a gather; without SP, the input copies' all-reduces).  Each
+        # reduction comes after its block's work (forward: attention, MLP; backward: MLP, attention); SP's gathers
+        # right after the previous scatter (a norm and a residual add between them).
+        share = hw.core_share(lay.world_size)  # the wall time of that work while every rank computes
+        gather = self.tp_collective("gather", gap=0.0)
+        reduce = self.tp_collective("reduce", gap=attention_work[0] / share)
+        fwd.add("tp_comm", 2 * gather + reduce + self.tp_collective("reduce", gap=mlp_work[0] / share))
+        b.add("tp_comm", 2 * gather + self.tp_collective("reduce", gap=attention_work[1] / share)
+              + self.tp_collective("reduce", gap=mlp_work[1] / share))
         # Recomputation's extra forward, charged to B (it runs right before the layer's backward).  Torch's
         # checkpoint stops at the last tensor the backward needs: a dense MLP's fc2 input, an MoE layer's
         # un-permuting indices, past its experts' fc2, the shared expert and both exchanges (comm_volume's
@@ -345,16 +354,16 @@ class _Pricer:
             b.add("recompute", (core_fwd if core else 0.0) + (ffn_fwd.total if mlp else 0.0))
         return fwd, b, w
 
-    def tp_collective(self, kind: str) -> Comm:
+    def tp_collective(self, kind: str, gap: Optional[float] = None) -> Comm:
         """One TP collective of the rank's [s, b, h]: ``"reduce"``, an all-reduce (SP: a reduce-scatter), or
         ``"gather"``, SP's all-gather (none without SP).  Priced apart: gloo's reduce-scatter is several times its
-        all-gather's cost on a CPU."""
+        all-gather's cost on a CPU.  ``gap``: the compute before it (``Hardware.collective_time``)."""
         t = self.layout.tp
         nbytes = self.tokens * self.cfg.hidden_size * self.act
         if not self.sp:
-            return self.coll("all_reduce", "tp", t, _all_reduce(t, nbytes)) if kind == "reduce" else Comm()
+            return self.coll("all_reduce", "tp", t, _all_reduce(t, nbytes), gap) if kind == "reduce" else Comm()
         return self.coll("all_gather" if kind == "gather" else "reduce_scatter", "tp", t,
-                         _gather_or_scatter(t, nbytes))
+                         _gather_or_scatter(t, nbytes), gap)
 
     def attention(self, fwd: Cost, b: Cost) -> Tuple[float, float]:
         """The core's forward and backward seconds (added to ``fwd`` and ``b``), with the context-parallel
@@ -457,7 +466,7 @@ class _Pricer:
         # SP's gather of the hidden states (backward: its scatter; without SP, the input copy's all-reduce), and
         # the vocab-parallel cross entropy's two small all-reduces (the logits' max, then the sums), forward.
         stats = 2 * self.coll("all_reduce", "tp", lay.tp, _all_reduce(lay.tp, 4 * T))
-        fwd.add("tp_comm", self.tp_collective("gather") + stats)
+        fwd.add("tp_comm", self.tp_collective("gather", gap=0.0) + stats)  # the gather right after a scatter
         b.add("tp_comm", self.tp_collective("reduce"))
         return fwd, b, w
 
