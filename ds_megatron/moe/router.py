@@ -396,7 +396,11 @@ class TopKRouter(torch.nn.Module):
 
         if self.aux_loss_coeff > 0 and self.training and self.load_balancing_type != "none":
             losses["load_balancing_loss"] = self._balancing_loss(scores_for_aux, total_tokens, batch_size, tokens)
-        self.set_aux_losses(losses, logits)
+        if not is_recomputing() or is_reentrant_rerun():
+            # A rerun in backward (recomputation, a non-reentrant checkpoint) computes the forward's losses again
+            # but never backpropagates them: keeping its would hold its [tokens, experts] tensors until the next
+            # forward.  A reentrant rerun's are the ones its hook attaches to the layer's output.
+            self.set_aux_losses(losses, logits)
 
         real_map = routing_map
         if self.capacity_factor is not None:

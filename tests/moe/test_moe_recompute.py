@@ -44,7 +44,11 @@ def _step(state, recompute, **extra):
     tokens, labels = (torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g) for _ in range(2))
     loss = model(tokens, labels)
     forward_calls = calls[0]
+    kept = [dict(router.aux_losses) for router in routers]
     loss.backward()
+    # A rerun's routing losses are not kept in place of the forward's (they would hold the rerun's graph).
+    assert all(router.aux_losses.keys() == losses.keys() and all(router.aux_losses[k] is v for k, v in
+               losses.items()) for router, losses in zip(routers, kept)), recompute
     aux = model.moe_aux_loss_tracker
     # What the log shows, and how many records made it (the means hide a value recorded twice).
     records = {key: count for key, (_, count) in aux._sums.items()}
