@@ -15,8 +15,9 @@ Each rank's work per micro-batch and model chunk is priced on a ``planning.hardw
 * collectives at the latency and bus bandwidth of the link their group crosses (inside a node or between nodes,
   from the rank order and ``gpus_per_node``), with ``planning.comm_volume``'s bus bytes (a measured profile's rate
   by the compute before the collective: ``Hardware.collective_time``'s ``gap``): TP's reductions, each after its
-  block's work (sequence parallel: gathers right after the previous scatter, scatters after a block), exposed; the CP ring's K/V, hidden behind the attention core (the profile's
-  ``comm_overlap`` share of what the core covers: ``exposed``), the all-gather and all-to-all variants exposed;
+  block's work (sequence parallel: gathers right after the previous scatter, scatters after a block), exposed;
+  the CP ring's K/V, hidden behind the attention core (the profile's ``comm_overlap`` share of what the core
+  covers: ``exposed``), the all-gather and all-to-all variants exposed;
   MoE's all-to-all over EP and, with ETP, the all-gather and reduce-scatter of the routed tokens over ETP,
   exposed; each pipeline message delays its receiver;
 * recomputation's extra forward: a ``"full"`` layer's forward up to a dense MLP's fc2 input, an MoE layer's through
