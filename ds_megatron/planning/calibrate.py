@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -308,11 +308,11 @@ def measure_busy_cores(cores: int) -> Tuple[List[List[float]], float, float]:
     return gemms, sum(r[1] for r in results) / cores, sum(r[2] for r in results) / cores
 
 
-def _rank_main(rank: int, ranks: int, port: int, queue) -> None:
+def _rank_main(rank: int, ranks: int, store: str, queue) -> None:
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
     result, overlap = measure_collectives(), measure_overlap()
     if rank == 0:
         queue.put((result, overlap))
@@ -320,23 +320,22 @@ def _rank_main(rank: int, ranks: int, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def calibrate(path: str, ranks: int = 4, port: Optional[int] = None) -> Hardware:
+def calibrate(path: str, ranks: int = 4) -> Hardware:
     """Measure this box (every core computing at once, then ``ranks`` local gloo ranks) and write the profile to
-    ``path``."""
+    ``path``.  The ranks meet through a file store in a fresh directory: no port to choose (one picked free can be
+    taken before the store listens on it)."""
     import torch.multiprocessing as mp
     if not 2 <= ranks <= 4:
         raise ConfigError(f"--calibrate-ranks {ranks}: measure with 2 to 4 local ranks")
     gemms, bandwidth, reference = measure_busy_cores(box_cores())
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    if port is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, queue)) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    collectives, overlap = queue.get(timeout=600)
-    for p in procs:
-        p.join()
+    with tempfile.TemporaryDirectory(prefix="ds-megatron-calibrate-") as where:
+        store = os.path.join(where, "store")
+        procs = [ctx.Process(target=_rank_main, args=(r, ranks, store, queue)) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        collectives, overlap = queue.get(timeout=600)
+        for p in procs:
+            p.join()
     return write_profile(path, gemms, bandwidth, collectives, ranks, overlap, box_cores(), reference)
