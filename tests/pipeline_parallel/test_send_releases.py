@@ -5,8 +5,8 @@ allow): a rank takes a message when an operation needs it, and each message a ra
 receiver's messages the sender had taken by then.  A send may be released exactly when its sender receives a message
 whose set holds it (it was taken: waiting on it cannot block), and must be at the first such receive (later holds its
 tensor for nothing).  Whatever the interleaving, the sets are the same (they follow each rank's own order).  Then the
-count of sends held at once: bounded by the schedule's in-flight micro-batches, the same at 4 x pp and 8 x pp
-micro-batches.
+count of sends held at once: at most 2 v pp, the same at 4 x pp and 8 x pp micro-batches; and a chunk's sent output
+let go by its backward (the memory plan counts it with the chunk's activations, no longer).
 """
 import random
 
@@ -78,3 +78,20 @@ def test_sends_held_at_once_do_not_grow_with_the_micro_batches(schedule, v, p):
                 most = max(most, held)
         return most
     assert peak(8 * p) == peak(4 * p) <= 2 * v * p
+
+
+@pytest.mark.parametrize("schedule,v,p,m", CASES)
+def test_a_sent_output_is_released_by_its_backward(schedule, v, p, m):
+    """The memory plan counts a chunk's sent output with the chunk's activations, alive to its backward: so the send
+    must be let go by then (at the latest at the receive of the gradient its backward takes: its receiver sent that
+    gradient after taking the output)."""
+    for rank in range(p):
+        ops = rank_operations(m, v, pipeline_parallel_size=p, pipeline_parallel_rank=rank, schedule=schedule)
+        released_at = {message: i for i, entry in enumerate(send_releases(m, v, p, rank, None, schedule))
+                       for _, message in entry}
+        for i, op in enumerate(ops):
+            sent = sends_of(op, rank, p, v) if op.forward else None
+            if sent is not None:
+                backward = next(j for j, later in enumerate(ops) if not later.forward and later.part != "weight"
+                                and (later.chunk, later.microbatch) == (op.chunk, op.microbatch))
+                assert released_at[sent[1]] <= backward, (rank, op)
