@@ -304,7 +304,8 @@ def send_releases(num_microbatches: int, num_model_chunks: int, pipeline_paralle
     ours = order(rank)
     out: List[List[Tuple[int, Tuple[str, int, int]]]] = [[] for _ in ours]
     for peer in {(rank - 1) % p, (rank + 1) % p} - {rank}:
-        taken_at, sent_at = {}, {}  # in the peer's order: the operation taking each of our messages / sending its
+        # In the peer's order: the operation that takes each of our messages, and the one that sends each of its.
+        taken_at, sent_at = {}, {}
         for i, op in enumerate(order(peer)):
             got, sent = receives_of(op, peer, p, v), sends_of(op, peer, p, v)
             if got is not None and got[0] == rank:
