@@ -18,7 +18,8 @@ under its names:
 Rank ``r`` of ``p`` holds chunks ``r, r + p, r + 2p, ...`` of the model (virtual stage ``c * p + r`` is
 its local chunk ``c``).  ``rank_operations`` spells a rank's order out as (forward or backward, chunk,
 micro-batch); ``channel_messages`` lists what a rank sends to a neighbour, in the order it sends it,
-which is the order the neighbour must receive it in; ``simulate_pipeline`` runs every rank's order
+which is the order the neighbour must receive it in; ``posted_receives`` and ``send_releases`` are when the
+runtime posts its receive buffers and when it may let go of a send; ``simulate_pipeline`` runs every rank's order
 against the data dependencies with fixed forward / backward costs: it proves the orders complete and
 gives the step time and bubble of each schedule; ``simulate_shared_pipeline`` does the same on ranks that share
 fewer cores than they are (a rank in its bubble lends its core to the ranks computing).
@@ -284,6 +285,46 @@ def posted_receives(num_microbatches: int, num_model_chunks: int, pipeline_paral
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=512)
+def send_releases(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int,
+                  pipeline_parallel_rank: int, microbatch_group_size_per_vp_stage: Optional[int] = None,
+                  schedule: str = "interleaved_1f1b",
+                  forward_only: bool = False) -> Tuple[Tuple[Tuple[int, Tuple[str, int, int]], ...], ...]:
+    """Per operation of ``rank``'s order, the ``(destination, message)`` sends it may wait on and drop right after
+    the operation's receive: those its source had taken (an operation of the source's order received them) by the
+    time it sent the message received.  Causality: that message left after the source had the data, so the
+    send is complete, or completing without the source (a send waited on earlier could block on a receiver that
+    is not ready yet).  A send in no entry is covered by no later message (the step's last ones): wait at the
+    end.  Made once per schedule, like ``posted_receives``."""
+    p, v, rank = pipeline_parallel_size, num_model_chunks, pipeline_parallel_rank
+
+    def order(r):
+        return _rank_operations(num_microbatches, v, p, r, microbatch_group_size_per_vp_stage or p, forward_only,
+                                schedule)
+    ours = order(rank)
+    out: List[List[Tuple[int, Tuple[str, int, int]]]] = [[] for _ in ours]
+    for peer in {(rank - 1) % p, (rank + 1) % p} - {rank}:
+        # In the peer's order: the operation that takes each of our messages, and the one that sends each of its.
+        taken_at, sent_at = {}, {}
+        for i, op in enumerate(order(peer)):
+            got, sent = receives_of(op, peer, p, v), sends_of(op, peer, p, v)
+            if got is not None and got[0] == rank:
+                taken_at[got[1]] = i
+            if sent is not None and sent[0] == rank:
+                sent_at[sent[1]] = i
+        held: List[Tuple[str, int, int]] = []
+        for i, op in enumerate(ours):  # an operation receives before it sends
+            got = receives_of(op, rank, p, v)
+            if got is not None and got[0] == peer:
+                after = sent_at[got[1]]
+                out[i].extend((peer, m) for m in held if taken_at[m] <= after)
+                held = [m for m in held if taken_at[m] > after]
+            sent = sends_of(op, rank, p, v)
+            if sent is not None and sent[0] == peer:
+                held.append(sent[1])
+    return tuple(tuple(entry) for entry in out)
+
+
 def zero_bubble_orders(num_microbatches: int, pipeline_parallel_size: int) -> List[List[Operation]]:
     """Every rank's order of ZB-H1 (``_zero_bubble_orders``, made once per size: the plan's search and memory walk
     ask for every rank of the same pipeline many times)."""
@@ -528,4 +569,4 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-__all__ = ["Operation", "PipelineTiming", "channel_messages", "check_order", "convert_schedule_table_to_order", "get_num_warmup_microbatches", "get_order", "get_pp_rank_microbatches", "get_schedule_table", "interleaved_bubble", "rank_operations", "receives_of", "sends_of", "simulate_pipeline", "simulate_shared_pipeline", "virtual_stage", "zero_bubble_orders"]
+__all__ = ["Operation", "PipelineTiming", "channel_messages", "check_order", "convert_schedule_table_to_order", "get_num_warmup_microbatches", "get_order", "get_pp_rank_microbatches", "get_schedule_table", "interleaved_bubble", "rank_operations", "receives_of", "send_releases", "sends_of", "simulate_pipeline", "simulate_shared_pipeline", "virtual_stage", "zero_bubble_orders"]

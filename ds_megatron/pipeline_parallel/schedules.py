@@ -16,9 +16,11 @@ CUDA-graph capture plan is made from).  For each operation:
 Activations and gradients have one shape, known before the step (``tensor_shape``: this rank's
 [sequence, micro-batch, hidden] slice, with sequence and context parallelism already applied), so
 receive buffers are allocated and posted ahead, in each channel's send order
-(``p2p_communication``).  Every rank draws each micro-batch from its iterator, in order: the first
-and last virtual stages for the tokens and labels, every stage for a packed micro-batch's documents
-(``position_ids`` / ``cu_seqlens`` / ``padding_mask``, turned into the chunks' ``packed_seq_params``
+(``p2p_communication``).  A send is waited on and dropped at the first message from its receiver that
+proves it taken (``schedule_table.send_releases``), so a stage holds a bounded number of sends whatever the
+micro-batch count, and never blocks on a receiver that is not ready.  Every rank draws each micro-batch
+from its iterator, in order: the first and last virtual stages for the tokens and labels, every stage for
+a packed micro-batch's documents (``position_ids`` / ``cu_seqlens`` / ``padding_mask``, turned into the chunks' ``packed_seq_params``
 by ``prepare_documents``), which travel with the micro-batch as Megatron-Bridge's do: every stage's
 iterator must yield the same micro-batches.
 
@@ -45,7 +47,7 @@ import torch
 from ..parallel_state import ParallelGroup
 from ..tensor_parallel.weight_grad_store import WeightGradStore
 from .p2p_communication import PipelineChannels
-from .schedule_table import Operation, channel_messages, rank_operations, receives_of, sends_of
+from .schedule_table import Operation, channel_messages, rank_operations, receives_of, send_releases, sends_of
 
 Message = Tuple[str, int, int]
 DOCUMENT_KEYS = ("position_ids", "cu_seqlens", "padding_mask")  # a packed micro-batch's documents
@@ -95,6 +97,7 @@ class PipelineSchedule:
         self.tensor_shape, self.dtype, self.device = tuple(tensor_shape), dtype, device
         self.group_size = group_size or pp.size
         self.executed: List[Operation] = []  # the last run's operations, in the order they ran
+        self.sends_held: List[int] = []  # the last run's sends not yet released before each operation, and at its end
         self.record_timings = False  # benchmarks: time each operation's compute (not its waits)
         self.compute_seconds = 0.0  # the last run's forward + backward compute, with record_timings
         self.span_seconds = 0.0  # from the last run's start to the end of its last operation, with record_timings
@@ -130,7 +133,10 @@ class PipelineSchedule:
                                       schedule=self.schedule)
             expected[src] = deque(channel_messages(src_ops, src, p, v).get(rank, []))
         posted: Dict[Message, Tuple[torch.Tensor, Any]] = {}
-        sends: List[Tuple[Any, torch.Tensor]] = []
+        # Sends in flight (the work and the tensor it reads) by (destination, message), until send_releases says
+        # their receiver has taken them.
+        sending: Dict[Tuple[int, Message], Tuple[Any, torch.Tensor]] = {}
+        releases = send_releases(num_microbatches, v, p, rank, self.group_size, self.schedule, forward_only)
         batches: Dict[int, Tuple[MicroBatch, Any]] = {}  # (micro-batch, its packed_seq_params) until v forwards
         forwards_of: Dict[int, int] = {}
         next_batch = 0
@@ -138,18 +144,20 @@ class PipelineSchedule:
         backwards_left = [num_microbatches] * v
         weights_left = [num_microbatches] * v
         losses: List[torch.Tensor] = []
-        self.executed = []
+        self.executed, self.sends_held = [], []
         self.compute_seconds = 0.0
         clock = time.perf_counter if self.record_timings else None
         began = clock() if clock else 0.0
 
-        def receive(src: int, message: Message) -> torch.Tensor:
+        def receive(src: int, message: Message, release: Sequence[Tuple[int, Message]]) -> torch.Tensor:
             while message not in posted:
                 nxt = expected[src].popleft()  # IndexError would mean the orders disagree: a bug, not input
                 buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
                 posted[nxt] = (buffer, self.channels.recv(buffer, src))
             buffer, work = posted.pop(message)
             work.wait()
+            for sent in release:  # taken by their receiver before it sent ``message``: done, or finishing alone
+                sending.pop(sent)[0].wait()
             return buffer
 
         def batch_of(mb: int) -> Tuple[MicroBatch, Any]:
@@ -165,8 +173,9 @@ class PipelineSchedule:
 
         grad_mode = torch.no_grad() if forward_only else torch.enable_grad()
         with grad_mode:
-            for op in ops:
+            for op, release in zip(ops, releases):
                 self.executed.append(op)
+                self.sends_held.append(len(sending))
                 needed = receives_of(op, rank, p, v)
                 if op.forward:
                     (tokens, labels, loss_mask, _), packed = batch_of(op.microbatch)
@@ -174,7 +183,7 @@ class PipelineSchedule:
                     if needed is None:
                         inputs = tokens.to(self.device, non_blocking=True)
                     else:
-                        inputs = receive(needed[0], needed[1])
+                        inputs = receive(needed[0], needed[1], release)
                         inputs.requires_grad_(not forward_only)
                     if before_forward is not None and not forward_only:
                         before_forward(op.chunk, op.microbatch)
@@ -200,7 +209,7 @@ class PipelineSchedule:
                                 "micro-batch must be [micro_batch_size, seq_length] tokens")
                         dst, message = sends_of(op, rank, p, v)
                         sent = output.detach()
-                        sends.append((self.channels.send(sent, dst), sent))
+                        sending[dst, message] = (self.channels.send(sent, dst), sent)
                     forwards_of[op.microbatch] = forwards_of.get(op.microbatch, 0) + 1
                     if forwards_of[op.microbatch] == v:  # this rank's last forward of it
                         batches.pop(op.microbatch)
@@ -220,7 +229,7 @@ class PipelineSchedule:
                 backwards_left[op.chunk] -= 1
                 if before_backward is not None:
                     before_backward(op.chunk, backwards_left[op.chunk] == 0)
-                grad = None if needed is None else receive(needed[0], needed[1])
+                grad = None if needed is None else receive(needed[0], needed[1], release)
                 start = clock() if clock else 0.0
                 deferring = self.weight_grad_store.deferring((op.chunk, op.microbatch)) if op.part == "input" \
                     else contextlib.nullcontext()
@@ -234,11 +243,12 @@ class PipelineSchedule:
                 sent_to = sends_of(op, rank, p, v)
                 if sent_to is not None:
                     grad = inputs.grad
-                    sends.append((self.channels.send(grad, sent_to[0]), grad))
+                    sending[sent_to] = (self.channels.send(grad, sent_to[0]), grad)
                 del inputs, output
         if clock:
             self.span_seconds = clock() - began
-        for work, _ in sends:
+        self.sends_held.append(len(sending))
+        for work, _ in sending.values():  # covered by no later message: the step's last sends
             work.wait()
         if posted or any(expected.values()):
             raise RuntimeError(f"pipeline rank {rank}: messages left unreceived after the step: "

@@ -67,8 +67,10 @@ once: 1F1B keeps ``min(pp - stage, micro-batches)`` in flight.  On our runtime
 (``pipeline_parallel.schedule_table``) is walked: a chunk's activations of a
 micro-batch (and its output, sent on but kept for backward) are alive from its
 forward to its backward, ZB-H1 keeps each deferred linear's input and output
-gradient from B to W (the experts' and the output layer's too), receive buffers posted ahead count until taken, and the
-peak of their sum is planned.
+gradient from B to W (the experts' and the output layer's too), receive buffers posted ahead count until taken, a
+backward's input gradient sent back counts until its receiver is known to have taken it (``send_releases``: a
+bounded time after the backward; a forward's output sent on is let go by then, before its backward), and the peak
+of their sum is planned.
 
 FP8 layers (``model.fp8``, every recipe): each linear keeps fp8 copies of its input and
 weight (1 byte an element; blockwise's scales too) instead of its 16-bit input, which is freed where nothing else
@@ -111,7 +113,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from ..config.model import pad_vocab_size
 from ..errors import ConfigError
-from ..pipeline_parallel.schedule_table import posted_receives
+from ..pipeline_parallel.schedule_table import posted_receives, send_releases, sends_of
 from .hardware import CPU_KERNELS, DeviceKernels
 from .param_counts import gpt_param_counts, pipeline_rank_chunks
 
@@ -914,20 +916,26 @@ def schedule_peak_activations(chunk_bytes: Sequence[int], micro_batches: int, pp
     """``(bytes, chunk-forwards)`` alive at the peak of ``rank``'s order: each chunk's activations of a
     micro-batch from its forward to its backward, plus the receive buffers the runtime has posted but not yet
     taken (``message_bytes`` each: it posts a neighbour's messages in that neighbour's send order, up to the one
-    an operation needs).  ZB-H1: from B to W a chunk keeps ``deferred_bytes`` instead.  DeepSpeed's 1F1B runs
-    the order of ours."""
+    an operation needs), and the input gradients a backward sent until the receive that releases them
+    (``send_releases``; a forward's sent output is its chunk's, released by its backward's receive).  ZB-H1: from
+    B to W a chunk keeps ``deferred_bytes`` instead.  DeepSpeed's 1F1B runs the order of ours."""
     if pp == 1:
         return chunk_bytes[0], 1
     v = len(chunk_bytes)
     kind = "zero_bubble" if schedule == "zero_bubble" else "interleaved_1f1b"
     deferred = deferred_bytes or [0] * v
     alive = count = peak = peak_count = 0
-    for op, posts in posted_receives(micro_batches, v, pp, rank, group_size, kind):
+    releases = send_releases(micro_batches, v, pp, rank, group_size, kind)
+    for (op, posts), released in zip(posted_receives(micro_batches, v, pp, rank, group_size, kind), releases):
         if posts >= 0:
             for _ in range(posts):
                 alive += message_bytes
             peak = max(peak, alive)
             alive -= message_bytes  # taken: an activation becomes the chunk's input (counted below)
+            alive -= message_bytes * sum(message[0] == "gradient" for _, message in released)
+        sent = sends_of(op, rank, pp, v)
+        if sent is not None and sent[1][0] == "gradient":
+            alive += message_bytes  # the input gradient, in flight to the previous stage
         if op.forward:
             alive, count = alive + chunk_bytes[op.chunk], count + 1
         elif op.part == "input":  # B: the activations go, what W needs stays
