@@ -179,7 +179,7 @@ def rank_operations(num_microbatches: int, num_model_chunks: int, *, pipeline_pa
                                  schedule))
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=4096)
 def _rank_operations(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int,
                      pipeline_parallel_rank: int, group: int, forward_only: bool,
                      schedule: str) -> Tuple[Operation, ...]:
@@ -256,7 +256,7 @@ def channel_messages(operations: Sequence[Operation], rank: int, pipeline_parall
     return out
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=4096)
 def posted_receives(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int,
                     pipeline_parallel_rank: int, microbatch_group_size_per_vp_stage: Optional[int] = None,
                     schedule: str = "interleaved_1f1b") -> Tuple[Tuple[Operation, int], ...]:
@@ -285,7 +285,7 @@ def posted_receives(num_microbatches: int, num_model_chunks: int, pipeline_paral
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=4096)
 def send_releases(num_microbatches: int, num_model_chunks: int, pipeline_parallel_size: int,
                   pipeline_parallel_rank: int, microbatch_group_size_per_vp_stage: Optional[int] = None,
                   schedule: str = "interleaved_1f1b",
