@@ -18,7 +18,8 @@ Activations and gradients have one shape, known before the step (``tensor_shape`
 receive buffers are allocated and posted ahead, in each channel's send order
 (``p2p_communication``).  A send is waited on and dropped at the first message from its receiver that
 proves it taken (``schedule_table.send_releases``), so a stage holds a bounded number of sends whatever the
-micro-batch count, and never blocks on a receiver that is not ready.  Every rank draws each micro-batch
+micro-batch count, and never blocks on a receiver that is not ready (an evaluation of one chunk a rank, which
+gets no message back, waits on its oldest send once pp are in flight).  Every rank draws each micro-batch
 from its iterator, in order: the first and last virtual stages for the tokens and labels, every stage for
 a packed micro-batch's documents (``position_ids`` / ``cu_seqlens`` / ``padding_mask``, turned into the chunks' ``packed_seq_params``
 by ``prepare_documents``), which travel with the micro-batch as Megatron-Bridge's do: every stage's
@@ -137,6 +138,11 @@ class PipelineSchedule:
         # their receiver has taken them.
         sending: Dict[Tuple[int, Message], Tuple[Any, torch.Tensor]] = {}
         releases = send_releases(num_microbatches, v, p, rank, self.group_size, self.schedule, forward_only)
+        # An evaluation's straight pipeline (one chunk a rank) sends only downstream: no message comes back to
+        # prove a send taken.  Its receiver takes them in order, needing nothing more from this rank, so waiting
+        # on the oldest once pp are in flight cannot block for good (the last rank sends nothing), and holds a
+        # rank to pp sends as training's 1F1B holds it to pp micro-batches.
+        evaluation_window = p if forward_only and v == 1 else None
         batches: Dict[int, Tuple[MicroBatch, Any]] = {}  # (micro-batch, its packed_seq_params) until v forwards
         forwards_of: Dict[int, int] = {}
         next_batch = 0
@@ -210,6 +216,8 @@ class PipelineSchedule:
                         dst, message = sends_of(op, rank, p, v)
                         sent = output.detach()
                         sending[dst, message] = (self.channels.send(sent, dst), sent)
+                        if evaluation_window is not None and len(sending) > evaluation_window:
+                            sending.pop(next(iter(sending)))[0].wait()
                     forwards_of[op.microbatch] = forwards_of.get(op.microbatch, 0) + 1
                     if forwards_of[op.microbatch] == v:  # this rank's last forward of it
                         batches.pop(op.microbatch)

@@ -104,3 +104,37 @@ def test_sends_are_released_during_the_step_and_results_are_one_ranks(v, schedul
                                        rtol=1e-12, atol=0)
             torch.testing.assert_close(grads, ref_grads, rtol=1e-12, atol=1e-15)
         assert peaks[0] == peaks[1], "the sends held grow with the micro-batches"
+
+
+def _evaluate():
+    """``forward_only`` over 1F1B's straight pipeline at 4 x pp and 8 x pp micro-batches: the sends held before each
+    operation, and the losses."""
+    from ds_megatron.pipeline_parallel.p2p_communication import PipelineChannels
+    from ds_megatron.pipeline_parallel.schedules import PipelineSchedule
+    state = ParallelState.build(ParallelLayout(world_size=2, pp=2))
+    p, rank = state.pp.size, state.pp.rank
+    channels = PipelineChannels(state)
+    chunks = [_Chunk(rank, rank == p - 1)]
+    schedule = PipelineSchedule(chunks, state.pp, channels, (SEQ, MBS, HIDDEN), torch.float64, torch.device("cpu"))
+    out = []
+    for m in (4 * p, 8 * p):
+        losses = schedule.run(iter(_micro_batches(m)), m, forward_only=True)
+        out.append((m, schedule.sends_held, losses, _reference(p, m)[0] if rank == p - 1 else []))
+    channels.destroy()
+    state.destroy()
+    return out
+
+
+def test_an_evaluation_holds_at_most_pp_sends_and_its_losses_are_one_ranks():
+    """No message comes back in an evaluation's straight pipeline: the first rank holds pp sends at most (it sent
+    every micro-batch before without a bound), the same at both micro-batch counts, and the losses are the whole
+    model's on one rank."""
+    p = 2
+    for rank, per_m in enumerate(run_on_ranks(p, _evaluate, timeout=120)):
+        peaks = []
+        for m, held, losses, ref_losses in per_m:
+            peaks.append(max(held))
+            torch.testing.assert_close(torch.stack(losses) if losses else torch.zeros(0),
+                                       torch.stack(ref_losses) if ref_losses else torch.zeros(0),
+                                       rtol=1e-12, atol=0)
+        assert peaks[0] == peaks[1] == (p if rank == 0 else 0), (rank, peaks)
