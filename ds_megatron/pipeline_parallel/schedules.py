@@ -21,9 +21,9 @@ proves it taken (``schedule_table.send_releases``), so a stage holds a bounded n
 micro-batch count, and never blocks on a receiver that is not ready (an evaluation of one chunk a rank, which
 gets no message back, waits on its oldest send once pp are in flight).  Every rank draws each micro-batch
 from its iterator, in order: the first and last virtual stages for the tokens and labels, every stage for
-a packed micro-batch's documents (``position_ids`` / ``cu_seqlens`` / ``padding_mask``, turned into the chunks' ``packed_seq_params``
-by ``prepare_documents``), which travel with the micro-batch as Megatron-Bridge's do: every stage's
-iterator must yield the same micro-batches.
+a packed micro-batch's documents (``position_ids`` / ``cu_seqlens`` / ``padding_mask``, turned into the chunks'
+``packed_seq_params`` by ``prepare_documents``), which travel with the micro-batch as Megatron-Bridge's do: every
+stage's iterator must yield the same micro-batches.
 
 The zero-bubble schedule (``schedule_table.zero_bubble_orders``) splits each backward: B runs it
 with the chunk's linear layers deferring their weight-gradient GEMMs into a ``WeightGradStore``
