@@ -79,7 +79,9 @@ its operands (``fp8_backward_bytes``, the peak on a CPU; not planned on CUDA, wh
 With ``fp8_param_gather`` the fp8 layers' weights are one byte each (``fp8_weight_elements``).  The delayed
 recipe's amax histories and scales live from the build on (``fp8_scaling_state_bytes``,
 ``RankMemory.fp8_scaling_bytes``).  Under CP each rank's copies are of its ``s / cp`` tokens; ZB-H1's deferred W
-keeps the fp8 copies of X and dY (``fp8_deferred_bytes``); MoE experts keep their token groups padded to the
+keeps the fp8 copies of X and dY (``fp8_deferred_bytes``), and its B peaks in fc2's data-gradient GEMM instead
+(``fp8_backward_bytes(deferred=True)``; the W pass's own GEMM copies, made with the chunk's activations gone, are not
+planned); MoE experts keep their token groups padded to the
 recipe's alignment, counted at the bound (``fp8_expert_bytes``).  MLA's fp8 linears are its five (or four)
 projections, the down-projections replicated (``attention_fp8_linears``).
 
@@ -334,14 +336,18 @@ def fp8_expert_bytes(cfg, tp: int, etp: int, ep: int, tokens: int) -> float:
 
 
 def fp8_backward_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int = 1, etp: int = 1,
-                       ep: int = 1, kernels: DeviceKernels = CPU_KERNELS) -> float:
+                       ep: int = 1, kernels: DeviceKernels = CPU_KERNELS, deferred: bool = False) -> float:
     """What an fp8 layer's MLP backward holds beyond the 16-bit count, at its peak in fc2's backward: the output
     gradient's fp8 copy and, in the weight-gradient GEMM (beside the input gradient), its 16-bit output and, on a
     CPU (``DeviceKernels.fp8_gemm_fp32_copies``), torch._scaled_mm's two fp32 copies of each operand ([T, h] and
     [T, ffn/tp]) and its fp32 output (measured; a GPU's kernel reads the fp8 bytes).  A recomputed MLP (selective
     ``mlp``, its tiles: one tile's tokens at a time) reruns its forward in its backward, where fc1's and fc2's
     fp8 copies of their inputs and weights take the place of the 16-bit inputs the 16-bit count holds.  An MoE
-    layer's: one expert's fc2 at a time, its token group under balanced routing padded to the alignment."""
+    layer's: one expert's fc2 at a time, its token group under balanced routing padded to the alignment.
+    ``deferred`` (ZB-H1's B, which runs the data gradient only; W makes the weight gradients later): its peak in
+    fc2's data-gradient GEMM instead, the output gradient's fp8 copy and, on a CPU, the GEMM's two fp32 copies of
+    each operand ([T, h] and the weight [h, ffn/tp]) and its fp32 output [T, ffn/tp] (its 16-bit output is the
+    input gradient the 16-bit count holds)."""
     if not cfg.fp8_layer(layer):
         return 0
     h, ffn = cfg.hidden_size, cfg.ffn_hidden_size / tp
@@ -353,6 +359,8 @@ def fp8_backward_bytes(cfg, layer: int, tp: int, tokens: int, act: int, cp: int 
     tokens = -(-tokens // max(1, cfg.mlp_sequence_tiles))
     glu = 2 if cfg.gated_linear_unit else 1
     rerun = h * (glu + 1) * ffn - (act - 1) * tokens * (h + ffn) if mlp else 0
+    if deferred:
+        return rerun + h * tokens + ((8 * h + 4 * ffn) * tokens + 8 * h * ffn if kernels.fp8_gemm_fp32_copies else 0)
     if not kernels.fp8_gemm_fp32_copies:
         return rerun + h * tokens + act * h * ffn
     return rerun + (h + 8 * (h + ffn)) * tokens + (4 + act) * h * ffn
@@ -411,7 +419,7 @@ def moe_rerun_elements(cfg, tp: int, etp: int, ep: int, kernels: DeviceKernels =
 
 def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params_dtype: str, cp: int, etp: int,
                               kept: float, scores: int, ep: int = 1, kernels: DeviceKernels = CPU_KERNELS,
-                              recomputed: bool = False) -> float:
+                              recomputed: bool = False, deferred: bool = False) -> float:
     """The height of layer ``layer``'s own backward beyond the layers below it, which keep their sets: its kept
     set ``kept`` and the gradient flowing down the residual stream (one [s, b, h], two in attention's backward),
     then the larger of
@@ -423,7 +431,8 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
     * attention's backward, the MLP's share freed by then (its tensors, its input and the norm's): the core's
       transients, the CP core's score blocks ``scores`` or the core's dq, dk and dv, and the math kernel's
       ``s x s`` gradient (``math_attention_bytes``; recomputed ``core_attn``: its output again, and what the math
-      kernel keeps).  ``kernels``: the device's (``planning.hardware.DeviceKernels``)."""
+      kernel keeps).  ``kernels``: the device's (``planning.hardware.DeviceKernels``); ``deferred``: ZB-H1's B
+      (``fp8_backward_bytes``)."""
     s, b, h, a = cfg.seq_length // cp, micro_batch, cfg.hidden_size, cfg.num_attention_heads
     act = BYTES[params_dtype]
     sp = cfg.sequence_parallel and tp > 1
@@ -452,7 +461,7 @@ def layer_backward_peak_bytes(cfg, layer: int, tp: int, micro_batch: int, params
         rerun = grads / 2
     mask = hidden_dropout_mask_bytes(cfg, tp, s * b, act, kernels)  # the MLP's freed first, then the attention's
     mlp_phase = kept - mask + (stream + rerun) * token
-    mlp_phase += fp8_backward_bytes(cfg, layer, tp, s * b, act, cp, etp, ep, kernels)
+    mlp_phase += fp8_backward_bytes(cfg, layer, tp, s * b, act, cp, etp, ep, kernels, deferred)
     freed = (0 if mlp else mlp_tensors) + mlp_input_elements(cfg, layer, tp) + (h / tp if sp else h)
     qk, v = cfg.head_widths
     if cp > 1:
@@ -556,7 +565,7 @@ def check_recompute_planned(cfg) -> None:
 def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_layers: Optional[int] = None,
                      logits: bool = True, cp: int = 1, layers: Optional[Sequence[int]] = None, etp: int = 1,
                      hierarchical_inner: Optional[int] = None, embedding: bool = True, kept_only: bool = False,
-                     ep: int = 1, kernels: DeviceKernels = CPU_KERNELS) -> int:
+                     ep: int = 1, kernels: DeviceKernels = CPU_KERNELS, deferred: bool = False) -> int:
     """Activation memory of one micro-batch at its peak, the start of backward (see the module docstring).
 
     ``num_layers`` / ``logits``: a pipeline stage's share (its layers; final norm, output layer and
@@ -566,7 +575,8 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
     chunk also holds the word embedding (the tied output layer's weight gradient then waits for the embedding's
     through the layers' backward).  ``kept_only``: what a micro-batch keeps from its forward to its backward,
     without the transients of its backward (a pipeline counts those once, not per micro-batch in flight).
-    ``kernels``: the habits of the device planned for (``planning.hardware.DeviceKernels``; a CPU's by default)."""
+    ``kernels``: the habits of the device planned for (``planning.hardware.DeviceKernels``; a CPU's by default).
+    ``deferred``: backward as ZB-H1's B runs it, the weight gradients deferred (``fp8_backward_bytes``)."""
     check_recompute_planned(cfg)
     s, b, h = cfg.seq_length // cp, micro_batch, cfg.hidden_size
     if layers is None:
@@ -620,7 +630,7 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         if kept_only:
             return int(sum(per_layer))
         layer_peak = max(below + layer_backward_peak_bytes(cfg, i, tp, b, params_dtype, cp, etp, per_layer[k], scores,
-                                                           ep, kernels)
+                                                           ep, kernels, deferred=deferred)
                          for k, (i, below) in enumerate(zip(layers, accumulate(per_layer, initial=0))))
         return int(max(sum(per_layer) + backward_start, layer_peak + tied))
     # Recomputation: the recomputed layers' inputs and checkpoints (their own and those nested in them, made in the
@@ -638,17 +648,18 @@ def activation_bytes(cfg, tp: int, micro_batch: int, params_dtype: str, num_laye
         one_layer = 0
     elif cfg.mlp_sequence_tiles > 1:
         one_layer = max(layer_backward_peak_bytes(cfg, layers[j], tp, b, params_dtype, cp, etp,
-                                                  per_layer[j] - nested[j], 0, ep, kernels) for j in dense) + tied
+                                                  per_layer[j] - nested[j], 0, ep, kernels, deferred=deferred)
+                        for j in dense) + tied
     else:
-        one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp, etp, ep, kernels)
-                        for j in dense) + 2 * ffn / tp * s * b * act
+        one_layer = max(per_layer[j] + fp8_backward_bytes(cfg, layers[j], tp, s * b, act, cp, etp, ep, kernels,
+                                                          deferred) for j in dense) + 2 * ffn / tp * s * b * act
     kept = sum(n for j, n in enumerate(per_layer) if j not in recomputed)
     if kept_only:
         return int(inputs + kept)
     # An MoE layer's backward as a kept one's (the rerun made its set again, the later layers' backward done),
     # the tied output layer's weight gradient waiting beside it.
     moe_peak = max((layer_backward_peak_bytes(cfg, layers[j], tp, b, params_dtype, cp, etp, per_layer[j], scores, ep,
-                                              kernels, recomputed=True) + tied
+                                              kernels, recomputed=True, deferred=deferred) + tied
                     for j in recomputed if j not in dense), default=0)
     return int(inputs + max(backward_start + kept, one_layer + scores, kept + scores, moe_peak))
 
@@ -871,7 +882,7 @@ def plan_memory(cfg, layout, params_dtype: str = "fp32", optimizer_type: str = "
         # layer's, the cores') once, at the largest chunk's.
         chunk_args = [dict(logits=stage == pp - 1 and c == v - 1, cp=layout.cp, layers=chunk, etp=layout.etp,
                            ep=layout.ep, hierarchical_inner=hierarchical_inner, embedding=stage == 0 and c == 0,
-                           kernels=kernels)
+                           kernels=kernels, deferred=schedule == "zero_bubble")
                       for c, chunk in enumerate(chunks[stage])]
         per_chunk = [activation_bytes(cfg, layout.tp, micro_batch, params_dtype, kept_only=True, **a)
                      for a in chunk_args]
