@@ -49,7 +49,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..errors import ConfigError
 
@@ -130,6 +130,10 @@ class CollectiveRate:
             return short
         share = math.log(gap / self.short_gap_s) / math.log(self.gap_s / self.short_gap_s)
         return short + (long - short) * share
+
+    def cpu_seconds(self, latency_scale: float, bus_bytes: float) -> float:
+        """One call's processor time (0 where none was measured)."""
+        return self.cpu_latency_s * latency_scale + (bus_bytes / self.cpu_bytes_per_s if self.cpu_bytes_per_s else 0.0)
 
 
 @dataclass(frozen=True)
@@ -212,28 +216,28 @@ class Hardware:
         depends on them (``CollectiveRate.seconds``; None: a layer's work or more)."""
         if n <= 1 or bus_bytes <= 0:
             return 0.0
-        link = "inter" if inter_node else "intra"
         if self.collectives:
-            rates = self.collectives.get(link) or self.collectives["intra"]
-            kind = kind if kind in rates else "all_reduce"
-            rate = rates[kind]
-            scale = ring_steps(kind, n) / ring_steps(kind, rate.ranks) if rate.ranks else 1.0
+            rate, scale = self._measured(kind, n, inter_node)
             return rate.seconds(scale, bus_bytes, gap)
         steps = ring_steps(kind, n)
         bandwidth = (self.network_bytes_per_s if inter_node else self.nvlink_bytes_per_s) * LINK_EFFICIENCY
-        return steps * self.hop_latency_s[link] + bus_bytes / bandwidth
+        return steps * self.hop_latency_s["inter" if inter_node else "intra"] + bus_bytes / bandwidth
 
     def collective_cpu_time(self, kind: str, n: int, bus_bytes: float, inter_node: bool) -> float:
         """Processor seconds each rank spends in that collective (``CollectiveRate``'s CPU fit, its latency scaled
         as ``collective_time`` scales it); 0 where none was measured (the GPUs: NCCL moves bytes on the device)."""
         if n <= 1 or bus_bytes <= 0 or not self.collectives:
             return 0.0
+        rate, scale = self._measured(kind, n, inter_node)
+        return rate.cpu_seconds(scale, bus_bytes)
+
+    def _measured(self, kind: str, n: int, inter_node: bool) -> Tuple[CollectiveRate, float]:
+        """The measured rate of ``kind`` on the link (an all-reduce's where the kind was not measured) and the
+        factor that scales its latency from the measured group to ``n`` ranks by ring steps."""
         rates = self.collectives.get("inter" if inter_node else "intra") or self.collectives["intra"]
-        rate = rates[kind if kind in rates else "all_reduce"]
-        if not rate.cpu_latency_s and not rate.cpu_bytes_per_s:
-            return 0.0
-        scale = ring_steps(kind, n) / ring_steps(kind, rate.ranks) if rate.ranks else 1.0
-        return rate.cpu_latency_s * scale + (bus_bytes / rate.cpu_bytes_per_s if rate.cpu_bytes_per_s else 0.0)
+        kind = kind if kind in rates else "all_reduce"
+        rate = rates[kind]
+        return rate, ring_steps(kind, n) / ring_steps(kind, rate.ranks) if rate.ranks else 1.0
 
     def measured_core_share(self) -> float:
         """The ``core_share`` each rank had while the collectives were measured (every measuring rank in the call

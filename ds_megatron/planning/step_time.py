@@ -48,7 +48,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config.model import pad_vocab_size
 from ..errors import ConfigError
-from ..pipeline_parallel.schedule_table import simulate_pipeline, simulate_shared_pipeline
+from ..pipeline_parallel.schedule_table import (rank_operations, receives_of, sends_of, simulate_pipeline,
+                                                simulate_shared_pipeline)
 from .comm_volume import _all_reduce, _gather_or_scatter
 from .flops import model_flops
 from .hardware import FLASH_ATTENTION_EFFICIENCY, Hardware
@@ -573,7 +574,7 @@ def plan_step_time(run: Run, hw: Hardware, gpus_per_node: Optional[int] = None,
         # Its pipeline messages' processor time at its own rate, and the rest of the rank's seconds in its work
         # beyond their price at its own rate: waiting for a core (less, where a collective ran with fewer ranks
         # computing than when it was measured).
-        parts["pp_comm_s"] = rank_messages(run, stage) * message.cpu
+        parts["pp_comm_s"] = rank_messages(run, stage, kind) * message.cpu
         parts["core_sharing_s"] = (timing.busy[stage] - sum(compute.values()) - sum(tail.values())
                                    - parts["pp_comm_s"])
         parts["pipeline_bubble_s"] = total - timing.busy[stage]
@@ -606,12 +607,15 @@ def least_message_time(message: Comm, hw: Hardware) -> float:
     return message.wall if hw.cores is None else max(0.0, message.wall - message.cpu / hw.measured_core_share())
 
 
-def rank_messages(run: Run, stage: int) -> int:
-    """The pipeline messages pipeline rank ``stage`` sends and receives in a step: each micro-batch's activation
-    into and out of each of its chunks and their gradients back, less what the first and the last virtual stage
-    lack."""
-    pp, v, m = run.layout.pp, run.vpp, run.micro_batches
-    return 0 if pp == 1 else 4 * v * m - 2 * m * ((stage == 0) + (stage == pp - 1))
+def rank_messages(run: Run, stage: int, schedule: str) -> int:
+    """The pipeline messages pipeline rank ``stage`` sends and receives in a step of its order (what
+    ``simulate_shared_pipeline`` charges ``message_work`` for)."""
+    pp, v = run.layout.pp, run.vpp
+    if pp == 1:
+        return 0
+    ops = rank_operations(run.micro_batches, v, pipeline_parallel_size=pp, pipeline_parallel_rank=stage,
+                          microbatch_group_size_per_vp_stage=run.group_size, schedule=schedule)
+    return sum((receives_of(op, stage, pp, v) is not None) + (sends_of(op, stage, pp, v) is not None) for op in ops)
 
 
 def _shared_cores_timing(run: Run, hw: Hardware, gpus_per_node: int, phases, tails, tails_cpu, kind: str,
